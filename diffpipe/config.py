@@ -1,0 +1,198 @@
+"""The run configuration: TOML sections validated by pydantic, with a default and a line of help per field.
+
+Every wrong key, type or value fails here, before any process starts, with a message that names the key
+and what to change. `load_config` reads a TOML file and applies `--set section.key=value` overrides.
+"""
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import tomli_w
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "PipelineConfig",
+    "OutputConfig", "SampleConfig", "load_config", "save_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the message names the key and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    architecture: Literal["unet2d"] = Field("unet2d", description="Backbone adapter: unet2d (diffusers UNet2DConditionModel).")
+    preset: str | None = Field("digits", description="Built-in backbone config (digits, sd15, sdxl); ignored when `config` or `path` is set.")
+    config: dict[str, Any] | None = Field(None, description="Backbone config as keyword arguments of the diffusers class (inline table).")
+    path: str | None = Field(None, description="Local diffusers folder (with config.json) or single .safetensors file to load weights from.")
+    text_encoder: str = Field("tiny-clip", description="Frozen text encoder: tiny-clip (built locally from a small config) or a local transformers CLIP folder.")
+    text_max_length: int = Field(8, ge=2, le=512, description="Tokens per caption (padded/truncated).")
+
+
+class DataConfig(_Section):
+    dataset: Literal["digits"] = Field("digits", description="Dataset: digits (scikit-learn's handwritten digits, 8x8 pixels, captioned).")
+    caption_dropout: float = Field(0.1, ge=0.0, le=1.0, description="Fraction of captions replaced by the empty caption (enables guidance).")
+
+
+class TrainConfig(_Section):
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
+    batch_size: int = Field(32, ge=1, description="Global batch: micro-batch size x pipeline.microbatches x pipeline.data_parallel.")
+    learning_rate: float = Field(1e-3, gt=0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="Learning-rate schedule after warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip gradients to this global norm over all stages; 0 turns clipping off.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32, bf16 autocast, or fp16 autocast with a loss scaler.")
+    objective: Literal["epsilon", "v_prediction", "flow_matching"] = Field("flow_matching", description="What the model predicts.")
+    timestep_sampling: Literal["uniform", "logit_normal", "shift", "importance"] = Field(
+        "logit_normal", description="Training timestep density (importance: p(t) proportional to 0.99^t).")
+    logit_mean: float = Field(0.0, description="Mean of the logit-normal density.")
+    logit_std: float = Field(1.0, gt=0, description="Standard deviation of the logit-normal density.")
+    shift: float = Field(3.0, gt=0, description="Shift factor for timestep_sampling = shift (SD3's t' = s t / (1 + (s - 1) t)).")
+    seed: int = Field(0, ge=0, description="Seed for weights, data order, timesteps and noise.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA with NCCL when available, else CPU with gloo.")
+    log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
+
+
+class PipelineConfig(_Section):
+    stages: int = Field(2, ge=1, description="Pipeline-parallel degree: processes per model replica.")
+    virtual_stages: int = Field(1, ge=1, description="Model chunks per process (interleaved_1f1b needs 2 or more).")
+    data_parallel: int = Field(1, ge=1, description="Data-parallel replicas of the pipeline; processes = stages x data_parallel.")
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field("1f1b", description="Pipeline schedule.")
+    microbatches: int = Field(4, ge=1, description="Micro-batches per step and replica.")
+    split: list[int] | Literal["auto"] = Field(
+        "auto", description="Stage boundaries as unit indices where stages 2.. begin, or auto (balanced by parameter count).")
+
+
+class OutputConfig(_Section):
+    dir: str = Field("runs/run", description="Run folder: config, weights, metrics, pictures.")
+    sample_every_end: bool = Field(True, description="Write samples.png at the end of training.")
+
+
+class SampleConfig(_Section):
+    steps: int = Field(30, ge=1, description="Sampler steps (Euler for flow matching, DDIM otherwise).")
+    guidance_scale: float = Field(3.0, ge=0, description="Classifier-free guidance scale; 1 turns guidance off.")
+    seeds: list[int] = Field([0, 1, 2, 3], min_length=1, description="Seeds of the rows of samples.png.")
+
+
+class RunConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The backbone.")
+    data: DataConfig = Field(default_factory=DataConfig, description="The training data.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation and diffusion.")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Stages, schedule, data parallelism.")
+    output: OutputConfig = Field(default_factory=OutputConfig, description="Where results go.")
+    sample: SampleConfig = Field(default_factory=SampleConfig, description="Sampling during and after training.")
+
+    @model_validator(mode="after")
+    def _check_batch_arithmetic(self) -> "RunConfig":
+        p, t = self.pipeline, self.train
+        per_micro = p.microbatches * p.data_parallel
+        if t.batch_size % per_micro:
+            low = (t.batch_size // per_micro) * per_micro
+            nearest = [v for v in (low, low + per_micro) if v > 0]
+            raise ValueError(
+                f"train.batch_size={t.batch_size} is not divisible by pipeline.microbatches ({p.microbatches}) x "
+                f"pipeline.data_parallel ({p.data_parallel}) = {per_micro}; nearest valid batch sizes: "
+                f"{' or '.join(map(str, nearest))}")
+        if p.schedule == "1f1b" and p.microbatches < p.stages:
+            raise ValueError(
+                f"pipeline.schedule='1f1b' needs pipeline.microbatches >= pipeline.stages ({p.stages}), got "
+                f"{p.microbatches}; set pipeline.microbatches to {p.stages} or more (and train.batch_size to a multiple)")
+        if p.schedule == "interleaved_1f1b" and p.virtual_stages < 2:
+            raise ValueError("pipeline.schedule='interleaved_1f1b' needs pipeline.virtual_stages >= 2; "
+                             "set it to 2, or use schedule 1f1b")
+        if p.schedule != "interleaved_1f1b" and p.virtual_stages > 1:
+            raise ValueError(f"pipeline.virtual_stages={p.virtual_stages} needs schedule 'interleaved_1f1b'; "
+                             "set pipeline.schedule or pipeline.virtual_stages = 1")
+        if p.schedule == "interleaved_1f1b":
+            rounds = max(1, p.microbatches // p.stages)
+            if p.microbatches % rounds:
+                raise ValueError(
+                    f"pipeline.schedule='interleaved_1f1b' with {p.stages} stages needs pipeline.microbatches to be "
+                    f"a multiple of {p.stages} (or fewer than it); got {p.microbatches}")
+        if isinstance(p.split, list):
+            if len(p.split) != p.stages * p.virtual_stages - 1:
+                raise ValueError(
+                    f"pipeline.split lists {len(p.split)} boundaries but pipeline.stages x pipeline.virtual_stages = "
+                    f"{p.stages * p.virtual_stages} stages need {p.stages * p.virtual_stages - 1}; or set split = \"auto\"")
+            if any(b <= a for a, b in zip([0] + p.split, p.split)):
+                raise ValueError(f"pipeline.split={p.split} must be strictly increasing unit indices above 0")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline.stages * self.pipeline.data_parallel
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.train.batch_size // (self.pipeline.microbatches * self.pipeline.data_parallel)
+
+
+def _describe(error: dict, model: type[BaseModel]) -> str:
+    key = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        section = model
+        for part in error["loc"][:-1]:
+            field = section.model_fields.get(str(part))
+            section = field.annotation if field and isinstance(field.annotation, type) else None
+            if section is None or not issubclass(section, BaseModel):
+                break
+        known = sorted(section.model_fields) if section is not None and issubclass(section, BaseModel) else []
+        close = difflib.get_close_matches(str(error["loc"][-1]), known, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        return f"{key}: unknown key; {hint}known keys here: {', '.join(known)}"
+    if not error["loc"]:
+        return str(error["msg"]).removeprefix("Value error, ")
+    return f"{key}: {error['msg']} (got {error.get('input')!r})"
+
+
+def _parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, for example --set train.max_steps=10")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as bf16 is a string
+    return key.strip().split("."), value
+
+
+def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
+    """Validate a config mapping after applying `section.key=value` overrides."""
+    for text in overrides:
+        path, value = _parse_override(text)
+        node = data
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text!r}: {part} is not a section")
+        node[path[-1]] = value
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [_describe(e, RunConfig) for e in exc.errors()]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    return build_config(data, overrides)
+
+
+def save_config(config: RunConfig, path: str | Path) -> None:
+    """Write the resolved config (every default filled in) as TOML."""
+    Path(path).write_text(tomli_w.dumps(config.model_dump(mode="json", exclude_none=True)))

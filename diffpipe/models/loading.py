@@ -1,0 +1,88 @@
+"""Build the backbone from a preset, an inline config, a local diffusers folder or a single .safetensors file.
+
+Weights are random (seeded) unless `model.path` is given; nothing is downloaded.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from diffusers import UNet2DConditionModel
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from ..config import ModelConfig
+from .presets import UNET_PRESETS
+
+__all__ = ["CheckpointError", "build_unet", "unet_config", "load_state_dict_checked"]
+
+
+class CheckpointError(ValueError):
+    """A weights file that cannot be used for this model; the message says why and what to do."""
+
+
+def unet_config(cfg: ModelConfig) -> dict:
+    """The UNet's constructor arguments, from (in order of precedence) `config`, a folder's config.json, `preset`."""
+    if cfg.config is not None:
+        return dict(cfg.config)
+    if cfg.path is not None:
+        folder = Path(cfg.path)
+        for candidate in (folder / "config.json", folder / "unet" / "config.json"):
+            if candidate.is_file():
+                return {k: v for k, v in json.loads(candidate.read_text()).items() if not k.startswith("_")}
+        if folder.is_file():
+            raise CheckpointError(f"model.path={cfg.path} is a single weights file: give the architecture too, "
+                                  "with model.preset or model.config")
+        raise CheckpointError(f"model.path={cfg.path}: no config.json there (nor in its unet/ subfolder)")
+    if cfg.preset not in UNET_PRESETS:
+        raise CheckpointError(f"model.preset={cfg.preset!r} is unknown; choose one of {sorted(UNET_PRESETS)}")
+    return dict(UNET_PRESETS[cfg.preset])
+
+
+def _weights_file(path: Path) -> Path:
+    if path.is_file():
+        return path
+    for folder in (path, path / "unet"):
+        for name in ("diffusion_pytorch_model.safetensors", "model.safetensors"):
+            if (folder / name).is_file():
+                return folder / name
+    raise CheckpointError(f"model.path={path}: no diffusion_pytorch_model.safetensors or model.safetensors found")
+
+
+def load_state_dict_checked(model: torch.nn.Module, path: Path) -> None:
+    """Load a safetensors file into `model`, refusing one written for another architecture."""
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path} is not a readable .safetensors file ({exc}); re-export or re-download it") from None
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        detail = []
+        if missing:
+            detail.append(f"{len(missing)} weights missing (first: {missing[0]})")
+        if unexpected:
+            detail.append(f"{len(unexpected)} unexpected (first: {unexpected[0]})")
+        if wrong:
+            k = wrong[0]
+            detail.append(f"{len(wrong)} of another shape (first: {k} {tuple(state[k].shape)} vs {tuple(own[k].shape)})")
+        raise CheckpointError(f"{path} does not match this model's architecture: {'; '.join(detail)}. "
+                              "Check model.preset / model.config against the checkpoint.")
+    model.load_state_dict(state)
+
+
+def build_unet(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> UNet2DConditionModel:
+    """The UNet with seeded random weights, then the weights of `cfg.path` when given."""
+    kwargs = unet_config(cfg)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        try:
+            unet = UNet2DConditionModel(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"model config is not a valid UNet2DConditionModel config: {exc}") from None
+    if cfg.path is not None and str(device) != "meta":
+        load_state_dict_checked(unet, _weights_file(Path(cfg.path)))
+    return unet

@@ -1,0 +1,79 @@
+"""The frozen text encoder: a transformers CLIP text model and its tokenizer.
+
+`tiny-clip` builds both locally (random seeded weights, a word-level vocabulary) so nothing is downloaded;
+a path loads a local transformers folder. Either way the run folder gets a copy that `diffpipe sample` loads.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.normalizers import Lowercase
+from tokenizers.pre_tokenizers import Whitespace
+from tokenizers.processors import TemplateProcessing
+from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast
+
+__all__ = ["TextEncoder", "TINY_VOCABULARY"]
+
+TINY_VOCABULARY = (
+    "a an the of digit digits number handwritten written drawn picture photo image "
+    "zero one two three four five six seven eight nine small large thick thin"
+).split()
+
+
+def _tiny_tokenizer(max_length: int) -> PreTrainedTokenizerFast:
+    words = ["<pad>", "<unk>", "<bos>", "<eos>"] + TINY_VOCABULARY
+    core = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.normalizer = Lowercase()
+    core.pre_tokenizer = Whitespace()
+    # CLIP pools at the end-of-text token, and its causal mask means only that token has seen the caption
+    core.post_processor = TemplateProcessing(single="<bos> $A <eos>", special_tokens=[("<bos>", 2), ("<eos>", 3)])
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", unk_token="<unk>",
+                                   bos_token="<bos>", eos_token="<eos>", model_max_length=max_length)
+
+
+class TextEncoder:
+    """Captions -> (hidden states for cross-attention, pooled projection), without gradients."""
+
+    def __init__(self, model: CLIPTextModelWithProjection, tokenizer, max_length: int):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+
+    @classmethod
+    def tiny(cls, hidden_size: int, projection_dim: int, max_length: int, seed: int) -> "TextEncoder":
+        tokenizer = _tiny_tokenizer(max_length)
+        config = CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+            num_hidden_layers=2, num_attention_heads=max(1, hidden_size // 16), max_position_embeddings=max_length,
+            projection_dim=projection_dim, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id)
+        torch.manual_seed(seed)
+        return cls(CLIPTextModelWithProjection(config), tokenizer, max_length)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, max_length: int) -> "TextEncoder":
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"text encoder folder {folder} has no config.json; give a local transformers "
+                                    "CLIP folder or model.text_encoder = \"tiny-clip\"")
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = CLIPTextModelWithProjection.from_pretrained(folder, local_files_only=True)
+        return cls(model, tokenizer, max_length)
+
+    def save(self, folder: str | Path) -> None:
+        self.model.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @torch.no_grad()
+    def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.tokenizer(captions, padding="max_length", truncation=True, max_length=self.max_length,
+                                return_tensors="pt")
+        out = self.model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask)
+        return out.last_hidden_state, out.text_embeds

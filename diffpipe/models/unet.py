@@ -1,0 +1,144 @@
+"""Adapter for diffusers' `UNet2DConditionModel` (SD 1.x/2.x style, and SDXL style with text_time conditioning).
+
+Units: time embedding, conv_in, each down block, the mid block, each up block, output. Skip tensors are
+named `skip.0 .. skip.N`: conv_in writes skip.0, each down block writes one skip per resnet (and one for its
+downsampler); the main hidden state entering a down block is the last skip written before it, exactly as
+in `UNet2DConditionModel.forward`. Up blocks read the skips they concatenate, last first.
+"""
+from __future__ import annotations
+
+import torch
+from diffusers import UNet2DConditionModel
+from torch import nn
+
+from .units import Backbone, Unit
+
+__all__ = ["unet_backbone", "UNET_CONDITIONS", "check_unet_supported"]
+
+UNET_CONDITIONS = ("timestep", "encoder_hidden_states", "text_embeds", "time_ids")
+
+
+def check_unet_supported(unet: UNet2DConditionModel) -> None:
+    """Refuse configs whose extra inputs the adapter does not pipe yet, naming the key."""
+    cfg = unet.config
+    unsupported = {
+        "class_embed_type": cfg.class_embed_type, "num_class_embeds": cfg.num_class_embeds,
+        "encoder_hid_dim_type": cfg.encoder_hid_dim_type, "time_cond_proj_dim": cfg.time_cond_proj_dim,
+    }
+    for key, value in unsupported.items():
+        if value is not None:
+            raise ValueError(f"UNet config {key}={value!r} is not supported by the unet2d adapter yet; remove it")
+    if cfg.addition_embed_type not in (None, "text_time"):
+        raise ValueError(f"UNet config addition_embed_type={cfg.addition_embed_type!r} is not supported; "
+                         "use None (SD style) or 'text_time' (SDXL style)")
+    if cfg.center_input_sample:
+        raise ValueError("UNet config center_input_sample=True is not supported; scale inputs in the data instead")
+
+
+class _TimeEmbedding(nn.Module):
+    def __init__(self, unet: UNet2DConditionModel):
+        super().__init__()
+        self.time_proj = unet.time_proj
+        self.time_embedding = unet.time_embedding
+        self.add_time_proj = getattr(unet, "add_time_proj", None)
+        self.add_embedding = getattr(unet, "add_embedding", None)
+        self.time_embed_act = unet.time_embed_act
+        self.text_time = unet.config.addition_embed_type == "text_time"
+
+    def forward(self, timestep, encoder_hidden_states, text_embeds=None, time_ids=None):
+        t_emb = self.time_proj(timestep).to(dtype=encoder_hidden_states.dtype)
+        emb = self.time_embedding(t_emb, None)
+        if self.text_time:
+            time_embeds = self.add_time_proj(time_ids.flatten()).reshape(text_embeds.shape[0], -1)
+            add_embeds = torch.concat([text_embeds, time_embeds], dim=-1).to(emb.dtype)
+            emb = emb + self.add_embedding(add_embeds)
+        if self.time_embed_act is not None:
+            emb = self.time_embed_act(emb)
+        return {"temb": emb}
+
+
+class _ConvIn(nn.Module):
+    def __init__(self, conv: nn.Module):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, sample):
+        return {"skip.0": self.conv(sample)}
+
+
+class _Down(nn.Module):
+    def __init__(self, block: nn.Module, h_name: str, skip_names: list[str]):
+        super().__init__()
+        self.block, self.h_name, self.skip_names = block, h_name, skip_names
+
+    def forward(self, temb, encoder_hidden_states, **named):
+        h = named[self.h_name]
+        if getattr(self.block, "has_cross_attention", False):
+            _, skips = self.block(hidden_states=h, temb=temb, encoder_hidden_states=encoder_hidden_states)
+        else:
+            _, skips = self.block(hidden_states=h, temb=temb)
+        return dict(zip(self.skip_names, skips, strict=True))
+
+
+class _Mid(nn.Module):
+    def __init__(self, block: nn.Module, h_name: str):
+        super().__init__()
+        self.block, self.h_name = block, h_name
+
+    def forward(self, temb, encoder_hidden_states, **named):
+        h = named[self.h_name]
+        if getattr(self.block, "has_cross_attention", False):
+            return {"h": self.block(h, temb, encoder_hidden_states=encoder_hidden_states)}
+        return {"h": self.block(h, temb)}
+
+
+class _Up(nn.Module):
+    def __init__(self, block: nn.Module, h_name: str, skip_names: list[str]):
+        super().__init__()
+        self.block, self.h_name, self.skip_names = block, h_name, skip_names
+
+    def forward(self, temb, encoder_hidden_states, **named):
+        skips = tuple(named[n] for n in self.skip_names)
+        kwargs = dict(hidden_states=named[self.h_name], temb=temb, res_hidden_states_tuple=skips)
+        if getattr(self.block, "has_cross_attention", False):
+            kwargs["encoder_hidden_states"] = encoder_hidden_states
+        return {"h": self.block(**kwargs)}
+
+
+class _Out(nn.Module):
+    def __init__(self, unet: UNet2DConditionModel):
+        super().__init__()
+        self.norm, self.act, self.conv = unet.conv_norm_out, unet.conv_act, unet.conv_out
+
+    def forward(self, h):
+        if self.norm is not None:
+            h = self.act(self.norm(h))
+        return {"prediction": self.conv(h)}
+
+
+def unet_backbone(unet: UNet2DConditionModel) -> Backbone:
+    """Describe `unet` as units; the units share their modules (and weights) with `unet`."""
+    check_unet_supported(unet)
+    conditions = ("timestep", "encoder_hidden_states")
+    if unet.config.addition_embed_type == "text_time":
+        conditions += ("text_embeds", "time_ids")
+    units = [Unit("time_embedding", _TimeEmbedding(unet), conditions, ("temb",)),
+             Unit("conv_in", _ConvIn(unet.conv_in), ("sample",), ("skip.0",))]
+    cross = ("temb", "encoder_hidden_states")
+    skips = ["skip.0"]
+    for i, block in enumerate(unet.down_blocks):
+        count = len(block.resnets) + (1 if block.downsamplers is not None else 0)
+        new = [f"skip.{len(skips) + k}" for k in range(count)]
+        units.append(Unit(f"down.{i}", _Down(block, skips[-1], new), cross + (skips[-1],), tuple(new)))
+        skips += new
+    h_name = skips[-1]
+    if unet.mid_block is not None:
+        units.append(Unit("mid", _Mid(unet.mid_block, h_name), cross + (h_name,), ("h",)))
+        h_name = "h"
+    for i, block in enumerate(unet.up_blocks):
+        taken, skips = skips[-len(block.resnets):], skips[:-len(block.resnets)]
+        reads = cross + (h_name,) + tuple(n for n in taken if n != h_name)
+        units.append(Unit(f"up.{i}", _Up(block, h_name, taken), reads, ("h",)))
+        h_name = "h"
+    units.append(Unit("out", _Out(unet), ("h",), ("prediction",)))
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=unet)

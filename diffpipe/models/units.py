@@ -1,0 +1,70 @@
+"""The adapter contract: a backbone described as ordered units and the named tensors each reads and writes.
+
+A unit is an `nn.Module` whose forward takes the named tensors it reads (as keyword arguments) and returns
+a dict of the named tensors it writes. Names listed in `Backbone.conditions` (timestep, text embeddings)
+reach every stage directly; all other names are produced by an earlier unit or are model inputs, and the
+pipeline package decides which of them cross each stage boundary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["Unit", "Backbone", "full_parameter_names"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One step of the backbone's forward: `module(**{name: tensor for name in reads}) -> {name: tensor}`."""
+
+    name: str
+    module: nn.Module
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+    def __call__(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = self.module(**{name: named[name] for name in self.reads})
+        if set(out) != set(self.writes):
+            raise RuntimeError(f"unit {self.name} wrote {sorted(out)}, declared {sorted(self.writes)}")
+        return out
+
+
+@dataclass
+class Backbone:
+    """A model as units in forward order, plus the names at its edges.
+
+    inputs: tensors fed to the first unit that reads them (the noisy latent).
+    conditions: tensors every unit may read (timestep, text embeddings), given to every stage.
+    output: the name of the prediction written by the last unit.
+    parameter_names: maps each parameter/buffer object id to its name in the original model,
+    so a stage's weights can be saved and loaded under the names diffusers uses.
+    """
+
+    units: list[Unit]
+    inputs: tuple[str, ...]
+    conditions: tuple[str, ...]
+    output: str
+    model: nn.Module
+    parameter_names: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.parameter_names:
+            self.parameter_names = full_parameter_names(self.model)
+
+    def forward(self, inputs: dict[str, torch.Tensor], conditions: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Run all units in order: the unsplit model."""
+        named = {**inputs, **conditions}
+        for unit in self.units:
+            named.update(unit(named))
+        return named[self.output]
+
+    def unit_parameters(self, index: int) -> int:
+        return sum(p.numel() for p in self.units[index].module.parameters())
+
+
+def full_parameter_names(model: nn.Module) -> dict[int, str]:
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
+    return names

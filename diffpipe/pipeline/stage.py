@@ -1,0 +1,69 @@
+"""A pipeline stage as one `nn.Module`: runs its units on the named tensors it receives, returns those it sends.
+
+Positional arguments are the received tensors, in `StageSpec.receives` order; keyword arguments are the
+conditions every stage gets (timestep, text embeddings). Outputs are in `StageSpec.sends` order.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ..models.units import Backbone, Unit
+from .split import StageSpec
+
+__all__ = ["StageModule", "build_stage_modules"]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    Gradients of skip tensors come out of torch.cat's backward as strided views; the pipeline would send them
+    as-is, which gloo refuses and NCCL may corrupt (PIPELINING-FACTS pitfall 1).
+    """
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+class StageModule(nn.Module):
+    def __init__(self, spec: StageSpec, units: list[Unit], parameter_names: dict[int, str],
+                 autocast_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.spec = spec
+        self.unit_list = units
+        self.units = nn.ModuleList(u.module for u in units)  # registers the parameters
+        self.autocast_dtype = autocast_dtype
+        self._full_names = {name: parameter_names[id(t)] for name, t in self._own_tensors()}
+
+    def _own_tensors(self):
+        yield from self.named_parameters()
+        yield from self.named_buffers()
+
+    def forward(self, *received: torch.Tensor, **conditions: torch.Tensor):
+        named = dict(conditions)
+        for name, tensor in zip(self.spec.receives, received, strict=True):
+            named[name] = _ContiguousGrad.apply(tensor) if tensor.requires_grad else tensor
+        device_type = received[0].device.type
+        autocast = (torch.autocast(device_type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
+                    else contextlib.nullcontext())
+        with autocast:
+            for unit in self.unit_list:
+                named.update(unit(named))
+        out = tuple(named[name].contiguous() for name in self.spec.sends)
+        return out[0] if len(out) == 1 else out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's weights under the names of the whole model (as diffusers saves them)."""
+        return {self._full_names[name]: t.detach() for name, t in self._own_tensors()}
+
+
+def build_stage_modules(backbone: Backbone, specs: list[StageSpec],
+                        autocast_dtype: torch.dtype | None = None) -> list[StageModule]:
+    return [StageModule(s, backbone.units[s.first:s.last], backbone.parameter_names, autocast_dtype) for s in specs]
