@@ -1,0 +1,53 @@
+"""Diffusion objectives as pure functions: noisy input, model timestep and regression target from (x0, noise, t).
+
+t in (0, 1) is the fraction of the way to pure noise. epsilon and v_prediction use the discrete DDPM
+schedule (scaled-linear betas, as Stable Diffusion); flow_matching uses the rectified-flow path
+x_t = (1 - t) x0 + t noise with velocity target noise - x0 (Liu et al., arXiv:2209.03003).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .timesteps import NUM_TRAIN_TIMESTEPS
+
+__all__ = ["TrainingTargets", "make_targets", "alphas_cumprod", "discrete_step"]
+
+
+@dataclass
+class TrainingTargets:
+    noisy: torch.Tensor
+    model_timestep: torch.Tensor  # what the backbone's time embedding receives, 0..1000
+    target: torch.Tensor
+
+
+def alphas_cumprod(beta_start: float = 0.00085, beta_end: float = 0.012) -> torch.Tensor:
+    """Scaled-linear beta schedule of Stable Diffusion (Rombach et al., arXiv:2112.10752)."""
+    betas = torch.linspace(beta_start ** 0.5, beta_end ** 0.5, NUM_TRAIN_TIMESTEPS, dtype=torch.float64) ** 2
+    return torch.cumprod(1.0 - betas, dim=0)
+
+
+def discrete_step(t: torch.Tensor) -> torch.Tensor:
+    return (t * NUM_TRAIN_TIMESTEPS).long().clamp(0, NUM_TRAIN_TIMESTEPS - 1)
+
+
+def _broadcast(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return v.view(-1, *([1] * (like.dim() - 1))).to(like.dtype)
+
+
+def make_targets(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> TrainingTargets:
+    if objective == "flow_matching":
+        tt = _broadcast(t, x0)
+        return TrainingTargets((1 - tt) * x0 + tt * noise, t * NUM_TRAIN_TIMESTEPS, noise - x0)
+    step = discrete_step(t)
+    abar = alphas_cumprod()[step]
+    a, s = _broadcast(abar.sqrt(), x0), _broadcast((1 - abar).sqrt(), x0)
+    noisy = a * x0 + s * noise
+    if objective == "epsilon":
+        target = noise
+    elif objective == "v_prediction":
+        target = a * noise - s * x0  # Salimans & Ho, arXiv:2202.00512
+    else:
+        raise ValueError(f"unknown objective {objective!r}")
+    return TrainingTargets(noisy, step.float(), target)
