@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 from diffusers import UNet2DConditionModel
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ..config import ModelConfig
 from .presets import UNET_PRESETS
 
-__all__ = ["CheckpointError", "build_unet", "unet_config", "load_state_dict_checked"]
+__all__ = ["CheckpointError", "build_unet", "unet_config", "load_state_dict_checked", "check_checkpoint", "weights_file"]
 
 
 class CheckpointError(ValueError):
@@ -28,7 +28,7 @@ def unet_config(cfg: ModelConfig) -> dict:
         return dict(cfg.config)
     if cfg.path is not None:
         folder = Path(cfg.path)
-        for candidate in (folder / "config.json", folder / "unet" / "config.json"):
+        for candidate in (folder / "config.json", folder / "model_config.json", folder / "unet" / "config.json"):
             if candidate.is_file():
                 return {k: v for k, v in json.loads(candidate.read_text()).items() if not k.startswith("_")}
         if folder.is_file():
@@ -40,7 +40,7 @@ def unet_config(cfg: ModelConfig) -> dict:
     return dict(UNET_PRESETS[cfg.preset])
 
 
-def _weights_file(path: Path) -> Path:
+def weights_file(path: Path) -> Path:
     if path.is_file():
         return path
     for folder in (path, path / "unet"):
@@ -50,16 +50,21 @@ def _weights_file(path: Path) -> Path:
     raise CheckpointError(f"model.path={path}: no diffusion_pytorch_model.safetensors or model.safetensors found")
 
 
-def load_state_dict_checked(model: torch.nn.Module, path: Path) -> None:
-    """Load a safetensors file into `model`, refusing one written for another architecture."""
+def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     try:
-        state = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{path} is not a readable .safetensors file ({exc}); re-export or re-download it") from None
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+
+
+def check_checkpoint(model: torch.nn.Module, path: Path) -> None:
+    """Refuse a weights file written for another architecture (reads only the header; works on a meta model)."""
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    theirs = _file_shapes(path)
+    missing = sorted(set(own) - set(theirs))
+    unexpected = sorted(set(theirs) - set(own))
+    wrong = sorted(k for k in set(own) & set(theirs) if own[k] != theirs[k])
     if missing or unexpected or wrong:
         detail = []
         if missing:
@@ -68,10 +73,15 @@ def load_state_dict_checked(model: torch.nn.Module, path: Path) -> None:
             detail.append(f"{len(unexpected)} unexpected (first: {unexpected[0]})")
         if wrong:
             k = wrong[0]
-            detail.append(f"{len(wrong)} of another shape (first: {k} {tuple(state[k].shape)} vs {tuple(own[k].shape)})")
+            detail.append(f"{len(wrong)} of another shape (first: {k} {theirs[k]} in the file, {own[k]} in the model)")
         raise CheckpointError(f"{path} does not match this model's architecture: {'; '.join(detail)}. "
                               "Check model.preset / model.config against the checkpoint.")
-    model.load_state_dict(state)
+
+
+def load_state_dict_checked(model: torch.nn.Module, path: Path) -> None:
+    """Load a safetensors file into `model`, refusing one written for another architecture."""
+    check_checkpoint(model, path)
+    model.load_state_dict(load_file(str(path)))
 
 
 def build_unet(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> UNet2DConditionModel:
@@ -84,5 +94,5 @@ def build_unet(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") 
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"model config is not a valid UNet2DConditionModel config: {exc}") from None
     if cfg.path is not None and str(device) != "meta":
-        load_state_dict_checked(unet, _weights_file(Path(cfg.path)))
+        load_state_dict_checked(unet, weights_file(Path(cfg.path)))
     return unet

@@ -1,0 +1,121 @@
+"""The `diffpipe` command.
+
+    diffpipe train examples/digits.toml [--set train.max_steps=50] [--output-dir runs/x] [--overwrite]
+    diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
+    torchrun --nnodes 2 --nproc-per-node 4 ... -m diffpipe train CONFIG   # multi-node: one process per GPU
+
+`train` starts pipeline.stages x pipeline.data_parallel processes itself unless torchrun already did.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+class UserError(Exception):
+    """Bad input: printed as one message, without a traceback."""
+
+
+def _prepare_run(args) -> tuple:
+    from .build import check_before_launch
+    from .config import load_config, save_config
+
+    config = load_config(args.config, args.set or [])
+    if args.output_dir:
+        config.output.dir = args.output_dir
+    config.pipeline.split = check_before_launch(config)
+    run_dir = Path(config.output.dir)
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    if is_main:
+        if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
+            raise UserError(f"{run_dir} already holds a run; choose another folder with --output-dir, "
+                            "or add --overwrite to replace it")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, run_dir / "config.toml")
+    return config, run_dir, is_main
+
+
+def _train(args) -> None:
+    from .distributed import launch
+    from .train.trainer import train_worker
+
+    config, run_dir, is_main = _prepare_run(args)
+    if is_main:
+        print(f"training {config.model.preset or 'model'} on {config.world_size} process(es): "
+              f"{config.pipeline.stages} stage(s) x {config.pipeline.data_parallel} replica(s), split at units "
+              f"{config.pipeline.split}, schedule {config.pipeline.schedule}; run folder {run_dir}", flush=True)
+    launch(train_worker, (config.model_dump(mode="json"), str(run_dir)), config.world_size)
+    if is_main:
+        _finish(config, run_dir)
+
+
+def _finish(config, run_dir: Path) -> None:
+    from .data.digits import DIGIT_WORDS, digit_caption
+    from .sampling import load_generator, save_grid
+    from .train.records import plot_loss
+
+    plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    if config.output.sample_every_end and config.data.dataset == "digits":
+        gen = load_generator(run_dir)
+        seeds = config.sample.seeds
+        prompts = [digit_caption(d) for _ in seeds for d in range(len(DIGIT_WORDS))]
+        row_seeds = [s for s in seeds for _ in DIGIT_WORDS]
+        images = gen.generate(prompts, row_seeds, config.sample.steps, config.sample.guidance_scale)
+        save_grid(images, len(seeds), run_dir / "samples.png", scale=4)
+    print(f"done: {run_dir}/model.safetensors, metrics.jsonl, loss.png, samples.png", flush=True)
+
+
+def _sample(args) -> None:
+    from .sampling import load_generator, save_row
+
+    gen = load_generator(args.run_dir)
+    steps = args.steps or gen.config.sample.steps
+    guidance = gen.config.sample.guidance_scale if args.guidance is None else args.guidance
+    seeds = [args.seed + i for i in range(args.num)]
+    images = gen.generate([args.prompt] * args.num, seeds, steps, guidance)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    save_row(images, args.out)
+    print(f"wrote {args.num} image(s) to {args.out}")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="diffpipe", description="Pipeline-parallel diffusion training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train from a TOML config")
+    train.add_argument("config")
+    train.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    train.add_argument("--output-dir", help="run folder (overrides output.dir)")
+    train.add_argument("--overwrite", action="store_true", help="replace an existing run folder's contents")
+    train.set_defaults(run=_train)
+    sample = sub.add_parser("sample", help="generate images from a finished run")
+    sample.add_argument("run_dir")
+    sample.add_argument("--prompt", required=True)
+    sample.add_argument("--num", type=int, default=1)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--steps", type=int, default=None)
+    sample.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
+    sample.add_argument("--out", required=True)
+    sample.set_defaults(run=_sample)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import ConfigError
+    from .models.loading import CheckpointError
+    from .pipeline.split import SplitError
+
+    args = _parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (UserError, ConfigError, CheckpointError, SplitError, FileNotFoundError) as exc:
+        print(f"diffpipe {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Training data: datasets and the deterministic batches each step draws from them."""

@@ -1,0 +1,1 @@
+"""Diffusion math as small pure functions: timestep densities, objectives, samplers."""

@@ -1,0 +1,99 @@
+"""Process launch and the 2-D (data parallel x pipeline) device mesh.
+
+`launch` runs a worker in `world_size` processes: directly when already under `torchrun` (which sets
+RANK/WORLD_SIZE), in this process when one is enough, and otherwise by spawning them on this machine.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+
+__all__ = ["Topology", "launch", "init_topology", "under_torchrun", "resolve_device_kind"]
+
+
+@dataclass
+class Topology:
+    """Where this process sits: rank r = dp_rank * pp_size + pp_rank."""
+
+    rank: int
+    world_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def resolve_device_kind(preference: str) -> str:
+    if preference == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device='cuda' but no CUDA device is visible; set train.device = \"cpu\" or \"auto\"")
+    return preference
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_entry(index: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fn(*args)
+
+
+def launch(fn: Callable[..., Any], args: tuple, world_size: int) -> None:
+    """Run fn(*args) on every rank; each rank reads its place from the environment (as under torchrun)."""
+    if under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise RuntimeError(f"torchrun started {os.environ['WORLD_SIZE']} processes but the config needs "
+                               f"pipeline.stages x pipeline.data_parallel = {world_size}; "
+                               f"use --nnodes x --nproc-per-node = {world_size}")
+        fn(*args)
+        return
+    port = _free_port()
+    if world_size == 1:
+        _spawned_entry(0, 1, port, fn, args)
+        return
+    mp.start_processes(_spawned_entry, args=(world_size, port, fn, args), nprocs=world_size,
+                       start_method="spawn", join=True)
+
+
+def init_topology(pp_size: int, dp_size: int, device_kind: str) -> Topology:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if device_kind == "cuda":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                device_id=device if device_kind == "cuda" else None)
+    mesh = init_device_mesh(device_kind, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+    return Topology(rank=rank, world_size=world_size, pp_rank=mesh.get_local_rank("pp"), pp_size=pp_size,
+                    dp_rank=mesh.get_local_rank("dp"), dp_size=dp_size, device=device,
+                    pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"))

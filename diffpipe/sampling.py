@@ -1,0 +1,110 @@
+"""Generate images from a run folder through the same stage modules that trained, chained in one process.
+
+Used by `diffpipe sample RUN_DIR --prompt TEXT --out FILE.png` and for `samples.png` at the end of training.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from .build import AUTOCAST_DTYPES, build_backbone, sample_shape
+from .config import RunConfig, load_config
+from .data.batches import BatchMaker
+from .diffusion.samplers import sample
+from .models.loading import CheckpointError, load_state_dict_checked
+from .models.text import TextEncoder
+from .pipeline.split import stage_specs
+from .pipeline.stage import StageModule, build_stage_modules
+
+__all__ = ["Generator", "load_generator", "images_to_pil", "save_row", "save_grid", "run_stages"]
+
+
+def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The pipeline's forward in one process: each stage's sends are the next stage's receives."""
+    out: tuple = (sample_in,)
+    for module in modules:
+        result = module(*out, **conditions)
+        out = result if isinstance(result, tuple) else (result,)
+    return out[0]
+
+
+@dataclass
+class Generator:
+    config: RunConfig
+    modules: list[StageModule]
+    text: TextEncoder
+    conditions_needed: tuple[str, ...]
+    shape: tuple[int, int, int]
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], seeds: list[int], steps: int, guidance_scale: float) -> torch.Tensor:
+        """One image per (prompt, seed) pair, in [-1, 1], shape (N, C, H, W)."""
+        noise = torch.stack([torch.randn(self.shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        maker = BatchMaker(torch.empty(0), [], self.text, self.config.train, 0.0, self.conditions_needed)
+        guided = guidance_scale != 1.0
+        texts = list(prompts) + ([""] * len(prompts) if guided else [])
+        conditions = maker.text_conditions(texts, self.shape[1], self.shape[2])
+
+        def predict(x: torch.Tensor, model_t: torch.Tensor) -> torch.Tensor:
+            xin = torch.cat([x, x]) if guided else x
+            named = dict(conditions, timestep=torch.cat([model_t, model_t]) if guided else model_t)
+            out = run_stages(self.modules, xin, named).float()
+            if not guided:
+                return out
+            cond, uncond = out.chunk(2)
+            return uncond + guidance_scale * (cond - uncond)
+
+        return sample(predict, noise, steps, self.config.train.objective).clamp(-1, 1)
+
+
+def load_generator(run_dir: str | Path) -> Generator:
+    run_dir = Path(run_dir)
+    for name in ("config.toml", "model.safetensors", "text_encoder"):
+        if not (run_dir / name).exists():
+            raise CheckpointError(f"{run_dir} is not a finished run folder: {name} is missing "
+                                  "(train first with `diffpipe train CONFIG`)")
+    config = load_config(run_dir / "config.toml")
+    config.model.path = None  # the run's own weights replace whatever the run started from
+    backbone = build_backbone(config)
+    load_state_dict_checked(backbone.model, run_dir / "model.safetensors")
+    backbone.model.eval()
+    split = config.pipeline.split if isinstance(config.pipeline.split, list) else []
+    modules = build_stage_modules(backbone, stage_specs(backbone, split), AUTOCAST_DTYPES[config.train.precision])
+    text = TextEncoder.from_folder(run_dir / "text_encoder", config.model.text_max_length)
+    return Generator(config, modules, text, backbone.conditions, sample_shape(config, backbone))
+
+
+def images_to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """[-1, 1] tensors (N, C, H, W) with C = 1 or 3 to 8-bit images."""
+    if images.shape[1] not in (1, 3):
+        raise ValueError(f"cannot write {images.shape[1]}-channel images as PNG (latent models need a VAE)")
+    arr = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in arr]
+
+
+def save_grid(images: torch.Tensor, rows: int, path: str | Path, scale: int = 1) -> None:
+    """Images (rows x cols, row-major) tiled edge to edge, each scaled by `scale` (nearest neighbour)."""
+    tiles = images_to_pil(images)
+    cols = len(tiles) // rows
+    w, h = tiles[0].size
+    grid = Image.new(tiles[0].mode, (cols * w, rows * h))
+    for i, tile in enumerate(tiles):
+        grid.paste(tile, ((i % cols) * w, (i // cols) * h))
+    if scale != 1:
+        grid = grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST)
+    grid.save(path)
+
+
+def save_row(images: torch.Tensor, path: str | Path) -> None:
+    save_grid(images, 1, path)
+
+
+def read_row(path: str | Path) -> np.ndarray:
+    """A row PNG back as (N, H, H) arrays of 0..255 (square images side by side)."""
+    arr = np.asarray(Image.open(path).convert("L"), dtype=np.float32)
+    h = arr.shape[0]
+    return arr.reshape(h, -1, h).transpose(1, 0, 2)

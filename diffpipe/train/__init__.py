@@ -1,0 +1,1 @@
+"""The training loop, optimizer utilities and run records."""

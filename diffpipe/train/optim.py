@@ -1,0 +1,92 @@
+"""AdamW with warm-up and a cosine or constant schedule; gradient averaging, clipping and fp16 loss scaling
+across the processes of a pipeline.
+
+Each pipeline rank holds different parameters, so the global gradient norm is the square root of the sum of
+every rank's squared norms (all-reduced over the pipeline group). The norm is also the overflow test of the
+fp16 loss scaler: every rank sees the same norm, so every stage makes the same skip decision.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..config import TrainConfig
+
+__all__ = ["make_optimizer", "lr_factor", "LossScaler", "average_gradients", "global_grad_norm", "clip_gradients"]
+
+
+def lr_factor(step: int, train: TrainConfig) -> float:
+    """Multiplier of the peak learning rate at `step` (0-based)."""
+    if step < train.warmup_steps:
+        return (step + 1) / train.warmup_steps
+    if train.lr_schedule == "constant":
+        return 1.0
+    progress = (step - train.warmup_steps) / max(1, train.max_steps - train.warmup_steps)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(params: list[torch.nn.Parameter], train: TrainConfig, device: torch.device):
+    opt = torch.optim.AdamW(params, lr=train.learning_rate, betas=train.betas, weight_decay=train.weight_decay,
+                            fused=device.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, train))
+    return opt, sched
+
+
+class LossScaler:
+    """Dynamic loss scale for fp16: halve on overflow (the step is skipped), double after `growth_interval` good steps."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0 ** 16, growth_interval: int = 2000):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self._good_steps = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.enabled:
+            return
+        if overflow:
+            self.scale /= 2
+            self._good_steps = 0
+        else:
+            self._good_steps += 1
+            if self._good_steps % self.growth_interval == 0:
+                self.scale *= 2
+
+
+def _grads(params) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def average_gradients(params, group: dist.ProcessGroup, size: int) -> None:
+    """Average gradients over data-parallel replicas of the same stages (one flattened all-reduce)."""
+    grads = _grads(params)
+    if size == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_grad_norm(params, pp_group: dist.ProcessGroup, device: torch.device) -> float:
+    grads = _grads(params)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        sq += g.detach().double().pow(2).sum()
+    dist.all_reduce(sq, group=pp_group)
+    return float(sq.sqrt())
+
+
+def clip_gradients(params, norm: float, max_norm: float, unscale: float = 1.0) -> None:
+    """Multiply gradients by unscale (undoing a loss scale) and by the clip factor, in one pass."""
+    factor = unscale
+    if max_norm > 0 and norm * unscale > max_norm:
+        factor *= max_norm / (norm * unscale + 1e-6)
+    if factor != 1.0:
+        for g in _grads(params):
+            g.mul_(factor)

@@ -1,0 +1,135 @@
+"""The training loop run by every process: its stages, the step's batch, optimizer, metrics, weights.
+
+Every process builds the whole backbone from the seed (so weights are identical whatever the stage count),
+keeps the units of its own stages and moves them to its device. Only rank 0 prints and writes metrics;
+each pipeline rank of replica 0 writes its stages' weights, which rank 0 merges into model.safetensors.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ..build import AUTOCAST_DTYPES, build_backbone, build_text_encoder
+from ..config import RunConfig
+from ..data.batches import BatchMaker
+from ..data.digits import DigitsDataset
+from ..distributed import Topology, init_topology
+from ..pipeline.runtime import PipelineRunner, stage_indices_for_rank
+from ..pipeline.split import stage_specs
+from ..pipeline.stage import build_stage_modules
+from .optim import LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer
+from .records import MetricsLog, NullProgress, make_progress
+
+__all__ = ["train_worker", "Trainer"]
+
+
+class _ScaledMSE:
+    """Mean squared error in fp32, times the current loss scale (1 unless fp16)."""
+
+    def __init__(self, scaler: LossScaler):
+        self.scaler = scaler
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output.float(), target.float()) * self.scaler.scale
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, topo: Topology, run_dir: Path):
+        self.config, self.topo, self.run_dir = config, topo, run_dir
+        p = config.pipeline
+        backbone = build_backbone(config)
+        self.model_config = dict(backbone.model.config)
+        specs = stage_specs(backbone, p.split)
+        mine = stage_indices_for_rank(topo.pp_rank, p.stages, p.virtual_stages)
+        all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision])
+        self.modules = [all_modules[i].to(topo.device).train() for i in mine]
+        self.params = [q for m in self.modules for q in m.parameters() if q.requires_grad]
+        self.scaler = LossScaler(config.train.precision == "fp16")
+        self.runner = PipelineRunner(self.modules, mine, len(specs), topo.pp_group, topo.device, p.schedule,
+                                     p.microbatches, _ScaledMSE(self.scaler))
+        self.optimizer, self.lr_schedule = make_optimizer(self.params, config.train, topo.device)
+        self.text = build_text_encoder(config, backbone)
+        data = DigitsDataset()
+        self.batches = BatchMaker(data.images, data.captions, self.text, config.train,
+                                  config.data.caption_dropout, backbone.conditions)
+
+    def _step(self, step: int) -> dict:
+        topo, train = self.topo, self.config.train
+        batch = self.batches.make(step, topo.dp_rank, topo.dp_size).to(topo.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.runner.step(batch.noisy, batch.conditions, batch.target)
+        average_gradients(self.params, topo.dp_group, topo.dp_size)
+        norm = global_grad_norm(self.params, topo.pp_group, topo.device)  # of scaled gradients under fp16
+        overflow = not torch.isfinite(torch.tensor(norm)).item()
+        if not overflow:
+            clip_gradients(self.params, norm, train.max_grad_norm, unscale=1.0 / self.scaler.scale)
+            self.optimizer.step()
+        scale_used = self.scaler.scale
+        self.scaler.update(overflow)
+        self.lr_schedule.step()
+        # the loss lives on the last stage of each replica: sum over the world, average over replicas
+        total = torch.zeros((), dtype=torch.float64, device=topo.device)
+        if loss is not None:
+            total += loss.double() / scale_used
+        dist.all_reduce(total)
+        record = {"step": step, "loss": float(total) / topo.dp_size, "grad_norm": norm / scale_used,
+                  "lr": self.optimizer.param_groups[0]["lr"] if not overflow else None}
+        if self.scaler.enabled:
+            record.update(loss_scale=scale_used, skipped=overflow)
+        return record
+
+    def fit(self) -> None:
+        train, topo = self.config.train, self.topo
+        log = MetricsLog(self.run_dir / "metrics.jsonl") if topo.is_main else None
+        progress = make_progress() if topo.is_main else NullProgress()
+        with progress:
+            task = progress.add_task("train", total=train.max_steps, loss=float("nan"), samples_per_s=0.0,
+                                     batch=train.batch_size)
+            for step in range(train.max_steps):
+                start = time.perf_counter()
+                record = self._step(step)
+                seconds = time.perf_counter() - start
+                record.update(step_time_s=round(seconds, 5), samples_per_s=train.batch_size / seconds)
+                if log is not None and (step % train.log_every == 0 or step == train.max_steps - 1):
+                    log.write(record)
+                progress.update(task, completed=step + 1, loss=record["loss"], samples_per_s=record["samples_per_s"])
+        self.save()
+
+    def save(self) -> None:
+        """Each pipeline rank of replica 0 writes its stages; rank 0 merges them into model.safetensors."""
+        parts = self.run_dir / ".stage-weights"
+        if self.topo.dp_rank == 0:
+            parts.mkdir(exist_ok=True)
+            state = {k: v.cpu().contiguous() for m in self.modules for k, v in m.full_state_dict().items()}
+            save_file(state, str(parts / f"rank-{self.topo.pp_rank}.safetensors"))
+        dist.barrier()
+        if self.topo.is_main:
+            merged = {}
+            for f in sorted(parts.glob("rank-*.safetensors")):
+                merged.update(load_file(str(f)))
+            save_file(merged, str(self.run_dir / "model.safetensors"))
+            (self.run_dir / "model_config.json").write_text(json.dumps(self.model_config, indent=1, default=list))
+            self.text.save(self.run_dir / "text_encoder")
+            shutil.rmtree(parts)
+        dist.barrier()
+
+
+def train_worker(config_data: dict, run_dir: str) -> None:
+    """Entry point of each process (spawned or under torchrun)."""
+    from ..config import build_config
+    from ..distributed import resolve_device_kind
+
+    config = build_config(config_data)
+    topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel,
+                         resolve_device_kind(config.train.device))
+    try:
+        Trainer(config, topo, Path(run_dir)).fit()
+    finally:
+        dist.destroy_process_group()
