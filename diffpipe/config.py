@@ -47,6 +47,7 @@ class TrainConfig(_Section):
     learning_rate: float = Field(1e-3, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon (added to the root of the second moment).")
     lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="Learning-rate schedule after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip gradients to this global norm over all stages; 0 turns clipping off.")

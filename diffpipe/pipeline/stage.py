@@ -59,6 +59,11 @@ class StageModule(nn.Module):
         out = tuple(named[name].contiguous() for name in self.spec.sends)
         return out[0] if len(out) == 1 else out
 
+    def full_named_parameters(self):
+        """(name in the whole model, parameter) pairs, as diffusers names them."""
+        for name, p in self.named_parameters():
+            yield self._full_names[name], p
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights under the names of the whole model (as diffusers saves them)."""
         return {self._full_names[name]: t.detach() for name, t in self._own_tensors()}

@@ -29,7 +29,7 @@ def lr_factor(step: int, train: TrainConfig) -> float:
 
 def make_optimizer(params: list[torch.nn.Parameter], train: TrainConfig, device: torch.device):
     opt = torch.optim.AdamW(params, lr=train.learning_rate, betas=train.betas, weight_decay=train.weight_decay,
-                            fused=device.type == "cuda")
+                            eps=train.adam_eps, fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, train))
     return opt, sched
 

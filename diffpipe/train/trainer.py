@@ -64,6 +64,7 @@ class Trainer:
         topo, train = self.topo, self.config.train
         batch = self.batches.make(step, topo.dp_rank, topo.dp_size).to(topo.device)
         self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
         loss = self.runner.step(batch.noisy, batch.conditions, batch.target)
         average_gradients(self.params, topo.dp_group, topo.dp_size)
         norm = global_grad_norm(self.params, topo.pp_group, topo.device)  # of scaled gradients under fp16
@@ -80,7 +81,7 @@ class Trainer:
             total += loss.double() / scale_used
         dist.all_reduce(total)
         record = {"step": step, "loss": float(total) / topo.dp_size, "grad_norm": norm / scale_used,
-                  "lr": self.optimizer.param_groups[0]["lr"] if not overflow else None}
+                  "lr": lr}
         if self.scaler.enabled:
             record.update(loss_scale=scale_used, skipped=overflow)
         return record
