@@ -15,18 +15,21 @@ from .models.loading import CheckpointError, build_unet, check_checkpoint, weigh
 from .models.text import TextEncoder
 from .models.units import Backbone
 from .models.unet import unet_backbone
-from .pipeline.split import SplitError, StageSpec, balanced_by_parameters, stage_specs
+from .pipeline.split import SplitError, balanced_by_parameters, stage_specs
+from .pipeline.traffic import Crossing, boundary_crossings, trace_shapes
 
-__all__ = ["Built", "build_backbone", "resolve_split", "build_text_encoder", "check_before_launch",
-           "AUTOCAST_DTYPES", "sample_shape"]
+__all__ = ["Checked", "build_backbone", "resolve_split", "build_text_encoder", "check_before_launch",
+           "AUTOCAST_DTYPES", "sample_shape", "boundary_traffic"]
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
-class Built:
+class Checked:
+    """What `check_before_launch` found: the model on the meta device and the resolved stage starts."""
+
     backbone: Backbone
-    specs: list[StageSpec]
+    split: list[int]
 
 
 def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
@@ -67,8 +70,22 @@ def build_text_encoder(config: RunConfig, backbone: Backbone) -> TextEncoder:
     return TextEncoder.from_folder(config.model.text_encoder, config.model.text_max_length)
 
 
-def check_before_launch(config: RunConfig) -> list[int]:
-    """Validate model, checkpoint, split and resolution cheaply; return the resolved split."""
+def boundary_traffic(config: RunConfig, backbone: Backbone, split: list[int]) -> list[Crossing]:
+    """Bytes each boundary sends per micro-batch, from shapes traced on the meta device."""
+    cfg, b = backbone.model.config, config.micro_batch_size
+    conditions = {"timestep": torch.zeros(b),
+                  "encoder_hidden_states": torch.zeros(b, config.model.text_max_length, cfg.cross_attention_dim)}
+    if "text_embeds" in backbone.conditions:
+        conditions["text_embeds"] = torch.zeros(b, cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim)
+        conditions["time_ids"] = torch.zeros(b, 6)
+    meta = backbone if next(backbone.model.parameters()).is_meta else build_backbone(config, "meta")
+    shapes = trace_shapes(meta, {"sample": torch.zeros(b, *sample_shape(config, meta))}, conditions)
+    element = 4 if config.train.precision == "fp32" else 2
+    return boundary_crossings(stage_specs(meta, split), shapes, element)
+
+
+def check_before_launch(config: RunConfig) -> Checked:
+    """Validate model, checkpoint, split and resolution cheaply, on the meta device."""
     backbone = build_backbone(config, device="meta")
     if config.model.path is not None:
         check_checkpoint(backbone.model, weights_file(Path(config.model.path)))
@@ -82,4 +99,4 @@ def check_before_launch(config: RunConfig) -> list[int]:
     if config.data.dataset == "digits" and sample_shape(config, backbone) != (1, 8, 8):
         raise SplitError(f"data.dataset='digits' has 1x8x8 images but the model takes {sample_shape(config, backbone)}; "
                          "use model.preset = \"digits\" or a config with in_channels=1, sample_size=8")
-    return resolve_split(config, backbone)
+    return Checked(backbone, resolve_split(config, backbone))

@@ -21,13 +21,15 @@ class UserError(Exception):
 
 
 def _prepare_run(args) -> tuple:
-    from .build import check_before_launch
+    from .build import boundary_traffic, check_before_launch
+    from .pipeline.traffic import format_crossings
     from .config import load_config, save_config
 
     config = load_config(args.config, args.set or [])
     if args.output_dir:
         config.output.dir = args.output_dir
-    config.pipeline.split = check_before_launch(config)
+    checked = check_before_launch(config)
+    config.pipeline.split = checked.split
     run_dir = Path(config.output.dir)
     is_main = int(os.environ.get("RANK", "0")) == 0
     if is_main:
@@ -36,6 +38,11 @@ def _prepare_run(args) -> tuple:
                             "or add --overwrite to replace it")
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.toml")
+        print(f"training {config.model.preset or 'model'} on {config.world_size} process(es): "
+              f"{config.pipeline.stages} stage(s) x {config.pipeline.data_parallel} replica(s), split at units "
+              f"{config.pipeline.split}, schedule {config.pipeline.schedule}; run folder {run_dir}", flush=True)
+        print("tensors crossing each stage boundary:\n" + format_crossings(
+            boundary_traffic(config, checked.backbone, checked.split)), flush=True)
     return config, run_dir, is_main
 
 
@@ -44,10 +51,6 @@ def _train(args) -> None:
     from .train.trainer import train_worker
 
     config, run_dir, is_main = _prepare_run(args)
-    if is_main:
-        print(f"training {config.model.preset or 'model'} on {config.world_size} process(es): "
-              f"{config.pipeline.stages} stage(s) x {config.pipeline.data_parallel} replica(s), split at units "
-              f"{config.pipeline.split}, schedule {config.pipeline.schedule}; run folder {run_dir}", flush=True)
     launch(train_worker, (config.model_dump(mode="json"), str(run_dir)), config.world_size)
     if is_main:
         _finish(config, run_dir)
@@ -108,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     from .models.loading import CheckpointError
     from .pipeline.split import SplitError
 
+    from transformers.utils import logging as transformers_logging
+
     args = _parser().parse_args(argv)
+    transformers_logging.disable_progress_bar()  # per-file bars of tiny local saves and loads are noise
     try:
         args.run(args)
     except (UserError, ConfigError, CheckpointError, SplitError, FileNotFoundError) as exc:

@@ -125,7 +125,11 @@ class Trainer:
 def train_worker(config_data: dict, run_dir: str) -> None:
     """Entry point of each process (spawned or under torchrun)."""
     from ..config import build_config
+    from transformers.utils import logging as transformers_logging
+
     from ..distributed import resolve_device_kind
+
+    transformers_logging.disable_progress_bar()  # the text encoder's save would print a bar per file
 
     config = build_config(config_data)
     topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel,

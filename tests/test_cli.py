@@ -1,0 +1,84 @@
+"""`diffpipe train` and `diffpipe sample` as a user runs them, in real processes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from diffpipe.cli import main
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "digits.toml"
+QUICK = ["--set", "train.max_steps=4", "--set", "train.batch_size=16", "--set", "sample.steps=2",
+         "--set", "sample.seeds=[0]"]
+
+
+def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(out), *QUICK, *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_one_and_two_stages_give_the_same_losses_and_a_usable_run_folder(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for run, stages in ((one, "1"), (two, "2")):
+        result = _train(run, "--set", f"pipeline.stages={stages}")
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(one) == pytest.approx(_losses(two), rel=1e-6, abs=1e-7)
+    assert len(_losses(one)) == 4
+    for name in ("config.toml", "model.safetensors", "metrics.jsonl", "samples.png", "loss.png"):
+        assert (two / name).is_file(), name
+    assert Image.open(two / "samples.png").size == (10 * 8 * 4, 8 * 4)  # 10 digits x 1 seed, scaled 4x
+
+    out = tmp_path / "row.png"
+    assert main(["sample", str(two), "--prompt", "a handwritten digit three", "--num", "5", "--seed", "2",
+                 "--steps", "3", "--out", str(out)]) == 0
+    assert Image.open(out).size == (5 * 8, 8)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_trains_on_two_stages(tmp_path, precision):
+    result = _train(tmp_path / precision, "--set", f"train.precision={precision}", "--set", "sample.steps=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["loss"] == r["loss"] and 0 < r["loss"] < 10 for r in rows)  # finite, sensible
+    if precision == "fp16":
+        assert all("loss_scale" in r for r in rows)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.max_stepz=3", "train.max_stepz: unknown key; did you mean 'max_steps'?"),
+    ("train.max_steps=\"many\"", "train.max_steps: Input should be a valid integer"),
+    ("train.batch_size=30", "nearest valid batch sizes: 28 or 32"),
+    ("pipeline.stages=9 pipeline.schedule=\"gpipe\"", "the model has only 8 units"),
+    ("pipeline.microbatches=1", "needs pipeline.microbatches >= pipeline.stages"),
+    ("pipeline.split=[3,2] pipeline.stages=3", "strictly increasing"),
+    ("train.precision=\"fp8\"", "train.precision: Input should be 'fp32', 'bf16' or 'fp16'"),
+])
+def test_config_errors_name_the_key_and_start_nothing(tmp_path, capsys, override, message):
+    out = tmp_path / "run"
+    sets = [arg for item in override.split(" ") for arg in ("--set", item)]
+    code = main(["train", str(EXAMPLE), "--output-dir", str(out), *sets])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_existing_run_folder_is_not_overwritten(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "model.safetensors").write_text("precious")
+    assert main(["train", str(EXAMPLE), "--output-dir", str(out)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (out / "model.safetensors").read_text() == "precious"
+
+
+def test_sample_from_an_unfinished_run_says_what_is_missing(tmp_path, capsys):
+    assert main(["sample", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "a.png")]) == 2
+    assert "config.toml is missing" in capsys.readouterr().err
