@@ -23,18 +23,20 @@ class CheckpointError(ValueError):
 
 
 def unet_config(cfg: ModelConfig) -> dict:
-    """The UNet's constructor arguments, from (in order of precedence) `config`, a folder's config.json, `preset`."""
+    """The UNet's constructor arguments: `config`, else a folder's config.json, else `preset`."""
     if cfg.config is not None:
         return dict(cfg.config)
-    if cfg.path is not None:
-        folder = Path(cfg.path)
-        for candidate in (folder / "config.json", folder / "model_config.json", folder / "unet" / "config.json"):
+    path = Path(cfg.path) if cfg.path is not None else None
+    if path is not None and path.is_dir():
+        for candidate in (path / "config.json", path / "model_config.json", path / "unet" / "config.json"):
             if candidate.is_file():
                 return {k: v for k, v in json.loads(candidate.read_text()).items() if not k.startswith("_")}
-        if folder.is_file():
-            raise CheckpointError(f"model.path={cfg.path} is a single weights file: give the architecture too, "
-                                  "with model.preset or model.config")
         raise CheckpointError(f"model.path={cfg.path}: no config.json there (nor in its unet/ subfolder)")
+    if path is not None and not path.exists():
+        raise CheckpointError(f"model.path={cfg.path} does not exist")
+    if cfg.preset is None:
+        raise CheckpointError(f"model.path={cfg.path} is a single weights file: give the architecture too, "
+                              "with model.preset or model.config")
     if cfg.preset not in UNET_PRESETS:
         raise CheckpointError(f"model.preset={cfg.preset!r} is unknown; choose one of {sorted(UNET_PRESETS)}")
     return dict(UNET_PRESETS[cfg.preset])

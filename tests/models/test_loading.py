@@ -1,0 +1,68 @@
+"""Loading real checkpoints from files the test writes: diffusers folders and single .safetensors files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+from safetensors.torch import save_file
+
+from diffpipe.build import check_before_launch
+from diffpipe.config import ModelConfig, build_config
+from diffpipe.models.loading import CheckpointError, build_unet
+from diffpipe.models.presets import UNET_PRESETS
+
+
+def _trained_like_unet() -> UNet2DConditionModel:
+    torch.manual_seed(123)
+    return UNet2DConditionModel(**UNET_PRESETS["digits"])
+
+
+def _assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_loads_a_diffusers_folder(tmp_path):
+    unet = _trained_like_unet()
+    unet.save_pretrained(tmp_path / "unet")  # as in a pipeline folder: <root>/unet/config.json
+    loaded = build_unet(ModelConfig(path=str(tmp_path), preset=None), seed=0)
+    _assert_same_weights(unet, loaded)
+
+
+def test_loads_a_single_safetensors_file_with_a_given_architecture(tmp_path):
+    unet = _trained_like_unet()
+    save_file(unet.state_dict(), str(tmp_path / "digits.safetensors"))
+    loaded = build_unet(ModelConfig(path=str(tmp_path / "digits.safetensors"), preset="digits"), seed=0)
+    _assert_same_weights(unet, loaded)
+
+
+def test_loads_a_diffpipe_run_folder(tmp_path):
+    unet = _trained_like_unet()
+    save_file(unet.state_dict(), str(tmp_path / "model.safetensors"))
+    (tmp_path / "model_config.json").write_text(json.dumps(dict(unet.config)))
+    _assert_same_weights(unet, build_unet(ModelConfig(path=str(tmp_path)), seed=0))
+
+
+def test_checkpoint_of_another_model_is_refused_before_launch(tmp_path):
+    other = UNet2DConditionModel(**dict(UNET_PRESETS["digits"], block_out_channels=(16, 32)))
+    save_file(other.state_dict(), str(tmp_path / "other.safetensors"))
+    config = build_config({"model": {"path": str(tmp_path / "other.safetensors")}})
+    with pytest.raises(CheckpointError, match="does not match this model's architecture: .* of another shape"):
+        check_before_launch(config)
+
+
+def test_corrupt_checkpoint_is_refused_with_the_file_named(tmp_path):
+    bad = tmp_path / "broken.safetensors"
+    bad.write_bytes(b"\x00" * 64)
+    config = build_config({"model": {"path": str(bad)}})
+    with pytest.raises(CheckpointError, match="broken.safetensors is not a readable .safetensors file"):
+        check_before_launch(config)
+
+
+def test_single_file_without_architecture_asks_for_one(tmp_path):
+    save_file(_trained_like_unet().state_dict(), str(tmp_path / "w.safetensors"))
+    with pytest.raises(CheckpointError, match="give the architecture too"):
+        build_unet(ModelConfig(path=str(tmp_path / "w.safetensors"), preset=None), seed=0)

@@ -1,0 +1,36 @@
+"""Config loading: overrides, unknown sections, and the resolved config written into the run folder."""
+from __future__ import annotations
+
+import pytest
+
+from diffpipe.config import ConfigError, build_config, load_config, save_config
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = build_config({"train": {"max_steps": 7}}, ["pipeline.split=[4]", "train.precision=bf16"])
+    save_config(config, tmp_path / "config.toml")
+    again = load_config(tmp_path / "config.toml")
+    assert again == config
+    assert again.pipeline.split == [4] and again.train.precision == "bf16"
+
+
+def test_unknown_section_lists_the_sections():
+    with pytest.raises(ConfigError, match="trian: unknown key; did you mean 'train'?"):
+        build_config({"trian": {"max_steps": 3}})
+
+
+def test_override_without_value_explains_the_form():
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        build_config({}, ["train.max_steps"])
+
+
+def test_invalid_toml_names_the_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nmax_steps = 3")
+    with pytest.raises(ConfigError, match="bad.toml is not valid TOML"):
+        load_config(bad)
+
+
+def test_interleaved_needs_virtual_stages():
+    with pytest.raises(ConfigError, match="needs pipeline.virtual_stages >= 2"):
+        build_config({"pipeline": {"schedule": "interleaved_1f1b"}})
