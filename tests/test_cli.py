@@ -25,12 +25,17 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_one_and_two_stages_give_the_same_losses_and_a_usable_run_folder(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
+def test_one_and_two_stages_and_torchrun_give_the_same_losses_and_a_usable_run_folder(tmp_path):
+    one, two, under_torchrun = tmp_path / "one", tmp_path / "two", tmp_path / "torchrun"
     for run, stages in ((one, "1"), (two, "2")):
         result = _train(run, "--set", f"pipeline.stages={stages}")
         assert result.returncode == 0, result.stderr[-3000:]
     assert _losses(one) == pytest.approx(_losses(two), rel=1e-6, abs=1e-7)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(under_torchrun), *QUICK]
+    result = subprocess.run(torchrun, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(under_torchrun) == _losses(two)
     assert len(_losses(one)) == 4
     for name in ("config.toml", "model.safetensors", "metrics.jsonl", "samples.png", "loss.png"):
         assert (two / name).is_file(), name
