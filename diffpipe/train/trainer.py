@@ -61,11 +61,20 @@ class Trainer:
                                   config.data.caption_dropout, backbone.conditions)
 
     def _step(self, step: int) -> dict:
-        topo, train = self.topo, self.config.train
+        loss = self.forward_backward(step)
+        return self.apply_gradients(step, loss)
+
+    def forward_backward(self, step: int) -> torch.Tensor | None:
+        """Gradients of the step's batch on this process's stages; the mean loss where the last stage lives."""
+        topo = self.topo
         batch = self.batches.make(step, topo.dp_rank, topo.dp_size).to(topo.device)
         self.optimizer.zero_grad(set_to_none=True)
+        return self.runner.step(batch.noisy, batch.conditions, batch.target)
+
+    def apply_gradients(self, step: int, loss: torch.Tensor | None) -> dict:
+        """Average over replicas, clip by the global norm, step (unless fp16 overflowed anywhere); the step's record."""
+        topo, train = self.topo, self.config.train
         lr = self.optimizer.param_groups[0]["lr"]
-        loss = self.runner.step(batch.noisy, batch.conditions, batch.target)
         average_gradients(self.params, topo.dp_group, topo.dp_size)
         norm = global_grad_norm(self.params, topo.pp_group, topo.device)  # of scaled gradients under fp16
         overflow = not torch.isfinite(torch.tensor(norm)).item()
@@ -80,8 +89,7 @@ class Trainer:
         if loss is not None:
             total += loss.double() / scale_used
         dist.all_reduce(total)
-        record = {"step": step, "loss": float(total) / topo.dp_size, "grad_norm": norm / scale_used,
-                  "lr": lr}
+        record = {"step": step, "loss": float(total) / topo.dp_size, "grad_norm": norm / scale_used, "lr": lr}
         if self.scaler.enabled:
             record.update(loss_scale=scale_used, skipped=overflow)
         return record

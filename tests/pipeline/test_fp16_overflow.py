@@ -1,0 +1,40 @@
+"""fp16: an overflow on one stage makes every stage skip the step and halve the loss scale together."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from diffpipe.config import build_config
+
+from ..helpers import run_workers
+
+
+def _worker(out_dir: str) -> None:
+    from pathlib import Path
+
+    from diffpipe.distributed import init_topology
+    from diffpipe.train.trainer import Trainer
+
+    config = build_config({"train": {"precision": "fp16", "batch_size": 8, "max_steps": 2},
+                           "pipeline": {"stages": 2, "microbatches": 2, "split": [5]}})
+    topo = init_topology(2, 1, "cpu")
+    trainer = Trainer(config, topo, Path(out_dir))
+    before = [p.detach().clone() for p in trainer.params]
+    loss = trainer.forward_backward(0)
+    if topo.pp_rank == 1:  # an overflow on the last stage only
+        trainer.params[0].grad.view(-1)[0] = float("inf")
+    overflowed = trainer.apply_gradients(0, loss)
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, trainer.params))
+    clean = trainer.apply_gradients(1, trainer.forward_backward(1))
+    torch.save({"overflowed": overflowed, "unchanged": unchanged, "clean": clean},
+               os.path.join(out_dir, f"rank{topo.rank}.pt"))
+
+
+def test_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path):
+    run_workers(_worker, (str(tmp_path),), 2)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in results:
+        assert r["overflowed"]["skipped"] is True and r["unchanged"]
+        assert r["clean"]["skipped"] is False
+        assert r["clean"]["loss_scale"] == r["overflowed"]["loss_scale"] / 2
