@@ -21,7 +21,8 @@ class UserError(Exception):
 
 
 def _prepare_run(args) -> tuple:
-    from .build import boundary_traffic, check_before_launch
+    from .build import boundary_traffic
+    from .preflight import check_before_launch
     from .pipeline.traffic import format_crossings
     from .config import load_config, save_config
 
@@ -29,7 +30,7 @@ def _prepare_run(args) -> tuple:
     if args.output_dir:
         config.output.dir = args.output_dir
     checked = check_before_launch(config)
-    config.pipeline.split = checked.split
+    config.pipeline.split, config.pipeline.checkpointing = checked.split, checked.checkpointing
     run_dir = Path(config.output.dir)
     is_main = int(os.environ.get("RANK", "0")) == 0
     if is_main:

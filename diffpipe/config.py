@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "PipelineConfig",
-    "OutputConfig", "SampleConfig", "load_config", "save_config",
+    "PlanConfig", "OutputConfig", "SampleConfig", "load_config", "save_config",
 ]
 
 
@@ -61,6 +61,7 @@ class TrainConfig(_Section):
     seed: int = Field(0, ge=0, description="Seed for weights, data order, timesteps and noise.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA with NCCL when available, else CPU with gloo.")
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
+    stage_lr_scale: list[float] | None = Field(None, description="Per-stage learning-rate multipliers (one per stage); unset: all 1.")
 
 
 class PipelineConfig(_Section):
@@ -69,8 +70,17 @@ class PipelineConfig(_Section):
     data_parallel: int = Field(1, ge=1, description="Data-parallel replicas of the pipeline; processes = stages x data_parallel.")
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field("1f1b", description="Pipeline schedule.")
     microbatches: int = Field(4, ge=1, description="Micro-batches per step and replica.")
-    split: list[int] | Literal["auto"] = Field(
-        "auto", description="Stage boundaries as unit indices where stages 2.. begin, or auto (balanced by parameter count).")
+    split: list[int] | Literal["auto", "parameters"] = Field(
+        "auto", description="Unit indices where stages 2.. begin; auto (the cost-model planner) or parameters (balanced by parameter count).")
+    checkpointing: list[int] | Literal["none", "all", "auto"] = Field(
+        "none", description="Activation checkpointing: none, all, auto (only stages that would not fit), or stage indices.")
+
+
+class PlanConfig(_Section):
+    device_tflops: float | None = Field(None, gt=0, description="Sustained TFLOP/s per device for units not profiled; unset: 300 on CUDA (H200 eager bf16), 0.05 on CPU.")
+    link_gbps: float | None = Field(None, gt=0, description="GB/s between neighbouring stages; unset: 100 on CUDA (NVLink), 2 on CPU (gloo, one host).")
+    memory_gib: float | None = Field(None, gt=0, description="Memory per device in GiB; unset: the GPU's own, unlimited on CPU.")
+    profile: str | None = Field(None, description="JSON of measured unit times from `diffpipe plan --profile`, reused when present.")
 
 
 class OutputConfig(_Section):
@@ -89,6 +99,7 @@ class RunConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig, description="The training data.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation and diffusion.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Stages, schedule, data parallelism.")
+    plan: PlanConfig = Field(default_factory=PlanConfig, description="Hardware figures for the stage planner.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where results go.")
     sample: SampleConfig = Field(default_factory=SampleConfig, description="Sampling during and after training.")
 
@@ -126,6 +137,12 @@ class RunConfig(_Section):
                     f"{p.stages * p.virtual_stages} stages need {p.stages * p.virtual_stages - 1}; or set split = \"auto\"")
             if any(b <= a for a, b in zip([0] + p.split, p.split)):
                 raise ValueError(f"pipeline.split={p.split} must be strictly increasing unit indices above 0")
+        chunks = p.stages * p.virtual_stages
+        if self.train.stage_lr_scale is not None and len(self.train.stage_lr_scale) != chunks:
+            raise ValueError(f"train.stage_lr_scale lists {len(self.train.stage_lr_scale)} multipliers for {chunks} "
+                             "stages; give one per stage or leave it unset")
+        if isinstance(p.checkpointing, list) and any(not 0 <= i < chunks for i in p.checkpointing):
+            raise ValueError(f"pipeline.checkpointing={p.checkpointing} names stages outside 0..{chunks - 1}")
         return self
 
     @property

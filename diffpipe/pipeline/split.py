@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..models.units import Backbone
 
-__all__ = ["StageSpec", "SplitError", "stage_specs", "balanced_by_parameters", "live_after"]
+__all__ = ["StageSpec", "SplitError", "stage_specs", "balanced_by_parameters", "balanced_partition", "live_after"]
 
 
 class SplitError(ValueError):
@@ -84,7 +84,12 @@ def balanced_by_parameters(backbone: Backbone, stages: int) -> list[int]:
     if stages > n:
         raise SplitError(f"{stages} stages asked for, but the model has only {n} units "
                          f"({', '.join(u.name for u in backbone.units)}); use at most {n} stages")
-    weights = [backbone.unit_parameters(i) for i in range(n)]
+    return balanced_partition([backbone.unit_parameters(i) for i in range(n)], stages)
+
+
+def balanced_partition(weights: list[float], stages: int) -> list[int]:
+    """Starts of `stages` contiguous groups minimising the largest group's total weight."""
+    n = len(weights)
     prefix = [0]
     for w in weights:
         prefix.append(prefix[-1] + w)

@@ -9,6 +9,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..models.units import Backbone, Unit
 from .split import StageSpec
@@ -34,9 +35,10 @@ class _ContiguousGrad(torch.autograd.Function):
 
 class StageModule(nn.Module):
     def __init__(self, spec: StageSpec, units: list[Unit], parameter_names: dict[int, str],
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, checkpointed: bool = False):
         super().__init__()
         self.spec = spec
+        self.checkpointed = checkpointed
         self.unit_list = units
         self.units = nn.ModuleList(u.module for u in units)  # registers the parameters
         self.autocast_dtype = autocast_dtype
@@ -54,10 +56,18 @@ class StageModule(nn.Module):
         autocast = (torch.autocast(device_type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
                     else contextlib.nullcontext())
         with autocast:
-            for unit in self.unit_list:
-                named.update(unit(named))
-        out = tuple(named[name].contiguous() for name in self.spec.sends)
+            if self.checkpointed and torch.is_grad_enabled():
+                # keep only the stage's inputs per micro-batch; recompute the units in backward
+                out = checkpoint(self._run_units, named, use_reentrant=False)
+            else:
+                out = self._run_units(named)
         return out[0] if len(out) == 1 else out
+
+    def _run_units(self, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        named = dict(named)
+        for unit in self.unit_list:
+            named.update(unit(named))
+        return tuple(named[name].contiguous() for name in self.spec.sends)
 
     def full_named_parameters(self):
         """(name in the whole model, parameter) pairs, as diffusers names them."""
@@ -69,6 +79,7 @@ class StageModule(nn.Module):
         return {self._full_names[name]: t.detach() for name, t in self._own_tensors()}
 
 
-def build_stage_modules(backbone: Backbone, specs: list[StageSpec],
-                        autocast_dtype: torch.dtype | None = None) -> list[StageModule]:
-    return [StageModule(s, backbone.units[s.first:s.last], backbone.parameter_names, autocast_dtype) for s in specs]
+def build_stage_modules(backbone: Backbone, specs: list[StageSpec], autocast_dtype: torch.dtype | None = None,
+                        checkpointed: frozenset[int] = frozenset()) -> list[StageModule]:
+    return [StageModule(s, backbone.units[s.first:s.last], backbone.parameter_names, autocast_dtype,
+                        s.index in checkpointed) for s in specs]

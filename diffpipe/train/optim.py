@@ -27,8 +27,10 @@ def lr_factor(step: int, train: TrainConfig) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_optimizer(params: list[torch.nn.Parameter], train: TrainConfig, device: torch.device):
-    opt = torch.optim.AdamW(params, lr=train.learning_rate, betas=train.betas, weight_decay=train.weight_decay,
+def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], train: TrainConfig, device: torch.device):
+    """AdamW over (parameters, learning-rate multiplier) groups, one per stage, and its schedule."""
+    param_groups = [{"params": params, "lr": train.learning_rate * scale} for params, scale in groups if params]
+    opt = torch.optim.AdamW(param_groups, lr=train.learning_rate, betas=train.betas, weight_decay=train.weight_decay,
                             eps=train.adam_eps, fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, train))
     return opt, sched

@@ -24,6 +24,7 @@ from ..distributed import Topology, init_topology
 from ..pipeline.runtime import PipelineRunner, stage_indices_for_rank
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
+from ..planner.plan import resolve_stages
 from .optim import LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer
 from .records import MetricsLog, NullProgress, make_progress
 
@@ -46,15 +47,20 @@ class Trainer:
         p = config.pipeline
         backbone = build_backbone(config)
         self.model_config = dict(backbone.model.config)
+        if not isinstance(p.split, list) or not isinstance(p.checkpointing, list):
+            p.split, p.checkpointing = resolve_stages(config, backbone)
         specs = stage_specs(backbone, p.split)
         mine = stage_indices_for_rank(topo.pp_rank, p.stages, p.virtual_stages)
-        all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision])
+        all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
+                                          frozenset(p.checkpointing))
         self.modules = [all_modules[i].to(topo.device).train() for i in mine]
-        self.params = [q for m in self.modules for q in m.parameters() if q.requires_grad]
+        lr_scale = config.train.stage_lr_scale or [1.0] * len(specs)
+        groups = [([q for q in m.parameters() if q.requires_grad], lr_scale[i]) for m, i in zip(self.modules, mine)]
+        self.params = [q for params, _ in groups for q in params]
         self.scaler = LossScaler(config.train.precision == "fp16")
         self.runner = PipelineRunner(self.modules, mine, len(specs), topo.pp_group, topo.device, p.schedule,
                                      p.microbatches, _ScaledMSE(self.scaler))
-        self.optimizer, self.lr_schedule = make_optimizer(self.params, config.train, topo.device)
+        self.optimizer, self.lr_schedule = make_optimizer(groups, config.train, topo.device)
         self.text = build_text_encoder(config, backbone)
         data = DigitsDataset()
         self.batches = BatchMaker(data.images, data.captions, self.text, config.train,

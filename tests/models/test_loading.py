@@ -8,7 +8,7 @@ import torch
 from diffusers import UNet2DConditionModel
 from safetensors.torch import save_file
 
-from diffpipe.build import check_before_launch
+from diffpipe.preflight import check_before_launch
 from diffpipe.config import ModelConfig, build_config
 from diffpipe.models.loading import CheckpointError, build_unet
 from diffpipe.models.presets import UNET_PRESETS

@@ -27,25 +27,23 @@ STEPS = 3
 TOL = 1e-5
 
 
-def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4):
+def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4, checkpointing="none"):
     return build_config({
         "train": {"max_steps": STEPS, "batch_size": 8 * dp * microbatches // 2, "learning_rate": 1e-3,
                   "warmup_steps": 1, "adam_eps": 1e-6, "max_grad_norm": 1.0, "seed": 3, "timestep_sampling": "uniform"},
         "pipeline": {"stages": stages, "schedule": schedule, "virtual_stages": virtual, "data_parallel": dp,
-                     "microbatches": microbatches},
+                     "microbatches": microbatches, "checkpointing": checkpointing},
     })
 
 
 def _scenario_worker(scenarios: list[dict], out_dir: str) -> None:
     from pathlib import Path
 
-    from diffpipe.build import resolve_split
     from diffpipe.distributed import init_topology
     from diffpipe.train.trainer import Trainer
 
     for name, data in scenarios:
         config = build_config(data)
-        config.pipeline.split = resolve_split(config, build_backbone(config, "meta"))
         topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel, "cpu")
         trainer = Trainer(config, topo, Path(out_dir))
         losses, grads = [], None
@@ -111,6 +109,7 @@ TWO = {
     "gpipe-2": _config(2, "gpipe"),
     "1f1b-2": _config(2, "1f1b"),
     "interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2),
+    "1f1b-2-checkpointed": _config(2, "1f1b", checkpointing="all"),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),

@@ -1,0 +1,134 @@
+"""What each unit costs at a given micro-batch: FLOPs, time, parameter and activation memory, output bytes.
+
+Counted mode runs the real units on the meta device (no memory, no compute): FLOPs from
+`torch.utils.flop_counter`, activation bytes from the tensors autograd saves for backward. Profiled mode
+runs them on the real device and times forward and backward; its result is saved as JSON that later plans
+reuse (`diffpipe plan --profile`).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ..models.units import Backbone
+
+__all__ = ["UnitCost", "count_unit_costs", "profile_unit_costs", "save_profile", "load_profile"]
+
+
+@dataclass
+class UnitCost:
+    """Costs of one unit for one micro-batch. Times are seconds; None until profiled or derived from FLOPs."""
+
+    name: str
+    params: int
+    trainable_params: int
+    forward_flops: int
+    backward_flops: int
+    activation_bytes: int  # kept for backward, per micro-batch
+    output_bytes: dict[str, int]  # bytes of each tensor the unit writes, per micro-batch
+    forward_s: float | None = None
+    backward_s: float | None = None
+
+
+def _needs_grad(backbone: Backbone) -> set[str]:
+    """Names whose value depends on trainable parameters (their gradients flow back across boundaries)."""
+    out = set()
+    for unit in backbone.units:
+        trainable = any(p.requires_grad for p in unit.module.parameters())
+        if trainable or any(n in out for n in unit.reads):
+            out |= set(unit.writes)
+    return out
+
+
+def _unit_inputs(named: dict[str, torch.Tensor], reads, grad_names: set[str]) -> dict[str, torch.Tensor]:
+    return {k: named[k].detach().requires_grad_(k in grad_names and named[k].is_floating_point()) for k in reads}
+
+
+def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor],
+                     conditions: dict[str, torch.Tensor], activation_scale: float = 1.0) -> list[UnitCost]:
+    """Costs from running the units on meta tensors; `backbone` must be on the meta device.
+
+    activation_scale: bytes factor for reduced precision (meta tensors see no autocast: 0.5 for bf16/fp16).
+    """
+    named = {k: v.to("meta") for k, v in {**inputs, **conditions}.items()}
+    grad_names = _needs_grad(backbone)
+    costs = []
+    for unit in backbone.units:
+        own = {id(p) for p in unit.module.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor):
+            base = t._base if t._base is not None else t
+            if id(base) not in own:  # weights are counted once, as parameters
+                saved[id(base)] = base.numel() * base.element_size()
+            return t
+
+        args = _unit_inputs(named, unit.reads, grad_names)
+        with FlopCounterMode(display=False) as forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = unit(args)
+        grads_needed = [o for o in out.values() if o.requires_grad]
+        with FlopCounterMode(display=False) as backward:
+            if grads_needed:
+                torch.autograd.backward(grads_needed, [torch.ones_like(o) for o in grads_needed])
+        params = list(unit.module.parameters())
+        costs.append(UnitCost(
+            name=unit.name, params=sum(p.numel() for p in params),
+            trainable_params=sum(p.numel() for p in params if p.requires_grad),
+            forward_flops=forward.get_total_flops(), backward_flops=backward.get_total_flops(),
+            activation_bytes=int(sum(saved.values()) * activation_scale),
+            output_bytes={k: int(v.numel() * v.element_size() * activation_scale) for k, v in out.items()}))
+        named.update({k: v.detach() for k, v in out.items()})
+    return costs
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_unit_costs(backbone: Backbone, costs: list[UnitCost], inputs: dict[str, torch.Tensor],
+                       conditions: dict[str, torch.Tensor], device: torch.device,
+                       autocast_dtype: torch.dtype | None, repeats: int = 5) -> list[UnitCost]:
+    """Time each unit's forward and backward on `device` (median of `repeats` after one warm-up)."""
+    named = {k: v.to(device) for k, v in {**inputs, **conditions}.items()}
+    grad_names = _needs_grad(backbone)
+    autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
+    for unit, cost in zip(backbone.units, costs):
+        unit.module.to(device)
+        fwd, bwd = [], []
+        for _ in range(repeats + 1):
+            args = _unit_inputs(named, unit.reads, grad_names)
+            _sync(device)
+            start = time.perf_counter()
+            with autocast:
+                out = unit(args)
+            _sync(device)
+            mid = time.perf_counter()
+            grads_needed = [o for o in out.values() if o.requires_grad]
+            if grads_needed:
+                torch.autograd.backward(grads_needed, [torch.ones_like(o) for o in grads_needed])
+            _sync(device)
+            fwd.append(mid - start)
+            bwd.append(time.perf_counter() - mid)
+            unit.module.zero_grad(set_to_none=True)
+        cost.forward_s, cost.backward_s = statistics.median(fwd[1:]), statistics.median(bwd[1:])
+        named.update({k: v.detach() for k, v in out.items()})
+    return costs
+
+
+def save_profile(costs: list[UnitCost], key: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps({"key": key, "units": [asdict(c) for c in costs]}, indent=1))
+
+
+def load_profile(path: str | Path, key: dict) -> list[UnitCost]:
+    data = json.loads(Path(path).read_text())
+    if data.get("key") != key:
+        raise ValueError(f"profile {path} was measured for {data.get('key')}, not for {key}; "
+                         "run `diffpipe plan CONFIG --profile` again")
+    return [UnitCost(**u) for u in data["units"]]

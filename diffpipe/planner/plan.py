@@ -1,0 +1,175 @@
+"""Plans for a config: unit costs, the optimal split, the parameter-count split beside it, and the search over
+stages x data parallel x micro-batches for a world size (as DiffusionPipe, Tian et al., MLSys 2024)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..build import build_backbone, example_inputs
+from ..config import RunConfig
+from ..models.units import Backbone
+from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
+from .costs import UnitCost, count_unit_costs, load_profile
+from .partition import Hardware, Infeasible, Partition, estimate_stages, partition
+
+__all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "make_plan", "resolve_stages", "search_layouts",
+           "profile_key", "scaled"]
+
+
+@dataclass
+class Plan:
+    stages: int
+    data_parallel: int
+    microbatches: int
+    micro_batch_size: int
+    planned: Partition
+    by_parameters: Partition
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.micro_batch_size * self.microbatches * self.data_parallel / self.planned.step_s
+
+
+def profile_key(config: RunConfig, micro_batch: int, device: str) -> dict:
+    return {"model": config.model.model_dump(mode="json"), "micro_batch": micro_batch,
+            "precision": config.train.precision, "device": device}
+
+
+def scaled(costs: list[UnitCost], factor: float) -> list[UnitCost]:
+    """Costs at `factor` times the micro-batch they were measured at (FLOPs, bytes, times: linear)."""
+    def t(x):
+        return None if x is None else x * factor
+    return [UnitCost(c.name, c.params, c.trainable_params, int(c.forward_flops * factor), int(c.backward_flops * factor),
+                     int(c.activation_bytes * factor), {k: int(v * factor) for k, v in c.output_bytes.items()},
+                     t(c.forward_s), t(c.backward_s)) for c in costs]
+
+
+def unit_costs(config: RunConfig, meta: Backbone, micro_batch: int) -> list[UnitCost]:
+    """Per-unit costs at `micro_batch`: profiled times when `plan.profile` exists, FLOP counts otherwise."""
+    reduced = 0.5 if config.train.precision != "fp32" else 1.0
+    counted = count_unit_costs(meta, *example_inputs(config, meta, 1), activation_scale=reduced)
+    profile = config.plan.profile
+    if profile and Path(profile).is_file():
+        saved_batch = json.loads(Path(profile).read_text())["key"]["micro_batch"]
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        measured = load_profile(profile, profile_key(config, saved_batch, device))
+        return scaled(measured, micro_batch / saved_batch)
+    return scaled(counted, micro_batch)
+
+
+def boundary_bytes(meta: Backbone, costs: list[UnitCost], inputs: dict[str, torch.Tensor]) -> list[int]:
+    """Bytes crossing the boundary after each unit (the last entry, after the output, is 0)."""
+    latest = {k: v.numel() * v.element_size() for k, v in inputs.items()}
+    out = []
+    for k, cost in enumerate(costs):
+        latest.update(cost.output_bytes)
+        out.append(sum(latest[n] for n in live_after(meta, k)) if k < len(costs) - 1 else 0)
+    return out
+
+
+# Defaults where the config gives no figure: an H200 reaches ~300 TFLOP/s on the SDXL UNet in eager bf16
+# (shared/reference); one 2-core CPU process reaches ~0.05 TFLOP/s on small convolutions.
+_DEFAULTS = {"cuda": (300.0, 100.0), "cpu": (0.05, 2.0)}
+
+
+def hardware(config: RunConfig) -> Hardware:
+    kind = "cuda" if config.train.device != "cpu" and torch.cuda.is_available() else "cpu"
+    tflops, link = _DEFAULTS[kind]
+    memory = config.plan.memory_gib * 2**30 if config.plan.memory_gib else None
+    if memory is None and kind == "cuda":
+        memory = torch.cuda.get_device_properties(0).total_memory
+    return Hardware(config.plan.device_tflops or tflops, config.plan.link_gbps or link, memory)
+
+
+def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Hardware) -> str:
+    """Why nothing fits, and which single change would make it fit."""
+    p = config.pipeline
+    loose = estimate_stages(costs, bounds_bytes, balanced_partition([c.params for c in costs], stages), m, p.schedule,
+                            hw, p.checkpointing)
+    worst = max(loose.stages, key=lambda s: s.memory_bytes)
+    lines = [f"no split into {stages} stages fits {hw.memory_bytes / 2**30:.1f} GiB per device: stage {worst.index} "
+             f"(units {costs[worst.first].name}..{costs[worst.last - 1].name}) needs "
+             f"{worst.memory_bytes / 2**30:.1f} GiB with the parameter-count split."]
+    fixes = []
+    if stages < len(costs):
+        try:
+            partition(costs, bounds_bytes, stages + 1, m, p.schedule, hw, p.checkpointing)
+            fixes.append(f"more stages (pipeline.stages = {stages + 1} fits)")
+        except Infeasible:
+            fixes.append("more stages")
+    if p.checkpointing != "all":
+        try:
+            partition(costs, bounds_bytes, stages, m, p.schedule, hw, "auto")
+            fixes.append("activation checkpointing (pipeline.checkpointing = \"auto\" fits)")
+        except Infeasible:
+            fixes.append("activation checkpointing (not enough alone)")
+    try:
+        partition(scaled(costs, 0.5), bounds_bytes, stages, m, p.schedule, hw, p.checkpointing)
+        fixes.append("a smaller micro-batch (half fits)")
+    except Infeasible:
+        fixes.append("a smaller micro-batch")
+    fixes.append("LoRA instead of full fine-tuning (no gradients or AdamW state for frozen weights)")
+    return "\n".join(lines + ["what would help: " + "; ".join(fixes)])
+
+
+def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,
+              hw: Hardware) -> Plan:
+    micro = config.train.batch_size // (microbatches * data_parallel)
+    costs = unit_costs(config, meta, micro)
+    bb = boundary_bytes(meta, costs, example_inputs(config, meta, micro)[0])
+    p = config.pipeline
+    try:
+        planned = partition(costs, bb, stages, microbatches, p.schedule, hw, p.checkpointing)
+    except Infeasible:
+        raise Infeasible(_explain(config, costs, bb, stages, microbatches, hw)) from None
+    params = estimate_stages(costs, bb, balanced_by_parameters(meta, stages), microbatches, p.schedule, hw,
+                             p.checkpointing)
+    return Plan(stages, data_parallel, microbatches, micro, planned, params)
+
+
+def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardware) -> list[Plan]:
+    """Every (stages, data parallel, micro-batches) with stages x dp = world size that fits, fastest first."""
+    plans = []
+    for stages in range(1, min(world_size, len(meta.units)) + 1):
+        if world_size % stages:
+            continue
+        dp = world_size // stages
+        for m in range(1, config.train.batch_size // dp + 1):
+            if config.train.batch_size % (m * dp) or (config.pipeline.schedule == "1f1b" and m < stages):
+                continue
+            try:
+                plans.append(make_plan(config, meta, stages, dp, m, hw))
+            except Infeasible:
+                continue
+    return sorted(plans, key=lambda p: -p.samples_per_s)
+
+
+def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], list[int]]:
+    """Stage starts and the stages to checkpoint, as the runtime takes them."""
+    p = config.pipeline
+    stages = p.stages * p.virtual_stages
+    if stages > len(backbone.units):
+        raise SplitError(
+            f"pipeline.stages x pipeline.virtual_stages = {stages} stages, but the model has only "
+            f"{len(backbone.units)} units ({', '.join(u.name for u in backbone.units)}); use at most "
+            f"{len(backbone.units)} stages")
+    meta = backbone if next(backbone.model.parameters()).is_meta else build_backbone(config, "meta")
+    hw = hardware(config)
+    if p.split == "auto":
+        try:
+            plan = make_plan(config, meta, stages, p.data_parallel, p.microbatches, hw)
+        except Infeasible as exc:
+            raise SplitError(str(exc)) from None
+        return plan.planned.starts, [s.index for s in plan.planned.stages if s.checkpointed]
+    starts = balanced_by_parameters(backbone, stages) if p.split == "parameters" else list(p.split)
+    stage_specs(backbone, starts)  # validates
+    if p.checkpointing == "auto":
+        costs = unit_costs(config, meta, config.micro_batch_size)
+        est = estimate_stages(costs, boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0]), starts, p.microbatches, p.schedule, hw, "auto")
+        return starts, [s.index for s in est.stages if s.checkpointed]
+    if p.checkpointing == "all":
+        return starts, list(range(stages))
+    return starts, list(p.checkpointing) if isinstance(p.checkpointing, list) else []
