@@ -1,6 +1,7 @@
 """The `diffpipe` command.
 
     diffpipe train examples/digits.toml [--set train.max_steps=50] [--output-dir runs/x] [--overwrite]
+    diffpipe plan examples/sdxl_unet.toml --set pipeline.stages=4 [--world-size 8] [--gpu-memory 80GiB] [--json]
     diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
     torchrun --nnodes 2 --nproc-per-node 4 ... -m diffpipe train CONFIG   # multi-node: one process per GPU
 
@@ -86,6 +87,14 @@ def _sample(args) -> None:
     print(f"wrote {args.num} image(s) to {args.out}")
 
 
+def _plan(args) -> None:
+    from .config import load_config
+    from .planner.report import plan_command
+
+    config = load_config(args.config, args.set or [])
+    plan_command(config, args.world_size, args.gpu_memory, args.json, args.profile)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffpipe", description="Pipeline-parallel diffusion training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +104,14 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--output-dir", help="run folder (overrides output.dir)")
     train.add_argument("--overwrite", action="store_true", help="replace an existing run folder's contents")
     train.set_defaults(run=_train)
+    plan = sub.add_parser("plan", help="show the planned stage split, its costs and the parameter-count split")
+    plan.add_argument("config")
+    plan.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    plan.add_argument("--world-size", type=int, help="search stages x data parallel x micro-batches for N devices")
+    plan.add_argument("--gpu-memory", help="memory per device, e.g. 80GiB (default: the GPU's, unlimited on CPU)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.add_argument("--profile", action="store_true", help="time each unit on this device and save plan.profile")
+    plan.set_defaults(run=_plan)
     sample = sub.add_parser("sample", help="generate images from a finished run")
     sample.add_argument("run_dir")
     sample.add_argument("--prompt", required=True)
@@ -111,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .models.loading import CheckpointError
     from .pipeline.split import SplitError
+    from .planner.partition import Infeasible
 
     from transformers.utils import logging as transformers_logging
 
@@ -118,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     transformers_logging.disable_progress_bar()  # per-file bars of tiny local saves and loads are noise
     try:
         args.run(args)
-    except (UserError, ConfigError, CheckpointError, SplitError, FileNotFoundError) as exc:
+    except (UserError, ConfigError, CheckpointError, SplitError, Infeasible, FileNotFoundError) as exc:
         print(f"diffpipe {args.command}: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -37,7 +37,8 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    dataset: Literal["digits"] = Field("digits", description="Dataset: digits (scikit-learn's handwritten digits, 8x8 pixels, captioned).")
+    dataset: Literal["digits", "synthetic"] = Field(
+        "digits", description="digits (scikit-learn's handwritten digits, 8x8 pixels, captioned) or synthetic (random latents).")
     caption_dropout: float = Field(0.1, ge=0.0, le=1.0, description="Fraction of captions replaced by the empty caption (enables guidance).")
 
 

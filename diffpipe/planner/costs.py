@@ -8,7 +8,6 @@ reuse (`diffpipe plan --profile`).
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -94,15 +93,16 @@ def _sync(device: torch.device) -> None:
 
 def profile_unit_costs(backbone: Backbone, costs: list[UnitCost], inputs: dict[str, torch.Tensor],
                        conditions: dict[str, torch.Tensor], device: torch.device,
-                       autocast_dtype: torch.dtype | None, repeats: int = 5) -> list[UnitCost]:
-    """Time each unit's forward and backward on `device` (median of `repeats` after one warm-up)."""
+                       autocast_dtype: torch.dtype | None, repeats: int = 9, warmup: int = 2) -> list[UnitCost]:
+    """Time each unit's forward and backward on `device`: the fastest of `repeats` runs after `warmup` runs
+    (the fastest is the least disturbed by other work on a shared machine)."""
     named = {k: v.to(device) for k, v in {**inputs, **conditions}.items()}
     grad_names = _needs_grad(backbone)
     autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     for unit, cost in zip(backbone.units, costs):
         unit.module.to(device)
         fwd, bwd = [], []
-        for _ in range(repeats + 1):
+        for _ in range(warmup + repeats):
             args = _unit_inputs(named, unit.reads, grad_names)
             _sync(device)
             start = time.perf_counter()
@@ -117,7 +117,7 @@ def profile_unit_costs(backbone: Backbone, costs: list[UnitCost], inputs: dict[s
             fwd.append(mid - start)
             bwd.append(time.perf_counter() - mid)
             unit.module.zero_grad(set_to_none=True)
-        cost.forward_s, cost.backward_s = statistics.median(fwd[1:]), statistics.median(bwd[1:])
+        cost.forward_s, cost.backward_s = min(fwd[warmup:]), min(bwd[warmup:])
         named.update({k: v.detach() for k, v in out.items()})
     return costs
 

@@ -16,10 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ..build import AUTOCAST_DTYPES, build_backbone, build_text_encoder
+from ..build import AUTOCAST_DTYPES, build_backbone, build_text_encoder, sample_shape
 from ..config import RunConfig
 from ..data.batches import BatchMaker
-from ..data.digits import DigitsDataset
+from ..data import make_dataset
 from ..distributed import Topology, init_topology
 from ..pipeline.runtime import PipelineRunner, stage_indices_for_rank
 from ..pipeline.split import stage_specs
@@ -62,7 +62,7 @@ class Trainer:
                                      p.microbatches, _ScaledMSE(self.scaler))
         self.optimizer, self.lr_schedule = make_optimizer(groups, config.train, topo.device)
         self.text = build_text_encoder(config, backbone)
-        data = DigitsDataset()
+        data = make_dataset(config.data.dataset, sample_shape(config, backbone), config.train.seed)
         self.batches = BatchMaker(data.images, data.captions, self.text, config.train,
                                   config.data.caption_dropout, backbone.conditions)
 

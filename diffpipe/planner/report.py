@@ -1,0 +1,120 @@
+"""`diffpipe plan`: print the planned split beside the parameter-count split, or the best layouts for a world size.
+
+    diffpipe plan examples/sdxl_unet.toml --set pipeline.stages=4 [--world-size 8] [--gpu-memory 80GiB] [--json]
+    diffpipe plan examples/digits.toml --profile     # time each unit on this machine's device, save, reuse
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+from ..build import AUTOCAST_DTYPES, build_backbone, example_inputs
+from ..config import ConfigError, RunConfig
+from ..models.units import Backbone
+from ..pipeline.split import live_after
+from .costs import count_unit_costs, profile_unit_costs, save_profile
+from .partition import Partition
+from .plan import Plan, hardware, make_plan, profile_key, search_layouts
+
+__all__ = ["parse_memory", "plan_command", "format_plan", "plan_as_dict"]
+
+GIB = 2**30
+
+
+def parse_memory(text: str) -> float:
+    """'80GiB', '80G', '80' (GiB) or '512MiB' -> GiB."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(GiB|GB|G|MiB|MB|M)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"--gpu-memory {text!r}: give a size such as 80GiB or 512MiB")
+    value, unit = float(match.group(1)), (match.group(2) or "GiB").lower()
+    return value / 1024 if unit.startswith("m") else value
+
+
+def _stage_rows(part: Partition, meta: Backbone, trainable: list[int]) -> list[dict]:
+    rows = []
+    for s in part.stages:
+        carried = [n for n in live_after(meta, s.last - 1) if n.startswith("skip.")] if s.last < len(meta.units) else []
+        rows.append({"stage": s.index, "units": f"{meta.units[s.first].name}..{meta.units[s.last - 1].name}",
+                     "trainable_params_M": round(sum(trainable[s.first:s.last]) / 1e6, 2),
+                     "forward_ms": round(s.forward_s * 1e3, 3), "backward_ms": round(s.backward_s * 1e3, 3),
+                     "send_ms": round(s.send_s * 1e3, 3), "peak_GiB": round(s.memory_bytes / GIB, 2),
+                     "checkpointed": s.checkpointed, "skips_carried": carried})
+    return rows
+
+
+def plan_as_dict(plan: Plan, meta: Backbone) -> dict:
+    trainable = [sum(p.numel() for p in u.module.parameters() if p.requires_grad) for u in meta.units]
+
+    def summary(part: Partition) -> dict:
+        return {"split": part.starts, "slowest_stage_ms": round(part.slowest_s * 1e3, 3),
+                "step_s": round(part.step_s, 5), "bubble_fraction": round(part.bubble_fraction, 4),
+                "samples_per_s": round(plan.micro_batch_size * plan.microbatches * plan.data_parallel / part.step_s, 3),
+                "stages": _stage_rows(part, meta, trainable)}
+
+    return {"stages": plan.stages, "data_parallel": plan.data_parallel, "microbatches": plan.microbatches,
+            "micro_batch_size": plan.micro_batch_size, "planned": summary(plan.planned),
+            "by_parameters": summary(plan.by_parameters)}
+
+
+def format_plan(plan: Plan, meta: Backbone) -> str:
+    d = plan_as_dict(plan, meta)
+    lines = [f"{d['stages']} stages x {d['data_parallel']} data parallel, {d['microbatches']} micro-batches of "
+             f"{d['micro_batch_size']}"]
+    for title, key in (("planned split", "planned"), ("parameter-count split", "by_parameters")):
+        part = d[key]
+        lines.append(f"\n{title} {part['split']}:")
+        lines.append(f"  {'stage':>5} {'units':<22} {'params M':>9} {'fwd ms':>9} {'bwd ms':>9} {'send ms':>8} "
+                     f"{'peak GiB':>9}  ckpt  skips carried")
+        for r in part["stages"]:
+            lines.append(f"  {r['stage']:>5} {r['units']:<22} {r['trainable_params_M']:>9.2f} {r['forward_ms']:>9.3f} "
+                         f"{r['backward_ms']:>9.3f} {r['send_ms']:>8.3f} {r['peak_GiB']:>9.2f}  "
+                         f"{'yes' if r['checkpointed'] else 'no ':<4}  {', '.join(r['skips_carried']) or '-'}")
+        lines.append(f"  slowest stage {part['slowest_stage_ms']:.3f} ms, step {part['step_s']:.4f} s, "
+                     f"bubble {part['bubble_fraction']:.1%}, {part['samples_per_s']:.2f} samples/s")
+    return "\n".join(lines)
+
+
+def _profile(config: RunConfig, meta: Backbone, path: str) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() and config.train.device != "cpu" else "cpu")
+    micro = config.micro_batch_size
+    costs = count_unit_costs(meta, *example_inputs(config, meta, micro))
+    real = build_backbone(config)
+    inputs, conditions = example_inputs(config, real, micro)
+    inputs = {k: torch.randn_like(v) for k, v in inputs.items()}
+    conditions = {k: torch.randn_like(v) if k != "timestep" else torch.full_like(v, 500.0)
+                  for k, v in conditions.items()}
+    profile_unit_costs(real, costs, inputs, conditions, device, AUTOCAST_DTYPES[config.train.precision])
+    save_profile(costs, profile_key(config, micro, device.type), path)
+    print(f"profiled {len(costs)} units at micro-batch {micro} on {device.type}; saved {path}")
+
+
+def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | None, as_json: bool,
+                 profile: bool) -> None:
+    if gpu_memory:
+        config.plan.memory_gib = parse_memory(gpu_memory)
+    meta = build_backbone(config, "meta")
+    if profile:
+        config.plan.profile = config.plan.profile or "unit_profile.json"
+        _profile(config, meta, config.plan.profile)
+    hw = hardware(config)
+    p = config.pipeline
+    if world_size:
+        plans = search_layouts(config, meta, world_size, hw)
+        if not plans:
+            print(f"no layout of {world_size} devices fits; try --gpu-memory, pipeline.checkpointing = \"auto\", "
+                  "or a smaller train.batch_size")
+            return
+        if as_json:
+            print(json.dumps([plan_as_dict(pl, meta) for pl in plans[:5]], indent=1))
+            return
+        print(f"best layouts of {world_size} devices for a global batch of {config.train.batch_size}:")
+        for pl in plans[:5]:
+            print(f"  {pl.stages} stages x {pl.data_parallel} dp, {pl.microbatches} micro-batches: "
+                  f"{pl.samples_per_s:.2f} samples/s, bubble {pl.planned.bubble_fraction:.1%}, split {pl.planned.starts}")
+        print("\n" + format_plan(plans[0], meta))
+        return
+    plan = make_plan(config, meta, p.stages * p.virtual_stages, p.data_parallel, p.microbatches, hw)
+    print(json.dumps(plan_as_dict(plan, meta), indent=1) if as_json else format_plan(plan, meta))
+

@@ -1,0 +1,82 @@
+"""The DP partitioner is exact: it matches brute force over every split and checkpointing choice."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from diffpipe.planner.costs import UnitCost
+from diffpipe.planner.partition import Hardware, Infeasible, _stage, partition
+
+
+def _random_costs(rng: random.Random, n: int) -> tuple[list[UnitCost], list[int]]:
+    costs = [UnitCost(f"u{i}", params=rng.randint(1, 50) * 10**6, trainable_params=0,
+                      forward_flops=rng.randint(1, 100) * 10**9, backward_flops=0,
+                      activation_bytes=rng.randint(0, 40) * 10**8, output_bytes={}) for i in range(n)]
+    for c in costs:
+        c.trainable_params = c.params if rng.random() < 0.8 else 0
+        c.backward_flops = 2 * c.forward_flops
+    boundary = [rng.randint(0, 20) * 10**7 for _ in range(n - 1)] + [0]
+    return costs, boundary
+
+
+def _brute_force(costs, boundary, stages, m, schedule, hw, mode):
+    n, best = len(costs), None
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *cuts, n]
+        choices = [(False,)] if mode == "none" else [(False, True)]
+        for ckpt in itertools.product(*(choices[0] for _ in range(stages))):
+            ests = [_stage(costs, boundary, bounds[i], bounds[i + 1], i, stages, m, schedule, hw, ckpt[i])
+                    for i in range(stages)]
+            if hw.memory_bytes is not None and any(e.memory_bytes > hw.memory_bytes for e in ests):
+                continue
+            slowest = max(e.busy_s for e in ests)
+            best = slowest if best is None else min(best, slowest)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_dp_equals_brute_force_on_random_instances(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 7)
+    costs, boundary = _random_costs(rng, n)
+    stages = rng.randint(1, min(4, n))
+    schedule = rng.choice(["gpipe", "1f1b"])
+    mode = rng.choice(["none", "auto"])
+    m = rng.randint(stages, 8)
+    total = sum(c.params * 16 + c.activation_bytes * m for c in costs)
+    hw = Hardware(tflops=rng.choice([1.0, 100.0]), link_gbps=rng.choice([1.0, 50.0]),
+                  memory_bytes=rng.choice([None, total / stages * rng.uniform(0.3, 1.5)]))
+    expected = _brute_force(costs, boundary, stages, m, schedule, hw, mode)
+    if expected is None:
+        with pytest.raises(Infeasible):
+            partition(costs, boundary, stages, m, schedule, hw, mode)
+        return
+    got = partition(costs, boundary, stages, m, schedule, hw, mode)
+    assert got.slowest_s == pytest.approx(expected, rel=1e-12)
+    assert len(got.stages) == stages and got.stages[0].first == 0 and got.stages[-1].last == n
+    if hw.memory_bytes is not None:
+        assert all(s.memory_bytes <= hw.memory_bytes for s in got.stages)
+
+
+def test_gpipe_holds_all_micro_batches_and_1f1b_fewer():
+    rng = random.Random(1)
+    costs, boundary = _random_costs(rng, 4)
+    hw = Hardware()
+    gpipe = partition(costs, boundary, 2, 8, "gpipe", hw)
+    one_f_one_b = partition(costs, boundary, 2, 8, "1f1b", hw)
+    assert max(s.memory_bytes for s in one_f_one_b.stages) < max(s.memory_bytes for s in gpipe.stages)
+
+
+def test_checkpointing_trades_time_for_memory():
+    costs, boundary = _random_costs(random.Random(2), 3)
+    plain = _stage(costs, boundary, 0, 3, 0, 1, 4, "gpipe", Hardware(), False)
+    ckpt = _stage(costs, boundary, 0, 3, 0, 1, 4, "gpipe", Hardware(), True)
+    assert ckpt.memory_bytes < plain.memory_bytes and ckpt.busy_s > plain.busy_s
+
+
+def test_bubble_fraction_of_a_balanced_pipeline_is_the_textbook_figure():
+    costs = [UnitCost(f"u{i}", 1, 1, 10**12, 2 * 10**12, 0, {}) for i in range(4)]
+    part = partition(costs, [0, 0, 0, 0], 4, 12, "1f1b", Hardware(tflops=1.0))
+    assert part.bubble_fraction == pytest.approx(3 / (12 + 3))

@@ -1,0 +1,44 @@
+"""`diffpipe plan` on real architectures (meta device, no weights), and what it says when nothing fits."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from diffpipe.cli import main
+
+EXAMPLES = Path(__file__).parent.parent.parent / "examples"
+
+
+def test_sdxl_plan_for_four_stages_compares_with_the_parameter_split(capsys):
+    start = time.perf_counter()
+    assert main(["plan", str(EXAMPLES / "sdxl_unet.toml"), "--json"]) == 0
+    assert time.perf_counter() - start < 60
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["stages"] == 4 and len(plan["planned"]["stages"]) == 4
+    assert plan["planned"]["slowest_stage_ms"] <= plan["by_parameters"]["slowest_stage_ms"]
+    assert all(s["peak_GiB"] <= 80 for s in plan["planned"]["stages"])
+    assert 0 < plan["planned"]["bubble_fraction"] < 1
+
+
+def test_world_size_search_lists_layouts(capsys):
+    assert main(["plan", str(EXAMPLES / "sd15_unet.toml"), "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "best layouts of 4 devices" in out and "samples/s" in out
+
+
+def test_nothing_fits_says_which_stage_needs_what_and_what_would_help(capsys):
+    code = main(["plan", str(EXAMPLES / "sdxl_unet.toml"), "--gpu-memory", "12GiB",
+                 "--set", "pipeline.checkpointing=\"none\"", "--set", "pipeline.stages=2"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "no split into 2 stages fits 12.0 GiB per device: stage" in err
+    assert "what would help:" in err and "LoRA" in err
+
+
+@pytest.mark.parametrize("text,gib", [("80GiB", 80.0), ("512MiB", 0.5), ("24", 24.0)])
+def test_gpu_memory_sizes(text, gib):
+    from diffpipe.planner.report import parse_memory
+    assert parse_memory(text) == gib
