@@ -20,7 +20,7 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
     try:
-        return unet_backbone(build_unet(config.model, config.train.seed, device))
+        return unet_backbone(build_unet(config.model, config.train.seed, device), config.model.units)
     except ValueError as exc:  # unsupported UNet options
         raise CheckpointError(str(exc)) from None
 

@@ -32,6 +32,8 @@ class ModelConfig(_Section):
     preset: str | None = Field("digits", description="Built-in backbone config (digits, sd15, sdxl); ignored when `config` or `path` is set.")
     config: dict[str, Any] | None = Field(None, description="Backbone config as keyword arguments of the diffusers class (inline table).")
     path: str | None = Field(None, description="Local diffusers folder (with config.json) or single .safetensors file to load weights from.")
+    units: Literal["layers", "blocks"] = Field(
+        "layers", description="Unit granularity the planner may cut at: layers (each resnet/transformer) or blocks.")
     text_encoder: str = Field("tiny-clip", description="Frozen text encoder: tiny-clip (built locally from a small config) or a local transformers CLIP folder.")
     text_max_length: int = Field(8, ge=2, le=512, description="Tokens per caption (padded/truncated).")
 

@@ -61,7 +61,7 @@ def test_reduced_precision_trains_on_two_stages(tmp_path, precision):
     ("train.max_stepz=3", "train.max_stepz: unknown key; did you mean 'max_steps'?"),
     ("train.max_steps=\"many\"", "train.max_steps: Input should be a valid integer"),
     ("train.batch_size=30", "nearest valid batch sizes: 28 or 32"),
-    ("pipeline.stages=9 pipeline.schedule=\"gpipe\"", "the model has only 8 units"),
+    ("pipeline.stages=14 pipeline.schedule=\"gpipe\"", "the model has only 13 units"),
     ("pipeline.microbatches=1", "needs pipeline.microbatches >= pipeline.stages"),
     ("pipeline.split=[3,2] pipeline.stages=3", "strictly increasing"),
     ("train.precision=\"fp8\"", "train.precision: Input should be 'fp32', 'bf16' or 'fp16'"),

@@ -1,6 +1,7 @@
 """Adapter for diffusers' `UNet2DConditionModel` (SD 1.x/2.x style, and SDXL style with text_time conditioning).
 
-Units: time embedding, conv_in, each down block, the mid block, each up block, output. Skip tensors are
+Units: time embedding, conv_in, each down block, the mid block, each up block, output (or, at "layers"
+granularity, each layer of the standard blocks: see unet_layers.py). Skip tensors are
 named `skip.0 .. skip.N`: conv_in writes skip.0, each down block writes one skip per resnet (and one for its
 downsampler); the main hidden state entering a down block is the last skip written before it, exactly as
 in `UNet2DConditionModel.forward`. Up blocks read the skips they concatenate, last first.
@@ -11,6 +12,7 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
+from .unet_layers import LAYERED_BLOCKS, down_layers, mid_layers, up_layers
 from .units import Backbone, Unit
 
 __all__ = ["unet_backbone", "UNET_CONDITIONS", "check_unet_supported"]
@@ -33,6 +35,8 @@ def check_unet_supported(unet: UNet2DConditionModel) -> None:
                          "use None (SD style) or 'text_time' (SDXL style)")
     if cfg.center_input_sample:
         raise ValueError("UNet config center_input_sample=True is not supported; scale inputs in the data instead")
+    if any(getattr(block, "s1", None) for block in unet.up_blocks):
+        raise ValueError("FreeU is enabled on this UNet; call unet.disable_freeu() before training")
 
 
 class _TimeEmbedding(nn.Module):
@@ -116,8 +120,16 @@ class _Out(nn.Module):
         return {"prediction": self.conv(h)}
 
 
-def unet_backbone(unet: UNet2DConditionModel) -> Backbone:
-    """Describe `unet` as units; the units share their modules (and weights) with `unet`."""
+def _layered(block: nn.Module, granularity: str) -> bool:
+    return granularity == "layers" and type(block).__name__ in LAYERED_BLOCKS
+
+
+def unet_backbone(unet: UNet2DConditionModel, granularity: str = "layers") -> Backbone:
+    """Describe `unet` as units sharing its modules (and weights).
+
+    granularity: "blocks" (one unit per down/mid/up block) or "layers" (one per resnet + transformer,
+    downsampler and upsampler, for the standard block types; other blocks stay whole).
+    """
     check_unet_supported(unet)
     conditions = ("timestep", "encoder_hidden_states")
     if unet.config.addition_embed_type == "text_time":
@@ -129,16 +141,25 @@ def unet_backbone(unet: UNet2DConditionModel) -> Backbone:
     for i, block in enumerate(unet.down_blocks):
         count = len(block.resnets) + (1 if block.downsamplers is not None else 0)
         new = [f"skip.{len(skips) + k}" for k in range(count)]
-        units.append(Unit(f"down.{i}", _Down(block, skips[-1], new), cross + (skips[-1],), tuple(new)))
+        if _layered(block, granularity):
+            units += down_layers(i, block, skips[-1], new)
+        else:
+            units.append(Unit(f"down.{i}", _Down(block, skips[-1], new), cross + (skips[-1],), tuple(new)))
         skips += new
     h_name = skips[-1]
     if unet.mid_block is not None:
-        units.append(Unit("mid", _Mid(unet.mid_block, h_name), cross + (h_name,), ("h",)))
+        if _layered(unet.mid_block, granularity):
+            units += mid_layers(unet.mid_block, h_name)
+        else:
+            units.append(Unit("mid", _Mid(unet.mid_block, h_name), cross + (h_name,), ("h",)))
         h_name = "h"
     for i, block in enumerate(unet.up_blocks):
         taken, skips = skips[-len(block.resnets):], skips[:-len(block.resnets)]
-        reads = cross + (h_name,) + tuple(n for n in taken if n != h_name)
-        units.append(Unit(f"up.{i}", _Up(block, h_name, taken), reads, ("h",)))
+        if _layered(block, granularity):
+            units += up_layers(i, block, h_name, taken)
+        else:
+            reads = cross + (h_name,) + tuple(n for n in taken if n != h_name)
+            units.append(Unit(f"up.{i}", _Up(block, h_name, taken), reads, ("h",)))
         h_name = "h"
     units.append(Unit("out", _Out(unet), ("h",), ("prediction",)))
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=unet)

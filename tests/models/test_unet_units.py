@@ -39,16 +39,28 @@ def _diffusers_forward(unet, sample, conditions):
     return unet(sample, conditions["timestep"], conditions["encoder_hidden_states"], added_cond_kwargs=added).sample
 
 
-@pytest.mark.parametrize("config", [SD_STYLE, SDXL_STYLE], ids=["sd-style", "sdxl-style"])
-def test_units_in_order_equal_diffusers_forward(config):
+NO_MID = dict(SD_STYLE, mid_block_type=None)
+
+
+@pytest.mark.parametrize("granularity", ["blocks", "layers"])
+@pytest.mark.parametrize("config", [SD_STYLE, SDXL_STYLE, NO_MID], ids=["sd-style", "sdxl-style", "no-mid-block"])
+def test_units_in_order_equal_diffusers_forward(config, granularity):
     torch.manual_seed(0)
     unet = UNet2DConditionModel(**config).eval()
-    backbone = unet_backbone(unet)
+    backbone = unet_backbone(unet, granularity)
     sample, conditions = _inputs(config)
     with torch.no_grad():
         expected = _diffusers_forward(unet, sample, conditions)
         got = backbone.forward({"sample": sample}, conditions)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("config", [SD_STYLE, SDXL_STYLE], ids=["sd-style", "sdxl-style"])
+def test_layer_units_cut_inside_blocks(config):
+    unet = UNet2DConditionModel(**config)
+    names = [u.name for u in unet_backbone(unet, "layers").units]
+    assert "up.0.0" in names and "down.0.0" in names and "mid.1" in names
+    assert len(names) > len(unet_backbone(unet, "blocks").units)
 
 
 @pytest.mark.parametrize("config", [SD_STYLE, SDXL_STYLE], ids=["sd-style", "sdxl-style"])

@@ -42,3 +42,18 @@ def test_nothing_fits_says_which_stage_needs_what_and_what_would_help(capsys):
 def test_gpu_memory_sizes(text, gib):
     from diffpipe.planner.report import parse_memory
     assert parse_memory(text) == gib
+
+
+def test_auto_checkpointing_only_where_a_stage_would_not_fit():
+    from diffpipe.build import build_backbone
+    from diffpipe.config import load_config
+    from diffpipe.planner.plan import resolve_stages
+
+    for memory, expect in ((80, "none"), (60, "some")):
+        config = load_config(EXAMPLES / "sdxl_unet.toml", ["pipeline.stages=2", "pipeline.microbatches=8",
+                                                           "train.batch_size=32", f"plan.memory_gib={memory}"])
+        _, checkpointed = resolve_stages(config, build_backbone(config, "meta"))
+        if expect == "none":
+            assert checkpointed == []
+        else:
+            assert 0 < len(checkpointed) < 2, checkpointed

@@ -1,4 +1,4 @@
-"""fp16: an overflow on one stage makes every stage skip the step and halve the loss scale together."""
+"""One optimizer step across stages: fp16 overflow decisions shared by every stage; per-stage learning rates."""
 from __future__ import annotations
 
 import os
@@ -38,3 +38,26 @@ def test_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path):
         assert r["overflowed"]["skipped"] is True and r["unchanged"]
         assert r["clean"]["skipped"] is False
         assert r["clean"]["loss_scale"] == r["overflowed"]["loss_scale"] / 2
+
+
+def _lr_worker(out_dir: str) -> None:
+    from pathlib import Path
+
+    from diffpipe.distributed import init_topology
+    from diffpipe.train.trainer import Trainer
+
+    config = build_config({"train": {"batch_size": 8, "max_steps": 1, "stage_lr_scale": [1.0, 0.0]},
+                           "pipeline": {"stages": 2, "microbatches": 2}})
+    topo = init_topology(2, 1, "cpu")
+    trainer = Trainer(config, topo, Path(out_dir))
+    before = [p.detach().clone() for p in trainer.params]
+    trainer._step(0)
+    changed = sum(not torch.equal(a, p) for a, p in zip(before, trainer.params))
+    torch.save({"changed": changed, "count": len(before)}, os.path.join(out_dir, f"lr{topo.rank}.pt"))
+
+
+def test_stage_lr_scale_applies_per_stage(tmp_path):
+    run_workers(_lr_worker, (str(tmp_path),), 2)
+    first, second = (torch.load(tmp_path / f"lr{r}.pt") for r in range(2))
+    assert first["changed"] > 0.9 * first["count"]  # lr x 1: (nearly) every weight moves
+    assert second["changed"] == 0  # lr x 0: none does
