@@ -1,0 +1,146 @@
+"""When each stage computes: forward and backward intervals per micro-batch, from public hooks only.
+
+Forward is timed inside `StageModule.forward`. Backward starts when the gradient of the stage's outputs
+arrives (an identity autograd function on the outputs) and ends with the last gradient the stage produces
+(a hook after each parameter's gradient accumulation, and the identity on its inputs). On CUDA the marks are
+CUDA events read after the step's synchronisation; on CPU they are wall-clock readings.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["StageClock", "Interval", "StepTimes"]
+
+
+@dataclass(frozen=True)
+class Interval:
+    stage: int
+    kind: str  # "forward" or "backward"
+    microbatch: int
+    start_s: float  # seconds since the step began
+    end_s: float
+
+
+@dataclass
+class StepTimes:
+    """One rank's step: its compute intervals and how its wall time divides."""
+
+    intervals: list[Interval]
+    step_s: float
+    optimizer_s: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return sum(i.end_s - i.start_s for i in self.intervals)
+
+    @property
+    def idle_s(self) -> float:
+        """Time in the schedule not spent computing: waiting for neighbours (bubble) and transfers."""
+        return max(0.0, self.step_s - self.optimizer_s - self.compute_s)
+
+
+class _Mark:
+    """A point in time: a CUDA event (read later) or a wall-clock reading."""
+
+    def __init__(self, device: torch.device):
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+            self.wall = None
+        else:
+            self.event, self.wall = None, time.perf_counter()
+
+    def seconds_since(self, origin: "_Mark") -> float:
+        if self.event is not None:
+            return origin.event.elapsed_time(self.event) / 1e3
+        return self.wall - origin.wall
+
+
+class _BackwardStarts(torch.autograd.Function):
+    """Identity on a stage output; its backward runs first in the stage's backward."""
+
+    @staticmethod
+    def forward(ctx, clock, x):
+        ctx.clock = clock
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.backward_started()
+        return None, grad
+
+
+@dataclass
+class StageClock:
+    """Collects the compute marks of one stage module during a step."""
+
+    stage: int
+    device: torch.device
+    enabled: bool = True
+    _marks: list[tuple[str, _Mark]] = field(default_factory=list)
+    _origin: _Mark | None = None
+
+    def start_step(self) -> None:
+        self._marks.clear()
+        self._origin = _Mark(self.device) if self.enabled else None
+
+    def forward_started(self) -> None:
+        if self._origin is not None:
+            self._marks.append(("forward_start", _Mark(self.device)))
+
+    def forward_ended(self) -> None:
+        if self._origin is not None:
+            self._marks.append(("forward_end", _Mark(self.device)))
+
+    def backward_started(self) -> None:
+        if self._origin is not None:
+            self._marks.append(("backward_start", _Mark(self.device)))
+
+    def gradient_produced(self, *_) -> None:
+        if self._origin is not None:
+            self._marks.append(("gradient", _Mark(self.device)))
+
+    def watch_outputs(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if self._origin is None or not torch.is_grad_enabled():
+            return outputs
+        return tuple(_BackwardStarts.apply(self, o) if o.requires_grad else o for o in outputs)
+
+    def watch_parameters(self, module: torch.nn.Module) -> None:
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self.gradient_produced)
+
+    def intervals(self, origin: "_Mark | None" = None) -> list[Interval]:
+        """Forward and backward intervals of this step, numbered per kind in the order they ran."""
+        origin = origin or self._origin
+        if origin is None:
+            return []
+        out, counts, open_kind, open_at, last_gradient = [], {"forward": 0, "backward": 0}, None, None, None
+
+        def close(end: float) -> None:
+            nonlocal open_kind
+            if open_kind is not None:
+                out.append(Interval(self.stage, open_kind, counts[open_kind], open_at, end))
+                counts[open_kind] += 1
+                open_kind = None
+
+        for kind, mark in self._marks:
+            t = mark.seconds_since(origin)
+            if kind in ("forward_start", "backward_start"):
+                if open_kind == "backward":
+                    close(last_gradient if last_gradient is not None else t)
+                open_kind, open_at, last_gradient = kind.split("_")[0], t, None
+            elif kind == "forward_end":
+                close(t)
+            else:
+                last_gradient = t
+        if open_kind == "backward":
+            close(last_gradient if last_gradient is not None else open_at)
+        return out
+
+    @property
+    def origin(self) -> "_Mark | None":
+        return self._origin
