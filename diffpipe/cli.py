@@ -2,6 +2,8 @@
 
     diffpipe train examples/digits.toml [--set train.max_steps=50] [--output-dir runs/x] [--overwrite]
     diffpipe plan examples/sdxl_unet.toml --set pipeline.stages=4 [--world-size 8] [--gpu-memory 80GiB] [--json]
+    diffpipe timeline runs/digits [--step N] --out timeline.png
+    diffpipe report runs/digits
     diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
     torchrun --nnodes 2 --nproc-per-node 4 ... -m diffpipe train CONFIG   # multi-node: one process per GPU
 
@@ -95,6 +97,27 @@ def _plan(args) -> None:
     plan_command(config, args.world_size, args.gpu_memory, args.json, args.profile)
 
 
+def _timeline(args) -> None:
+    import json
+
+    from .observe.timeline import chrome_trace, draw_timeline, read_step_intervals
+
+    record = read_step_intervals(args.run_dir, args.step)
+    draw_timeline(record, args.out)
+    trace = Path(args.out).with_suffix(".json")
+    trace.write_text(json.dumps(chrome_trace(record)))
+    print(f"wrote {args.out} and {trace} (open it in ui.perfetto.dev) for step {record['step']}")
+
+
+def _report(args) -> None:
+    from .observe.report import draw_report, summarise_run
+
+    print(summarise_run(args.run_dir))
+    out = args.out or str(Path(args.run_dir) / "report.png")
+    draw_report(args.run_dir, out)
+    print(f"wrote {out}")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffpipe", description="Pipeline-parallel diffusion training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +135,15 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.add_argument("--profile", action="store_true", help="time each unit on this device and save plan.profile")
     plan.set_defaults(run=_plan)
+    timeline = sub.add_parser("timeline", help="draw one step of a run as a Gantt chart, one row per rank")
+    timeline.add_argument("run_dir")
+    timeline.add_argument("--step", type=int, default=None, help="default: the last recorded step")
+    timeline.add_argument("--out", required=True)
+    timeline.set_defaults(run=_timeline)
+    report = sub.add_parser("report", help="one-page summary of a run (text and PNG)")
+    report.add_argument("run_dir")
+    report.add_argument("--out", default=None, help="PNG path (default RUN_DIR/report.png)")
+    report.set_defaults(run=_report)
     sample = sub.add_parser("sample", help="generate images from a finished run")
     sample.add_argument("run_dir")
     sample.add_argument("--prompt", required=True)

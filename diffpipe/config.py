@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "PipelineConfig",
-    "PlanConfig", "OutputConfig", "SampleConfig", "load_config", "save_config",
+    "PlanConfig", "ObserveConfig", "OutputConfig", "SampleConfig", "load_config", "save_config",
 ]
 
 
@@ -86,6 +86,17 @@ class PlanConfig(_Section):
     profile: str | None = Field(None, description="JSON of measured unit times from `diffpipe plan --profile`, reused when present.")
 
 
+class ObserveConfig(_Section):
+    log_every: int = Field(50, ge=0, description="Print one line per stage (compute, comm, bubble, peak) every N steps; 0: never.")
+    timeline_step: int = Field(3, ge=0, description="Step drawn into timeline.png (and timeline.json) in the run folder.")
+    anomaly_factor: float = Field(2.5, gt=1, description="Warn when a stage's latency exceeds this multiple of its rolling mean.")
+    anomaly_warmup: int = Field(5, ge=1, description="Steps of history before the monitor judges.")
+    on_anomaly: Literal["warn", "checkpoint", "stop"] = Field(
+        "warn", description="After a warning: warn only, checkpoint (save weights now), or stop (save and exit).")
+    tensorboard: bool = Field(True, description="Write TensorBoard scalars into RUN_DIR/tensorboard.")
+    wandb: bool = Field(False, description="Also log to Weights & Biases (needs `pip install wandb` and a login).")
+
+
 class OutputConfig(_Section):
     dir: str = Field("runs/run", description="Run folder: config, weights, metrics, pictures.")
     sample_every_end: bool = Field(True, description="Write samples.png at the end of training.")
@@ -103,6 +114,7 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation and diffusion.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Stages, schedule, data parallelism.")
     plan: PlanConfig = Field(default_factory=PlanConfig, description="Hardware figures for the stage planner.")
+    observe: ObserveConfig = Field(default_factory=ObserveConfig, description="Per-stage timing, timeline, monitor, TensorBoard.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where results go.")
     sample: SampleConfig = Field(default_factory=SampleConfig, description="Sampling during and after training.")
 

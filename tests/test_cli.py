@@ -41,10 +41,31 @@ def test_one_and_two_stages_and_torchrun_give_the_same_losses_and_a_usable_run_f
         assert (two / name).is_file(), name
     assert Image.open(two / "samples.png").size == (10 * 8 * 4, 8 * 4)  # 10 digits x 1 seed, scaled 4x
 
+    _check_observability(two)
+
     out = tmp_path / "row.png"
     assert main(["sample", str(two), "--prompt", "a handwritten digit three", "--num", "5", "--seed", "2",
                  "--steps", "3", "--out", str(out)]) == 0
     assert Image.open(out).size == (5 * 8, 8)
+
+
+def _check_observability(run: Path) -> None:
+    """Per-stage metrics, stage_times.jsonl, the timeline, TensorBoard events read back, report and timeline commands."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for key in ("stage0_compute_s", "stage1_bubble_s", "stage1_comm_s", "bubble_fraction", "ideal_bubble_fraction"):
+        assert all(key in r for r in rows), key
+    assert all(r["stage0_compute_s"] > 0 for r in rows)
+    assert (run / "timeline.png").is_file() and json.loads((run / "timeline.json").read_text())["traceEvents"]
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"train/loss", "train/samples_per_s", "stage1/compute_s", "pipeline/bubble_fraction"} <= set(tags)
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    assert main(["timeline", str(run), "--step", "2", "--out", str(run / "t2.png")]) == 0
+    assert Image.open(run / "t2.png").size[0] > 400
+    assert main(["report", str(run)]) == 0 and (run / "report.png").is_file()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

@@ -11,7 +11,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
 
 __all__ = ["draw_timeline", "chrome_trace", "read_step_intervals"]
 
@@ -61,9 +60,8 @@ def draw_timeline(record: dict, out: str | Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step began")
     ax.set_title(f"step {record['step']}: {record.get('schedule', '')}, bubble {record.get('bubble_fraction', 0):.1%} "
-                 f"(ideal {record.get('ideal_bubble_fraction', 0):.1%})")
-    ax.legend(handles=[Patch(facecolor="grey", alpha=0.45, label="forward"), Patch(facecolor="grey", label="backward")],
-              loc="upper right", fontsize=8)
+                 f"(ideal {record.get('ideal_bubble_fraction', 0):.1%}); F light = forward, B dark = backward",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

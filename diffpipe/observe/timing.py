@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["StageClock", "Interval", "StepTimes"]
+__all__ = ["StageClock", "Interval", "StepTimes", "Mark"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class StepTimes:
         return max(0.0, self.step_s - self.optimizer_s - self.compute_s)
 
 
-class _Mark:
+class Mark:
     """A point in time: a CUDA event (read later) or a wall-clock reading."""
 
     def __init__(self, device: torch.device):
@@ -53,7 +53,7 @@ class _Mark:
         else:
             self.event, self.wall = None, time.perf_counter()
 
-    def seconds_since(self, origin: "_Mark") -> float:
+    def seconds_since(self, origin: "Mark") -> float:
         if self.event is not None:
             return origin.event.elapsed_time(self.event) / 1e3
         return self.wall - origin.wall
@@ -63,14 +63,14 @@ class _BackwardStarts(torch.autograd.Function):
     """Identity on a stage output; its backward runs first in the stage's backward."""
 
     @staticmethod
-    def forward(ctx, clock, x):
-        ctx.clock = clock
+    def forward(ctx, clock, call, x):
+        ctx.clock, ctx.call = clock, call
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.clock.backward_started()
-        return None, grad
+        ctx.clock.backward_started(ctx.call)
+        return None, None, grad
 
 
 @dataclass
@@ -81,41 +81,46 @@ class StageClock:
     device: torch.device
     enabled: bool = True
     _marks: list[tuple[str, _Mark]] = field(default_factory=list)
-    _origin: _Mark | None = None
+    _origin: Mark | None = None
 
-    def start_step(self) -> None:
+    def start_step(self, origin: "Mark") -> None:
         self._marks.clear()
-        self._origin = _Mark(self.device) if self.enabled else None
+        self._origin = origin if self.enabled else None
+        self._calls, self._open_backward = 0, None
 
     def forward_started(self) -> None:
         if self._origin is not None:
-            self._marks.append(("forward_start", _Mark(self.device)))
+            self._calls += 1
+            self._open_backward = None
+            self._marks.append(("forward_start", Mark(self.device)))
 
     def forward_ended(self) -> None:
         if self._origin is not None:
-            self._marks.append(("forward_end", _Mark(self.device)))
+            self._marks.append(("forward_end", Mark(self.device)))
 
-    def backward_started(self) -> None:
-        if self._origin is not None:
-            self._marks.append(("backward_start", _Mark(self.device)))
+    def backward_started(self, call: int) -> None:
+        """Called by each output's gradient; only the first output of a forward call opens the interval."""
+        if self._origin is not None and call != self._open_backward:
+            self._open_backward = call
+            self._marks.append(("backward_start", Mark(self.device)))
 
     def gradient_produced(self, *_) -> None:
         if self._origin is not None:
-            self._marks.append(("gradient", _Mark(self.device)))
+            self._marks.append(("gradient", Mark(self.device)))
 
     def watch_outputs(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if self._origin is None or not torch.is_grad_enabled():
             return outputs
-        return tuple(_BackwardStarts.apply(self, o) if o.requires_grad else o for o in outputs)
+        return tuple(_BackwardStarts.apply(self, self._calls, o) if o.requires_grad else o for o in outputs)
 
     def watch_parameters(self, module: torch.nn.Module) -> None:
         for p in module.parameters():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self.gradient_produced)
 
-    def intervals(self, origin: "_Mark | None" = None) -> list[Interval]:
+    def intervals(self) -> list[Interval]:
         """Forward and backward intervals of this step, numbered per kind in the order they ran."""
-        origin = origin or self._origin
+        origin = self._origin
         if origin is None:
             return []
         out, counts, open_kind, open_at, last_gradient = [], {"forward": 0, "backward": 0}, None, None, None
@@ -140,7 +145,3 @@ class StageClock:
         if open_kind == "backward":
             close(last_gradient if last_gradient is not None else open_at)
         return out
-
-    @property
-    def origin(self) -> "_Mark | None":
-        return self._origin

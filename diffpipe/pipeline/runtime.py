@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from ..observe.timing import Mark, StageClock, StepTimes
 from .stage import StageModule
 
 __all__ = ["PipelineRunner", "SCHEDULES", "stage_indices_for_rank"]
@@ -32,13 +33,18 @@ class PipelineRunner:
 
     def __init__(self, modules: list[StageModule], stage_indices: list[int], num_stages: int,
                  group: dist.ProcessGroup, device: torch.device, schedule: str, microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], timed: bool = True):
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline.schedule={schedule!r}: choose one of {sorted(SCHEDULES)}")
         self.modules, self.stage_indices = modules, stage_indices
         self.num_stages, self.group, self.device = num_stages, group, device
         self.schedule_name, self.microbatches, self.loss_fn = schedule, microbatches, loss_fn
         self._schedules: dict[tuple, object] = {}
+        self.timed = timed
+        self.clocks = [StageClock(i, device, enabled=timed) for i in stage_indices]
+        for module, clock in zip(modules, self.clocks):
+            module.clock = clock
+            clock.watch_parameters(module)
 
     @property
     def holds_first_stage(self) -> bool:
@@ -58,15 +64,27 @@ class PipelineRunner:
         return self._schedules[shape_key]
 
     def step(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor],
-             target: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward of one batch; gradients accumulate (averaged over micro-batches)."""
+             target: torch.Tensor) -> tuple[torch.Tensor | None, StepTimes]:
+        """Forward and backward of one batch; gradients accumulate (averaged over micro-batches).
+
+        Returns the mean loss (on the rank holding the last stage, else None) and this rank's compute intervals.
+        """
         schedule = self._schedule_for(tuple(sample.shape))
+        if self.timed:
+            dist.barrier(group=self.group)  # one origin for the whole pipeline: the timeline's ranks line up
+        origin = Mark(self.device)
+        for clock in self.clocks:
+            clock.start_step(origin)
         losses: list[torch.Tensor] = []
         args = (sample,) if self.holds_first_stage else ()
         kwargs = dict(conditions)
         if self.holds_last_stage:
             kwargs.update(target=target, losses=losses)
         schedule.step(*args, **kwargs)
+        end = Mark(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        times = StepTimes([iv for clock in self.clocks for iv in clock.intervals()], end.seconds_since(origin))
         if not self.holds_last_stage:
-            return None
-        return torch.stack([loss.detach().float() for loss in losses]).mean()
+            return None, times
+        return torch.stack([loss.detach().float() for loss in losses]).mean(), times

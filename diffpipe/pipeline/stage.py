@@ -39,6 +39,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.spec = spec
         self.checkpointed = checkpointed
+        self.clock = None  # a StageClock while the runtime times this stage
         self.unit_list = units
         self.units = nn.ModuleList(u.module for u in units)  # registers the parameters
         self.autocast_dtype = autocast_dtype
@@ -49,6 +50,8 @@ class StageModule(nn.Module):
         yield from self.named_buffers()
 
     def forward(self, *received: torch.Tensor, **conditions: torch.Tensor):
+        if self.clock is not None:
+            self.clock.forward_started()
         named = dict(conditions)
         for name, tensor in zip(self.spec.receives, received, strict=True):
             named[name] = _ContiguousGrad.apply(tensor) if tensor.requires_grad else tensor
@@ -61,6 +64,9 @@ class StageModule(nn.Module):
                 out = checkpoint(self._run_units, named, use_reentrant=False)
             else:
                 out = self._run_units(named)
+        if self.clock is not None:
+            self.clock.forward_ended()
+            out = self.clock.watch_outputs(out)
         return out[0] if len(out) == 1 else out
 
     def _run_units(self, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -16,12 +16,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ..build import AUTOCAST_DTYPES, build_backbone, build_text_encoder, sample_shape
+from ..build import AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_text_encoder, sample_shape
 from ..config import RunConfig
 from ..data.batches import BatchMaker
 from ..data import make_dataset
 from ..distributed import Topology, init_topology
+from ..observe.observer import PipelineObserver, probe_link
+from ..observe.timing import StepTimes
+from ..observe.writers import ScalarWriters, make_writers
 from ..pipeline.runtime import PipelineRunner, stage_indices_for_rank
+from ..pipeline.traffic import Crossing
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
 from ..planner.plan import resolve_stages
@@ -65,28 +69,40 @@ class Trainer:
         data = make_dataset(config.data.dataset, sample_shape(config, backbone), config.train.seed)
         self.batches = BatchMaker(data.images, data.captions, self.text, config.train,
                                   config.data.caption_dropout, backbone.conditions)
+        moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches)
+        self.writers = make_writers(config, run_dir) if topo.is_main else ScalarWriters([])
+        self.observer = PipelineObserver(config, topo, run_dir, moved, probe_link(topo), self.writers)
 
-    def _step(self, step: int) -> dict:
-        loss = self.forward_backward(step)
-        return self.apply_gradients(step, loss)
+    def _step(self, step: int) -> tuple[dict, StepTimes]:
+        loss, times = self.forward_backward(step)
+        return self.apply_gradients(step, loss, times), times
 
-    def forward_backward(self, step: int) -> torch.Tensor | None:
-        """Gradients of the step's batch on this process's stages; the mean loss where the last stage lives."""
+    def forward_backward(self, step: int) -> tuple[torch.Tensor | None, StepTimes]:
+        """Gradients of the step's batch on this process's stages: the mean loss where the last stage lives,
+        and this rank's compute intervals."""
         topo = self.topo
         batch = self.batches.make(step, topo.dp_rank, topo.dp_size).to(topo.device)
         self.optimizer.zero_grad(set_to_none=True)
         return self.runner.step(batch.noisy, batch.conditions, batch.target)
 
-    def apply_gradients(self, step: int, loss: torch.Tensor | None) -> dict:
-        """Average over replicas, clip by the global norm, step (unless fp16 overflowed anywhere); the step's record."""
+    def apply_gradients(self, step: int, loss: torch.Tensor | None, times: StepTimes | None = None) -> dict:
+        """Average over replicas, clip by the global norm, step (unless fp16 overflowed anywhere); the step's record.
+
+        `times.optimizer_s` gets the local clipping and optimizer time (not the collectives, whose waiting for
+        slower stages is pipeline bubble, already counted)."""
         topo, train = self.topo, self.config.train
         lr = self.optimizer.param_groups[0]["lr"]
         average_gradients(self.params, topo.dp_group, topo.dp_size)
         norm = global_grad_norm(self.params, topo.pp_group, topo.device)  # of scaled gradients under fp16
         overflow = not torch.isfinite(torch.tensor(norm)).item()
+        start = time.perf_counter()
         if not overflow:
             clip_gradients(self.params, norm, train.max_grad_norm, unscale=1.0 / self.scaler.scale)
             self.optimizer.step()
+        if topo.device.type == "cuda":
+            torch.cuda.synchronize(topo.device)
+        if times is not None:
+            times.optimizer_s = time.perf_counter() - start
         scale_used = self.scaler.scale
         self.scaler.update(overflow)
         self.lr_schedule.step()
@@ -109,12 +125,22 @@ class Trainer:
                                      batch=train.batch_size)
             for step in range(train.max_steps):
                 start = time.perf_counter()
-                record = self._step(step)
+                record, times = self._step(step)
                 seconds = time.perf_counter() - start
                 record.update(step_time_s=round(seconds, 5), samples_per_s=train.batch_size / seconds)
+                action = self.observer.after_step(step, record, times)
                 if log is not None and (step % train.log_every == 0 or step == train.max_steps - 1):
                     log.write(record)
+                    for key in ("loss", "lr", "grad_norm", "samples_per_s"):
+                        self.writers.add_scalar(f"train/{key}", record[key], step)
                 progress.update(task, completed=step + 1, loss=record["loss"], samples_per_s=record["samples_per_s"])
+                if action in ("checkpoint", "stop"):
+                    self.save()
+                if action == "stop":
+                    if topo.is_main:
+                        print(f"stopped after step {step} (observe.on_anomaly = \"stop\"); weights saved", flush=True)
+                    break
+        self.writers.close()
         self.save()
 
     def save(self) -> None:
@@ -134,6 +160,15 @@ class Trainer:
             self.text.save(self.run_dir / "text_encoder")
             shutil.rmtree(parts)
         dist.barrier()
+
+
+def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int) -> int:
+    """Bytes this rank sends and receives in a step: activations forward, their gradients back."""
+    per_boundary = {c.after_stage: c.bytes for c in crossings}
+    total = 0
+    for s in mine:
+        total += per_boundary.get(s - 1, 0) + (per_boundary.get(s, 0) if s < stages - 1 else 0)
+    return 2 * microbatches * total
 
 
 def train_worker(config_data: dict, run_dir: str) -> None:

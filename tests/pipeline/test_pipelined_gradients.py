@@ -48,7 +48,7 @@ def _scenario_worker(scenarios: list[dict], out_dir: str) -> None:
         trainer = Trainer(config, topo, Path(out_dir))
         losses, grads = [], None
         for step in range(STEPS):
-            losses.append(trainer._step(step)["loss"])
+            losses.append(trainer._step(step)[0]["loss"])
             if step == 0:
                 grads = {n: p.grad.clone() for m in trainer.modules for n, p in m.full_named_parameters()}
         weights = {n: p.detach().clone() for m in trainer.modules for n, p in m.full_named_parameters()}

@@ -1,0 +1,144 @@
+"""Where each stage's time goes, step by step: gathered from every rank, written where users look.
+
+Per pipeline rank and step: compute (forward + backward intervals), optimizer, and idle time inside the
+schedule. Idle splits into communication, estimated as the bytes the rank moves times the seconds per byte
+measured between neighbouring ranks at start-up (`probe_link`), and bubble (the rest: waiting on other
+stages). Rank 0 adds per-stage fields to metrics.jsonl, appends every rank's intervals to stage_times.jsonl,
+writes TensorBoard scalars, prints a line per stage every `observe.log_every` steps, draws the timeline of
+`observe.timeline_step`, and runs the monitor, whose action every rank then takes.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..config import RunConfig
+from ..distributed import Topology
+from .monitor import PipelineMonitor
+from .timeline import chrome_trace, draw_timeline
+from .timing import StepTimes
+
+__all__ = ["PipelineObserver", "probe_link", "ideal_bubble_fraction"]
+
+GIB = 2**30
+
+
+def ideal_bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
+    """(S - 1) / (m + S - 1) for GPipe and 1F1B; interleaving divides the fill by the chunks per rank."""
+    if schedule == "interleaved_1f1b":
+        return (stages - 1) / (virtual * microbatches + stages - 1)
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def probe_link(topo: Topology, nbytes: int = 4 * 2**20, repeats: int = 3) -> float:
+    """Seconds per byte between neighbouring pipeline ranks (round trips of `nbytes`), 0 without neighbours."""
+    if topo.pp_size == 1:
+        return 0.0
+    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=topo.device)
+    measured = []
+    for phase in (0, 1):  # pairs (0,1),(2,3).. then (1,2),(3,4).. so no rank waits on two partners at once
+        lower = topo.pp_rank if (topo.pp_rank - phase) % 2 == 0 else topo.pp_rank - 1
+        if lower < 0 or lower + 1 >= topo.pp_size or topo.pp_rank not in (lower, lower + 1):
+            continue
+        partner = topo.rank + (1 if topo.pp_rank == lower else -1)
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            if topo.pp_rank == lower:
+                dist.send(buf, partner)
+                dist.recv(buf, partner)
+            else:
+                dist.recv(buf, partner)
+                dist.send(buf, partner)
+            if topo.device.type == "cuda":
+                torch.cuda.synchronize(topo.device)
+            measured.append((time.perf_counter() - start) / (2 * nbytes))
+        measured.pop(-repeats - 1)  # the first exchange of a pair sets up the connection
+    return min(measured) if measured else 0.0
+
+
+def _peak_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set since start (Linux: KiB)
+
+
+class PipelineObserver:
+    def __init__(self, config: RunConfig, topo: Topology, run_dir: Path, moved_bytes_per_step: int,
+                 seconds_per_byte: float, writer=None):
+        self.config, self.topo, self.run_dir = config, topo, run_dir
+        self.moved_bytes_per_step, self.seconds_per_byte = moved_bytes_per_step, seconds_per_byte
+        obs = config.observe
+        self.monitor = PipelineMonitor(factor=obs.anomaly_factor, warmup=obs.anomaly_warmup)
+        self.writer = writer
+        p = config.pipeline
+        self.ideal = ideal_bubble_fraction(p.schedule, p.stages, p.microbatches, p.virtual_stages)
+
+    def _summary(self, times: StepTimes) -> dict:
+        summary = {"rank": self.topo.rank, "pp_rank": self.topo.pp_rank, "dp_rank": self.topo.dp_rank,
+                   "step_s": times.step_s + times.optimizer_s, "compute_s": times.compute_s,
+                   "optimizer_s": times.optimizer_s, "comm_s": self.moved_bytes_per_step * self.seconds_per_byte,
+                   "peak_gib": _peak_bytes(self.topo.device) / GIB,
+                   "intervals": [asdict(i) for i in times.intervals]}
+        if self.topo.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.topo.device)
+        return summary
+
+    def after_step(self, step: int, record: dict, times: StepTimes) -> str:
+        """Gather, record and judge one step; returns the action every rank takes: continue, checkpoint, stop."""
+        gathered: list = [None] * self.topo.world_size
+        dist.all_gather_object(gathered, self._summary(times))
+        action = "continue"
+        if self.topo.is_main:
+            action = self._record(step, record, sorted((g for g in gathered if g["dp_rank"] == 0),
+                                                       key=lambda g: g["pp_rank"]))
+        decision = [action]
+        dist.broadcast_object_list(decision, src=0)
+        return decision[0]
+
+    def _record(self, step: int, record: dict, ranks: list[dict]) -> str:
+        # every rank starts the step together (the previous step ends in collectives), so one window covers
+        # the pipeline: a stage that finishes early was idle for the rest of it, as in the textbook bubble
+        window = max(r["step_s"] - r["optimizer_s"] for r in ranks)
+        for r in ranks:
+            r["idle_s"] = max(0.0, window - r["compute_s"])
+            r["comm_s"] = min(r["comm_s"], r["idle_s"])
+            r["bubble_s"] = r["idle_s"] - r["comm_s"]
+        bubble = sum(r["bubble_s"] for r in ranks) / (window * len(ranks)) if window > 0 else 0.0
+        record.update(bubble_fraction=bubble, ideal_bubble_fraction=self.ideal)
+        for r in ranks:
+            for key in ("compute_s", "comm_s", "bubble_s", "optimizer_s", "peak_gib"):
+                record[f"stage{r['pp_rank']}_{key}"] = r[key]
+        line = {"step": step, "schedule": self.config.pipeline.schedule, "bubble_fraction": bubble,
+                "ideal_bubble_fraction": self.ideal, "ranks": ranks}
+        with (self.run_dir / "stage_times.jsonl").open("a") as f:
+            f.write(json.dumps(line) + "\n")
+        if step == self.config.observe.timeline_step:
+            draw_timeline(line, self.run_dir / "timeline.png")
+            (self.run_dir / "timeline.json").write_text(json.dumps(chrome_trace(line)))
+        if self.config.observe.log_every and step % self.config.observe.log_every == 0:
+            for r in ranks:
+                own = r["bubble_s"] / max(1e-12, window)
+                print(f"stage {r['pp_rank'] + 1}/{len(ranks)} step {step}: compute {r['compute_s']:.3f} s, "
+                      f"comm {r['comm_s']:.3f} s, bubble {r['bubble_s']:.3f} s ({own:.1%}, ideal {self.ideal:.1%}), "
+                      f"peak {r['peak_gib']:.2f} GiB", flush=True)
+        if self.writer is not None:
+            self.writer.add_scalar("pipeline/bubble_fraction", bubble, step)
+            for r in ranks:
+                for key in ("compute_s", "comm_s", "bubble_s", "peak_gib"):
+                    self.writer.add_scalar(f"stage{r['pp_rank']}/{key}", r[key], step)
+        return self._judge(step, ranks)
+
+    def _judge(self, step: int, ranks: list[dict]) -> str:
+        alerts = []
+        for r in ranks:
+            alerts += self.monitor.observe(r["pp_rank"], r["rank"], {"step latency": r["compute_s"],
+                                                                      "communication latency": r["comm_s"]})
+        for alert in alerts:
+            print(f"warning: {alert.message(step)}; action: {self.config.observe.on_anomaly}", flush=True)
+        return self.config.observe.on_anomaly if alerts else "continue"

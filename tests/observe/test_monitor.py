@@ -1,0 +1,35 @@
+"""The pipeline monitor fires on one stage's slowdown, and not on a steady (noisy) run."""
+from __future__ import annotations
+
+import random
+
+from diffpipe.observe.monitor import PipelineMonitor
+
+
+def _steady(monitor: PipelineMonitor, steps: int, rng: random.Random) -> list:
+    alerts = []
+    for _ in range(steps):
+        for stage in (0, 1):
+            alerts += monitor.observe(stage, stage, {"step latency": 0.2 * rng.uniform(0.85, 1.15),
+                                                     "communication latency": 0.01 * rng.uniform(0.5, 1.5)})
+    return alerts
+
+
+def test_steady_run_raises_nothing():
+    assert _steady(PipelineMonitor(), 200, random.Random(0)) == []
+
+
+def test_slowdown_of_one_stage_is_named():
+    monitor = PipelineMonitor(factor=2.5)
+    _steady(monitor, 30, random.Random(1))
+    alerts = monitor.observe(1, 1, {"step latency": 0.2 * 3.0, "communication latency": 0.01})
+    assert [(a.stage, a.metric) for a in alerts] == [(1, "step latency")]
+    assert alerts[0].message(31).startswith("step 31: stage 1 (rank 1) step latency 600.0 ms is 2.9x its rolling mean")
+    assert monitor.observe(0, 0, {"step latency": 0.2, "communication latency": 0.01}) == []
+
+
+def test_tiny_figures_never_alert():
+    monitor = PipelineMonitor()
+    for _ in range(10):
+        monitor.observe(0, 0, {"communication latency": 1e-5})
+    assert monitor.observe(0, 0, {"communication latency": 5e-4}) == []
