@@ -63,7 +63,7 @@ class Trainer:
         self.params = [q for params, _ in groups for q in params]
         self.scaler = LossScaler(config.train.precision == "fp16")
         self.runner = PipelineRunner(self.modules, mine, len(specs), topo.pp_group, topo.device, p.schedule,
-                                     p.microbatches, _ScaledMSE(self.scaler))
+                                     p.microbatches, _ScaledMSE(self.scaler), timed=config.observe.enabled)
         self.optimizer, self.lr_schedule = make_optimizer(groups, config.train, topo.device)
         self.text = build_text_encoder(config, backbone)
         data = make_dataset(config.data.dataset, sample_shape(config, backbone), config.train.seed)
@@ -128,7 +128,7 @@ class Trainer:
                 record, times = self._step(step)
                 seconds = time.perf_counter() - start
                 record.update(step_time_s=round(seconds, 5), samples_per_s=train.batch_size / seconds)
-                action = self.observer.after_step(step, record, times)
+                action = self.observer.after_step(step, record, times) if self.config.observe.enabled else "continue"
                 if log is not None and (step % train.log_every == 0 or step == train.max_steps - 1):
                     log.write(record)
                     for key in ("loss", "lr", "grad_norm", "samples_per_s"):
