@@ -66,14 +66,14 @@ def _finish(config, run_dir: Path) -> None:
     from .train.records import plot_loss
 
     plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    if config.output.sample_every_end and config.data.dataset == "digits":
+    if config.output.sample_every_end and config.output.save_weights and config.data.dataset == "digits":
         gen = load_generator(run_dir)
         seeds = config.sample.seeds
         prompts = [digit_caption(d) for _ in seeds for d in range(len(DIGIT_WORDS))]
         row_seeds = [s for s in seeds for _ in DIGIT_WORDS]
         images = gen.generate(prompts, row_seeds, config.sample.steps, config.sample.guidance_scale)
         save_grid(images, len(seeds), run_dir / "samples.png", scale=4)
-    print(f"done: {run_dir}/model.safetensors, metrics.jsonl, loss.png, samples.png", flush=True)
+    print(f"done: {run_dir}", flush=True)
 
 
 def _sample(args) -> None:

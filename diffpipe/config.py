@@ -101,6 +101,7 @@ class ObserveConfig(_Section):
 class OutputConfig(_Section):
     dir: str = Field("runs/run", description="Run folder: config, weights, metrics, pictures.")
     sample_every_end: bool = Field(True, description="Write samples.png at the end of training.")
+    save_weights: bool = Field(True, description="Write model.safetensors at the end (off for benchmarks of large models).")
 
 
 class SampleConfig(_Section):

@@ -75,5 +75,6 @@ class TextEncoder:
     def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.tokenizer(captions, padding="max_length", truncation=True, max_length=self.max_length,
                                 return_tensors="pt")
-        out = self.model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask)
+        device = next(self.model.parameters()).device
+        out = self.model(input_ids=tokens.input_ids.to(device), attention_mask=tokens.attention_mask.to(device))
         return out.last_hidden_state, out.text_embeds

@@ -76,10 +76,10 @@ def average_gradients(params, group: dist.ProcessGroup, size: int) -> None:
 
 
 def global_grad_norm(params, pp_group: dist.ProcessGroup, device: torch.device) -> float:
+    """L2 norm of all gradients of all stages (one fused norm here, one all-reduce of its square)."""
     grads = _grads(params)
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        sq += g.detach().double().pow(2).sum()
+    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+    sq = local.double().pow(2).to(device)
     dist.all_reduce(sq, group=pp_group)
     return float(sq.sqrt())
 
@@ -90,5 +90,4 @@ def clip_gradients(params, norm: float, max_norm: float, unscale: float = 1.0) -
     if max_norm > 0 and norm * unscale > max_norm:
         factor *= max_norm / (norm * unscale + 1e-6)
     if factor != 1.0:
-        for g in _grads(params):
-            g.mul_(factor)
+        torch._foreach_mul_(_grads(params), factor)  # one fused kernel per dtype/device, not one per tensor

@@ -66,6 +66,7 @@ class Trainer:
                                      p.microbatches, _ScaledMSE(self.scaler), timed=config.observe.enabled)
         self.optimizer, self.lr_schedule = make_optimizer(groups, config.train, topo.device)
         self.text = build_text_encoder(config, backbone)
+        self.text.model.to(topo.device)
         data = make_dataset(config.data.dataset, sample_shape(config, backbone), config.train.seed)
         self.batches = BatchMaker(data.images, data.captions, self.text, config.train,
                                   config.data.caption_dropout, backbone.conditions)
@@ -145,6 +146,8 @@ class Trainer:
 
     def save(self) -> None:
         """Each pipeline rank of replica 0 writes its stages; rank 0 merges them into model.safetensors."""
+        if not self.config.output.save_weights:
+            return
         parts = self.run_dir / ".stage-weights"
         if self.topo.dp_rank == 0:
             parts.mkdir(exist_ok=True)
@@ -157,6 +160,7 @@ class Trainer:
                 merged.update(load_file(str(f)))
             save_file(merged, str(self.run_dir / "model.safetensors"))
             (self.run_dir / "model_config.json").write_text(json.dumps(self.model_config, indent=1, default=list))
+            self.text.model.cpu()
             self.text.save(self.run_dir / "text_encoder")
             shutil.rmtree(parts)
         dist.barrier()

@@ -1,0 +1,133 @@
+"""diffpipe against the plain training loop on one GPU: SDXL-config UNet (random weights), 1024x1024, fp32
+weights, bf16 autocast, fused AdamW, full fine-tune. Prints one JSON line per configuration.
+
+    python bench/sdxl_one_gpu.py [--plain 1,2,4,8] [--diffpipe "1:1,1:2,1:4"] [--steps 8] [--compile]
+
+--diffpipe lists STAGES_PER_RANK:... as "1" (one stage), "2" or "4" (that many stages on the one GPU, run by
+the interleaved schedule), each at micro-batch 8 and global batch 8 x stages. The plain loop is the same
+step as ../shared/reference/plain_loop_gpu.py: FLOPs counted once with FlopCounterMode.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from diffpipe.models.presets import UNET_PRESETS  # noqa: E402
+
+
+def _inputs(b: int, dev: str) -> dict:
+    return dict(sample=torch.randn(b, 4, 128, 128, device=dev), timestep=torch.randint(0, 1000, (b,), device=dev),
+                encoder_hidden_states=torch.randn(b, 77, 2048, device=dev),
+                added_cond_kwargs=dict(text_embeds=torch.randn(b, 1280, device=dev), time_ids=torch.randn(b, 6, device=dev)))
+
+
+def plain_loop(batches: list[int], steps: int, compiled: bool) -> float:
+    """The hand-written loop; returns FLOPs per sample (for diffpipe's TFLOP/s)."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    model = UNet2DConditionModel(**UNET_PRESETS["sdxl"]).to("cuda").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    fwd = torch.compile(model) if compiled else model
+    flops_per_sample = 0.0
+    for b in batches:
+        inp = _inputs(b, "cuda")
+        with FlopCounterMode(display=False) as fc:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(**inp).sample
+            out.float().pow(2).mean().backward()
+        flops = fc.get_total_flops()
+        flops_per_sample = flops / b
+        opt.zero_grad(set_to_none=True)
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = fwd(**inp).sample
+            out.float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        print(json.dumps({"what": "plain", "compiled": compiled, "micro_batch": b, "step_s": round(med, 4),
+                          "samples_per_s": round(b / med, 3), "tflops": round(flops / med / 1e12, 1),
+                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}), flush=True)
+    del model, opt, fwd
+    torch.cuda.empty_cache()
+    return flops_per_sample
+
+
+def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float, extra: list[str]) -> None:
+    """`diffpipe train` itself, as a user runs it, with `chunks` stages hosted on this one GPU."""
+    with tempfile.TemporaryDirectory() as tmp:
+        sets = {"train.max_steps": steps + 3, "train.batch_size": 8 * chunks if chunks > 1 else 8,
+                "pipeline.stages": 1, "pipeline.microbatches": chunks, "pipeline.split": '"auto"',
+                "observe.enabled": str(observe).lower(), "observe.log_every": 0, "output.save_weights": "false",
+                "pipeline.checkpointing": '"none"', "plan.memory_gib": 139}
+        if chunks > 1:
+            sets.update({"pipeline.schedule": '"interleaved_1f1b"', "pipeline.virtual_stages": chunks})
+        cmd = [sys.executable, "-m", "diffpipe", "train", str(ROOT / "examples" / "sdxl_unet.toml"),
+               "--output-dir", f"{tmp}/run"]
+        for k, v in sets.items():
+            cmd += ["--set", f"{k}={v}"]
+        for item in extra:
+            cmd += ["--set", item]
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if result.returncode != 0:
+            print(json.dumps({"what": "diffpipe", "chunks": chunks, "error": result.stderr[-1500:]}), flush=True)
+            return
+        rows = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
+    steady = rows[3:]
+    med = statistics.median(r["step_time_s"] for r in steady)
+    batch = 8 * chunks if chunks > 1 else 8
+    peak = max((v for r in steady for k, v in r.items() if k.endswith("_peak_gib")), default=None)
+    print(json.dumps({"what": "diffpipe", "stages_on_gpu": chunks, "observe": observe, "extra": extra,
+                      "micro_batch": 8, "global_batch": batch, "step_s": round(med, 4),
+                      "samples_per_s": round(batch / med, 3), "tflops": round(flops_per_sample * batch / med / 1e12, 1),
+                      "peak_gib": None if peak is None else round(peak, 2),
+                      "bubble_fraction": steady[-1].get("bubble_fraction")}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plain", default="1,2,4,8")
+    parser.add_argument("--diffpipe", default="1,2,4", help="stages hosted on the GPU, comma separated")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--compile", action="store_true", help="also the plain loop compiled, at micro-batch 8")
+    parser.add_argument("--overhead", action="store_true", help="also diffpipe 1 stage with observe off")
+    args = parser.parse_args()
+    print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+                      "date": time.strftime("%Y-%m-%d")}), flush=True)
+    flops = plain_loop([int(b) for b in args.plain.split(",") if b], args.steps, False)
+    if args.compile:
+        plain_loop([8], args.steps, True)
+    for chunks in [int(c) for c in args.diffpipe.split(",") if c]:
+        diffpipe_run(chunks, args.steps, True, flops, [])
+        if chunks == 1 and args.overhead:
+            diffpipe_run(chunks, args.steps, False, flops, [])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Where one diffpipe training step spends its time, phase by phase (synchronising the GPU between phases).
+
+    python bench/step_phases.py examples/sdxl_unet.toml [--steps 6] [--set KEY=VALUE ...]
+
+Runs in one process (one stage); prints one JSON line with the median seconds of: making the batch,
+forward+backward through the schedule, the gradient norm, the optimizer step, and the whole step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from diffpipe.config import load_config  # noqa: E402
+from diffpipe.distributed import init_topology, resolve_device_kind  # noqa: E402
+from diffpipe.train.optim import global_grad_norm  # noqa: E402
+from diffpipe.train.trainer import Trainer  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--set", action="append", default=[])
+    args = parser.parse_args()
+    config = load_config(args.config, ["pipeline.stages=1", "output.save_weights=false", *args.set])
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29581")
+    topo = init_topology(1, 1, resolve_device_kind(config.train.device))
+    trainer = Trainer(config, topo, Path(tempfile.mkdtemp()))
+
+    def sync():
+        if topo.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    phases = {k: [] for k in ("batch", "forward_backward", "grad_norm", "apply_gradients", "step")}
+    for step in range(args.steps + 2):
+        sync()
+        t0 = time.perf_counter()
+        batch = trainer.batches.make(step, 0, 1).to(topo.device)
+        sync()
+        t1 = time.perf_counter()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        loss, _ = trainer.runner.step(batch.noisy, batch.conditions, batch.target)
+        sync()
+        t2 = time.perf_counter()
+        global_grad_norm(trainer.params, topo.pp_group, topo.device)
+        sync()
+        t3 = time.perf_counter()
+        trainer.apply_gradients(step, loss)
+        sync()
+        t4 = time.perf_counter()
+        if step >= 2:
+            for key, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+                phases[key].append(value)
+    print(json.dumps({k: round(statistics.median(v), 4) for k, v in phases.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
