@@ -13,16 +13,19 @@ __all__ = ["trace_shapes", "Crossing", "boundary_crossings", "format_crossings"]
 
 
 def trace_shapes(backbone: Backbone, inputs: dict[str, torch.Tensor],
-                 conditions: dict[str, torch.Tensor]) -> dict[str, torch.Size]:
-    """Run the units on meta tensors; `backbone` must live on the meta device too."""
+                 conditions: dict[str, torch.Tensor]) -> list[dict[str, torch.Size]]:
+    """Shapes of every live name after each unit (a name such as "h" is rewritten, so shapes change),
+    from running the units on meta tensors; `backbone` must live on the meta device too."""
     named = {k: v.to("meta") for k, v in {**inputs, **conditions}.items()}
     shapes = {k: v.shape for k, v in named.items()}
+    after = []
     with torch.no_grad():
         for unit in backbone.units:
             out = unit(named)
             named.update(out)
             shapes.update({k: v.shape for k, v in out.items()})
-    return shapes
+            after.append(dict(shapes))
+    return after
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,10 @@ class Crossing:
     bytes: int
 
 
-def boundary_crossings(specs: list[StageSpec], shapes: dict[str, torch.Size], bytes_per_element: int) -> list[Crossing]:
-    return [Crossing(s.index, s.sends, sum(shapes[n].numel() for n in s.sends) * bytes_per_element)
+def boundary_crossings(specs: list[StageSpec], shapes_after: list[dict[str, torch.Size]],
+                       bytes_per_element: int) -> list[Crossing]:
+    """What each stage sends: shapes as they are after its last unit."""
+    return [Crossing(s.index, s.sends, sum(shapes_after[s.last - 1][n].numel() for n in s.sends) * bytes_per_element)
             for s in specs[:-1]]
 
 

@@ -1,9 +1,10 @@
 """What each unit costs at a given micro-batch: FLOPs, time, parameter and activation memory, output bytes.
 
 Counted mode runs the real units on the meta device (no memory, no compute): FLOPs from
-`torch.utils.flop_counter`, activation bytes from the tensors autograd saves for backward. Profiled mode
-runs them on the real device and times forward and backward; its result is saved as JSON that later plans
-reuse (`diffpipe plan --profile`).
+`torch.utils.flop_counter`, activation bytes from the tensors autograd saves for backward (an upper bound:
+on the meta device attention saves its full probability matrix, which flash attention does not). Profiled
+mode runs them on the real device and times forward and backward, and on CUDA also measures the memory a
+forward leaves alive; its result is saved as JSON that later plans reuse (`diffpipe plan --profile`).
 """
 from __future__ import annotations
 
@@ -102,14 +103,18 @@ def profile_unit_costs(backbone: Backbone, costs: list[UnitCost], inputs: dict[s
     for unit, cost in zip(backbone.units, costs):
         unit.module.to(device)
         fwd, bwd = [], []
+        retained = []
         for _ in range(warmup + repeats):
             args = _unit_inputs(named, unit.reads, grad_names)
             _sync(device)
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             start = time.perf_counter()
             with autocast:
                 out = unit(args)
             _sync(device)
             mid = time.perf_counter()
+            if device.type == "cuda":  # what the forward leaves alive for backward: outputs and saved tensors
+                retained.append(torch.cuda.memory_allocated(device) - before)
             grads_needed = [o for o in out.values() if o.requires_grad]
             if grads_needed:
                 torch.autograd.backward(grads_needed, [torch.ones_like(o) for o in grads_needed])
@@ -118,6 +123,8 @@ def profile_unit_costs(backbone: Backbone, costs: list[UnitCost], inputs: dict[s
             bwd.append(time.perf_counter() - mid)
             unit.module.zero_grad(set_to_none=True)
         cost.forward_s, cost.backward_s = min(fwd[warmup:]), min(bwd[warmup:])
+        if retained:  # measured: the kernels actually used (flash attention keeps far less than the math path)
+            cost.activation_bytes = int(min(retained[warmup:]))
         named.update({k: v.detach() for k, v in out.items()})
     return costs
 

@@ -57,6 +57,9 @@ def unit_costs(config: RunConfig, meta: Backbone, micro_batch: int) -> list[Unit
         saved_batch = json.loads(Path(profile).read_text())["key"]["micro_batch"]
         device = "cuda" if torch.cuda.is_available() else "cpu"
         measured = load_profile(profile, profile_key(config, saved_batch, device))
+        if device == "cpu":  # CPU memory is not measured per unit: keep the counted activation bytes
+            for m, c in zip(measured, counted):
+                m.activation_bytes = c.activation_bytes
         return scaled(measured, micro_batch / saved_batch)
     return scaled(counted, micro_batch)
 
