@@ -26,7 +26,7 @@ class Interval:
 
 @dataclass
 class StepTimes:
-    """One rank's step: its compute intervals and how its wall time divides."""
+    """One rank's step: its compute intervals, the schedule's wall time and the optimizer's."""
 
     intervals: list[Interval]
     step_s: float
@@ -35,11 +35,6 @@ class StepTimes:
     @property
     def compute_s(self) -> float:
         return sum(i.end_s - i.start_s for i in self.intervals)
-
-    @property
-    def idle_s(self) -> float:
-        """Time in the schedule not spent computing: waiting for neighbours (bubble) and transfers."""
-        return max(0.0, self.step_s - self.optimizer_s - self.compute_s)
 
 
 class Mark:

@@ -129,11 +129,11 @@ def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int,
     stages = len(bounds) - 1
     out = []
     for i in range(stages):
-        options = _options(checkpointing, i)
-        est = _best_stage(costs, boundary_bytes, bounds[i], bounds[i + 1], i, stages, microbatches, schedule,
-                          hw, checkpointing)
-        out.append(est or _stage(costs, boundary_bytes, bounds[i], bounds[i + 1], i, stages, microbatches,
-                                 schedule, hw, options[-1]))
+        args = (costs, boundary_bytes, bounds[i], bounds[i + 1], i, stages, microbatches, schedule, hw)
+        est = _best_stage(*args, checkpointing)
+        if est is None:  # nothing fits: report the most frugal option allowed, whose memory is the one to beat
+            est = _stage(*args, _options(checkpointing, i)[-1])
+        out.append(est)
     return Partition(tuple(out), microbatches)
 
 
