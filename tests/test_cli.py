@@ -108,3 +108,15 @@ def test_existing_run_folder_is_not_overwritten(tmp_path, capsys):
 def test_sample_from_an_unfinished_run_says_what_is_missing(tmp_path, capsys):
     assert main(["sample", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "a.png")]) == 2
     assert "config.toml is missing" in capsys.readouterr().err
+
+
+def test_monitor_stop_action_saves_and_ends_the_run_early(tmp_path):
+    """A hair-trigger monitor (any step slower than the rolling mean) with on_anomaly = stop."""
+    run = tmp_path / "run"
+    result = _train(run, "--set", "train.max_steps=40", "--set", "observe.anomaly_factor=1.0001",
+                    "--set", "observe.anomaly_warmup=2", "--set", "observe.on_anomaly=stop")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "warning: step" in result.stdout and "action: stop" in result.stdout
+    assert "stopped after step" in result.stdout
+    assert len(_losses(run)) < 40
+    assert (run / "model.safetensors").is_file()

@@ -135,9 +135,9 @@ class Trainer:
                     for key in ("loss", "lr", "grad_norm", "samples_per_s"):
                         self.writers.add_scalar(f"train/{key}", record[key], step)
                 progress.update(task, completed=step + 1, loss=record["loss"], samples_per_s=record["samples_per_s"])
-                if action in ("checkpoint", "stop"):
+                if action == "checkpoint":
                     self.save()
-                if action == "stop":
+                if action == "stop":  # the save after the loop keeps the weights
                     if topo.is_main:
                         print(f"stopped after step {step} (observe.on_anomaly = \"stop\"); weights saved", flush=True)
                     break
