@@ -117,6 +117,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--compile", action="store_true", help="also the plain loop compiled, at micro-batch 8")
     parser.add_argument("--overhead", action="store_true", help="also diffpipe 1 stage with observe off")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="also diffpipe 1 stage with these comma-separated overrides, e.g. train.max_grad_norm=0")
     args = parser.parse_args()
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "date": time.strftime("%Y-%m-%d")}), flush=True)
@@ -127,6 +129,8 @@ def main() -> None:
         diffpipe_run(chunks, args.steps, True, flops, [])
         if chunks == 1 and args.overhead:
             diffpipe_run(chunks, args.steps, False, flops, [])
+    for variant in args.variant:
+        diffpipe_run(1, args.steps, True, flops, variant.split(","))
 
 
 if __name__ == "__main__":
