@@ -101,10 +101,10 @@ def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float
         rows = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
     steady = rows[3:]
     med = statistics.median(r["step_time_s"] for r in steady)
-    batch = 8 * chunks if chunks > 1 else 8
+    batch = int(dict(item.split("=", 1) for item in extra).get("train.batch_size", sets["train.batch_size"]))
     peak = max((v for r in steady for k, v in r.items() if k.endswith("_peak_gib")), default=None)
     print(json.dumps({"what": "diffpipe", "stages_on_gpu": chunks, "observe": observe, "extra": extra,
-                      "micro_batch": 8, "global_batch": batch, "step_s": round(med, 4),
+                      "global_batch": batch, "step_s": round(med, 4),
                       "samples_per_s": round(batch / med, 3), "tflops": round(flops_per_sample * batch / med / 1e12, 1),
                       "peak_gib": None if peak is None else round(peak, 2),
                       "bubble_fraction": steady[-1].get("bubble_fraction")}), flush=True)
