@@ -87,7 +87,8 @@ class PlanConfig(_Section):
 
 
 class ObserveConfig(_Section):
-    enabled: bool = Field(True, description="Time every stage every step (a barrier per step and one small gather).")
+    enabled: bool = Field(True, description="Time the stages (a barrier and one small gather per timed step).")
+    every: int = Field(1, ge=1, description="Time one step in N (and observe.timeline_step); 10 or more on GPUs keeps the cost unmeasurable.")
     log_every: int = Field(50, ge=0, description="Print one line per stage (compute, comm, bubble, peak) every N steps; 0: never.")
     timeline_step: int = Field(3, ge=0, description="Step drawn into timeline.png (and timeline.json) in the run folder.")
     anomaly_factor: float = Field(2.5, gt=1, description="Warn when a stage's latency exceeds this multiple of its rolling mean.")

@@ -120,3 +120,13 @@ def test_monitor_stop_action_saves_and_ends_the_run_early(tmp_path):
     assert "stopped after step" in result.stdout
     assert len(_losses(run)) < 40
     assert (run / "model.safetensors").is_file()
+
+
+def test_observe_every_times_only_some_steps(tmp_path):
+    run = tmp_path / "run"
+    result = _train(run, "--set", "observe.every=2", "--set", "observe.timeline_step=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "stage0_compute_s" in r] == [0, 2, 3]
+    assert (run / "timeline.png").is_file()
+    assert main(["report", str(run)]) == 0

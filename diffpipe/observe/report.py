@@ -33,11 +33,12 @@ def summarise_run(run_dir: str | Path) -> str:
              f"(first {rows[0]['loss']:.4f})",
              f"median step {statistics.median(r['step_time_s'] for r in steady):.4f} s, "
              f"{statistics.median(r['samples_per_s'] for r in steady):.1f} samples/s"]
-    if "bubble_fraction" in rows[-1]:
-        lines.append(f"bubble {statistics.median(r['bubble_fraction'] for r in steady):.1%} "
-                     f"(ideal {rows[-1]['ideal_bubble_fraction']:.1%})")
-    for s in _stages(steady):
-        med = {k: statistics.median(r[f"stage{s}_{k}"] for r in steady)
+    timed = [r for r in steady if "bubble_fraction" in r]  # steps the stages were timed (observe.every)
+    if timed:
+        lines.append(f"bubble {statistics.median(r['bubble_fraction'] for r in timed):.1%} "
+                     f"(ideal {timed[-1]['ideal_bubble_fraction']:.1%})")
+    for s in _stages(timed):
+        med = {k: statistics.median(r[f"stage{s}_{k}"] for r in timed)
                for k in ("compute_s", "comm_s", "bubble_s", "optimizer_s", "peak_gib")}
         lines.append(f"stage {s}: compute {med['compute_s']:.4f} s, comm {med['comm_s']:.4f} s, bubble "
                      f"{med['bubble_s']:.4f} s, optimizer {med['optimizer_s']:.4f} s, peak {med['peak_gib']:.2f} GiB")
@@ -55,7 +56,7 @@ def draw_report(run_dir: str | Path, out: str | Path) -> None:
     b.plot(steps, [r["samples_per_s"] for r in rows], lw=0.8)
     b.set_title("samples/s")
     stages = _stages(rows)
-    steady = rows[len(rows) // 5:] or rows
+    steady = [r for r in (rows[len(rows) // 5:] or rows) if "bubble_fraction" in r]
     bottom = [0.0] * len(stages)
     for key, colour in (("compute_s", "tab:blue"), ("comm_s", "tab:orange"), ("bubble_s", "tab:grey"),
                         ("optimizer_s", "tab:green")):

@@ -74,13 +74,13 @@ class StageClock:
 
     stage: int
     device: torch.device
-    enabled: bool = True
     _marks: list[tuple[str, _Mark]] = field(default_factory=list)
     _origin: Mark | None = None
 
-    def start_step(self, origin: "Mark") -> None:
+    def start_step(self, origin: "Mark | None") -> None:
+        """Begin a step measured from `origin`; None leaves the step untimed (every mark is skipped)."""
         self._marks.clear()
-        self._origin = origin if self.enabled else None
+        self._origin = origin
         self._calls, self._open_backward = 0, None
 
     def forward_started(self) -> None:

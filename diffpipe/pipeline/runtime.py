@@ -33,15 +33,15 @@ class PipelineRunner:
 
     def __init__(self, modules: list[StageModule], stage_indices: list[int], num_stages: int,
                  group: dist.ProcessGroup, device: torch.device, schedule: str, microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], timed: bool = True):
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], timeable: bool = True):
         if schedule not in SCHEDULES:
             raise ValueError(f"pipeline.schedule={schedule!r}: choose one of {sorted(SCHEDULES)}")
         self.modules, self.stage_indices = modules, stage_indices
         self.num_stages, self.group, self.device = num_stages, group, device
         self.schedule_name, self.microbatches, self.loss_fn = schedule, microbatches, loss_fn
         self._schedules: dict[tuple, object] = {}
-        self.timed = timed
-        self.clocks = [StageClock(i, device, enabled=timed) for i in stage_indices]
+        # clocks (and their gradient hooks) only when steps may be timed; each step then chooses
+        self.clocks = [StageClock(i, device) for i in stage_indices] if timeable else []
         for module, clock in zip(modules, self.clocks):
             module.clock = clock
             clock.watch_parameters(module)
@@ -63,16 +63,18 @@ class PipelineRunner:
             self._schedules[shape_key] = cls(arg, n_microbatches=self.microbatches, loss_fn=self.loss_fn)
         return self._schedules[shape_key]
 
-    def step(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor],
-             target: torch.Tensor) -> tuple[torch.Tensor | None, StepTimes]:
+    def step(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor], target: torch.Tensor,
+             timed: bool = True) -> tuple[torch.Tensor | None, StepTimes | None]:
         """Forward and backward of one batch; gradients accumulate (averaged over micro-batches).
 
-        Returns the mean loss (on the rank holding the last stage, else None) and this rank's compute intervals.
+        Returns the mean loss (on the rank holding the last stage, else None) and, when `timed`, this rank's
+        compute intervals.
         """
         schedule = self._schedule_for(tuple(sample.shape))
-        if self.timed:
+        timed = timed and bool(self.clocks)
+        if timed:
             dist.barrier(group=self.group)  # one origin for the whole pipeline: the timeline's ranks line up
-        origin = Mark(self.device)
+        origin = Mark(self.device) if timed else None
         for clock in self.clocks:
             clock.start_step(origin)
         losses: list[torch.Tensor] = []
@@ -81,10 +83,12 @@ class PipelineRunner:
         if self.holds_last_stage:
             kwargs.update(target=target, losses=losses)
         schedule.step(*args, **kwargs)
-        end = Mark(self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        times = StepTimes([iv for clock in self.clocks for iv in clock.intervals()], end.seconds_since(origin))
+        times = None
+        if timed:
+            end = Mark(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            times = StepTimes([iv for clock in self.clocks for iv in clock.intervals()], end.seconds_since(origin))
         if not self.holds_last_stage:
             return None, times
         return torch.stack([loss.detach().float() for loss in losses]).mean(), times

@@ -63,7 +63,7 @@ class Trainer:
         self.params = [q for params, _ in groups for q in params]
         self.scaler = LossScaler(config.train.precision == "fp16")
         self.runner = PipelineRunner(self.modules, mine, len(specs), topo.pp_group, topo.device, p.schedule,
-                                     p.microbatches, _ScaledMSE(self.scaler), timed=config.observe.enabled)
+                                     p.microbatches, _ScaledMSE(self.scaler), timeable=config.observe.enabled)
         self.optimizer, self.lr_schedule = make_optimizer(groups, config.train, topo.device)
         self.text = build_text_encoder(config, backbone)
         self.text.model.to(topo.device)
@@ -74,17 +74,21 @@ class Trainer:
         self.writers = make_writers(config, run_dir) if topo.is_main else ScalarWriters([])
         self.observer = PipelineObserver(config, topo, run_dir, moved, probe_link(topo), self.writers)
 
-    def _step(self, step: int) -> tuple[dict, StepTimes]:
+    def _timed(self, step: int) -> bool:
+        obs = self.config.observe
+        return obs.enabled and (step % obs.every == 0 or step == obs.timeline_step)
+
+    def _step(self, step: int) -> tuple[dict, StepTimes | None]:
         loss, times = self.forward_backward(step)
         return self.apply_gradients(step, loss, times), times
 
-    def forward_backward(self, step: int) -> tuple[torch.Tensor | None, StepTimes]:
+    def forward_backward(self, step: int) -> tuple[torch.Tensor | None, StepTimes | None]:
         """Gradients of the step's batch on this process's stages: the mean loss where the last stage lives,
         and this rank's compute intervals."""
         topo = self.topo
         batch = self.batches.make(step, topo.dp_rank, topo.dp_size).to(topo.device)
         self.optimizer.zero_grad(set_to_none=True)
-        return self.runner.step(batch.noisy, batch.conditions, batch.target)
+        return self.runner.step(batch.noisy, batch.conditions, batch.target, timed=self._timed(step))
 
     def apply_gradients(self, step: int, loss: torch.Tensor | None, times: StepTimes | None = None) -> dict:
         """Average over replicas, clip by the global norm, step (unless fp16 overflowed anywhere); the step's record.
@@ -129,7 +133,7 @@ class Trainer:
                 record, times = self._step(step)
                 seconds = time.perf_counter() - start
                 record.update(step_time_s=round(seconds, 5), samples_per_s=train.batch_size / seconds)
-                action = self.observer.after_step(step, record, times) if self.config.observe.enabled else "continue"
+                action = self.observer.after_step(step, record, times) if times is not None else "continue"
                 if log is not None and (step % train.log_every == 0 or step == train.max_steps - 1):
                     log.write(record)
                     for key in ("loss", "lr", "grad_norm", "samples_per_s"):
