@@ -20,7 +20,7 @@ from .models.text import TextEncoder
 from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 
-__all__ = ["Generator", "load_generator", "images_to_pil", "save_row", "save_grid", "run_stages"]
+__all__ = ["Generator", "load_generator", "images_to_pil", "save_row", "save_grid", "read_row", "run_stages"]
 
 
 def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: dict[str, torch.Tensor]) -> torch.Tensor:
