@@ -1,5 +1,6 @@
 """Plans for a config: unit costs, the optimal split, the parameter-count split beside it, and the search over
-stages x data parallel x micro-batches for a world size (as DiffusionPipe, Tian et al., MLSys 2024)."""
+stages x data parallel x micro-batches for a world size (as DiffusionPipe, Tian et al., MLSys 2024), charging
+data parallelism its gradient all-reduce."""
 from __future__ import annotations
 
 import json
@@ -28,10 +29,25 @@ class Plan:
     micro_batch_size: int
     planned: Partition
     by_parameters: Partition
+    trainable: list[int]  # trainable parameters of each unit
+    link_gbps: float
+
+    def allreduce_s(self, part: Partition) -> float:
+        """Ring all-reduce of fp32 gradients among replicas: 2 (dp - 1) / dp x the largest stage's bytes."""
+        if self.data_parallel == 1:
+            return 0.0
+        largest = max(sum(self.trainable[s.first:s.last]) for s in part.stages) * 4
+        return 2 * (self.data_parallel - 1) / self.data_parallel * largest / (self.link_gbps * 1e9)
+
+    def step_s(self, part: Partition) -> float:
+        return part.step_s + self.allreduce_s(part)
+
+    def samples_per_s_of(self, part: Partition) -> float:
+        return self.micro_batch_size * self.microbatches * self.data_parallel / self.step_s(part)
 
     @property
     def samples_per_s(self) -> float:
-        return self.micro_batch_size * self.microbatches * self.data_parallel / self.planned.step_s
+        return self.samples_per_s_of(self.planned)
 
 
 def profile_key(config: RunConfig, micro_batch: int, device: str) -> dict:
@@ -120,9 +136,10 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
 
 
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,
-              hw: Hardware) -> Plan:
+              hw: Hardware, per_sample: list[UnitCost] | None = None) -> Plan:
+    """The plan for one layout; `per_sample` (costs at micro-batch 1) saves recounting across layouts."""
     micro = config.train.batch_size // (microbatches * data_parallel)
-    costs = unit_costs(config, meta, micro)
+    costs = scaled(per_sample if per_sample is not None else unit_costs(config, meta, 1), micro)
     bb = boundary_bytes(meta, costs, example_inputs(config, meta, micro)[0])
     p = config.pipeline
     try:
@@ -131,12 +148,13 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
         raise Infeasible(_explain(config, costs, bb, stages, microbatches, hw)) from None
     params = estimate_stages(costs, bb, balanced_by_parameters(meta, stages), microbatches, p.schedule, hw,
                              p.checkpointing)
-    return Plan(stages, data_parallel, microbatches, micro, planned, params)
+    return Plan(stages, data_parallel, microbatches, micro, planned, params,
+                [c.trainable_params for c in costs], hw.link_gbps)
 
 
 def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardware) -> list[Plan]:
     """Every (stages, data parallel, micro-batches) with stages x dp = world size that fits, fastest first."""
-    plans = []
+    plans, per_sample = [], unit_costs(config, meta, 1)
     for stages in range(1, min(world_size, len(meta.units)) + 1):
         if world_size % stages:
             continue
@@ -145,7 +163,7 @@ def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardw
             if config.train.batch_size % (m * dp) or (config.pipeline.schedule == "1f1b" and m < stages):
                 continue
             try:
-                plans.append(make_plan(config, meta, stages, dp, m, hw))
+                plans.append(make_plan(config, meta, stages, dp, m, hw, per_sample))
             except Infeasible:
                 continue
     return sorted(plans, key=lambda p: -p.samples_per_s)

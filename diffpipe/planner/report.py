@@ -49,8 +49,8 @@ def plan_as_dict(plan: Plan, meta: Backbone) -> dict:
 
     def summary(part: Partition) -> dict:
         return {"split": part.starts, "slowest_stage_ms": round(part.slowest_s * 1e3, 3),
-                "step_s": round(part.step_s, 5), "bubble_fraction": round(part.bubble_fraction, 4),
-                "samples_per_s": round(plan.micro_batch_size * plan.microbatches * plan.data_parallel / part.step_s, 3),
+                "allreduce_ms": round(plan.allreduce_s(part) * 1e3, 3), "step_s": round(plan.step_s(part), 5),
+                "bubble_fraction": round(part.bubble_fraction, 4), "samples_per_s": round(plan.samples_per_s_of(part), 3),
                 "stages": _stage_rows(part, meta, trainable)}
 
     return {"stages": plan.stages, "data_parallel": plan.data_parallel, "microbatches": plan.microbatches,
@@ -71,8 +71,9 @@ def format_plan(plan: Plan, meta: Backbone) -> str:
             lines.append(f"  {r['stage']:>5} {r['units']:<22} {r['trainable_params_M']:>9.2f} {r['forward_ms']:>9.3f} "
                          f"{r['backward_ms']:>9.3f} {r['send_ms']:>8.3f} {r['peak_GiB']:>9.2f}  "
                          f"{'yes' if r['checkpointed'] else 'no ':<4}  {', '.join(r['skips_carried']) or '-'}")
-        lines.append(f"  slowest stage {part['slowest_stage_ms']:.3f} ms, step {part['step_s']:.4f} s, "
-                     f"bubble {part['bubble_fraction']:.1%}, {part['samples_per_s']:.2f} samples/s")
+        lines.append(f"  slowest stage {part['slowest_stage_ms']:.3f} ms, data-parallel all-reduce "
+                     f"{part['allreduce_ms']:.1f} ms, step {part['step_s']:.4f} s, bubble {part['bubble_fraction']:.1%}, "
+                     f"{part['samples_per_s']:.2f} samples/s")
     return "\n".join(lines)
 
 
