@@ -31,13 +31,19 @@ def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, int, int]:
     return cfg.in_channels, size, size
 
 
+def _pooled_text_width(backbone: Backbone) -> int:
+    """Width of SDXL-style pooled text embeddings: the added embedding's input less the six time ids; 0 if unused."""
+    cfg = backbone.model.config
+    if cfg.addition_embed_type != "text_time":
+        return 0
+    return cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+
+
 def build_text_encoder(config: RunConfig, backbone: Backbone) -> TextEncoder:
     cfg = backbone.model.config
     if config.model.text_encoder == "tiny-clip":
-        pooled = 0
-        if cfg.addition_embed_type == "text_time":
-            pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        return TextEncoder.tiny(cfg.cross_attention_dim, max(pooled, 1), config.model.text_max_length,
+        pooled = max(_pooled_text_width(backbone), 1)
+        return TextEncoder.tiny(cfg.cross_attention_dim, pooled, config.model.text_max_length,
                                 config.train.seed + 1)
     return TextEncoder.from_folder(config.model.text_encoder, config.model.text_max_length)
 
@@ -48,8 +54,7 @@ def example_inputs(config: RunConfig, backbone: Backbone, batch: int) -> tuple[d
     conditions = {"timestep": torch.zeros(batch),
                   "encoder_hidden_states": torch.zeros(batch, config.model.text_max_length, cfg.cross_attention_dim)}
     if "text_embeds" in backbone.conditions:
-        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        conditions["text_embeds"] = torch.zeros(batch, pooled)
+        conditions["text_embeds"] = torch.zeros(batch, _pooled_text_width(backbone))
         conditions["time_ids"] = torch.zeros(batch, 6)
     return {"sample": torch.zeros(batch, *sample_shape(config, backbone))}, conditions
 

@@ -81,7 +81,7 @@ class PipelineObserver:
 
     def _summary(self, times: StepTimes) -> dict:
         summary = {"rank": self.topo.rank, "pp_rank": self.topo.pp_rank, "dp_rank": self.topo.dp_rank,
-                   "step_s": times.step_s + times.optimizer_s, "compute_s": times.compute_s,
+                   "schedule_s": times.step_s, "compute_s": times.compute_s,
                    "optimizer_s": times.optimizer_s, "comm_s": self.moved_bytes_per_step * self.seconds_per_byte,
                    "peak_gib": _peak_bytes(self.topo.device) / GIB,
                    "intervals": [asdict(i) for i in times.intervals]}
@@ -104,7 +104,7 @@ class PipelineObserver:
     def _record(self, step: int, record: dict, ranks: list[dict]) -> str:
         # every rank starts the step together (the previous step ends in collectives), so one window covers
         # the pipeline: a stage that finishes early was idle for the rest of it, as in the textbook bubble
-        window = max(r["step_s"] - r["optimizer_s"] for r in ranks)
+        window = max(r["schedule_s"] for r in ranks)
         for r in ranks:
             r["idle_s"] = max(0.0, window - r["compute_s"])
             r["comm_s"] = min(r["comm_s"], r["idle_s"])
