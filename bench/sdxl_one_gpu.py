@@ -1,11 +1,12 @@
 """diffpipe against the plain training loop on one GPU: SDXL-config UNet (random weights), 1024x1024, fp32
 weights, bf16 autocast, fused AdamW, full fine-tune. Prints one JSON line per configuration.
 
-    python bench/sdxl_one_gpu.py [--plain 1,2,4,8] [--diffpipe "1:1,1:2,1:4"] [--steps 8] [--compile]
+    python bench/sdxl_one_gpu.py [--plain 1,2,4,8] [--diffpipe 1,2,4] [--steps 6] [--compile] [--variant K=V,...]
 
---diffpipe lists STAGES_PER_RANK:... as "1" (one stage), "2" or "4" (that many stages on the one GPU, run by
-the interleaved schedule), each at micro-batch 8 and global batch 8 x stages. The plain loop is the same
-step as ../shared/reference/plain_loop_gpu.py: FLOPs counted once with FlopCounterMode.
+--diffpipe lists stage counts hosted on the one GPU: "1" (one stage), "2" or "4" (run by the interleaved
+schedule), each at micro-batch 8 and global batch 8 x stages. --compile adds the plain loop compiled at
+micro-batch 8 and, for each --diffpipe entry, the same run with `pipeline.compile = true`. The plain loop is
+the same step as ../shared/reference/plain_loop_gpu.py: FLOPs counted once with FlopCounterMode.
 """
 from __future__ import annotations
 
@@ -59,9 +60,11 @@ def plain_loop(batches: list[int], steps: int, compiled: bool) -> float:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+        warm_start = time.perf_counter()
         for _ in range(3):
             step()
         torch.cuda.synchronize()
+        warm_s = time.perf_counter() - warm_start
         torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(steps):
@@ -73,7 +76,8 @@ def plain_loop(batches: list[int], steps: int, compiled: bool) -> float:
         med = statistics.median(times)
         print(json.dumps({"what": "plain", "compiled": compiled, "micro_batch": b, "step_s": round(med, 4),
                           "samples_per_s": round(b / med, 3), "tflops": round(flops / med / 1e12, 1),
-                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}), flush=True)
+                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                          "warmup_s": round(warm_s, 1)}), flush=True)
     del model, opt, fwd
     torch.cuda.empty_cache()
     return flops_per_sample
@@ -94,7 +98,9 @@ def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float
             cmd += ["--set", f"{k}={v}"]
         for item in extra:
             cmd += ["--set", item]
+        started = time.perf_counter()
         result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        wall_s = time.perf_counter() - started
         if result.returncode != 0:
             print(json.dumps({"what": "diffpipe", "chunks": chunks, "error": result.stderr[-1500:]}), flush=True)
             return
@@ -107,7 +113,8 @@ def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float
                       "global_batch": batch, "step_s": round(med, 4),
                       "samples_per_s": round(batch / med, 3), "tflops": round(flops_per_sample * batch / med / 1e12, 1),
                       "peak_gib": None if peak is None else round(peak, 2),
-                      "bubble_fraction": steady[-1].get("bubble_fraction")}), flush=True)
+                      "bubble_fraction": steady[-1].get("bubble_fraction"), "first_step_s": rows[0]["step_time_s"],
+                      "wall_s": round(wall_s, 1)}), flush=True)
 
 
 def main() -> None:
@@ -115,7 +122,7 @@ def main() -> None:
     parser.add_argument("--plain", default="1,2,4,8")
     parser.add_argument("--diffpipe", default="1,2,4", help="stages hosted on the GPU, comma separated")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--compile", action="store_true", help="also the plain loop compiled, at micro-batch 8")
+    parser.add_argument("--compile", action="store_true", help="also the plain loop and each diffpipe run compiled")
     parser.add_argument("--overhead", action="store_true", help="also diffpipe 1 stage with observe off")
     parser.add_argument("--variant", action="append", default=[],
                         help="also diffpipe 1 stage with these comma-separated overrides, e.g. train.max_grad_norm=0")
@@ -123,12 +130,14 @@ def main() -> None:
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "date": time.strftime("%Y-%m-%d")}), flush=True)
     flops = plain_loop([int(b) for b in args.plain.split(",") if b], args.steps, False)
-    if args.compile:
-        plain_loop([8], args.steps, True)
+    if args.compile:  # first, so diffpipe's compile finds the kernels in inductor's cache as a user's would
+        flops = plain_loop([8], args.steps, True) or flops
     for chunks in [int(c) for c in args.diffpipe.split(",") if c]:
         diffpipe_run(chunks, args.steps, True, flops, [])
         if chunks == 1 and args.overhead:
             diffpipe_run(chunks, args.steps, False, flops, [])
+        if args.compile:
+            diffpipe_run(chunks, args.steps, True, flops, ["pipeline.compile=true"])
     for variant in args.variant:
         diffpipe_run(1, args.steps, True, flops, variant.split(","))
 

@@ -77,6 +77,7 @@ class PipelineConfig(_Section):
         "auto", description="Unit indices where stages 2.. begin; auto (the cost-model planner) or parameters (balanced by parameter count).")
     checkpointing: list[int] | Literal["none", "all", "auto"] = Field(
         "none", description="Activation checkpointing: none, all, auto (only stages that would not fit), or stage indices.")
+    compile: bool = Field(False, description="torch.compile each stage (one graph per stage and input shape); the first steps of each shape are slow while it compiles.")
 
 
 class PlanConfig(_Section):

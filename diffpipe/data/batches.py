@@ -25,8 +25,13 @@ class StepBatch:
     conditions: dict[str, torch.Tensor]
 
     def to(self, device: torch.device) -> "StepBatch":
-        return StepBatch(self.noisy.to(device), self.target.to(device),
-                         {k: v.to(device) for k, v in self.conditions.items()})
+        """On `device`; a GPU copies from pinned host memory without making the host wait."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if device.type == "cuda" and t.device.type == "cpu":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+
+        return StepBatch(move(self.noisy), move(self.target), {k: move(v) for k, v in self.conditions.items()})
 
 
 class BatchMaker:

@@ -35,10 +35,12 @@ class _ContiguousGrad(torch.autograd.Function):
 
 class StageModule(nn.Module):
     def __init__(self, spec: StageSpec, units: list[Unit], parameter_names: dict[int, str],
-                 autocast_dtype: torch.dtype | None = None, checkpointed: bool = False):
+                 autocast_dtype: torch.dtype | None = None, checkpointed: bool = False, compiled: bool = False):
         super().__init__()
         self.spec = spec
         self.checkpointed = checkpointed
+        # the units (and their checkpointing) as one graph; received tensors and the clock stay outside it
+        self._compute = torch.compile(self._compute_units, dynamic=False) if compiled else self._compute_units
         self.clock = None  # a StageClock while the runtime times this stage
         self.unit_list = units
         self.units = nn.ModuleList(u.module for u in units)  # registers the parameters
@@ -59,15 +61,17 @@ class StageModule(nn.Module):
         autocast = (torch.autocast(device_type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
                     else contextlib.nullcontext())
         with autocast:
-            if self.checkpointed and torch.is_grad_enabled():
-                # keep only the stage's inputs per micro-batch; recompute the units in backward
-                out = checkpoint(self._run_units, named, use_reentrant=False)
-            else:
-                out = self._run_units(named)
+            out = self._compute(named)
         if self.clock is not None:
             self.clock.forward_ended()
             out = self.clock.watch_outputs(out)
         return out[0] if len(out) == 1 else out
+
+    def _compute_units(self, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if self.checkpointed and torch.is_grad_enabled():
+            # keep only the stage's inputs per micro-batch; recompute the units in backward
+            return checkpoint(self._run_units, named, use_reentrant=False)
+        return self._run_units(named)
 
     def _run_units(self, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         named = dict(named)
@@ -86,6 +90,6 @@ class StageModule(nn.Module):
 
 
 def build_stage_modules(backbone: Backbone, specs: list[StageSpec], autocast_dtype: torch.dtype | None = None,
-                        checkpointed: frozenset[int] = frozenset()) -> list[StageModule]:
+                        checkpointed: frozenset[int] = frozenset(), compiled: bool = False) -> list[StageModule]:
     return [StageModule(s, backbone.units[s.first:s.last], backbone.parameter_names, autocast_dtype,
-                        s.index in checkpointed) for s in specs]
+                        s.index in checkpointed, compiled) for s in specs]

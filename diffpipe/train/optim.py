@@ -75,19 +75,27 @@ def average_gradients(params, group: dist.ProcessGroup, size: int) -> None:
         offset += g.numel()
 
 
-def global_grad_norm(params, pp_group: dist.ProcessGroup, device: torch.device) -> float:
-    """L2 norm of all gradients of all stages (one fused norm here, one all-reduce of its square)."""
+def global_grad_norm(params, pp_group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    """L2 norm of all gradients of all stages, as a 0-d tensor on `device` (one fused norm here, one all-reduce
+    of its square); reading it on the host is the caller's choice, so the step need not wait for the device."""
     grads = _grads(params)
     local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
     sq = local.double().pow(2).to(device)
     dist.all_reduce(sq, group=pp_group)
-    return float(sq.sqrt())
+    return sq.sqrt()
 
 
-def clip_gradients(params, norm: float, max_norm: float, unscale: float = 1.0) -> None:
-    """Multiply gradients by unscale (undoing a loss scale) and by the clip factor, in one pass."""
-    factor = unscale
-    if max_norm > 0 and norm * unscale > max_norm:
-        factor *= max_norm / (norm * unscale + 1e-6)
-    if factor != 1.0:
-        torch._foreach_mul_(_grads(params), factor)  # one fused kernel per dtype/device, not one per tensor
+def clip_gradients(params, norm: torch.Tensor, max_norm: float, unscale: float = 1.0) -> None:
+    """Multiply gradients by unscale (undoing a loss scale) and by the clip factor, in one pass on the device.
+
+    The factor is computed on the device from `norm`, so clipping never waits for the host; with no clipping
+    and no loss scale there is nothing to do.
+    """
+    grads = _grads(params)
+    if not grads:
+        return
+    if max_norm > 0:
+        factor = torch.clamp(max_norm / (norm * unscale + 1e-6), max=1.0) * unscale
+        torch._foreach_mul_(grads, factor.float().to(grads[0].device))  # one fused kernel per dtype/device
+    elif unscale != 1.0:
+        torch._foreach_mul_(grads, unscale)

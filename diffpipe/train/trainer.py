@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from ..build import AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_text_encoder, sample_shape
 from ..config import RunConfig
-from ..data.batches import BatchMaker
+from ..data.batches import BatchMaker, StepBatch
 from ..data import make_dataset
 from ..distributed import Topology, init_topology
 from ..observe.observer import PipelineObserver, probe_link
@@ -56,7 +56,7 @@ class Trainer:
         specs = stage_specs(backbone, p.split)
         mine = stage_indices_for_rank(topo.pp_rank, p.stages, p.virtual_stages)
         all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
-                                          frozenset(p.checkpointing))
+                                          frozenset(p.checkpointing), p.compile)
         self.modules = [all_modules[i].to(topo.device).train() for i in mine]
         lr_scale = config.train.stage_lr_scale or [1.0] * len(specs)
         groups = [([q for q in m.parameters() if q.requires_grad], lr_scale[i]) for m, i in zip(self.modules, mine)]
@@ -82,31 +82,43 @@ class Trainer:
         loss, times = self.forward_backward(step)
         return self.apply_gradients(step, loss, times), times
 
-    def forward_backward(self, step: int) -> tuple[torch.Tensor | None, StepTimes | None]:
-        """Gradients of the step's batch on this process's stages: the mean loss where the last stage lives,
-        and this rank's compute intervals."""
+    def batch_for(self, step: int) -> StepBatch:
+        """This replica's slice of the step's batch, on the device (copied from pinned memory without waiting)."""
         topo = self.topo
-        batch = self.batches.make(step, topo.dp_rank, topo.dp_size).to(topo.device)
+        return self.batches.make(step, topo.dp_rank, topo.dp_size).to(topo.device)
+
+    def forward_backward(self, step: int, batch: StepBatch | None = None) -> tuple[torch.Tensor | None, StepTimes | None]:
+        """Gradients of the step's batch on this process's stages: the mean loss where the last stage lives,
+        and this rank's compute intervals (on timed steps). On a GPU the work is queued, not waited for."""
+        batch = batch if batch is not None else self.batch_for(step)
         self.optimizer.zero_grad(set_to_none=True)
         return self.runner.step(batch.noisy, batch.conditions, batch.target, timed=self._timed(step))
+
+    def _needs_norm(self, step: int) -> bool:
+        train = self.config.train
+        logged = step % train.log_every == 0 or step == train.max_steps - 1
+        return train.max_grad_norm > 0 or self.scaler.enabled or logged
 
     def apply_gradients(self, step: int, loss: torch.Tensor | None, times: StepTimes | None = None) -> dict:
         """Average over replicas, clip by the global norm, step (unless fp16 overflowed anywhere); the step's record.
 
-        `times.optimizer_s` gets the local clipping and optimizer time (not the collectives, whose waiting for
-        slower stages is pipeline bubble, already counted)."""
+        Only fp16 reads the norm on the host before the optimizer (to skip the step on every stage alike);
+        otherwise the host first waits at the end, when the record's figures are read. `times.optimizer_s`
+        gets the local clipping and optimizer time (not the collectives, whose waiting for slower stages is
+        pipeline bubble, already counted).
+        """
         topo, train = self.topo, self.config.train
         lr = self.optimizer.param_groups[0]["lr"]
         average_gradients(self.params, topo.dp_group, topo.dp_size)
-        norm = global_grad_norm(self.params, topo.pp_group, topo.device)  # of scaled gradients under fp16
-        overflow = not torch.isfinite(torch.tensor(norm)).item()
+        norm = global_grad_norm(self.params, topo.pp_group, topo.device) if self._needs_norm(step) else None
+        overflow = self.scaler.enabled and not bool(torch.isfinite(norm))  # of scaled gradients
         start = time.perf_counter()
         if not overflow:
             clip_gradients(self.params, norm, train.max_grad_norm, unscale=1.0 / self.scaler.scale)
             self.optimizer.step()
-        if topo.device.type == "cuda":
-            torch.cuda.synchronize(topo.device)
         if times is not None:
+            if topo.device.type == "cuda":
+                torch.cuda.synchronize(topo.device)
             times.optimizer_s = time.perf_counter() - start
         scale_used = self.scaler.scale
         self.scaler.update(overflow)
@@ -116,7 +128,9 @@ class Trainer:
         if loss is not None:
             total += loss.double() / scale_used
         dist.all_reduce(total)
-        record = {"step": step, "loss": float(total) / topo.dp_size, "grad_norm": norm / scale_used, "lr": lr}
+        record = {"step": step, "loss": float(total) / topo.dp_size, "lr": lr}
+        if norm is not None:
+            record["grad_norm"] = float(norm) / scale_used
         if self.scaler.enabled:
             record.update(loss_scale=scale_used, skipped=overflow)
         return record
@@ -128,10 +142,14 @@ class Trainer:
         with progress:
             task = progress.add_task("train", total=train.max_steps, loss=float("nan"), samples_per_s=0.0,
                                      batch=train.batch_size)
+            batch = self.batch_for(0)
+            start = time.perf_counter()
             for step in range(train.max_steps):
-                start = time.perf_counter()
-                record, times = self._step(step)
-                seconds = time.perf_counter() - start
+                loss, times = self.forward_backward(step, batch)
+                if step + 1 < train.max_steps:  # made while the device works on this step
+                    batch = self.batch_for(step + 1)
+                record = self.apply_gradients(step, loss, times)
+                seconds, start = time.perf_counter() - start, time.perf_counter()
                 record.update(step_time_s=round(seconds, 5), samples_per_s=train.batch_size / seconds)
                 action = self.observer.after_step(step, record, times) if times is not None else "continue"
                 if log is not None and (step % train.log_every == 0 or step == train.max_steps - 1):

@@ -1,0 +1,55 @@
+"""`pipeline.compile`: a stage compiled by torch.compile (inductor), with activation checkpointing inside the
+graph, computes what the eager stage computes: outputs, gradients of its weights and of what it received."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from diffusers import UNet2DConditionModel
+
+from diffpipe.models.unet import unet_backbone
+from diffpipe.pipeline.split import stage_specs
+from diffpipe.pipeline.stage import build_stage_modules
+from diffpipe.sampling import run_stages
+
+from ..models.test_unet_units import SDXL_STYLE, _inputs
+
+
+def _run_middle_stage(stage, received, conditions):
+    inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in received]
+    out = stage(*inputs, **conditions)
+    outs = out if isinstance(out, tuple) else (out,)
+    torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    grads = {n: p.grad.clone() for n, p in stage.full_named_parameters() if p.grad is not None}
+    return outs, [t.grad for t in inputs], grads
+
+
+def test_compiled_checkpointed_stage_matches_eager():
+    torch.manual_seed(0)
+    backbone = unet_backbone(UNet2DConditionModel(**SDXL_STYLE).train())
+    starts = [6, 12]
+    eager_stages = build_stage_modules(backbone, stage_specs(backbone, starts))
+    sample, conditions = _inputs(SDXL_STYLE)
+    with torch.no_grad():  # what the first stage sends: the middle stage's inputs
+        first = eager_stages[0](sample, **conditions)
+    received = first if isinstance(first, tuple) else (first,)
+
+    compiled_backbone = unet_backbone(copy.deepcopy(backbone.model))
+    compiled_stage = build_stage_modules(compiled_backbone, stage_specs(compiled_backbone, starts),
+                                         checkpointed=frozenset({1}), compiled=True)[1]
+    expected = _run_middle_stage(eager_stages[1], received, conditions)
+    got = _run_middle_stage(compiled_stage, received, conditions)
+
+    for want, have in zip(expected[0], got[0], strict=True):
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5)
+    assert len(got[1]) == len(expected[1]) and all(g is not None for g in got[1])
+    for want, have in zip(expected[1], got[1]):
+        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5)
+    assert got[2].keys() == expected[2].keys() and len(got[2]) > 10
+    for name, want in expected[2].items():  # sums over the batch: fp32 reordering noise relative to the scale
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got[2][name], want, rtol=0, atol=1e-5 * scale, msg=name)
+    # and the compiled stage chains with the others like the eager one (sampling runs stages in order)
+    with torch.no_grad():
+        chained = run_stages([eager_stages[0], compiled_stage, eager_stages[2]], sample, conditions)
+        torch.testing.assert_close(chained, run_stages(eager_stages, sample, conditions), rtol=1e-4, atol=1e-5)
