@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import matplotlib
@@ -10,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
 
-__all__ = ["MetricsLog", "plot_loss", "make_progress", "NullProgress"]
+__all__ = ["MetricsLog", "StepReport", "plot_loss", "make_progress", "NullProgress"]
 
 
 class MetricsLog:
@@ -69,3 +70,38 @@ def make_progress() -> Progress:
                     TextColumn("loss {task.fields[loss]:.4f}"),
                     TextColumn("{task.fields[samples_per_s]:.1f} samples/s (global batch {task.fields[batch]})"),
                     TextColumn("ETA"), TimeRemainingColumn())
+
+
+class StepReport:
+    """Each finished step: its wall time, then metrics.jsonl and TensorBoard every `log_every` steps and the
+    progress bar (on the main rank; elsewhere only the time)."""
+
+    def __init__(self, run_dir: Path, max_steps: int, batch_size: int, log_every: int, writers, is_main: bool):
+        self.max_steps, self.batch_size, self.log_every, self.writers = max_steps, batch_size, log_every, writers
+        self.log = MetricsLog(run_dir / "metrics.jsonl") if is_main else None
+        self.progress = make_progress() if is_main else NullProgress()
+        self.task, self.last = 0, time.perf_counter()
+
+    def __enter__(self) -> "StepReport":
+        self.progress.__enter__()
+        self.task = self.progress.add_task("train", total=self.max_steps, loss=float("nan"), samples_per_s=0.0,
+                                           batch=self.batch_size)
+        self.last = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return self.progress.__exit__(*exc)
+
+    def time(self, record: dict) -> None:
+        """Seconds since the previous step finished (the first: since the loop began)."""
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        record.update(step_time_s=round(seconds, 5), samples_per_s=self.batch_size / seconds)
+
+    def write(self, step: int, record: dict) -> None:
+        if self.log is not None and (step % self.log_every == 0 or step == self.max_steps - 1):
+            self.log.write(record)
+            for key in ("loss", "lr", "grad_norm", "samples_per_s"):
+                if key in record:
+                    self.writers.add_scalar(f"train/{key}", record[key], step)
+        self.progress.update(self.task, completed=step + 1, loss=record["loss"], samples_per_s=record["samples_per_s"])

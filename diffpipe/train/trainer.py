@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from ..build import AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_text_encoder, sample_shape
 from ..config import RunConfig
 from ..data.batches import BatchMaker, StepBatch
+from ..data.prefetch import BatchPrefetcher
 from ..data import make_dataset
 from ..distributed import Topology, init_topology
 from ..observe.observer import PipelineObserver, probe_link
@@ -30,9 +31,9 @@ from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
 from ..planner.plan import resolve_stages
 from .optim import LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer
-from .records import MetricsLog, NullProgress, make_progress
+from .records import StepReport
 
-__all__ = ["train_worker", "Trainer"]
+__all__ = ["train_worker", "Trainer", "read_record"]
 
 
 class _ScaledMSE:
@@ -80,7 +81,7 @@ class Trainer:
 
     def _step(self, step: int) -> tuple[dict, StepTimes | None]:
         loss, times = self.forward_backward(step)
-        return self.apply_gradients(step, loss, times), times
+        return read_record(self.apply_gradients(step, loss, times)), times
 
     def batch_for(self, step: int) -> StepBatch:
         """This replica's slice of the step's batch, on the device (copied from pinned memory without waiting)."""
@@ -102,8 +103,8 @@ class Trainer:
     def apply_gradients(self, step: int, loss: torch.Tensor | None, times: StepTimes | None = None) -> dict:
         """Average over replicas, clip by the global norm, step (unless fp16 overflowed anywhere); the step's record.
 
-        Only fp16 reads the norm on the host before the optimizer (to skip the step on every stage alike);
-        otherwise the host first waits at the end, when the record's figures are read. `times.optimizer_s`
+        Nothing here waits for the device, except fp16, which reads the norm before the optimizer (to skip the
+        step on every stage alike): the record's loss and norm are device tensors until `read_record`. `times.optimizer_s`
         gets the local clipping and optimizer time (not the collectives, whose waiting for slower stages is
         pipeline bubble, already counted).
         """
@@ -128,43 +129,57 @@ class Trainer:
         if loss is not None:
             total += loss.double() / scale_used
         dist.all_reduce(total)
-        record = {"step": step, "loss": float(total) / topo.dp_size, "lr": lr}
+        record = {"step": step, "loss": total / topo.dp_size, "lr": lr}
         if norm is not None:
-            record["grad_norm"] = float(norm) / scale_used
+            record["grad_norm"] = norm / scale_used
         if self.scaler.enabled:
             record.update(loss_scale=scale_used, skipped=overflow)
         return record
 
     def fit(self) -> None:
+        """All steps. On a GPU a step's figures are read once the next step's forward and backward are queued,
+        so the device never waits for the host between steps, and the next batch is made in the background.
+        On a CPU the host is the device: each step is read as it ends."""
         train, topo = self.config.train, self.topo
-        log = MetricsLog(self.run_dir / "metrics.jsonl") if topo.is_main else None
-        progress = make_progress() if topo.is_main else NullProgress()
-        with progress:
-            task = progress.add_task("train", total=train.max_steps, loss=float("nan"), samples_per_s=0.0,
-                                     batch=train.batch_size)
-            batch = self.batch_for(0)
-            start = time.perf_counter()
-            for step in range(train.max_steps):
-                loss, times = self.forward_backward(step, batch)
-                if step + 1 < train.max_steps:  # made while the device works on this step
-                    batch = self.batch_for(step + 1)
-                record = self.apply_gradients(step, loss, times)
-                seconds, start = time.perf_counter() - start, time.perf_counter()
-                record.update(step_time_s=round(seconds, 5), samples_per_s=train.batch_size / seconds)
-                action = self.observer.after_step(step, record, times) if times is not None else "continue"
-                if log is not None and (step % train.log_every == 0 or step == train.max_steps - 1):
-                    log.write(record)
-                    for key in ("loss", "lr", "grad_norm", "samples_per_s"):
-                        self.writers.add_scalar(f"train/{key}", record[key], step)
-                progress.update(task, completed=step + 1, loss=record["loss"], samples_per_s=record["samples_per_s"])
-                if action == "checkpoint":
-                    self.save()
-                if action == "stop":  # the save after the loop keeps the weights
-                    if topo.is_main:
-                        print(f"stopped after step {step} (observe.on_anomaly = \"stop\"); weights saved", flush=True)
-                    break
+        overlapped = topo.device.type == "cuda"
+        prefetcher = BatchPrefetcher(self.batch_for, topo.device)
+        report = StepReport(self.run_dir, train.max_steps, train.batch_size, train.log_every, self.writers,
+                            topo.is_main)
+        try:
+            with report:
+                waiting = None  # the previous step: (step, record, times)
+                for step in range(train.max_steps):
+                    batch = prefetcher.take(step)
+                    if step + 1 < train.max_steps:
+                        prefetcher.ask(step + 1)
+                    loss, times = self.forward_backward(step, batch)
+                    if waiting is not None and self._finish(report, *waiting) == "stop":
+                        waiting = None  # this step's gradients are dropped: the weights are the stopped step's
+                        break
+                    waiting = (step, self.apply_gradients(step, loss, times), times)
+                    if not overlapped:
+                        action, waiting = self._finish(report, *waiting), None
+                        if action == "stop":
+                            break
+                if waiting is not None:
+                    self._finish(report, *waiting)
+        finally:
+            prefetcher.close()
         self.writers.close()
         self.save()
+
+    def _finish(self, report: StepReport, step: int, record: dict, times: StepTimes | None) -> str:
+        """Read, time, judge and log a finished step; returns the action every rank takes (a checkpoint is
+        taken here)."""
+        record = read_record(record)
+        report.time(record)
+        action = self.observer.after_step(step, record, times) if times is not None else "continue"
+        report.write(step, record)
+        if action == "checkpoint":
+            self.save()
+        if action == "stop" and self.topo.is_main:  # the save after the loop keeps the weights
+            print(f"stopped after step {step} (observe.on_anomaly = \"stop\"); weights saved", flush=True)
+        return action
 
     def save(self) -> None:
         """Each pipeline rank of replica 0 writes its stages; rank 0 merges them into model.safetensors."""
@@ -186,6 +201,11 @@ class Trainer:
             self.text.save(self.run_dir / "text_encoder")
             shutil.rmtree(parts)
         dist.barrier()
+
+
+def read_record(record: dict) -> dict:
+    """The record with its device tensors read as numbers (this waits for the device)."""
+    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
 
 
 def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int) -> int:
