@@ -58,7 +58,13 @@ def _free_port() -> int:
 def _spawned_entry(index: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
     os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    fn(*args)
+    try:
+        fn(*args)
+    finally:
+        # a process group left to the interpreter's exit can abort in gloo's threads ("terminate called
+        # without an active exception") after the work itself succeeded
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def launch(fn: Callable[..., Any], args: tuple, world_size: int) -> None:

@@ -36,22 +36,26 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
     })
 
 
-def _scenario_worker(scenarios: list[dict], out_dir: str) -> None:
+def _scenario_worker(scenarios: list[dict], out_dir: str, device_kind: str = "cpu") -> None:
+    """Each scenario trained for STEPS steps on this rank (gloo on CPU; NCCL on GPUs for bench/nccl_gradients.py)."""
     from pathlib import Path
 
     from diffpipe.distributed import init_topology
     from diffpipe.train.trainer import Trainer
 
+    if device_kind == "cuda":  # compare fp32 with fp32: cuDNN convolutions would otherwise round through TF32
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     for name, data in scenarios:
         config = build_config(data)
-        topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel, "cpu")
+        topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel, device_kind)
         trainer = Trainer(config, topo, Path(out_dir))
         losses, grads = [], None
         for step in range(STEPS):
             losses.append(trainer._step(step)[0]["loss"])
             if step == 0:
-                grads = {n: p.grad.clone() for m in trainer.modules for n, p in m.full_named_parameters()}
-        weights = {n: p.detach().clone() for m in trainer.modules for n, p in m.full_named_parameters()}
+                grads = {n: p.grad.cpu() for m in trainer.modules for n, p in m.full_named_parameters()}
+        weights = {n: p.detach().cpu() for m in trainer.modules for n, p in m.full_named_parameters()}
         torch.save({"losses": losses, "grads": grads, "weights": weights},
                    os.path.join(out_dir, f"{name}-rank{topo.rank}.pt"))
 
@@ -91,18 +95,29 @@ def _reference(config) -> dict:
     return {"losses": losses, "grads": grads, "weights": {n: p.detach() for n, p in model.named_parameters()}}
 
 
-def _compare(name: str, world: int, config, results_dir) -> None:
+def differences(name: str, world: int, config, results_dir) -> dict:
+    """Largest differences from the unsplit model over every rank: losses, gradients, weights; and the
+    parameters no stage held."""
     ref = _reference(config)
-    seen = set()
+    seen, worst, where = set(), {"losses": 0.0, "grads": 0.0, "weights": 0.0}, {}
     for rank in range(world):
         got = torch.load(os.path.join(results_dir, f"{name}-rank{rank}.pt"))
-        assert got["losses"] == pytest.approx(ref["losses"], abs=TOL), name
+        worst["losses"] = max([worst["losses"]] + [abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)])
         for key in ("grads", "weights"):
             for param, value in got[key].items():
                 diff = (value - ref[key][param]).abs().max().item()
-                assert diff <= TOL, f"{name} rank {rank}: {key} of {param} differ by {diff:.2e}"
+                if diff >= worst[key]:
+                    worst[key], where[key] = diff, f"rank {rank} {param}"
         seen |= set(got["grads"])
-    assert seen == set(ref["grads"]), f"{name}: parameters not held by any stage: {set(ref['grads']) - seen}"
+    return {**worst, "where": where, "missing": sorted(set(ref["grads"]) - seen)}
+
+
+def _compare(name: str, world: int, config, results_dir) -> None:
+    found = differences(name, world, config, results_dir)
+    assert not found["missing"], f"{name}: parameters not held by any stage: {found['missing']}"
+    for key in ("losses", "grads", "weights"):
+        assert found[key] <= TOL, (f"{name}: {key} differ from the unsplit model's by up to {found[key]:.2e} "
+                                   f"({found['where'].get(key, '')})")
 
 
 TWO = {

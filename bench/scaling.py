@@ -1,0 +1,131 @@
+"""Scaling over the GPUs of one host at one global batch: data parallel only, pipelines with several micro-batch
+counts, pipeline x data parallel, and the parameter-count split against the planned one, each against one GPU.
+
+    python bench/scaling.py --gpus 4                                        # SDXL UNet, 1024x1024, bf16
+    python bench/scaling.py --gpus 8 --config examples/sdxl_wide_unet.toml --only pipeline --stages 4,8
+    python bench/scaling.py --gpus 2 --config examples/digits.toml --device cpu --batch 32 --steps 2   # gloo dry run
+
+Every configuration is `diffpipe train` itself (it starts its processes: NCCL on GPUs, gloo on CPU) with the
+same global batch, every step timed (`observe.every = 1`) and the timeline of step 3 drawn. Prints one JSON
+line per configuration: samples/s, scaling efficiency (samples/s over GPUs x the one-GPU samples/s), measured
+and ideal bubble, per-GPU peak memory, the timeline picture; then a markdown table of them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WARMUP = 3
+
+
+def configurations(gpus: int, batch: int, micro: int, microbatch_counts: list[int], stage_counts: list[int],
+                   only: set[str]) -> list[tuple[str, str, dict]]:
+    """(kind, name, overrides) of every configuration asked for, the one-GPU baseline first."""
+    out = []
+    if "single" in only:
+        out.append(("single", "1 GPU", {"pipeline.stages": 1, "pipeline.data_parallel": 1,
+                                        "pipeline.microbatches": batch // micro}))
+    if "data" in only and gpus > 1:
+        out.append(("data", f"data parallel {gpus}", {"pipeline.stages": 1, "pipeline.data_parallel": gpus,
+                                                      "pipeline.microbatches": max(1, batch // (micro * gpus))}))
+    for stages in stage_counts:
+        if "pipeline" in only:
+            for m in microbatch_counts:
+                out.append(("pipeline", f"pipeline {stages}, 1F1B, {m} micro-batches",
+                            {"pipeline.stages": stages, "pipeline.data_parallel": 1, "pipeline.microbatches": m}))
+        if "parameters" in only:
+            m = batch // micro
+            out.append(("parameters", f"pipeline {stages}, parameter-count split, {m} micro-batches",
+                        {"pipeline.stages": stages, "pipeline.data_parallel": 1, "pipeline.microbatches": m,
+                         "pipeline.split": '"parameters"'}))
+    if "hybrid" in only and gpus >= 4 and gpus % 2 == 0:
+        dp = gpus // 2
+        out.append(("hybrid", f"pipeline 2 x data parallel {dp}",
+                    {"pipeline.stages": 2, "pipeline.data_parallel": dp,
+                     "pipeline.microbatches": max(2, batch // (micro * dp))}))
+    return out
+
+
+def run(config: str, name: str, overrides: dict, common: dict, extra: list[str], folder: Path) -> dict:
+    """One `diffpipe train`; its figures from metrics.jsonl, or the error it stopped with."""
+    cmd = [sys.executable, "-m", "diffpipe", "train", config, "--output-dir", str(folder), "--overwrite"]
+    for key, value in {**common, **overrides}.items():
+        cmd += ["--set", f"{key}={value}"]
+    for item in extra:
+        cmd += ["--set", item]
+    started = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    row = {"configuration": name, "overrides": overrides, "wall_s": round(time.perf_counter() - started, 1)}
+    if result.returncode != 0:
+        lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+        return {**row, "error": " ".join(lines[-3:])[-600:]}
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    steady = rows[WARMUP:] or rows[-1:]
+    step_s = statistics.median(r["step_time_s"] for r in steady)
+    timed = [r for r in steady if "bubble_fraction" in r]
+    peaks = {k: round(max(r[k] for r in timed if k in r), 2) for k in sorted({k for r in timed for k in r})
+             if k.endswith("_peak_gib")}
+    timeline = folder / "timeline.png"
+    return {**row, "step_s": round(step_s, 4), "samples_per_s": round(common["train.batch_size"] / step_s, 3),
+            "bubble": round(statistics.median(r["bubble_fraction"] for r in timed), 3) if timed else None,
+            "ideal_bubble": round(timed[0]["ideal_bubble_fraction"], 3) if timed else None,
+            "peak_gib_per_stage": peaks, "timeline": str(timeline) if timeline.exists() else None}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| configuration | samples/s | efficiency | bubble (ideal) | peak GiB per GPU (stage 0..) |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['configuration']} | failed: {r['error'][:120]} | | | |")
+            continue
+        bubble = "-" if r["bubble"] is None else f"{r['bubble']:.1%} ({r['ideal_bubble']:.1%})"
+        eff = "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f}"
+        peaks = ", ".join(f"{v:.1f}" for v in r["peak_gib_per_stage"].values())
+        lines.append(f"| {r['configuration']} | {r['samples_per_s']:.2f} | {eff} | {bubble} | {peaks} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, required=True, help="devices (GPUs, or CPU processes with --device cpu)")
+    parser.add_argument("--config", default="examples/sdxl_unet.toml")
+    parser.add_argument("--batch", type=int, default=64, help="global batch, the same in every configuration")
+    parser.add_argument("--micro", type=int, default=8, help="micro-batch of the data-parallel and baseline runs")
+    parser.add_argument("--microbatches", default="4,8,16", help="micro-batch counts of the pipeline runs")
+    parser.add_argument("--stages", default="", help="pipeline stage counts (default: --gpus)")
+    parser.add_argument("--only", default="single,data,pipeline,parameters,hybrid")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps (after 3 warm-up steps)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--out", default="runs/scaling")
+    parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
+    args = parser.parse_args()
+    stage_counts = [int(s) for s in args.stages.split(",") if s] or [args.gpus]
+    common = {"train.max_steps": args.steps + WARMUP, "train.batch_size": args.batch, "train.device": f'"{args.device}"',
+              "pipeline.schedule": '"1f1b"', "pipeline.split": '"auto"', "pipeline.checkpointing": '"auto"',
+              "observe.every": 1, "observe.timeline_step": WARMUP, "observe.log_every": 0,
+              "output.save_weights": "false", "output.sample_every_end": "false"}
+    rows, baseline = [], None
+    for index, (kind, name, overrides) in enumerate(configurations(
+            args.gpus, args.batch, args.micro, [int(m) for m in args.microbatches.split(",") if m], stage_counts,
+            set(args.only.split(",")))):
+        row = run(args.config, name, overrides, common, args.set, Path(args.out) / f"{index:02d}-{kind}")
+        devices = overrides["pipeline.stages"] * overrides["pipeline.data_parallel"]
+        if kind == "single" and "error" not in row:
+            baseline = row["samples_per_s"]
+        if baseline and "error" not in row:
+            row["efficiency"] = round(row["samples_per_s"] / (devices * baseline), 3)
+        row["devices"] = devices
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(table(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
