@@ -74,6 +74,7 @@ class Trainer:
         moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches)
         self.writers = make_writers(config, run_dir) if topo.is_main else ScalarWriters([])
         self.observer = PipelineObserver(config, topo, run_dir, moved, probe_link(topo), self.writers)
+        self.overlap_steps = topo.device.type == "cuda"  # read each step's figures only once the next is queued
 
     def _timed(self, step: int) -> bool:
         obs = self.config.observe
@@ -141,7 +142,6 @@ class Trainer:
         so the device never waits for the host between steps, and the next batch is made in the background.
         On a CPU the host is the device: each step is read as it ends."""
         train, topo = self.config.train, self.topo
-        overlapped = topo.device.type == "cuda"
         prefetcher = BatchPrefetcher(self.batch_for, topo.device)
         report = StepReport(self.run_dir, train.max_steps, train.batch_size, train.log_every, self.writers,
                             topo.is_main)
@@ -157,7 +157,7 @@ class Trainer:
                         waiting = None  # this step's gradients are dropped: the weights are the stopped step's
                         break
                     waiting = (step, self.apply_gradients(step, loss, times), times)
-                    if not overlapped:
+                    if not self.overlap_steps:
                         action, waiting = self._finish(report, *waiting), None
                         if action == "stop":
                             break
