@@ -1,13 +1,16 @@
 """diffpipe against the plain training loop on one GPU: SDXL-config UNet (random weights), 1024x1024, fp32
 weights, bf16 autocast, fused AdamW, full fine-tune. Prints one JSON line per configuration.
 
-    python bench/sdxl_one_gpu.py [--plain 1,2,4,8] [--diffpipe 1,2,4] [--steps 6] [--compile [--diffpipe-compiled 1]]
+    python bench/sdxl_one_gpu.py [--plain 1,2,4,8] [--diffpipe 1,2,4] [--steps 6]
+                                 [--compile [--diffpipe-compiled 1] [--plain-compiled 8]]
                                  [--variant K=V,...]
 
 --diffpipe lists stage counts hosted on the one GPU: "1" (one stage), "2" or "4" (run by the interleaved
 schedule), each at micro-batch 8 and global batch 8 x stages. --compile adds diffpipe with `pipeline.compile =
-true` (stage counts in --diffpipe-compiled) and then the plain loop compiled at micro-batch 8; each compile
-takes about 5 minutes on an H200 with an empty inductor cache. The plain loop is
+true` (stage counts in --diffpipe-compiled) and then the plain loop compiled (micro-batches in --plain-compiled);
+each compile takes about 5 minutes on an H200 with an empty inductor cache, so within 10-minute device calls
+split them: `--plain 8 --diffpipe 1 --compile --diffpipe-compiled ""`, then
+`--plain "" --diffpipe "" --compile --plain-compiled ""`. The plain loop is
 the same step as ../shared/reference/plain_loop_gpu.py: FLOPs counted once with FlopCounterMode.
 """
 from __future__ import annotations
@@ -127,6 +130,7 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also the plain loop compiled at micro-batch 8 and diffpipe compiled (--diffpipe-compiled)")
     parser.add_argument("--diffpipe-compiled", default="1", help="with --compile: stage counts run with pipeline.compile")
+    parser.add_argument("--plain-compiled", default="8", help="with --compile: micro-batches of the compiled plain loop")
     parser.add_argument("--overhead", action="store_true", help="also diffpipe 1 stage with observe off")
     parser.add_argument("--variant", action="append", default=[],
                         help="also diffpipe 1 stage with these comma-separated overrides, e.g. train.max_grad_norm=0")
@@ -137,7 +141,7 @@ def main() -> None:
     if args.compile:
         for chunks in [int(c) for c in args.diffpipe_compiled.split(",") if c]:
             diffpipe_run(chunks, args.steps, True, flops, ["pipeline.compile=true"])
-        flops = plain_loop([8], args.steps, True) or flops
+        flops = plain_loop([int(b) for b in args.plain_compiled.split(",") if b], args.steps, True) or flops
     for chunks in [int(c) for c in args.diffpipe.split(",") if c]:
         diffpipe_run(chunks, args.steps, True, flops, [])
         if chunks == 1 and args.overhead:
