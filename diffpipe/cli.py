@@ -2,6 +2,7 @@
 
     diffpipe train examples/digits.toml [--set train.max_steps=50] [--output-dir runs/x] [--overwrite]
     diffpipe plan examples/sdxl_unet.toml --set pipeline.stages=4 [--world-size 8] [--gpu-memory 80GiB] [--json]
+        [--profile] [--probe | --probe-unsplit]
     diffpipe timeline runs/digits [--step N] --out timeline.png
     diffpipe report runs/digits
     diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
@@ -94,7 +95,7 @@ def _plan(args) -> None:
     from .planner.report import plan_command
 
     config = load_config(args.config, args.set or [])
-    plan_command(config, args.world_size, args.gpu_memory, args.json, args.profile)
+    plan_command(config, args.world_size, args.gpu_memory, args.json, args.profile, args.probe, args.probe_unsplit)
 
 
 def _timeline(args) -> None:
@@ -134,6 +135,10 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpu-memory", help="memory per device, e.g. 80GiB (default: the GPU's, unlimited on CPU)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.add_argument("--profile", action="store_true", help="time each unit on this device and save plan.profile")
+    plan.add_argument("--probe", action="store_true",
+                      help="then run each planned stage alone on this device (AdamW state, micro-batches in flight): "
+                           "probed time and peak memory beside the plan's")
+    plan.add_argument("--probe-unsplit", action="store_true", help="--probe, and the whole model as one stage first")
     plan.set_defaults(run=_plan)
     timeline = sub.add_parser("timeline", help="draw one step of a run as a Gantt chart, one row per rank")
     timeline.add_argument("run_dir")

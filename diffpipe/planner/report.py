@@ -2,6 +2,7 @@
 
     diffpipe plan examples/sdxl_unet.toml --set pipeline.stages=4 [--world-size 8] [--gpu-memory 80GiB] [--json]
     diffpipe plan examples/digits.toml --profile     # time each unit on this machine's device, save, reuse
+    diffpipe plan examples/digits.toml --probe       # then run each planned stage alone: probed against planned
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from ..pipeline.split import live_after
 from .costs import count_unit_costs, profile_unit_costs, save_profile
 from .partition import Partition
 from .plan import Plan, hardware, make_plan, profile_key, search_layouts
+from .probe import format_probe, probe_plan
 
 __all__ = ["parse_memory", "plan_command", "format_plan", "plan_as_dict"]
 
@@ -78,7 +80,7 @@ def format_plan(plan: Plan, meta: Backbone) -> str:
 
 
 def _profile(config: RunConfig, meta: Backbone, path: str) -> None:
-    device = torch.device("cuda" if torch.cuda.is_available() and config.train.device != "cpu" else "cpu")
+    device = _device(config)
     micro = config.micro_batch_size
     costs = count_unit_costs(meta, *example_inputs(config, meta, micro))
     real = build_backbone(config)
@@ -91,8 +93,12 @@ def _profile(config: RunConfig, meta: Backbone, path: str) -> None:
     print(f"profiled {len(costs)} units at micro-batch {micro} on {device.type}; saved {path}")
 
 
+def _device(config: RunConfig) -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() and config.train.device != "cpu" else "cpu")
+
+
 def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | None, as_json: bool,
-                 profile: bool) -> None:
+                 profile: bool, probe: bool = False, probe_unsplit: bool = False) -> None:
     if gpu_memory:
         config.plan.memory_gib = parse_memory(gpu_memory)
     meta = build_backbone(config, "meta")
@@ -117,5 +123,14 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
         print("\n" + format_plan(plans[0], meta))
         return
     plan = make_plan(config, meta, p.stages * p.virtual_stages, p.data_parallel, p.microbatches, hw)
-    print(json.dumps(plan_as_dict(plan, meta), indent=1) if as_json else format_plan(plan, meta))
+    result = plan_as_dict(plan, meta)
+    if not as_json:
+        print(format_plan(plan, meta), flush=True)
+    if probe or probe_unsplit:
+        device = _device(config)
+        result["probed"] = probe_plan(config, meta, plan, device, unsplit=probe_unsplit)
+        if not as_json:
+            print(format_probe(result["probed"], device))
+    if as_json:
+        print(json.dumps(result, indent=1))
 
