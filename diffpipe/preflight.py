@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .build import build_backbone, sample_shape
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .models.loading import CheckpointError, check_checkpoint, weights_file
 from .models.units import Backbone
 from .pipeline.split import SplitError
+from .pipeline.stage import repeated_blocks
 from .planner.plan import resolve_stages
 
 __all__ = ["Checked", "check_before_launch"]
@@ -39,5 +40,8 @@ def check_before_launch(config: RunConfig) -> Checked:
     if config.data.dataset == "digits" and shape != (1, 8, 8):
         raise SplitError(f"data.dataset='digits' has 1x8x8 images but the model takes {shape}; use "
                          "model.preset = \"digits\", a config with in_channels=1 and sample_size=8, or data.dataset = \"synthetic\"")
+    if config.pipeline.compile == "blocks" and not repeated_blocks(backbone):
+        raise ConfigError(f"pipeline.compile = \"blocks\": {type(backbone.model).__name__} declares no repeated "
+                         "blocks to compile; use pipeline.compile = true (the whole stage)")
     split, checkpointing = resolve_stages(config, backbone)
     return Checked(backbone, split, checkpointing)

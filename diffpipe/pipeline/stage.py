@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from ..models.units import Backbone, Unit
 from .split import StageSpec
 
-__all__ = ["StageModule", "build_stage_modules"]
+__all__ = ["StageModule", "build_stage_modules", "repeated_blocks"]
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -35,12 +35,17 @@ class _ContiguousGrad(torch.autograd.Function):
 
 class StageModule(nn.Module):
     def __init__(self, spec: StageSpec, units: list[Unit], parameter_names: dict[int, str],
-                 autocast_dtype: torch.dtype | None = None, checkpointed: bool = False, compiled: bool = False):
+                 autocast_dtype: torch.dtype | None = None, checkpointed: bool = False,
+                 compiled: bool | str = False, repeated_blocks: tuple[str, ...] = ()):
         super().__init__()
         self.spec = spec
         self.checkpointed = checkpointed
-        # the units (and their checkpointing) as one graph; received tensors and the clock stay outside it
-        self._compute = torch.compile(self._compute_units, dynamic=False) if compiled else self._compute_units
+        if compiled == "blocks":  # each repeated block a graph of its own, compiled once per shape for all alike
+            for module in nn.ModuleList(u.module for u in units).modules():
+                if type(module).__name__ in repeated_blocks:
+                    module.compile(dynamic=False)
+        # true: the units (and their checkpointing) as one graph; received tensors and the clock stay outside it
+        self._compute = torch.compile(self._compute_units, dynamic=False) if compiled is True else self._compute_units
         self.clock = None  # a StageClock while the runtime times this stage
         self.unit_list = units
         self.units = nn.ModuleList(u.module for u in units)  # registers the parameters
@@ -89,7 +94,16 @@ class StageModule(nn.Module):
         return {self._full_names[name]: t.detach() for name, t in self._own_tensors()}
 
 
+def repeated_blocks(backbone: Backbone) -> tuple[str, ...]:
+    """Class names of the blocks the model repeats, as diffusers declares them for regional compilation."""
+    return tuple(getattr(type(backbone.model), "_repeated_blocks", None) or ())
+
+
 def build_stage_modules(backbone: Backbone, specs: list[StageSpec], autocast_dtype: torch.dtype | None = None,
-                        checkpointed: frozenset[int] = frozenset(), compiled: bool = False) -> list[StageModule]:
+                        checkpointed: frozenset[int] = frozenset(), compiled: bool | str = False) -> list[StageModule]:
+    blocks = repeated_blocks(backbone)
+    if compiled == "blocks" and not blocks:
+        raise ValueError(f"pipeline.compile = \"blocks\": {type(backbone.model).__name__} declares no repeated blocks "
+                         "(diffusers' _repeated_blocks); use pipeline.compile = true")
     return [StageModule(s, backbone.units[s.first:s.last], backbone.parameter_names, autocast_dtype,
-                        s.index in checkpointed, compiled) for s in specs]
+                        s.index in checkpointed, compiled, blocks) for s in specs]

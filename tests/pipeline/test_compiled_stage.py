@@ -1,10 +1,13 @@
-"""`pipeline.compile`: a stage compiled by torch.compile (inductor), with activation checkpointing inside the
-graph, computes what the eager stage computes: outputs, gradients of its weights and of what it received."""
+"""`pipeline.compile`: a stage compiled by torch.compile (inductor), whole with activation checkpointing inside
+the graph or only its repeated transformer blocks, computes what the eager stage computes: outputs, gradients
+of its weights and of what it received."""
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+import torch._dynamo
 from diffusers import UNet2DConditionModel
 
 from diffpipe.models.unet import unet_backbone
@@ -24,7 +27,9 @@ def _run_middle_stage(stage, received, conditions):
     return outs, [t.grad for t in inputs], grads
 
 
-def test_compiled_checkpointed_stage_matches_eager():
+@pytest.mark.parametrize("compiled", [True, "blocks"], ids=["whole-stage", "repeated-blocks"])
+def test_compiled_checkpointed_stage_matches_eager(compiled):
+    torch._dynamo.reset()
     torch.manual_seed(0)
     backbone = unet_backbone(UNet2DConditionModel(**SDXL_STYLE).train())
     starts = [6, 12]
@@ -36,9 +41,11 @@ def test_compiled_checkpointed_stage_matches_eager():
 
     compiled_backbone = unet_backbone(copy.deepcopy(backbone.model))
     compiled_stage = build_stage_modules(compiled_backbone, stage_specs(compiled_backbone, starts),
-                                         checkpointed=frozenset({1}), compiled=True)[1]
+                                         checkpointed=frozenset({1}), compiled=compiled)[1]
     expected = _run_middle_stage(eager_stages[1], received, conditions)
+    torch._dynamo.utils.counters.clear()
     got = _run_middle_stage(compiled_stage, received, conditions)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
 
     for want, have in zip(expected[0], got[0], strict=True):
         torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5)
