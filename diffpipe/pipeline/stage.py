@@ -40,17 +40,17 @@ class StageModule(nn.Module):
         super().__init__()
         self.spec = spec
         self.checkpointed = checkpointed
-        if compiled == "blocks":  # each repeated block a graph of its own, compiled once per shape for all alike
-            for module in nn.ModuleList(u.module for u in units).modules():
-                if type(module).__name__ in repeated_blocks:
-                    module.compile(dynamic=False)
-        # true: the units (and their checkpointing) as one graph; received tensors and the clock stay outside it
-        self._compute = torch.compile(self._compute_units, dynamic=False) if compiled is True else self._compute_units
         self.clock = None  # a StageClock while the runtime times this stage
         self.unit_list = units
         self.units = nn.ModuleList(u.module for u in units)  # registers the parameters
         self.autocast_dtype = autocast_dtype
         self._full_names = {name: parameter_names[id(t)] for name, t in self._own_tensors()}
+        if compiled == "blocks":  # each repeated block a graph of its own, compiled once per shape for all alike
+            for module in self.units.modules():
+                if type(module).__name__ in repeated_blocks:
+                    module.compile(dynamic=False)
+        # true: the units (and their checkpointing) as one graph; received tensors and the clock stay outside it
+        self._compute = torch.compile(self._compute_units, dynamic=False) if compiled is True else self._compute_units
 
     def _own_tensors(self):
         yield from self.named_parameters()
