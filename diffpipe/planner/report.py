@@ -107,30 +107,30 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
         _profile(config, meta, config.plan.profile)
     hw = hardware(config)
     p = config.pipeline
+    plans: list[Plan] = []
     if world_size:
         plans = search_layouts(config, meta, world_size, hw)
         if not plans:
             print(f"no layout of {world_size} devices fits; try --gpu-memory, pipeline.checkpointing = \"auto\", "
                   "or a smaller train.batch_size")
             return
-        if as_json:
-            print(json.dumps([plan_as_dict(pl, meta) for pl in plans[:5]], indent=1))
-            return
-        print(f"best layouts of {world_size} devices for a global batch of {config.train.batch_size}:")
-        for pl in plans[:5]:
-            print(f"  {pl.stages} stages x {pl.data_parallel} dp, {pl.microbatches} micro-batches: "
-                  f"{pl.samples_per_s:.2f} samples/s, bubble {pl.planned.bubble_fraction:.1%}, split {pl.planned.starts}")
-        print("\n" + format_plan(plans[0], meta))
-        return
-    plan = make_plan(config, meta, p.stages * p.virtual_stages, p.data_parallel, p.microbatches, hw)
+        if not as_json:
+            print(f"best layouts of {world_size} devices for a global batch of {config.train.batch_size}:")
+            for pl in plans[:5]:
+                print(f"  {pl.stages} stages x {pl.data_parallel} dp, {pl.microbatches} micro-batches: "
+                      f"{pl.samples_per_s:.2f} samples/s, bubble {pl.planned.bubble_fraction:.1%}, split {pl.planned.starts}")
+            print()
+        plan = plans[0]
+    else:
+        plan = make_plan(config, meta, p.stages * p.virtual_stages, p.data_parallel, p.microbatches, hw)
     result = plan_as_dict(plan, meta)
     if not as_json:
         print(format_plan(plan, meta), flush=True)
-    if probe or probe_unsplit:
+    if probe or probe_unsplit:  # the plan shown (with --world-size: the best layout)
         device = _device(config)
         result["probed"] = probe_plan(config, meta, plan, device, unsplit=probe_unsplit)
         if not as_json:
             print(format_probe(result["probed"], device))
     if as_json:
-        print(json.dumps(result, indent=1))
+        print(json.dumps([result] + [plan_as_dict(pl, meta) for pl in plans[1:5]] if world_size else result, indent=1))
 

@@ -32,3 +32,10 @@ def test_probe_prints_a_table_after_the_plan(capsys):
     out = capsys.readouterr().out
     assert out.index("planned split") < out.index("each planned stage run alone on cpu")
     assert "probed ms" in out
+
+
+def test_probe_with_a_world_size_probes_the_best_layout(capsys):
+    assert main(["plan", str(DIGITS), "--world-size", "2", "--probe", "--json"]) == 0
+    best, *others = json.loads(capsys.readouterr().out)
+    assert len(best["probed"]) == len(best["planned"]["stages"])
+    assert all("probed" not in other for other in others)
