@@ -45,7 +45,7 @@ def main() -> None:
     for step in range(args.steps + 2):
         sync()
         t0 = time.perf_counter()
-        batch = trainer.batches.make(step, 0, 1).to(topo.device)
+        batch = trainer.batch_for(step)
         sync()
         t1 = time.perf_counter()
         trainer.optimizer.zero_grad(set_to_none=True)

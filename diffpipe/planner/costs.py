@@ -87,7 +87,8 @@ def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor],
     return costs
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device (CUDA); a no-op on CPU, where work is done when the call returns."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -106,19 +107,19 @@ def profile_unit_costs(backbone: Backbone, costs: list[UnitCost], inputs: dict[s
         retained = []
         for _ in range(warmup + repeats):
             args = _unit_inputs(named, unit.reads, grad_names)
-            _sync(device)
+            sync(device)
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             start = time.perf_counter()
             with autocast:
                 out = unit(args)
-            _sync(device)
+            sync(device)
             mid = time.perf_counter()
             if device.type == "cuda":  # what the forward leaves alive for backward: outputs and saved tensors
                 retained.append(torch.cuda.memory_allocated(device) - before)
             grads_needed = [o for o in out.values() if o.requires_grad]
             if grads_needed:
                 torch.autograd.backward(grads_needed, [torch.ones_like(o) for o in grads_needed])
-            _sync(device)
+            sync(device)
             fwd.append(mid - start)
             bwd.append(time.perf_counter() - mid)
             unit.module.zero_grad(set_to_none=True)

@@ -19,17 +19,13 @@ from ..models.units import Backbone
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import StageModule, build_stage_modules
 from ..pipeline.traffic import trace_shapes
+from .costs import sync
 from .partition import in_flight
 from .plan import Plan
 
 __all__ = ["probe_stage", "probe_plan", "format_probe"]
 
 GIB = 2**30
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def probe_stage(module: StageModule, received: list[torch.Tensor], conditions: dict[str, torch.Tensor],
@@ -43,7 +39,7 @@ def probe_stage(module: StageModule, received: list[torch.Tensor], conditions: d
     times = []
     for _ in range(repeats + 2):
         module.zero_grad(set_to_none=True)
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         outputs = []
         for _ in range(held):  # the forwards of the micro-batches in flight, then their backwards
@@ -53,7 +49,7 @@ def probe_stage(module: StageModule, received: list[torch.Tensor], conditions: d
         for outs in outputs:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         outputs.clear()
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - start) / held)
         if opt is not None:
             opt.step()

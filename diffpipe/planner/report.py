@@ -18,12 +18,9 @@ from ..pipeline.split import live_after
 from .costs import count_unit_costs, profile_unit_costs, save_profile
 from .partition import Partition
 from .plan import Plan, hardware, make_plan, profile_key, search_layouts
-from .probe import format_probe, probe_plan
+from .probe import GIB, format_probe, probe_plan
 
 __all__ = ["parse_memory", "plan_command", "format_plan", "plan_as_dict"]
-
-GIB = 2**30
-
 
 def parse_memory(text: str) -> float:
     """'80GiB', '80G', '80' (GiB) or '512MiB' -> GiB."""

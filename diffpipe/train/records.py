@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
 
-__all__ = ["MetricsLog", "StepReport", "plot_loss", "make_progress", "NullProgress"]
+__all__ = ["MetricsLog", "StepReport", "is_logged", "plot_loss", "make_progress", "NullProgress"]
 
 
 class MetricsLog:
@@ -72,6 +72,11 @@ def make_progress() -> Progress:
                     TextColumn("ETA"), TimeRemainingColumn())
 
 
+def is_logged(step: int, max_steps: int, log_every: int) -> bool:
+    """Steps written to metrics.jsonl: every `log_every`-th and the last."""
+    return step % log_every == 0 or step == max_steps - 1
+
+
 class StepReport:
     """Each finished step: its wall time, then metrics.jsonl and TensorBoard every `log_every` steps and the
     progress bar (on the main rank; elsewhere only the time)."""
@@ -99,7 +104,7 @@ class StepReport:
         record.update(step_time_s=round(seconds, 5), samples_per_s=self.batch_size / seconds)
 
     def write(self, step: int, record: dict) -> None:
-        if self.log is not None and (step % self.log_every == 0 or step == self.max_steps - 1):
+        if self.log is not None and is_logged(step, self.max_steps, self.log_every):
             self.log.write(record)
             for key in ("loss", "lr", "grad_norm", "samples_per_s"):
                 if key in record:

@@ -31,7 +31,7 @@ from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
 from ..planner.plan import resolve_stages
 from .optim import LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer
-from .records import StepReport
+from .records import StepReport, is_logged
 
 __all__ = ["train_worker", "Trainer", "read_record"]
 
@@ -98,8 +98,7 @@ class Trainer:
 
     def _needs_norm(self, step: int) -> bool:
         train = self.config.train
-        logged = step % train.log_every == 0 or step == train.max_steps - 1
-        return train.max_grad_norm > 0 or self.scaler.enabled or logged
+        return train.max_grad_norm > 0 or self.scaler.enabled or is_logged(step, train.max_steps, train.log_every)
 
     def apply_gradients(self, step: int, loss: torch.Tensor | None, times: StepTimes | None = None) -> dict:
         """Average over replicas, clip by the global norm, step (unless fp16 overflowed anywhere); the step's record.
