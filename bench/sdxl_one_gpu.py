@@ -88,7 +88,8 @@ def plain_loop(batches: list[int], steps: int, compiled: bool) -> float:
     return flops_per_sample
 
 
-def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float, extra: list[str]) -> None:
+def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float, extra: list[str],
+                 logs: Path | None = None) -> None:
     """`diffpipe train` itself, as a user runs it, with `chunks` stages hosted on this one GPU."""
     with tempfile.TemporaryDirectory() as tmp:
         sets = {"train.max_steps": steps + 3, "train.batch_size": 8 * chunks if chunks > 1 else 8,
@@ -106,6 +107,10 @@ def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float
         started = time.perf_counter()
         result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         wall_s = time.perf_counter() - started
+        if logs is not None:  # the run's own output, e.g. TORCH_LOGS=recompiles,graph_breaks
+            logs.mkdir(parents=True, exist_ok=True)
+            name = f"diffpipe-{chunks}-{'-'.join(extra) or 'default'}".replace("=", "_").replace('"', "")
+            (logs / f"{name}.log").write_text(result.stdout[-200_000:] + result.stderr[-800_000:])
         if result.returncode != 0:
             print(json.dumps({"what": "diffpipe", "chunks": chunks, "error": result.stderr[-1500:]}), flush=True)
             return
@@ -134,20 +139,21 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true", help="also diffpipe 1 stage with observe off")
     parser.add_argument("--variant", action="append", default=[],
                         help="also diffpipe 1 stage with these comma-separated overrides, e.g. train.max_grad_norm=0")
+    parser.add_argument("--logs", type=Path, help="write each diffpipe run's output to a file in this folder")
     args = parser.parse_args()
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
                       "date": time.strftime("%Y-%m-%d")}), flush=True)
     flops = plain_loop([int(b) for b in args.plain.split(",") if b], args.steps, False)
     if args.compile:
         for chunks in [int(c) for c in args.diffpipe_compiled.split(",") if c]:
-            diffpipe_run(chunks, args.steps, True, flops, ["pipeline.compile=true"])
+            diffpipe_run(chunks, args.steps, True, flops, ["pipeline.compile=true"], args.logs)
         flops = plain_loop([int(b) for b in args.plain_compiled.split(",") if b], args.steps, True) or flops
     for chunks in [int(c) for c in args.diffpipe.split(",") if c]:
-        diffpipe_run(chunks, args.steps, True, flops, [])
+        diffpipe_run(chunks, args.steps, True, flops, [], args.logs)
         if chunks == 1 and args.overhead:
-            diffpipe_run(chunks, args.steps, False, flops, [])
+            diffpipe_run(chunks, args.steps, False, flops, [], args.logs)
     for variant in args.variant:
-        diffpipe_run(1, args.steps, True, flops, variant.split(","))
+        diffpipe_run(1, args.steps, True, flops, variant.split(","), args.logs)
 
 
 if __name__ == "__main__":

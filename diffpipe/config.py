@@ -42,6 +42,7 @@ class DataConfig(_Section):
     dataset: Literal["digits", "synthetic"] = Field(
         "digits", description="digits (scikit-learn's handwritten digits, 8x8 pixels, captioned) or synthetic (random latents).")
     caption_dropout: float = Field(0.1, ge=0.0, le=1.0, description="Fraction of captions replaced by the empty caption (enables guidance).")
+    text_cache_gib: float = Field(1.0, ge=0, description="Encode each distinct caption once and keep the text encoder's outputs on its device when they all fit in this many GiB; 0: encode every step's captions.")
 
 
 class TrainConfig(_Section):

@@ -41,6 +41,7 @@ class TextEncoder:
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.max_length = max_length
+        self._kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # caption -> (hidden, pooled), see keep()
 
     @classmethod
     def tiny(cls, hidden_size: int, projection_dim: int, max_length: int, seed: int) -> "TextEncoder":
@@ -71,8 +72,30 @@ class TextEncoder:
     def hidden_size(self) -> int:
         return self.model.config.hidden_size
 
-    @torch.no_grad()
+    def keep(self, captions: list[str], max_gib: float, chunk: int = 64) -> bool:
+        """Encode each distinct caption once, on the model's device, and answer `encode` from memory from then on:
+        the encoder is frozen, so its output for a caption never changes. Only when all of them fit in `max_gib`;
+        returns whether they were kept."""
+        distinct = sorted(set(captions))
+        dtype_bytes = next(self.model.parameters()).element_size()
+        per_caption = (self.max_length * self.hidden_size + self.model.config.projection_dim) * dtype_bytes
+        if not distinct or len(distinct) * per_caption > max_gib * 2**30:
+            return False
+        for start in range(0, len(distinct), chunk):
+            part = distinct[start:start + chunk]
+            hidden, pooled = self._encode(part)
+            self._kept.update({c: (hidden[i], pooled[i]) for i, c in enumerate(part)})
+        return True
+
     def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states, pooled projection) of a batch of captions."""
+        if self._kept and all(c in self._kept for c in captions):
+            rows = [self._kept[c] for c in captions]
+            return torch.stack([h for h, _ in rows]), torch.stack([p for _, p in rows])
+        return self._encode(captions)
+
+    @torch.no_grad()
+    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.tokenizer(captions, padding="max_length", truncation=True, max_length=self.max_length,
                                 return_tensors="pt")
         device = next(self.model.parameters()).device

@@ -65,7 +65,10 @@ class StageModule(nn.Module):
         device_type = received[0].device.type
         autocast = (torch.autocast(device_type, dtype=self.autocast_dtype) if self.autocast_dtype is not None
                     else contextlib.nullcontext())
-        with autocast:
+        # compiled code is for training; a pass without gradients (samples; torch 2.11's PipelineStage learning
+        # output shapes) runs eager: compiling its own graph would cost a second compile of the whole stage
+        eager = torch.compiler.set_stance("force_eager") if not torch.is_grad_enabled() else contextlib.nullcontext()
+        with autocast, eager:
             out = self._compute(named)
         if self.clock is not None:
             self.clock.forward_ended()

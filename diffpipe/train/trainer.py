@@ -30,7 +30,8 @@ from ..pipeline.traffic import Crossing
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
 from ..planner.plan import resolve_stages
-from .optim import LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer
+from .optim import (LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer,
+                    step_optimizer)
 from .records import StepReport, is_logged
 
 __all__ = ["train_worker", "Trainer", "read_record"]
@@ -65,10 +66,11 @@ class Trainer:
         self.scaler = LossScaler(config.train.precision == "fp16")
         self.runner = PipelineRunner(self.modules, mine, len(specs), topo.pp_group, topo.device, p.schedule,
                                      p.microbatches, _ScaledMSE(self.scaler), timeable=config.observe.enabled)
-        self.optimizer, self.lr_schedule = make_optimizer(groups, config.train, topo.device)
+        self.optimizer, self.lr_schedule = make_optimizer(groups, config.train)
         self.text = build_text_encoder(config, backbone)
         self.text.model.to(topo.device)
         data = make_dataset(config.data.dataset, sample_shape(config, backbone), config.train.seed)
+        self.text.keep(data.captions + [""], config.data.text_cache_gib)  # "": captions dropped for guidance
         self.batches = BatchMaker(data.images, data.captions, self.text, config.train,
                                   config.data.caption_dropout, backbone.conditions)
         moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches)
@@ -115,8 +117,8 @@ class Trainer:
         overflow = self.scaler.enabled and not bool(torch.isfinite(norm))  # of scaled gradients
         start = time.perf_counter()
         if not overflow:
-            clip_gradients(self.params, norm, train.max_grad_norm, unscale=1.0 / self.scaler.scale)
-            self.optimizer.step()
+            factor = clip_gradients(self.params, norm, train.max_grad_norm, unscale=1.0 / self.scaler.scale)
+            step_optimizer(self.optimizer, self.params, factor)
         if times is not None:
             if topo.device.type == "cuda":
                 torch.cuda.synchronize(topo.device)

@@ -60,3 +60,20 @@ def test_compiled_checkpointed_stage_matches_eager(compiled):
     with torch.no_grad():
         chained = run_stages([eager_stages[0], compiled_stage, eager_stages[2]], sample, conditions)
         torch.testing.assert_close(chained, run_stages(eager_stages, sample, conditions), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [True, "blocks"], ids=["whole-stage", "repeated-blocks"])
+def test_passes_without_gradients_run_eager(compiled):
+    """Samples, and torch 2.11's shape inference of a pipeline stage, would otherwise compile a second graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backbone = unet_backbone(UNet2DConditionModel(**SDXL_STYLE).train())
+    eager = build_stage_modules(backbone, stage_specs(backbone, [6]))[0]
+    stage = build_stage_modules(backbone, stage_specs(backbone, [6]), compiled=compiled)[0]
+    sample, conditions = _inputs(SDXL_STYLE)
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        got, want = stage(sample, **conditions), eager(sample, **conditions)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
