@@ -1,8 +1,13 @@
-"""Where the device time of a training step goes: diffpipe's step (one process, one stage) against the plain
-loop, under torch.profiler. Prints one JSON line per loop: wall and summed kernel time per step, the
-kernels that take the most device time per step, and the kernels whose time differs most between the two.
+"""Where the device time of a training step goes: diffpipe's training loop (one process, one stage, as
+`diffpipe train` runs it: batches made in the background, steps read once the next is queued) against the
+plain loop, under torch.profiler (device activity only). Prints one JSON line per loop: per steady step, the
+span on the GPU, the time its kernels keep it busy, the idle gaps (with the kernels on either side), the kernels
+that take the most time; then the kernels whose time differs most between the two.
 
-    python bench/profile_step.py examples/sdxl_unet.toml [--steps 2] [--top 20] [--set KEY=VALUE ...]
+    python bench/profile_step.py examples/sdxl_unet.toml [--steps 4] [--top 20] [--compile] [--set KEY=VALUE ...]
+
+Steps are told apart on the GPU by the fused AdamW kernels that end each one; the first 3 steps (warm-up and,
+with --compile, compiling) are left out.
 """
 from __future__ import annotations
 
@@ -12,7 +17,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -29,86 +33,100 @@ from diffpipe.models.presets import UNET_PRESETS  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 from sdxl_one_gpu import _inputs  # noqa: E402
 
+WARMUP = 3
 
-def _summarise(what: str, prof, steps: int, wall_s: float, top: int) -> dict[str, float]:
+
+def _kernels(prof) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of every device kernel and copy, in start order."""
+    out = [(e.time_range.start, e.time_range.end, e.name[:90]) for e in prof.events()
+           if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(out)
+
+
+def _step_ends(kernels) -> list[float]:
+    """End of each step's optimizer: the last fused AdamW kernel before a non-AdamW one."""
+    ends = []
+    for i, (_, end, name) in enumerate(kernels):
+        if "Adam" in name and (i + 1 == len(kernels) or "Adam" not in kernels[i + 1][2]):
+            ends.append(end)
+    return ends
+
+
+def _summarise(what: str, prof, top: int) -> dict[str, float]:
+    kernels = _kernels(prof)
+    ends = _step_ends(kernels)[WARMUP - 1:]  # steady steps run from the end of step WARMUP-1 ...
+    if len(ends) < 2:
+        print(json.dumps({"what": what, "error": f"found {len(ends)} step ends among {len(kernels)} kernels"}))
+        return {}
+    first, last = ends[0], ends[-1]
+    steps = len(ends) - 1
+    window = [k for k in kernels if first < k[0] and k[1] <= last]
     per_kernel: dict[str, float] = defaultdict(float)
-    total = 0.0
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            ms = event.time_range.elapsed_us() / 1e3
-            per_kernel[event.name[:90]] += ms
-            total += ms
-    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
-    print(json.dumps({"what": what, "wall_ms_per_step": round(wall_s * 1e3 / steps, 1),
-                      "kernel_ms_per_step": round(total / steps, 1),
-                      "top": [[name, round(ms / steps, 2)] for name, ms in ranked]}), flush=True)
+    busy, gaps, reach, before = 0.0, [], first, "(previous step's optimizer)"
+    for start, end, name in window:
+        per_kernel[name] += (end - start) / 1e3
+        if start > reach:
+            gaps.append((start - reach, before, name))
+        busy += max(0.0, end - max(start, reach))
+        if end > reach:
+            reach, before = end, name
+    gaps.sort(reverse=True)
+    span_ms = (last - first) / 1e3 / steps
+    print(json.dumps({"what": what, "steps": steps, "gpu_span_ms_per_step": round(span_ms, 2),
+                      "busy_ms_per_step": round(busy / 1e3 / steps, 2),
+                      "idle_ms_per_step": round(span_ms - busy / 1e3 / steps, 2),
+                      "largest_gaps_ms": [[round(g / 1e3, 3), a, b] for g, a, b in gaps[:top]],
+                      "top": [[n, round(ms / steps, 2)] for n, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]]}),
+          flush=True)
     return {name: ms / steps for name, ms in per_kernel.items()}
 
 
-def _profiled(step_fn, steps: int):
-    for i in range(3):
-        step_fn(i)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for i in range(steps):
-            step_fn(3 + i)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    return prof, wall
-
-
-def plain(steps: int, top: int) -> dict[str, float]:
+def plain(steps: int, top: int, compiled: bool) -> dict[str, float]:
     from diffusers import UNet2DConditionModel
 
     model = UNet2DConditionModel(**UNET_PRESETS["sdxl"]).to("cuda").train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    fwd = torch.compile(model) if compiled else model
     inp = _inputs(8, "cuda")
-
-    def step(_):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(**inp).sample
-        out.float().pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    prof, wall = _profiled(step, steps)
-    kernels = _summarise("plain", prof, steps, wall, top)
-    del model, opt
-    torch.cuda.empty_cache()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(WARMUP + steps):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = fwd(**inp).sample
+            out.float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    kernels = _summarise("plain" + (" compiled" if compiled else ""), prof, top)
+    del model, opt, fwd
     return kernels
 
 
-def diffpipe(config_path: str, sets: list[str], steps: int, top: int) -> dict[str, float]:
+def diffpipe(config_path: str, sets: list[str], steps: int, top: int, compiled: bool) -> dict[str, float]:
     config = load_config(config_path, ["pipeline.stages=1", "pipeline.microbatches=1", "train.batch_size=8",
                                        "pipeline.checkpointing=\"none\"", "plan.memory_gib=139",
-                                       "output.save_weights=false", *sets])
+                                       f"train.max_steps={WARMUP + steps}", f"pipeline.compile={str(compiled).lower()}",
+                                       "output.save_weights=false", "output.sample_every_end=false", *sets])
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29583")
     topo = init_topology(1, 1, resolve_device_kind(config.train.device))
     trainer = Trainer(config, topo, Path(tempfile.mkdtemp()))
-    batches = {}
-
-    def step(i):
-        batch = batches.pop(i, None) or trainer.batch_for(i)
-        loss, times = trainer.forward_backward(i, batch)
-        batches[i + 1] = trainer.batch_for(i + 1)
-        trainer.apply_gradients(i, loss, times)
-
-    prof, wall = _profiled(step, steps)
-    return _summarise("diffpipe", prof, steps, wall, top)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        trainer.fit()
+        torch.cuda.synchronize()
+    return _summarise("diffpipe" + (" compiled" if compiled else ""), prof, top)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--compile", action="store_true", help="diffpipe with pipeline.compile, the plain loop compiled")
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args()
-    mine = diffpipe(args.config, args.set, args.steps, args.top)
+    mine = diffpipe(args.config, args.set, args.steps, args.top, args.compile)
     gc.collect()  # the trainer's modules, so the plain loop has the GPU's memory
     torch.cuda.empty_cache()
-    theirs = plain(args.steps, args.top)
+    theirs = plain(args.steps, args.top, args.compile)
     diff = {k: mine.get(k, 0.0) - theirs.get(k, 0.0) for k in set(mine) | set(theirs)}
     ranked = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:args.top]
     print(json.dumps({"what": "diffpipe minus plain, ms per step", "kernels": [[k, round(v, 2)] for k, v in ranked]}),

@@ -60,12 +60,15 @@ class PipelineRunner:
                       for m, i in zip(self.modules, self.stage_indices)]
             cls = SCHEDULES[self.schedule_name]
             arg = stages if self.schedule_name in _MULTI_STAGE else stages[0]
-            self._schedules[shape_key] = cls(arg, n_microbatches=self.microbatches, loss_fn=self.loss_fn)
+            # scale_grads=False: the micro-batches' gradients stay summed, and the trainer divides them by the
+            # micro-batch count inside the optimizer step, instead of a division of every gradient here
+            self._schedules[shape_key] = cls(arg, n_microbatches=self.microbatches, loss_fn=self.loss_fn,
+                                             scale_grads=False)
         return self._schedules[shape_key]
 
     def step(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor], target: torch.Tensor,
              timed: bool = True) -> tuple[torch.Tensor | None, StepTimes | None]:
-        """Forward and backward of one batch; gradients accumulate (averaged over micro-batches).
+        """Forward and backward of one batch; gradients accumulate, summed over micro-batches.
 
         Returns the mean loss (on the rank holding the last stage, else None) and, when `timed`, this rank's
         compute intervals.

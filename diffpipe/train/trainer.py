@@ -102,6 +102,11 @@ class Trainer:
         train = self.config.train
         return train.max_grad_norm > 0 or self.scaler.enabled or is_logged(step, train.max_steps, train.log_every)
 
+    def _unscale(self, loss_scale: float | None = None) -> float:
+        """What turns the gradients the schedule leaves (summed over micro-batches, times the fp16 loss scale)
+        into the gradient of the batch's mean loss."""
+        return 1.0 / (self.config.pipeline.microbatches * (loss_scale or self.scaler.scale))
+
     def apply_gradients(self, step: int, loss: torch.Tensor | None, times: StepTimes | None = None) -> dict:
         """Average over replicas, clip by the global norm, step (unless fp16 overflowed anywhere); the step's record.
 
@@ -117,7 +122,7 @@ class Trainer:
         overflow = self.scaler.enabled and not bool(torch.isfinite(norm))  # of scaled gradients
         start = time.perf_counter()
         if not overflow:
-            factor = clip_gradients(self.params, norm, train.max_grad_norm, unscale=1.0 / self.scaler.scale)
+            factor = clip_gradients(self.params, norm, train.max_grad_norm, unscale=self._unscale())
             step_optimizer(self.optimizer, self.params, factor)
         if times is not None:
             if topo.device.type == "cuda":
@@ -133,7 +138,7 @@ class Trainer:
         dist.all_reduce(total)
         record = {"step": step, "loss": total / topo.dp_size, "lr": lr}
         if norm is not None:
-            record["grad_norm"] = norm / scale_used
+            record["grad_norm"] = norm * self._unscale(scale_used)
         if self.scaler.enabled:
             record.update(loss_scale=scale_used, skipped=overflow)
         return record

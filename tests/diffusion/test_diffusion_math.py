@@ -62,10 +62,10 @@ def test_sampler_with_the_exact_denoiser_recovers_the_data_point(objective):
 
 @pytest.mark.parametrize("objective", ["epsilon", "v_prediction"])
 def test_discrete_targets_match_their_definitions(objective):
-    x0, noise = torch.randn(4, 1, 2, 2), torch.randn(4, 1, 2, 2)
+    x0, noise = torch.randn(4, 1, 2, 2, generator=_gen(5)), torch.randn(4, 1, 2, 2, generator=_gen(6))
     t = torch.tensor([0.0, 0.25, 0.5, 0.999])
     out = make_targets(objective, x0, noise, t)
     a = alphas_cumprod()[discrete_step(t)].float().view(-1, 1, 1, 1)
-    assert torch.allclose(out.noisy, a.sqrt() * x0 + (1 - a).sqrt() * noise)
+    assert torch.allclose(out.noisy, a.sqrt() * x0 + (1 - a).sqrt() * noise, atol=1e-6)  # fp32 rounding near 0
     expected = noise if objective == "epsilon" else a.sqrt() * noise - (1 - a).sqrt() * x0
     assert torch.allclose(out.target, expected, atol=1e-6)
