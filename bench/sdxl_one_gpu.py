@@ -95,7 +95,8 @@ def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float
         sets = {"train.max_steps": steps + 3, "train.batch_size": 8 * chunks if chunks > 1 else 8,
                 "pipeline.stages": 1, "pipeline.microbatches": chunks, "pipeline.split": '"auto"',
                 "observe.enabled": str(observe).lower(), "observe.log_every": 0, "output.save_weights": "false",
-                "pipeline.checkpointing": '"none"', "plan.memory_gib": 139}
+                "pipeline.checkpointing": '"none"', "plan.memory_gib": 139,
+                "observe.timeline_step": 0}  # the step that draws timeline.png stays out of the measured steps
         if chunks > 1:
             sets.update({"pipeline.schedule": '"interleaved_1f1b"', "pipeline.virtual_stages": chunks})
         cmd = [sys.executable, "-m", "diffpipe", "train", str(ROOT / "examples" / "sdxl_unet.toml"),
