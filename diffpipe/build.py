@@ -5,24 +5,38 @@ from __future__ import annotations
 import torch
 
 from .config import RunConfig
-from .models.loading import CheckpointError, build_unet
+from .models.loading import CheckpointError, build_unet, checked_weights
+from .models.materialise import is_meta, materialise
 from .models.text import TextEncoder
-from .models.units import Backbone
+from .models.units import Backbone, full_parameter_names
 from .models.unet import unet_backbone
 from .pipeline.split import stage_specs
 from .pipeline.traffic import Crossing, boundary_crossings, trace_shapes
 
-__all__ = ["build_backbone", "build_text_encoder", "AUTOCAST_DTYPES", "sample_shape", "example_inputs",
+__all__ = ["build_backbone", "give_weights", "build_text_encoder", "AUTOCAST_DTYPES", "sample_shape", "example_inputs",
            "boundary_traffic"]
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
+    """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`)."""
     try:
-        return unet_backbone(build_unet(config.model, config.train.seed, device), config.model.units)
+        backbone = unet_backbone(build_unet(config.model, config.train.seed, "meta"), config.model.units)
     except ValueError as exc:  # unsupported UNet options
         raise CheckpointError(str(exc)) from None
+    if str(device) != "meta":
+        give_weights(backbone, config, device=device)
+    return backbone
+
+
+def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None = None,
+                 device: str | torch.device = "cpu") -> None:
+    """Weights (model.path's, else seeded random) for the given units of a meta backbone, all when None; the
+    other units stay on the meta device. The same unit gets the same weights whatever else is built."""
+    modules = None if units is None else {id(m) for i in units for m in backbone.units[i].module.modules()}
+    materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model), modules, device)
+    backbone.parameter_names = full_parameter_names(backbone.model)  # materialising made new parameter objects
 
 
 def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, int, int]:
@@ -61,7 +75,7 @@ def example_inputs(config: RunConfig, backbone: Backbone, batch: int) -> tuple[d
 
 def boundary_traffic(config: RunConfig, backbone: Backbone, split: list[int]) -> list[Crossing]:
     """Bytes each boundary sends per micro-batch, from shapes traced on the meta device."""
-    meta = backbone if next(backbone.model.parameters()).is_meta else build_backbone(config, "meta")
+    meta = backbone if is_meta(backbone.model) else build_backbone(config, "meta")
     shapes = trace_shapes(meta, *example_inputs(config, meta, config.micro_batch_size))
     element = 4 if config.train.precision == "fp32" else 2
     return boundary_crossings(stage_specs(meta, split), shapes, element)

@@ -13,9 +13,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ..config import ModelConfig
+from .materialise import materialise
 from .presets import UNET_PRESETS
 
-__all__ = ["CheckpointError", "build_unet", "unet_config", "load_state_dict_checked", "check_checkpoint", "weights_file"]
+__all__ = ["CheckpointError", "build_unet", "unet_config", "load_state_dict_checked", "check_checkpoint", "weights_file",
+           "checked_weights"]
 
 
 class CheckpointError(ValueError):
@@ -87,14 +89,23 @@ def load_state_dict_checked(model: torch.nn.Module, path: Path) -> None:
 
 
 def build_unet(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> UNet2DConditionModel:
-    """The UNet with seeded random weights, then the weights of `cfg.path` when given."""
+    """The UNet with the weights of `cfg.path` when given, else seeded random ones (drawn module by module,
+    see materialise.py); on the meta device, without weights, when `device` is "meta"."""
     kwargs = unet_config(cfg)
-    torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device("meta"):
         try:
             unet = UNet2DConditionModel(**kwargs)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"model config is not a valid UNet2DConditionModel config: {exc}") from None
-    if cfg.path is not None and str(device) != "meta":
-        load_state_dict_checked(unet, weights_file(Path(cfg.path)))
+    if str(device) != "meta":
+        materialise(unet, seed, checked_weights(unet, cfg), device=device)
     return unet
+
+
+def checked_weights(model: torch.nn.Module, cfg: ModelConfig) -> Path | None:
+    """The weights file of `cfg.path`, refused before anything is read if written for another architecture."""
+    if cfg.path is None:
+        return None
+    path = weights_file(Path(cfg.path))
+    check_checkpoint(model, path)
+    return path

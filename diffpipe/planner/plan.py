@@ -12,6 +12,7 @@ import torch
 
 from ..build import build_backbone, example_inputs
 from ..config import RunConfig
+from ..models.materialise import is_meta
 from ..models.units import Backbone
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
 from .costs import UnitCost, count_unit_costs, load_profile
@@ -178,7 +179,7 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
             f"pipeline.stages x pipeline.virtual_stages = {stages} stages, but the model has only "
             f"{len(backbone.units)} units ({', '.join(u.name for u in backbone.units)}); use at most "
             f"{len(backbone.units)} stages")
-    meta = backbone if next(backbone.model.parameters()).is_meta else build_backbone(config, "meta")
+    meta = backbone if is_meta(backbone.model) else build_backbone(config, "meta")
     hw = hardware(config)
     if p.split == "auto":
         try:

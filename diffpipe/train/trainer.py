@@ -1,8 +1,9 @@
 """The training loop run by every process: its stages, the step's batch, optimizer, metrics, weights.
 
-Every process builds the whole backbone from the seed (so weights are identical whatever the stage count),
-keeps the units of its own stages and moves them to its device. Only rank 0 prints and writes metrics;
-each pipeline rank of replica 0 writes its stages' weights, which rank 0 merges into model.safetensors.
+Every process builds the backbone on the meta device and gives weights only to the units of its own stages
+(each module seeded alike whatever the stage count: models/materialise.py), then moves them to its device.
+Only rank 0 prints and writes metrics; each pipeline rank of replica 0 writes its stages' weights, which rank 0
+merges into model.safetensors.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ..build import AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_text_encoder, sample_shape
+from ..build import AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_text_encoder, give_weights, sample_shape
 from ..config import RunConfig
 from ..data.batches import BatchMaker, StepBatch
 from ..data.prefetch import BatchPrefetcher
@@ -51,12 +52,14 @@ class Trainer:
     def __init__(self, config: RunConfig, topo: Topology, run_dir: Path):
         self.config, self.topo, self.run_dir = config, topo, run_dir
         p = config.pipeline
-        backbone = build_backbone(config)
+        backbone = build_backbone(config, "meta")
         self.model_config = dict(backbone.model.config)
         if not isinstance(p.split, list) or not isinstance(p.checkpointing, list):
             p.split, p.checkpointing = resolve_stages(config, backbone)
         specs = stage_specs(backbone, p.split)
         mine = stage_indices_for_rank(topo.pp_rank, p.stages, p.virtual_stages)
+        # weights for this process's stages only: the others' stay on the meta device, costing nothing
+        give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)])
         all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
                                           frozenset(p.checkpointing), p.compile)
         self.modules = [all_modules[i].to(topo.device).train() for i in mine]

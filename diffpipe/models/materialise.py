@@ -1,0 +1,66 @@
+"""Real weights for the parts of a model a process trains, and for nothing else.
+
+Every process builds the model on the meta device (no memory, no work), then gives weights to the modules of
+its own stages: a 9.6 B-parameter UNet split over 8 processes then costs each process its eighth, not the
+38 GB of the whole model in fp32 and a full random initialisation.
+
+Random weights are drawn per module by the module's own `reset_parameters` (what its constructor calls), from a
+generator seeded by (seed, the module's name in the model): a module gets the same weights whichever process
+builds it, whatever else that process builds, so every stage count trains the same model. Checkpoint weights are
+read tensor by tensor from the .safetensors file, so a process never reads another stage's weights.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+__all__ = ["materialise", "is_meta"]
+
+
+def is_meta(model: nn.Module) -> bool:
+    """True when no weight of `model` has been given memory yet."""
+    return all(t.is_meta for t in model.parameters())
+
+
+def _module_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+
+
+def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
+                modules: set[int] | None = None, device: str | torch.device = "cpu") -> None:
+    """Give real weights, on `device`, to the meta modules of `model` whose id() is in `modules` (all when None):
+    the checkpoint's tensors when given (its architecture already checked), else seeded random ones.
+
+    Parameters are replaced by new tensors: anything keyed by parameter identity must be rebuilt after this.
+    """
+    opened = safe_open(str(checkpoint), framework="pt") if checkpoint is not None else contextlib.nullcontext()
+    with opened as reader:
+        for name, module in model.named_modules():
+            if modules is None or id(module) in modules:
+                _materialise_module(model, name, module, seed, reader, device)
+
+
+def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: int, reader, device) -> None:
+    own = list(module.parameters(recurse=False))
+    if not any(t.is_meta for t in own):
+        return
+    if any(b.is_meta for b in module.buffers(recurse=False)):
+        raise ValueError(f"{type(model).__name__}.{name} ({type(module).__name__}) has buffers only its "
+                         "constructor can fill; building it on the meta device is not supported")
+    if reader is None and not hasattr(module, "reset_parameters"):
+        raise ValueError(f"{type(model).__name__}.{name} ({type(module).__name__}) has no reset_parameters "
+                         "to draw its random weights with; give model.path to load them instead")
+    module.to_empty(device=device, recurse=False)
+    with torch.no_grad():
+        if reader is not None:
+            for key, param in module.named_parameters(recurse=False):
+                param.copy_(reader.get_tensor(f"{name}.{key}" if name else key))
+        else:
+            with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+                torch.manual_seed(_module_seed(seed, name))
+                module.reset_parameters()
