@@ -114,7 +114,7 @@ class Trainer:
         """Average over replicas, clip by the global norm, step (unless fp16 overflowed anywhere); the step's record.
 
         Nothing here waits for the device, except fp16, which reads the norm before the optimizer (to skip the
-        step on every stage alike): the record's loss and norm are device tensors until `read_record`. `times.optimizer_s`
+        step on every stage alike): the record's loss and norm are read by `read_record`. `times.optimizer_s`
         gets the local clipping and optimizer time (not the collectives, whose waiting for slower stages is
         pipeline bubble, already counted).
         """
@@ -144,12 +144,13 @@ class Trainer:
             record["grad_norm"] = norm * self._unscale(scale_used)
         if self.scaler.enabled:
             record.update(loss_scale=scale_used, skipped=overflow)
-        return record
+        return _on_host_when_ready(record)
 
     def fit(self) -> None:
         """All steps. On a GPU a step's figures are read once the next step's forward and backward are queued,
-        so the device never waits for the host between steps, and the next batch is made in the background.
-        On a CPU the host is the device: each step is read as it ends."""
+        waiting for that step alone (an event, not the stream: `_on_host_when_ready`), so the device never waits
+        for the host between steps; the next batch is made in the background. On a CPU the host is the device:
+        each step is read as it ends."""
         train, topo = self.config.train, self.topo
         prefetcher = BatchPrefetcher(self.batch_for, topo.device)
         report = StepReport(self.run_dir, train.max_steps, train.batch_size, train.log_every, self.writers,
@@ -212,9 +213,31 @@ class Trainer:
         dist.barrier()
 
 
+_READY = "_ready"  # the CUDA event after which a record's values are on the host
+
+
+def _on_host_when_ready(record: dict) -> dict:
+    """The record with its GPU tensors copied into pinned host memory once the GPU gets there, and an event
+    marking that point. Reading a GPU tensor (`.item()`) would wait for everything queued on the stream, the
+    next step's forward and backward included, and leave the GPU idle while the host catches up; waiting on
+    the event waits for this step alone."""
+    on_gpu = [k for k, v in record.items() if isinstance(v, torch.Tensor) and v.is_cuda]
+    if not on_gpu:
+        return record
+    record = dict(record)
+    for key in on_gpu:
+        host = torch.empty(record[key].shape, dtype=record[key].dtype, pin_memory=True)
+        record[key] = host.copy_(record[key], non_blocking=True)
+    record[_READY] = torch.cuda.Event()
+    record[_READY].record()
+    return record
+
+
 def read_record(record: dict) -> dict:
-    """The record with its device tensors read as numbers (this waits for the device)."""
-    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()}
+    """The record with its tensors read as numbers (on a GPU this waits for the step the record is of)."""
+    if _READY in record:
+        record[_READY].synchronize()
+    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items() if k != _READY}
 
 
 def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int) -> int:
