@@ -1,7 +1,9 @@
 """Host memory and time a process spends building its part of the model: the whole backbone (one process, or
 the unsplit reference) against each stage of the planned split built alone, as each pipeline process does.
 
-    python bench/build_memory.py examples/sdxl_unet.toml [--stages 4] [--set KEY=VALUE ...]
+    python bench/build_memory.py examples/sdxl_unet.toml [--stages 4] [--no-whole] [--set KEY=VALUE ...]
+
+--no-whole skips the whole model, for one larger than this machine's memory (examples/sdxl_wide_unet.toml: 36 GiB).
 
 Each build runs in a fresh process; prints one JSON line per build: the units it holds, the seconds it took and
 the process's peak resident memory above what it held after the imports.
@@ -51,6 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--no-whole", action="store_true", help="build only the stages, not the whole model")
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args()
     from diffpipe.build import build_backbone
@@ -62,7 +65,8 @@ def main() -> None:
     config = load_config(args.config, sets)
     meta = build_backbone(config, "meta")
     split, _ = resolve_stages(config, meta)
-    print(json.dumps({"what": "whole model", **_in_fresh_process(args.config, sets, None)}), flush=True)
+    if not args.no_whole:
+        print(json.dumps({"what": "whole model", **_in_fresh_process(args.config, sets, None)}), flush=True)
     for spec in stage_specs(meta, split):
         units = list(range(spec.first, spec.last))
         print(json.dumps({"what": f"stage {spec.index}", "units": f"{meta.units[spec.first].name}.."
