@@ -99,15 +99,16 @@ def clip_gradients(params, norm: torch.Tensor | None, max_norm: float, unscale: 
     device = grads[0].device
     if max_norm > 0:
         return (torch.clamp(max_norm / (norm * unscale + 1e-6), max=1.0) * unscale).float().to(device)
-    return torch.tensor(unscale, dtype=torch.float32, device=device)
+    return torch.full((), unscale, dtype=torch.float32, device=device)  # a fill on the device: no host copy to wait on
 
 
 def step_optimizer(optimizer: torch.optim.Optimizer, params, factor: torch.Tensor | None) -> None:
     """One optimizer step on the gradients times `factor` (from `clip_gradients`).
 
     The fused AdamW divides each gradient by the optimizer's `grad_scale` tensor inside its own kernel (the
-    contract torch.amp.GradScaler uses), which saves a read and a write of every gradient: on an SDXL UNet,
-    about 5 ms of an H200's step. Other optimizers get one multiply over all gradients first.
+    contract torch.amp.GradScaler uses), which saves a read and a write of every gradient (for an SDXL UNet's
+    2.6 B fp32 gradients, 20 GB of memory traffic a step). Other optimizers get one multiply over all gradients
+    first.
     """
     if factor is None:
         optimizer.step()
