@@ -15,7 +15,7 @@ from .build import AUTOCAST_DTYPES, build_backbone, sample_shape
 from .config import RunConfig, load_config
 from .data.batches import BatchMaker
 from .diffusion.samplers import sample
-from .models.loading import CheckpointError, load_state_dict_checked
+from .models.loading import CheckpointError
 from .models.text import TextEncoder
 from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
@@ -68,9 +68,8 @@ def load_generator(run_dir: str | Path) -> Generator:
             raise CheckpointError(f"{run_dir} is not a finished run folder: {name} is missing "
                                   "(train first with `diffpipe train CONFIG`)")
     config = load_config(run_dir / "config.toml")
-    config.model.path = None  # the run's own weights replace whatever the run started from
+    config.model.path = str(run_dir)  # the run's own weights (model.safetensors, model_config.json), not its start
     backbone = build_backbone(config)
-    load_state_dict_checked(backbone.model, run_dir / "model.safetensors")
     backbone.model.eval()
     split = config.pipeline.split if isinstance(config.pipeline.split, list) else []
     modules = build_stage_modules(backbone, stage_specs(backbone, split), AUTOCAST_DTYPES[config.train.precision])

@@ -10,14 +10,12 @@ from pathlib import Path
 import torch
 from diffusers import UNet2DConditionModel
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 
 from ..config import ModelConfig
 from .materialise import materialise
 from .presets import UNET_PRESETS
 
-__all__ = ["CheckpointError", "build_unet", "unet_config", "load_state_dict_checked", "check_checkpoint", "weights_file",
-           "checked_weights"]
+__all__ = ["CheckpointError", "build_unet", "unet_config", "check_checkpoint", "weights_file", "checked_weights"]
 
 
 class CheckpointError(ValueError):
@@ -80,12 +78,6 @@ def check_checkpoint(model: torch.nn.Module, path: Path) -> None:
             detail.append(f"{len(wrong)} of another shape (first: {k} {theirs[k]} in the file, {own[k]} in the model)")
         raise CheckpointError(f"{path} does not match this model's architecture: {'; '.join(detail)}. "
                               "Check model.preset / model.config against the checkpoint.")
-
-
-def load_state_dict_checked(model: torch.nn.Module, path: Path) -> None:
-    """Load a safetensors file into `model`, refusing one written for another architecture."""
-    check_checkpoint(model, path)
-    model.load_state_dict(load_file(str(path)))
 
 
 def build_unet(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> UNet2DConditionModel:
