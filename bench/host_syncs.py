@@ -7,7 +7,6 @@ stack that made it (the step's record is read on purpose, once per step, after t
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import traceback
@@ -19,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from diffpipe.config import load_config  # noqa: E402
-from diffpipe.distributed import init_topology, resolve_device_kind  # noqa: E402
+from diffpipe.distributed import resolve_device_kind, single_process_topology  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
 
@@ -31,8 +30,8 @@ def main() -> None:
     config = load_config(args.config, ["pipeline.stages=1", "pipeline.microbatches=1", "train.batch_size=8",
                                        "pipeline.checkpointing=\"none\"", "plan.memory_gib=139", "train.max_steps=6",
                                        "output.save_weights=false", "output.sample_every_end=false", *args.set])
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29584")
-    trainer = Trainer(config, init_topology(1, 1, resolve_device_kind(config.train.device)), Path(tempfile.mkdtemp()))
+    trainer = Trainer(config, single_process_topology(resolve_device_kind(config.train.device)),
+                      Path(tempfile.mkdtemp()))
     seen: set[str] = set()
 
     def show(message, category, filename, lineno, file=None, line=None):

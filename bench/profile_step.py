@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import tempfile
 from collections import defaultdict
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from diffpipe.config import load_config  # noqa: E402
-from diffpipe.distributed import init_topology, resolve_device_kind  # noqa: E402
+from diffpipe.distributed import resolve_device_kind, single_process_topology  # noqa: E402
 from diffpipe.models.presets import UNET_PRESETS  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 from sdxl_one_gpu import _inputs  # noqa: E402
@@ -118,8 +117,7 @@ def diffpipe(config_path: str, sets: list[str], steps: int, top: int, compiled: 
                                        "pipeline.checkpointing=\"none\"", "plan.memory_gib=139",
                                        f"train.max_steps={WARMUP + steps}", f"pipeline.compile={str(compiled).lower()}",
                                        "output.save_weights=false", "output.sample_every_end=false", *sets])
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29583")
-    topo = init_topology(1, 1, resolve_device_kind(config.train.device))
+    topo = single_process_topology(resolve_device_kind(config.train.device))
     trainer = Trainer(config, topo, Path(tempfile.mkdtemp()))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         trainer.fit()

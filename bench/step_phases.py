@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -21,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from diffpipe.config import load_config  # noqa: E402
-from diffpipe.distributed import init_topology, resolve_device_kind  # noqa: E402
+from diffpipe.distributed import resolve_device_kind, single_process_topology  # noqa: E402
 from diffpipe.train.optim import global_grad_norm  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
@@ -33,8 +32,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args()
     config = load_config(args.config, ["pipeline.stages=1", "output.save_weights=false", *args.set])
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29581")
-    topo = init_topology(1, 1, resolve_device_kind(config.train.device))
+    topo = single_process_topology(resolve_device_kind(config.train.device))
     trainer = Trainer(config, topo, Path(tempfile.mkdtemp()))
 
     def sync():

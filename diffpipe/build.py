@@ -22,7 +22,7 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
     """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`)."""
     try:
-        backbone = unet_backbone(build_unet(config.model, config.train.seed, "meta"), config.model.units)
+        backbone = unet_backbone(build_unet(config.model), config.model.units)
     except ValueError as exc:  # unsupported UNet options
         raise CheckpointError(str(exc)) from None
     if str(device) != "meta":

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-__all__ = ["Topology", "launch", "init_topology", "under_torchrun", "resolve_device_kind"]
+__all__ = ["Topology", "launch", "init_topology", "single_process_topology", "under_torchrun", "resolve_device_kind"]
 
 
 @dataclass
@@ -55,9 +55,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned_entry(index: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+def _set_place(index: int, world_size: int, port: int) -> None:
+    """This process's place among `world_size` on this host, in the variables torchrun would set."""
     os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def single_process_topology(device_kind: str) -> "Topology":
+    """This process alone as a world of one stage and one replica (benchmarks that run a Trainer in-process)."""
+    _set_place(0, 1, _free_port())
+    return init_topology(1, 1, device_kind)
+
+
+def _spawned_entry(index: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    _set_place(index, world_size, port)
     try:
         fn(*args)
     finally:

@@ -1,6 +1,7 @@
 """Build the backbone from a preset, an inline config, a local diffusers folder or a single .safetensors file.
 
-Weights are random (seeded) unless `model.path` is given; nothing is downloaded.
+The model is built on the meta device; `build.give_weights` then gives weights (materialise.py): random
+(seeded) unless `model.path` is given, checked here against the architecture first. Nothing is downloaded.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from diffusers import UNet2DConditionModel
 from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
-from .materialise import materialise
 from .presets import UNET_PRESETS
 
 __all__ = ["CheckpointError", "build_unet", "unet_config", "check_checkpoint", "weights_file", "checked_weights"]
@@ -80,18 +80,15 @@ def check_checkpoint(model: torch.nn.Module, path: Path) -> None:
                               "Check model.preset / model.config against the checkpoint.")
 
 
-def build_unet(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu") -> UNet2DConditionModel:
-    """The UNet with the weights of `cfg.path` when given, else seeded random ones (drawn module by module,
-    see materialise.py); on the meta device, without weights, when `device` is "meta"."""
+def build_unet(cfg: ModelConfig) -> UNet2DConditionModel:
+    """The UNet of `cfg` on the meta device, without weights: `build.give_weights` gives them (the checkpoint's,
+    else seeded random ones)."""
     kwargs = unet_config(cfg)
     with torch.device("meta"):
         try:
-            unet = UNet2DConditionModel(**kwargs)
+            return UNet2DConditionModel(**kwargs)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"model config is not a valid UNet2DConditionModel config: {exc}") from None
-    if str(device) != "meta":
-        materialise(unet, seed, checked_weights(unet, cfg), device=device)
-    return unet
 
 
 def checked_weights(model: torch.nn.Module, cfg: ModelConfig) -> Path | None:

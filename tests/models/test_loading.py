@@ -8,6 +8,7 @@ import torch
 from diffusers import UNet2DConditionModel
 from safetensors.torch import save_file
 
+from diffpipe.build import build_backbone
 from diffpipe.preflight import check_before_launch
 from diffpipe.config import ModelConfig, build_config
 from diffpipe.models.loading import CheckpointError, build_unet
@@ -19,6 +20,10 @@ def _trained_like_unet() -> UNet2DConditionModel:
     return UNet2DConditionModel(**UNET_PRESETS["digits"])
 
 
+def _built(model: dict) -> UNet2DConditionModel:
+    return build_backbone(build_config({"model": model})).model
+
+
 def _assert_same_weights(a, b):
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
@@ -28,14 +33,14 @@ def _assert_same_weights(a, b):
 def test_loads_a_diffusers_folder(tmp_path):
     unet = _trained_like_unet()
     unet.save_pretrained(tmp_path / "unet")  # as in a pipeline folder: <root>/unet/config.json
-    loaded = build_unet(ModelConfig(path=str(tmp_path), preset=None), seed=0)
+    loaded = _built({"path": str(tmp_path), "preset": None})
     _assert_same_weights(unet, loaded)
 
 
 def test_loads_a_single_safetensors_file_with_a_given_architecture(tmp_path):
     unet = _trained_like_unet()
     save_file(unet.state_dict(), str(tmp_path / "digits.safetensors"))
-    loaded = build_unet(ModelConfig(path=str(tmp_path / "digits.safetensors"), preset="digits"), seed=0)
+    loaded = _built({"path": str(tmp_path / "digits.safetensors"), "preset": "digits"})
     _assert_same_weights(unet, loaded)
 
 
@@ -43,7 +48,7 @@ def test_loads_a_diffpipe_run_folder(tmp_path):
     unet = _trained_like_unet()
     save_file(unet.state_dict(), str(tmp_path / "model.safetensors"))
     (tmp_path / "model_config.json").write_text(json.dumps(dict(unet.config)))
-    _assert_same_weights(unet, build_unet(ModelConfig(path=str(tmp_path)), seed=0))
+    _assert_same_weights(unet, _built({"path": str(tmp_path)}))
 
 
 def test_checkpoint_of_another_model_is_refused_before_launch(tmp_path):
@@ -65,4 +70,4 @@ def test_corrupt_checkpoint_is_refused_with_the_file_named(tmp_path):
 def test_single_file_without_architecture_asks_for_one(tmp_path):
     save_file(_trained_like_unet().state_dict(), str(tmp_path / "w.safetensors"))
     with pytest.raises(CheckpointError, match="give the architecture too"):
-        build_unet(ModelConfig(path=str(tmp_path / "w.safetensors"), preset=None), seed=0)
+        build_unet(ModelConfig(path=str(tmp_path / "w.safetensors"), preset=None))
