@@ -3,7 +3,7 @@ weights, bf16 autocast, fused AdamW, full fine-tune. Prints one JSON line per co
 
     python bench/sdxl_one_gpu.py [--plain 1,2,4,8] [--diffpipe 1,2,4] [--steps 6]
                                  [--compile [--diffpipe-compiled 1] [--plain-compiled 8]]
-                                 [--variant K=V,...]
+                                 [--variant K=V,...] [--plain-last]
 
 --diffpipe lists stage counts hosted on the one GPU: "1" (one stage), "2" or "4" (run by the interleaved
 schedule), each at micro-batch 8 and global batch 8 x stages. --compile adds diffpipe with `pipeline.compile =
@@ -92,11 +92,15 @@ def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float
                  logs: Path | None = None) -> None:
     """`diffpipe train` itself, as a user runs it, with `chunks` stages hosted on this one GPU."""
     with tempfile.TemporaryDirectory() as tmp:
-        sets = {"train.max_steps": steps + 3, "train.batch_size": 8 * chunks if chunks > 1 else 8,
+        # steps 0-2 warm up, steps 3..steps+2 are measured; step 0 (timeline.png) and the last step are the
+        # timed ones (observe.every), so no measured step waits for the device, and the last step's
+        # stage peak covers every step since step 0. The step after the measured ones is not measured: its
+        # time runs from the previous step's end only to when the host, ahead by the launch queue, got there
+        sets = {"train.max_steps": steps + 5, "train.batch_size": 8 * chunks if chunks > 1 else 8,
                 "pipeline.stages": 1, "pipeline.microbatches": chunks, "pipeline.split": '"auto"',
                 "observe.enabled": str(observe).lower(), "observe.log_every": 0, "output.save_weights": "false",
                 "pipeline.checkpointing": '"none"', "plan.memory_gib": 139,
-                "observe.timeline_step": 0}  # the step that draws timeline.png stays out of the measured steps
+                "observe.timeline_step": 0, "observe.every": steps + 4}
         if chunks > 1:
             sets.update({"pipeline.schedule": '"interleaved_1f1b"', "pipeline.virtual_stages": chunks})
         cmd = [sys.executable, "-m", "diffpipe", "train", str(ROOT / "examples" / "sdxl_unet.toml"),
@@ -116,15 +120,15 @@ def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float
             print(json.dumps({"what": "diffpipe", "chunks": chunks, "error": result.stderr[-1500:]}), flush=True)
             return
         rows = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
-    steady = rows[3:]
+    steady = rows[3:steps + 3]
     med = statistics.median(r["step_time_s"] for r in steady)
     batch = int(dict(item.split("=", 1) for item in extra).get("train.batch_size", sets["train.batch_size"]))
-    peak = max((v for r in steady for k, v in r.items() if k.endswith("_peak_gib")), default=None)
+    peak = max((v for k, v in rows[-1].items() if k.endswith("_peak_gib")), default=None)
     print(json.dumps({"what": "diffpipe", "stages_on_gpu": chunks, "observe": observe, "extra": extra,
                       "global_batch": batch, "step_s": round(med, 4),
                       "samples_per_s": round(batch / med, 3), "tflops": round(flops_per_sample * batch / med / 1e12, 1),
                       "peak_gib": None if peak is None else round(peak, 2),
-                      "bubble_fraction": steady[-1].get("bubble_fraction"), "first_step_s": rows[0]["step_time_s"],
+                      "bubble_fraction": rows[-1].get("bubble_fraction"), "first_step_s": rows[0]["step_time_s"],
                       "wall_s": round(wall_s, 1)}), flush=True)
 
 
@@ -140,6 +144,9 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true", help="also diffpipe 1 stage with observe off")
     parser.add_argument("--variant", action="append", default=[],
                         help="also diffpipe 1 stage with these comma-separated overrides, e.g. train.max_grad_norm=0")
+    parser.add_argument("--plain-last", action="store_true",
+                        help="measure the eager plain loop (--plain) again after every diffpipe run: the GPU's speed "
+                             "drifts between and within calls")
     parser.add_argument("--logs", type=Path, help="write each diffpipe run's output to a file in this folder")
     args = parser.parse_args()
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
@@ -155,6 +162,8 @@ def main() -> None:
             diffpipe_run(chunks, args.steps, False, flops, [], args.logs)
     for variant in args.variant:
         diffpipe_run(1, args.steps, True, flops, variant.split(","), args.logs)
+    if args.plain_last:
+        plain_loop([int(b) for b in args.plain.split(",") if b], args.steps, False)
 
 
 if __name__ == "__main__":
