@@ -1,5 +1,6 @@
 """bench/scaling.py, the multi-GPU scaling run, works end to end as a gloo dry run on CPU processes: every
-configuration trains, reports its figures and timeline, and a configuration that cannot run says why."""
+configuration trains, reports its figures and timeline, and a configuration that cannot run says why; with
+--profile every run is planned from unit times measured first."""
 from __future__ import annotations
 
 import json
@@ -13,10 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_scaling_script_reports_every_configuration(tmp_path):
     cmd = [sys.executable, "bench/scaling.py", "--gpus", "2", "--config", "examples/digits.toml", "--device", "cpu",
            "--batch", "16", "--micro", "8", "--microbatches", "2", "--stages", "2,64", "--steps", "1",
-           "--only", "single,pipeline", "--out", str(tmp_path)]
+           "--only", "single,pipeline", "--out", str(tmp_path), "--profile"]
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    planner, rows = lines[0]["planner"], lines[1:]
+    profile = Path(json.loads(planner["plan.profile"]))  # --profile: every run planned from these unit times
+    assert profile.is_file() and json.loads(profile.read_text())["key"]["device"] == "cpu"
+    assert str(profile) in (tmp_path / "01-pipeline" / "config.toml").read_text()  # the run's resolved config
     assert [r["configuration"] for r in rows] == ["1 GPU", "pipeline 2, 1F1B, 2 micro-batches",
                                                   "pipeline 64, 1F1B, 2 micro-batches"]
     single, pipeline, impossible = rows
