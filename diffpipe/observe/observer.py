@@ -1,7 +1,7 @@
 """Where each stage's time goes, step by step: gathered from every rank, written where users look.
 
-Per pipeline rank and step: compute (forward + backward intervals), optimizer, and idle time inside the
-schedule. Idle splits into communication, estimated as the bytes the rank moves times the seconds per byte
+Per pipeline rank and step: compute (forward + backward intervals), optimizer, idle time inside the
+schedule, peak memory and the CUDA allocator's retries (a warning when memory ran out of cached blocks). Idle splits into communication, estimated as the bytes the rank moves times the seconds per byte
 measured between neighbouring ranks at start-up (`probe_link`), and bubble (the rest: waiting on other
 stages). Rank 0 adds per-stage fields to metrics.jsonl, appends every rank's intervals to stage_times.jsonl,
 writes TensorBoard scalars, prints a line per stage every `observe.log_every` steps, draws the timeline of
@@ -24,7 +24,7 @@ from .monitor import PipelineMonitor
 from .timeline import chrome_trace, draw_timeline
 from .timing import StepTimes
 
-__all__ = ["PipelineObserver", "probe_link", "ideal_bubble_fraction"]
+__all__ = ["PipelineObserver", "probe_link", "ideal_bubble_fraction", "memory_pressure_warnings"]
 
 GIB = 2**30
 
@@ -62,6 +62,24 @@ def probe_link(topo: Topology, nbytes: int = 4 * 2**20, repeats: int = 3) -> flo
     return min(measured) if measured else 0.0
 
 
+def _allocator_retries(device: torch.device) -> int:
+    """Times the CUDA caching allocator found no free block, emptied its cache and tried again (each waits for
+    the GPU); 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+
+def memory_pressure_warnings(step: int, ranks: list[dict]) -> list[str]:
+    """A warning per rank whose allocator retried since the previous timed step: its memory is nearly full,
+    and every retry stalls the pipeline while the cache is returned to the driver."""
+    return [f"warning: step {step}: stage {r['pp_rank']} (rank {r['rank']}) ran out of cached GPU memory "
+            f"{r['alloc_retries']} time(s) since the last timed step (peak {r['peak_gib']:.1f} GiB); each time the "
+            "allocator waits for the GPU and returns its cache. Try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
+            "a smaller micro-batch, pipeline.checkpointing or a lower plan.memory_gib"
+            for r in ranks if r.get("alloc_retries", 0) > 0]
+
+
 def _peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -78,6 +96,7 @@ class PipelineObserver:
         self.writer = writer
         p = config.pipeline
         self.ideal = ideal_bubble_fraction(p.schedule, p.stages, p.microbatches, p.virtual_stages)
+        self._retries_seen = _allocator_retries(topo.device)
 
     def _summary(self, times: StepTimes) -> dict:
         summary = {"rank": self.topo.rank, "pp_rank": self.topo.pp_rank, "dp_rank": self.topo.dp_rank,
@@ -85,6 +104,8 @@ class PipelineObserver:
                    "optimizer_s": times.optimizer_s, "comm_s": self.moved_bytes_per_step * self.seconds_per_byte,
                    "peak_gib": _peak_bytes(self.topo.device) / GIB,
                    "intervals": [asdict(i) for i in times.intervals]}
+        retries = _allocator_retries(self.topo.device)
+        summary["alloc_retries"], self._retries_seen = retries - self._retries_seen, retries
         if self.topo.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.topo.device)
         return summary
@@ -112,7 +133,7 @@ class PipelineObserver:
         bubble = sum(r["bubble_s"] for r in ranks) / (window * len(ranks)) if window > 0 else 0.0
         record.update(bubble_fraction=bubble, ideal_bubble_fraction=self.ideal)
         for r in ranks:
-            for key in ("compute_s", "comm_s", "bubble_s", "optimizer_s", "peak_gib"):
+            for key in ("compute_s", "comm_s", "bubble_s", "optimizer_s", "peak_gib", "alloc_retries"):
                 record[f"stage{r['pp_rank']}_{key}"] = r[key]
         line = {"step": step, "schedule": self.config.pipeline.schedule, "bubble_fraction": bubble,
                 "ideal_bubble_fraction": self.ideal, "ranks": ranks}
@@ -141,4 +162,6 @@ class PipelineObserver:
                                                                       "communication latency": r["comm_s"]})
         for alert in alerts:
             print(f"warning: {alert.message(step)}; action: {self.config.observe.on_anomaly}", flush=True)
+        for warning in memory_pressure_warnings(step, ranks):  # a cause to fix, not a slowdown to act on
+            print(warning, flush=True)
         return self.config.observe.on_anomaly if alerts else "continue"

@@ -1,9 +1,10 @@
-"""The pipeline monitor fires on one stage's slowdown, and not on a steady (noisy) run."""
+"""The pipeline monitor fires on one stage's slowdown, and not on a steady (noisy) run; memory pressure is named."""
 from __future__ import annotations
 
 import random
 
 from diffpipe.observe.monitor import PipelineMonitor
+from diffpipe.observe.observer import memory_pressure_warnings
 
 
 def _steady(monitor: PipelineMonitor, steps: int, rng: random.Random) -> list:
@@ -33,3 +34,13 @@ def test_tiny_figures_never_alert():
     for _ in range(10):
         monitor.observe(0, 0, {"communication latency": 1e-5})
     assert monitor.observe(0, 0, {"communication latency": 5e-4}) == []
+
+
+def test_allocator_retries_name_the_stage_and_what_to_try():
+    ranks = [{"pp_rank": 0, "rank": 0, "alloc_retries": 3, "peak_gib": 105.4},
+             {"pp_rank": 1, "rank": 1, "alloc_retries": 0, "peak_gib": 49.1}]
+    warnings = memory_pressure_warnings(7, ranks)
+    assert len(warnings) == 1
+    assert warnings[0].startswith("warning: step 7: stage 0 (rank 0) ran out of cached GPU memory 3 time(s)")
+    assert "105.4 GiB" in warnings[0] and "expandable_segments:True" in warnings[0]
+    assert memory_pressure_warnings(8, [dict(r, alloc_retries=0) for r in ranks]) == []
