@@ -119,7 +119,10 @@ def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float
         if result.returncode != 0:
             print(json.dumps({"what": "diffpipe", "chunks": chunks, "error": result.stderr[-1500:]}), flush=True)
             return
-        rows = [json.loads(line) for line in Path(f"{tmp}/run/metrics.jsonl").read_text().splitlines()]
+        metrics = Path(f"{tmp}/run/metrics.jsonl").read_text()
+        if logs is not None:  # every step's time, to see how steady a run was
+            (logs / f"{name}.metrics.jsonl").write_text(metrics)
+        rows = [json.loads(line) for line in metrics.splitlines()]
     steady = rows[3:steps + 3]
     med = statistics.median(r["step_time_s"] for r in steady)
     batch = int(dict(item.split("=", 1) for item in extra).get("train.batch_size", sets["train.batch_size"]))
