@@ -3,7 +3,7 @@ weights, bf16 autocast, fused AdamW, full fine-tune. Prints one JSON line per co
 
     python bench/sdxl_one_gpu.py [--plain 1,2,4,8] [--diffpipe 1,2,4] [--steps 6]
                                  [--compile [--diffpipe-compiled 1] [--plain-compiled 8]]
-                                 [--variant K=V,...] [--plain-last]
+                                 [--variant K=V,...] [--plain-last] [--repeat N]
 
 --diffpipe lists stage counts hosted on the one GPU: "1" (one stage), "2" or "4" (run by the interleaved
 schedule), each at micro-batch 8 and global batch 8 x stages. --compile adds diffpipe with `pipeline.compile =
@@ -89,7 +89,7 @@ def plain_loop(batches: list[int], steps: int, compiled: bool) -> float:
 
 
 def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float, extra: list[str],
-                 logs: Path | None = None) -> None:
+                 logs: Path | None = None, attempt: int = 0) -> None:
     """`diffpipe train` itself, as a user runs it, with `chunks` stages hosted on this one GPU."""
     with tempfile.TemporaryDirectory() as tmp:
         # steps 0-2 warm up, steps 3..steps+2 are measured; step 0 (timeline.png) and the last step are the
@@ -114,7 +114,7 @@ def diffpipe_run(chunks: int, steps: int, observe: bool, flops_per_sample: float
         wall_s = time.perf_counter() - started
         if logs is not None:  # the run's own output, e.g. TORCH_LOGS=recompiles,graph_breaks
             logs.mkdir(parents=True, exist_ok=True)
-            name = f"diffpipe-{chunks}-{'-'.join(extra) or 'default'}".replace("=", "_").replace('"', "")
+            name = f"diffpipe-{chunks}-{'-'.join(extra) or 'default'}-{attempt}".replace("=", "_").replace('"', "")
             (logs / f"{name}.log").write_text(result.stdout[-200_000:] + result.stderr[-800_000:])
         if result.returncode != 0:
             print(json.dumps({"what": "diffpipe", "chunks": chunks, "error": result.stderr[-1500:]}), flush=True)
@@ -147,6 +147,9 @@ def main() -> None:
     parser.add_argument("--overhead", action="store_true", help="also diffpipe 1 stage with observe off")
     parser.add_argument("--variant", action="append", default=[],
                         help="also diffpipe 1 stage with these comma-separated overrides, e.g. train.max_grad_norm=0")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each --diffpipe configuration this many times (fresh processes): eager diffpipe "
+                             "runs have differed by 6 %% within one call")
     parser.add_argument("--plain-last", action="store_true",
                         help="measure the eager plain loop (--plain) again after every diffpipe run: the GPU's speed "
                              "drifts between and within calls")
@@ -160,7 +163,8 @@ def main() -> None:
             diffpipe_run(chunks, args.steps, True, flops, ["pipeline.compile=true"], args.logs)
         flops = plain_loop([int(b) for b in args.plain_compiled.split(",") if b], args.steps, True) or flops
     for chunks in [int(c) for c in args.diffpipe.split(",") if c]:
-        diffpipe_run(chunks, args.steps, True, flops, [], args.logs)
+        for attempt in range(args.repeat):
+            diffpipe_run(chunks, args.steps, True, flops, [], args.logs, attempt)
         if chunks == 1 and args.overhead:
             diffpipe_run(chunks, args.steps, False, flops, [], args.logs)
     for variant in args.variant:
