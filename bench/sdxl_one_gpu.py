@@ -151,7 +151,7 @@ def main() -> None:
                         help="run each --diffpipe configuration this many times (fresh processes): eager diffpipe "
                              "runs have differed by 6 %% within one call")
     parser.add_argument("--plain-last", action="store_true",
-                        help="measure the eager plain loop (--plain) again after every diffpipe run: the GPU's speed "
+                        help="measure the eager plain loop (--plain) again after the diffpipe runs: the GPU's speed "
                              "drifts between and within calls")
     parser.add_argument("--logs", type=Path, help="write each diffpipe run's output to a file in this folder")
     args = parser.parse_args()
