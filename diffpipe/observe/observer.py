@@ -3,9 +3,10 @@
 Per pipeline rank and step: compute (forward + backward intervals), optimizer, idle time inside the
 schedule, peak memory and the CUDA allocator's retries (a warning when memory ran out of cached blocks). Idle
 splits into communication, estimated as the bytes the rank moves times the seconds per byte measured between
-neighbouring ranks at start-up (`probe_link`), and bubble (the rest: waiting on other stages). Rank 0 adds per-stage fields to metrics.jsonl, appends every rank's intervals to stage_times.jsonl,
-writes TensorBoard scalars, prints a line per stage every `observe.log_every` steps, draws the timeline of
-`observe.timeline_step`, and runs the monitor, whose action every rank then takes.
+neighbouring ranks at start-up (`probe_link`), and bubble (the rest: waiting on other stages). Rank 0 adds
+per-stage fields to metrics.jsonl, appends every rank's intervals to stage_times.jsonl, writes TensorBoard
+scalars, prints a line per stage every `observe.log_every` steps, draws the timeline of `observe.timeline_step`,
+and runs the monitor, whose action every rank then takes.
 """
 from __future__ import annotations
 
