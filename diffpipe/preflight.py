@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .build import build_backbone, sample_shape
-from .config import ConfigError, RunConfig
+from .config import RunConfig
 from .models.loading import CheckpointError, check_checkpoint, weights_file
 from .models.units import Backbone
 from .pipeline.split import SplitError
@@ -40,8 +40,6 @@ def check_before_launch(config: RunConfig) -> Checked:
     if config.data.dataset == "digits" and shape != (1, 8, 8):
         raise SplitError(f"data.dataset='digits' has 1x8x8 images but the model takes {shape}; use "
                          "model.preset = \"digits\", a config with in_channels=1 and sample_size=8, or data.dataset = \"synthetic\"")
-    if config.pipeline.compile == "blocks" and not repeated_blocks(backbone):
-        raise ConfigError(f"pipeline.compile = \"blocks\": {type(backbone.model).__name__} declares no repeated "
-                         "blocks to compile; use pipeline.compile = true (the whole stage)")
+    repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
     split, checkpointing = resolve_stages(config, backbone)
     return Checked(backbone, split, checkpointing)

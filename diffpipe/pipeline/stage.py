@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..config import ConfigError
 from ..models.units import Backbone, Unit
 from .split import StageSpec
 
@@ -97,16 +98,19 @@ class StageModule(nn.Module):
         return {self._full_names[name]: t.detach() for name, t in self._own_tensors()}
 
 
-def repeated_blocks(backbone: Backbone) -> tuple[str, ...]:
-    """Class names of the blocks the model repeats, as diffusers declares them for regional compilation."""
-    return tuple(getattr(type(backbone.model), "_repeated_blocks", None) or ())
+def repeated_blocks(backbone: Backbone, compiled: bool | str) -> tuple[str, ...]:
+    """Class names of the blocks the model repeats, as diffusers declares them for regional compilation; refused
+    for `pipeline.compile = "blocks"` when there are none (checked before launch, and here for direct callers)."""
+    blocks = tuple(getattr(type(backbone.model), "_repeated_blocks", None) or ())
+    if compiled == "blocks" and not blocks:
+        raise ConfigError(f"pipeline.compile = \"blocks\": {type(backbone.model).__name__} declares no repeated "
+                          "blocks to compile (diffusers' _repeated_blocks); use pipeline.compile = true "
+                          "(the whole stage)")
+    return blocks
 
 
 def build_stage_modules(backbone: Backbone, specs: list[StageSpec], autocast_dtype: torch.dtype | None = None,
                         checkpointed: frozenset[int] = frozenset(), compiled: bool | str = False) -> list[StageModule]:
-    blocks = repeated_blocks(backbone)
-    if compiled == "blocks" and not blocks:
-        raise ValueError(f"pipeline.compile = \"blocks\": {type(backbone.model).__name__} declares no repeated blocks "
-                         "(diffusers' _repeated_blocks); use pipeline.compile = true")
+    blocks = repeated_blocks(backbone, compiled)
     return [StageModule(s, backbone.units[s.first:s.last], backbone.parameter_names, autocast_dtype,
                         s.index in checkpointed, compiled, blocks) for s in specs]

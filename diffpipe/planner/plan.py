@@ -18,8 +18,8 @@ from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partit
 from .costs import UnitCost, count_unit_costs, load_profile
 from .partition import Hardware, Infeasible, Partition, estimate_stages, partition
 
-__all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "make_plan", "resolve_stages", "search_layouts",
-           "profile_key", "scaled"]
+__all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
+           "search_layouts", "profile_key", "scaled"]
 
 
 @dataclass
@@ -72,7 +72,7 @@ def unit_costs(config: RunConfig, meta: Backbone, micro_batch: int) -> list[Unit
     profile = config.plan.profile
     if profile and Path(profile).is_file():
         saved_batch = json.loads(Path(profile).read_text())["key"]["micro_batch"]
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = planning_device(config).type
         measured = load_profile(profile, profile_key(config, saved_batch, device))
         if device == "cpu":  # CPU memory is not measured per unit: keep the counted activation bytes
             for m, c in zip(measured, counted):
@@ -96,8 +96,14 @@ def boundary_bytes(meta: Backbone, costs: list[UnitCost], inputs: dict[str, torc
 _DEFAULTS = {"cuda": (300.0, 100.0), "cpu": (0.05, 2.0)}
 
 
+def planning_device(config: RunConfig) -> torch.device:
+    """The device the plan is for, and that `diffpipe plan --profile` / `--probe` measure: a GPU when there is one,
+    unless train.device = "cpu"."""
+    return torch.device("cuda" if config.train.device != "cpu" and torch.cuda.is_available() else "cpu")
+
+
 def hardware(config: RunConfig) -> Hardware:
-    kind = "cuda" if config.train.device != "cpu" and torch.cuda.is_available() else "cpu"
+    kind = planning_device(config).type
     tflops, link = _DEFAULTS[kind]
     memory = config.plan.memory_gib * 2**30 if config.plan.memory_gib else None
     if memory is None and kind == "cuda":

@@ -17,7 +17,7 @@ from ..models.units import Backbone
 from ..pipeline.split import live_after
 from .costs import count_unit_costs, profile_unit_costs, save_profile
 from .partition import Partition
-from .plan import Plan, hardware, make_plan, profile_key, search_layouts
+from .plan import Plan, hardware, make_plan, planning_device, profile_key, search_layouts
 from .probe import GIB, format_probe, probe_plan
 
 __all__ = ["parse_memory", "plan_command", "format_plan", "plan_as_dict"]
@@ -77,7 +77,7 @@ def format_plan(plan: Plan, meta: Backbone) -> str:
 
 
 def _profile(config: RunConfig, meta: Backbone, path: str) -> None:
-    device = _device(config)
+    device = planning_device(config)
     micro = config.micro_batch_size
     costs = count_unit_costs(meta, *example_inputs(config, meta, micro))
     real = build_backbone(config)
@@ -88,10 +88,6 @@ def _profile(config: RunConfig, meta: Backbone, path: str) -> None:
     profile_unit_costs(real, costs, inputs, conditions, device, AUTOCAST_DTYPES[config.train.precision])
     save_profile(costs, profile_key(config, micro, device.type), path)
     print(f"profiled {len(costs)} units at micro-batch {micro} on {device.type}; saved {path}")
-
-
-def _device(config: RunConfig) -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() and config.train.device != "cpu" else "cpu")
 
 
 def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | None, as_json: bool,
@@ -124,7 +120,7 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
     if not as_json:
         print(format_plan(plan, meta), flush=True)
     if probe or probe_unsplit:  # the plan shown (with --world-size: the best layout)
-        device = _device(config)
+        device = planning_device(config)
         result["probed"] = probe_plan(config, meta, plan, device, unsplit=probe_unsplit)
         if not as_json:
             print(format_probe(result["probed"], device))
