@@ -20,7 +20,7 @@ from .models.text import TextEncoder
 from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 
-__all__ = ["Generator", "load_generator", "images_to_pil", "save_row", "save_grid", "read_row", "run_stages"]
+__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "save_row", "save_grid", "read_row", "run_stages"]
 
 
 def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -77,11 +77,21 @@ def load_generator(run_dir: str | Path) -> Generator:
     return Generator(config, modules, text, backbone.conditions, sample_shape(config, backbone))
 
 
+def _grey_levels(images: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] to the 8-bit levels 0..255 an image file holds (as floats)."""
+    return ((images.clamp(-1, 1) + 1) * 127.5).round()
+
+
+def quantise(images: torch.Tensor) -> torch.Tensor:
+    """Images as they read back from an 8-bit PNG, still in [-1, 1]."""
+    return _grey_levels(images) / 127.5 - 1
+
+
 def images_to_pil(images: torch.Tensor) -> list[Image.Image]:
     """[-1, 1] tensors (N, C, H, W) with C = 1 or 3 to 8-bit images."""
     if images.shape[1] not in (1, 3):
         raise ValueError(f"cannot write {images.shape[1]}-channel images as PNG (latent models need a VAE)")
-    arr = ((images.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    arr = _grey_levels(images).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in arr]
 
 

@@ -95,11 +95,22 @@ class Trainer:
         return self.batches.make(step, topo.dp_rank, topo.dp_size).to(topo.device)
 
     def forward_backward(self, step: int, batch: StepBatch | None = None) -> tuple[torch.Tensor | None, StepTimes | None]:
-        """Gradients of the step's batch on this process's stages: the mean loss where the last stage lives,
+        """Gradients of the step's batch on this process's stages (summed over micro-batches, averaged over
+        replicas): the mean loss where the last stage lives,
         and this rank's compute intervals (on timed steps). On a GPU the work is queued, not waited for."""
         batch = batch if batch is not None else self.batch_for(step)
         self.optimizer.zero_grad(set_to_none=True)
-        return self.runner.step(batch.noisy, batch.conditions, batch.target, timed=self._timed(step))
+        result = self.runner.step(batch.noisy, batch.conditions, batch.target, timed=self._timed(step))
+        average_gradients(self.params, self.topo.dp_group, self.topo.dp_size)
+        return result
+
+    def batch_gradients(self) -> dict[str, torch.Tensor]:
+        """Each parameter of this process's stages (by its diffusers name) with the gradient of the step's mean
+        loss over every micro-batch and replica, before clipping: what `apply_gradients` hands the optimizer,
+        less the clip factor. Call it between `forward_backward` and `apply_gradients` (checks, debugging)."""
+        unscale = self._unscale()
+        return {name: p.grad.detach() * unscale for m in self.modules for name, p in m.full_named_parameters()
+                if p.grad is not None}
 
     def _needs_norm(self, step: int) -> bool:
         train = self.config.train
@@ -111,7 +122,8 @@ class Trainer:
         return 1.0 / (self.config.pipeline.microbatches * (loss_scale or self.scaler.scale))
 
     def apply_gradients(self, step: int, loss: torch.Tensor | None, times: StepTimes | None = None) -> dict:
-        """Average over replicas, clip by the global norm, step (unless fp16 overflowed anywhere); the step's record.
+        """Clip by the global norm, step (unless fp16 overflowed anywhere: then the learning-rate schedule waits
+        too); the step's record. The gradients were averaged over replicas by `forward_backward`.
 
         Nothing here waits for the device, except fp16, which reads the norm before the optimizer (to skip the
         step on every stage alike): the record's loss and norm are read by `read_record`. `times.optimizer_s`
@@ -120,7 +132,6 @@ class Trainer:
         """
         topo, train = self.topo, self.config.train
         lr = self.optimizer.param_groups[0]["lr"]
-        average_gradients(self.params, topo.dp_group, topo.dp_size)
         norm = global_grad_norm(self.params, topo.pp_group, topo.device) if self._needs_norm(step) else None
         overflow = self.scaler.enabled and not bool(torch.isfinite(norm))  # of scaled gradients
         start = time.perf_counter()
@@ -133,7 +144,8 @@ class Trainer:
             times.optimizer_s = time.perf_counter() - start
         scale_used = self.scaler.scale
         self.scaler.update(overflow)
-        self.lr_schedule.step()
+        if not overflow:  # a skipped step is no step of the schedule
+            self.lr_schedule.step()
         # the loss lives on the last stage of each replica: sum over the world, average over replicas
         total = torch.zeros((), dtype=torch.float64, device=topo.device)
         if loss is not None:

@@ -1,47 +1,131 @@
-"""The central test: pipelined training computes what the unsplit model computes.
+"""The central test: pipelined training computes what the unsplit diffusers model computes.
 
-Real processes (gloo, CPU), real diffusers UNet. For every schedule offered, with 2 and 4 stages and with
-data-parallel 2 x pipeline 2, the loss and every parameter gradient of the first step equal those of the
-unsplit model in one process with the same micro-batches, timesteps and noise, and the weights after three
-optimizer steps are equal too. AdamW's epsilon is 1e-6 here: with 1e-8, Adam divides gradients of ~1e-9 by
-their own root-mean-square, so float rounding in the order gradients are summed (1e-9 here) would
-decide the sign of a whole learning-rate-sized update. Scenarios of one world size share one launch (a launch costs ~10 s here).
+Real processes (gloo, CPU). The reference is `UNet2DConditionModel.forward` itself (train mode, autograd), in one
+process, with torch's own AdamW and `clip_grad_norm_`; its initial weights are saved with `save_pretrained` and
+the pipeline reads them through `model.path`. For every schedule offered, at 2 and 4 stages, with data parallel
+x pipeline (3 micro-batches on 2 stages), with clipping on and off, and for a digits and a tiny SDXL-style UNet,
+these must agree:
+- every step's loss, and the logged gradient norm (before clipping);
+- every parameter's gradient of the first step's mean loss, before clipping and before the optimizer, in
+  magnitude (AdamW ignores a uniform scale of its input, so the weights alone would not catch one);
+- AdamW's moments after the last step: the optimizer's actual input, clip factor included;
+- the weights after the last step.
+A NaN or inf anywhere fails. `test_planted_errors_fail_the_comparison` shows each check failing on a planted error.
+
+Tolerance: every difference is measured relative to the largest magnitude of the tensor compared. In fp32 the
+pipeline runs the same operations on the same micro-batches; what differs is the order in which gradients are
+summed (micro-batches, replicas, stages' norms), a rounding of about 1e-7 relative per addition. Measured worst
+cases: losses 1.5e-7, norms 1.1e-6, gradients 6.5e-6, moments 1.5e-5; the bound is 1e-4, far under any real
+error (a missing micro-batch or replica division is 0.5 or more, a dropped micro-batch about 0.25). Weights are
+compared against lr x steps, the furthest AdamW moves a weight: an element whose gradient is near Adam's epsilon
+turns a rounding-sized gradient difference into a visible update difference (measured worst 3.2e-3 of lr x
+steps); the bound, 2e-2, is far under a wrong learning rate or schedule step (0.17 and more here).
+
+bf16 and fp16 (autocast; fp16 with the dynamic loss scale 2^16 on both sides): the pipeline and the reference run
+the same autocast operations on the same tensors, so the same bound applies. Measured rounding of bf16 itself:
+the unsplit model under bf16 autocast on 1 and on 2 threads (oneDNN reduces in another order) differs by 2.1e-2
+in gradients, 1.1e-3 in the gradient norm and 1.1e-4 in the loss; against the fp32 model, 4.1e-2 in gradients.
+On the same thread count, the pipelined bf16 gradients equal the unsplit ones exactly (0.0). So the reference runs
+with the workers' one thread, the bound stays 1e-4, and a pipeline that lost its autocast fails it by 400x.
+fp16 is compared over one step (its gradients too are exactly equal): after the first update the two optimizers
+(fused AdamW unscaling inside its kernel; GradScaler's unscale_, then clipping) leave weights a float32 rounding
+apart, and the next fp16 forward turns some of those into fp16 roundings (measured after 3 steps: moments 1.5e-3,
+the size of fp16's 2^-11), which is the optimizers' rounding, not the pipeline's.
+
+AdamW's epsilon is 1e-6 here: with 1e-8, Adam divides gradients of ~1e-9 by their own root-mean-square, so
+rounding in the order gradients are summed would decide the sign of a whole learning-rate-sized update.
+Scenarios of one world size share one launch (a launch costs ~10 s here).
 """
 from __future__ import annotations
 
+import copy
+import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from diffusers import UNet2DConditionModel
 
-from diffpipe.build import build_backbone, build_text_encoder
+from diffpipe.build import build_backbone, build_text_encoder, sample_shape
 from diffpipe.config import build_config
+from diffpipe.data import make_dataset
 from diffpipe.data.batches import BatchMaker
-from diffpipe.data.digits import DigitsDataset
+from diffpipe.models.presets import UNET_PRESETS
 from diffpipe.train.optim import lr_factor
 
 from ..helpers import run_workers
+from ..models.test_unet_units import SDXL_STYLE
 
 STEPS = 3
-TOL = 1e-5
+REL_TOL = 1e-4
+TOLERANCES = {"losses": REL_TOL, "grad_norms": REL_TOL, "grads": REL_TOL, "moments": REL_TOL, "weights": 2e-2}
+CHECKS = ("losses", "grad_norms", "grads", "moments", "weights")
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_SCALE = 2.0 ** 16  # the trainer's LossScaler starts here and does not change in 3 clean steps
 
 
-def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4, checkpointing="none"):
-    return build_config({
-        "train": {"max_steps": STEPS, "batch_size": 8 * dp * microbatches // 2, "learning_rate": 1e-3,
-                  "warmup_steps": 1, "adam_eps": 1e-6, "max_grad_norm": 1.0, "seed": 3, "timestep_sampling": "uniform"},
+def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4,
+            checkpointing="none", model: str = "digits", clip: float = 1.0, precision: str = "fp32",
+            steps: int = STEPS) -> dict:
+    micro_size = 2 if model == "digits" else 1
+    return {
+        "model": {"path": model},  # the folder written by `_save_initial_weights`, resolved per test
+        "data": {"dataset": "digits" if model == "digits" else "synthetic"},
+        "train": {"max_steps": steps, "batch_size": micro_size * dp * microbatches, "learning_rate": 1e-3,
+                  "warmup_steps": 1, "adam_eps": 1e-6, "max_grad_norm": clip, "seed": 3,
+                  "timestep_sampling": "uniform", "precision": precision},
         "pipeline": {"stages": stages, "schedule": schedule, "virtual_stages": virtual, "data_parallel": dp,
                      "microbatches": microbatches, "checkpointing": checkpointing},
-    })
+    }
 
 
-def _scenario_worker(scenarios: list[dict], out_dir: str, device_kind: str = "cpu") -> None:
-    """Each scenario trained for STEPS steps on this rank (gloo on CPU; NCCL on GPUs for bench/nccl_gradients.py)."""
-    from pathlib import Path
+TWO = {
+    "gpipe-2": _config(2, "gpipe"),
+    "1f1b-2": _config(2, "1f1b"),
+    "1f1b-2-no-clipping": _config(2, "1f1b", clip=0.0),
+    "interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2),
+    "1f1b-2-checkpointed": _config(2, "1f1b", checkpointing="all"),
+    "sdxl-style-1f1b-2": _config(2, "1f1b", model="sdxl-style"),
+}
+FOUR = {
+    "gpipe-4": _config(4, "gpipe"),
+    "1f1b-4": _config(4, "1f1b"),
+    "interleaved-4x2": _config(4, "interleaved_1f1b", virtual=2),
+    "dp2-x-1f1b-2-3-microbatches": _config(2, "1f1b", dp=2, microbatches=3, clip=0.0),
+    "sdxl-style-dp2-x-gpipe-2": _config(2, "gpipe", dp=2, model="sdxl-style"),
+}
+LOW_PRECISION = {
+    "bf16-1f1b-2": _config(2, "1f1b", precision="bf16"),
+    "fp16-1f1b-2": _config(2, "1f1b", precision="fp16", steps=1),
+}
+MODELS = {"digits": UNET_PRESETS["digits"], "sdxl-style": SDXL_STYLE}
 
+
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory) -> dict[str, str]:
+    """Each test model's initial weights, drawn by diffusers' own initialisation and saved as a diffusers folder."""
+    root = tmp_path_factory.mktemp("initial-weights")
+    folders = {}
+    for name, kwargs in MODELS.items():
+        torch.manual_seed(11)
+        UNet2DConditionModel(**kwargs).save_pretrained(root / name, safe_serialization=True)
+        folders[name] = str(root / name)
+    return folders
+
+
+def resolved(data: dict, folders: dict[str, str]):
+    data = copy.deepcopy(data)
+    data["model"]["path"] = folders[data["model"]["path"]]
+    return build_config(data)
+
+
+def _scenario_worker(scenarios: list[tuple[str, dict]], out_dir: str, device_kind: str = "cpu") -> None:
+    """Each scenario trained for STEPS steps on this rank (gloo on CPU; NCCL on GPUs for bench/nccl_gradients.py):
+    what `compare` checks, saved per rank."""
     from diffpipe.distributed import init_topology
-    from diffpipe.train.trainer import Trainer
+    from diffpipe.train.trainer import Trainer, read_record
 
     if device_kind == "cuda":  # compare fp32 with fp32: cuDNN convolutions would otherwise round through TF32
         torch.backends.cudnn.allow_tf32 = False
@@ -50,93 +134,190 @@ def _scenario_worker(scenarios: list[dict], out_dir: str, device_kind: str = "cp
         config = build_config(data)
         topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel, device_kind)
         trainer = Trainer(config, topo, Path(out_dir))
-        losses, grads = [], None
-        for step in range(STEPS):
-            losses.append(trainer._step(step)[0]["loss"])
+        got = {"losses": [], "grad_norms": [], "grads": None, "skipped": []}
+        for step in range(config.train.max_steps):
+            loss, times = trainer.forward_backward(step)
             if step == 0:
-                grads = {n: p.grad.cpu() for m in trainer.modules for n, p in m.full_named_parameters()}
-        weights = {n: p.detach().cpu() for m in trainer.modules for n, p in m.full_named_parameters()}
-        torch.save({"losses": losses, "grads": grads, "weights": weights},
-                   os.path.join(out_dir, f"{name}-rank{topo.rank}.pt"))
+                got["grads"] = {n: g.cpu() for n, g in trainer.batch_gradients().items()}
+            record = read_record(trainer.apply_gradients(step, loss, times))
+            got["losses"].append(record["loss"])
+            got["grad_norms"].append(record["grad_norm"])
+            got["skipped"].append(record.get("skipped", False))
+        named = [(n, p) for m in trainer.modules for n, p in m.full_named_parameters()]
+        got["weights"] = {n: p.detach().cpu() for n, p in named}
+        got["moments"] = {f"{n}:{k}": trainer.optimizer.state[p][k].cpu() for n, p in named
+                          for k in ("exp_avg", "exp_avg_sq")}
+        torch.save(got, os.path.join(out_dir, f"{name}-rank{topo.rank}.pt"))
 
 
-def _reference(config) -> dict:
-    """The unsplit model in one process: same batches, micro-batches of the same size, same clipping and AdamW."""
-    backbone = build_backbone(config)
-    model = backbone.model.train()
-    data = DigitsDataset()
-    maker = BatchMaker(data.images, data.captions, build_text_encoder(config, backbone), config.train,
-                       config.data.caption_dropout, backbone.conditions)
-    params = [p for p in model.parameters()]
+def reference(config, autocast: torch.dtype | None = None) -> dict:
+    """The unsplit diffusers model in one process: its own forward, the same micro-batches, torch's AdamW and
+    clip_grad_norm_. `autocast` runs the forward under it (None: the config's precision). One thread, as each
+    worker here: CPU kernels reduce in a thread-dependent order, which bf16 makes visible."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference(config, autocast)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(config, autocast: torch.dtype | None) -> dict:
+    meta = build_backbone(config, "meta")
+    model = UNet2DConditionModel.from_pretrained(config.model.path, low_cpu_mem_usage=False).train()
+    data = make_dataset(config.data.dataset, sample_shape(config, meta), config.train.seed)
+    maker = BatchMaker(data.images, data.captions, build_text_encoder(config, meta), config.train,
+                       config.data.caption_dropout, meta.conditions)
+    dtype = autocast if autocast is not None else AUTOCAST.get(config.train.precision)
+    # torch's own loss scaler for fp16 (skips a step whose gradients overflow, halves the scale)
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE, enabled=dtype == torch.float16)
+    params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=config.train.learning_rate, betas=config.train.betas,
                             weight_decay=config.train.weight_decay, eps=config.train.adam_eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config.train))
     chunks = config.pipeline.microbatches * config.pipeline.data_parallel
-    losses, grads = [], None
-    for step in range(STEPS):
+    out = {"losses": [], "grad_norms": [], "grads": None, "skipped": []}
+    for step in range(config.train.max_steps):
         batch = maker.make(step, 0, 1)
         opt.zero_grad(set_to_none=True)
-        micro_losses = []
+        losses = []
         for i in range(chunks):
             part = slice(i * config.micro_batch_size, (i + 1) * config.micro_batch_size)
-            conditions = {k: v[part] for k, v in batch.conditions.items()}
-            out = backbone.forward({"sample": batch.noisy[part]}, conditions)
-            loss = F.mse_loss(out, batch.target[part])
-            loss.backward()
-            micro_losses.append(loss.detach())
+            c = {k: v[part] for k, v in batch.conditions.items()}
+            added = {k: c[k] for k in ("text_embeds", "time_ids") if k in c} or None
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                prediction = model(batch.noisy[part], c["timestep"], encoder_hidden_states=c["encoder_hidden_states"],
+                                   added_cond_kwargs=added).sample
+            loss = F.mse_loss(prediction.float(), batch.target[part].float())
+            scaler.scale(loss).backward()
+            losses.append(loss.detach())
+        scaler.unscale_(opt)
         for p in params:
             p.grad /= chunks
-        torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm)
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        sched.step()
-        losses.append(float(torch.stack(micro_losses).mean()))
-    return {"losses": losses, "grads": grads, "weights": {n: p.detach() for n, p in model.named_parameters()}}
+        if step == 0:  # before clipping
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if config.train.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm)
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+        if not skipped:
+            sched.step()
+        out["skipped"].append(skipped)
+        out["losses"].append(float(torch.stack(losses).mean()))
+        out["grad_norms"].append(float(norm))
+    out["weights"] = {n: p.detach() for n, p in model.named_parameters()}
+    out["moments"] = {f"{n}:{k}": opt.state[p][k] for n, p in model.named_parameters()
+                      for k in ("exp_avg", "exp_avg_sq")}
+    return out
 
 
-def differences(name: str, world: int, config, results_dir) -> dict:
-    """Largest differences from the unsplit model over every rank: losses, gradients, weights; and the
-    parameters no stage held."""
-    ref = _reference(config)
-    seen, worst, where = set(), {"losses": 0.0, "grads": 0.0, "weights": 0.0}, {}
-    for rank in range(world):
-        got = torch.load(os.path.join(results_dir, f"{name}-rank{rank}.pt"))
-        worst["losses"] = max([worst["losses"]] + [abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True)])
-        for key in ("grads", "weights"):
-            for param, value in got[key].items():
-                diff = (value - ref[key][param]).abs().max().item()
-                if diff >= worst[key]:
-                    worst[key], where[key] = diff, f"rank {rank} {param}"
-        seen |= set(got["grads"])
-    return {**worst, "where": where, "missing": sorted(set(ref["grads"]) - seen)}
+def _mismatch(got, want, scale: float | None = None) -> float:
+    """Largest difference relative to `scale` (default: the largest magnitude of `want`); inf for any NaN or inf."""
+    got, want = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
+    if got.shape != want.shape:
+        return math.inf
+    if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
+        return math.inf
+    scale = want.abs().max().item() if scale is None else scale
+    diff = (got - want).abs().max().item()
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
 
 
-def _compare(name: str, world: int, config, results_dir) -> None:
-    found = differences(name, world, config, results_dir)
-    assert not found["missing"], f"{name}: parameters not held by any stage: {found['missing']}"
-    for key in ("losses", "grads", "weights"):
-        assert found[key] <= TOL, (f"{name}: {key} differ from the unsplit model's by up to {found[key]:.2e} "
-                                   f"({found['where'].get(key, '')})")
+def compare(ref: dict, ranks: list[dict], weight_scale: float) -> dict:
+    """Worst relative difference of each check over every rank, where it was, and the parameters no rank held.
+    Weights are compared relative to `weight_scale`, the furthest AdamW can move one in the run (lr x steps)."""
+    worst = {key: (0.0, "") for key in CHECKS}
+    held = set()
+    for rank, got in enumerate(ranks):
+        # fp16: the same steps skipped for overflow (their norms are inf); every rank logs the all-reduced figures
+        taken = [i for i, skipped in enumerate(ref["skipped"]) if not skipped]
+        pairs = {"losses": (got["losses"], ref["losses"]),
+                 "grad_norms": ([got["grad_norms"][i] for i in taken], [ref["grad_norms"][i] for i in taken])}
+        for key, (mine, theirs) in pairs.items():
+            found = _mismatch(mine, theirs) if got["skipped"] == ref["skipped"] else math.inf
+            if not found <= worst[key][0]:  # `not <=`: a NaN is never within bounds
+                worst[key] = (found, f"rank {rank}")
+        for key in ("grads", "moments", "weights"):
+            for name, value in got[key].items():
+                scale = weight_scale if key == "weights" else None
+                found = _mismatch(value, ref[key][name], scale) if name in ref[key] else math.inf
+                if not found <= worst[key][0]:
+                    worst[key] = (found, f"rank {rank} {name}")
+        held |= set(got["grads"])
+    return {"worst": worst, "missing": sorted(set(ref["grads"]) - held)}
 
 
-TWO = {
-    "gpipe-2": _config(2, "gpipe"),
-    "1f1b-2": _config(2, "1f1b"),
-    "interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2),
-    "1f1b-2-checkpointed": _config(2, "1f1b", checkpointing="all"),
-}
-FOUR = {
-    "gpipe-4": _config(4, "gpipe"),
-    "1f1b-4": _config(4, "1f1b"),
-    "interleaved-4x2": _config(4, "interleaved_1f1b", virtual=2),
-    "dp2-x-1f1b-2": _config(2, "1f1b", dp=2),
-}
+def failures(found: dict) -> list[str]:
+    problems = [f"parameters without a gradient on any stage: {found['missing'][:3]}"] if found["missing"] else []
+    for key, (value, where) in found["worst"].items():
+        if not value <= TOLERANCES[key]:
+            problems.append(f"{key} differ from the unsplit model's by {value:.2e} relative ({where})")
+    return problems
+
+
+def _weight_scale(config) -> float:
+    return config.train.learning_rate * config.train.max_steps
+
+
+def _load_ranks(name: str, world: int, results_dir) -> list[dict]:
+    return [torch.load(os.path.join(results_dir, f"{name}-rank{rank}.pt")) for rank in range(world)]
 
 
 @pytest.mark.parametrize("world,scenarios", [(2, TWO), (4, FOUR)], ids=["2-processes", "4-processes"])
-def test_pipelined_loss_grads_and_weights_equal_unsplit_model(world, scenarios, tmp_path):
-    payload = [(name, cfg.model_dump(mode="json")) for name, cfg in scenarios.items()]
+def test_pipelined_training_equals_the_unsplit_diffusers_model(world, scenarios, model_folders, tmp_path):
+    configs = {name: resolved(data, model_folders) for name, data in scenarios.items()}
+    payload = [(name, cfg.model_dump(mode="json")) for name, cfg in configs.items()]
     run_workers(_scenario_worker, (payload, str(tmp_path)), world)
-    for name, config in scenarios.items():
-        _compare(name, world, config, tmp_path)
+    problems = []
+    for name, config in configs.items():
+        found = compare(reference(config), _load_ranks(name, world, tmp_path), _weight_scale(config))
+        print(name, {k: f"{v:.1e}" for k, (v, _) in found["worst"].items()})
+        problems += [f"{name}: {p}" for p in failures(found)]
+    assert not problems, "\n".join(problems)
+
+
+def test_low_precision_matches_unsplit_model_under_the_same_autocast(model_folders, tmp_path):
+    configs = {name: resolved(data, model_folders) for name, data in LOW_PRECISION.items()}
+    payload = [(name, cfg.model_dump(mode="json")) for name, cfg in configs.items()]
+    run_workers(_scenario_worker, (payload, str(tmp_path)), 2)
+    for name, config in configs.items():
+        ranks = _load_ranks(name, 2, tmp_path)
+        found = compare(reference(config), ranks, _weight_scale(config))
+        rounding = compare(reference(config, autocast=torch.float32), ranks, _weight_scale(config))  # what the rounding itself moves
+        print(name, "pipeline vs unsplit:", {k: f"{v:.1e}" for k, (v, _) in found["worst"].items()},
+              "vs unsplit in fp32:", {k: f"{v:.1e}" for k, (v, _) in rounding["worst"].items()})
+        assert not failures(found), f"{name}: " + "; ".join(failures(found))
+        assert rounding["worst"]["grads"][0] > 10 * REL_TOL  # the bound would see a lost autocast
+
+
+def test_planted_errors_fail_the_comparison(model_folders):
+    """The comparison itself, fed the reference as the result of a run and then with planted errors."""
+    config = resolved(TWO["1f1b-2"], model_folders)
+    ref = reference(config)
+    assert not failures(compare(ref, [ref], _weight_scale(config)))
+    first = next(iter(ref["grads"]))
+
+    def planted(change) -> list[str]:
+        got = copy.deepcopy(ref)
+        change(got)
+        return failures(compare(ref, [got], _weight_scale(config)))
+
+    def scale_grads(got, by):
+        got["grads"] = {n: g * by for n, g in got["grads"].items()}
+
+    for by in (2.0, 0.5):  # a missing or doubled division by micro-batches or replicas
+        assert any(p.startswith("grads") for p in planted(lambda got: scale_grads(got, by)))
+    assert any(p.startswith("parameters without") for p in planted(lambda got: got["grads"].pop(first)))
+    assert any(p.startswith("grads") for p in planted(lambda got: got["grads"][first].view(-1).__setitem__(0, math.nan)))
+    assert any(p.startswith("losses") for p in planted(lambda got: got["losses"].__setitem__(1, math.nan)))
+    assert any(p.startswith("losses") for p in planted(lambda got: got["losses"].__setitem__(2, got["losses"][2] * 1.01)))
+    assert any(p.startswith("grad_norms") for p in planted(lambda got: got["grad_norms"].__setitem__(0, got["grad_norms"][0] * 2)))
+    assert any(p.startswith("losses") for p in planted(lambda got: got["skipped"].__setitem__(1, True)))
+    assert any(p.startswith("moments") for p in planted(
+        lambda got: got["moments"].update({k: v * 2 for k, v in got["moments"].items() if k.endswith("exp_avg")})))
+    assert any(p.startswith("weights") for p in planted(lambda got: got["weights"][first].add_(math.inf)))
+    all_nan = planted(lambda got: [t.fill_(math.nan) for key in ("grads", "moments", "weights") for t in got[key].values()])
+    assert {p.split()[0] for p in all_nan} >= {"grads", "moments", "weights"}

@@ -1,4 +1,5 @@
-"""One optimizer step across stages: fp16 overflow decisions shared by every stage; per-stage learning rates."""
+"""One optimizer step across stages: fp16 overflow decisions shared by every stage (and a skipped step does not
+advance the learning-rate schedule); per-stage learning rates."""
 from __future__ import annotations
 
 import os
@@ -38,6 +39,8 @@ def test_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path):
         assert r["overflowed"]["skipped"] is True and r["unchanged"]
         assert r["clean"]["skipped"] is False
         assert r["clean"]["loss_scale"] == r["overflowed"]["loss_scale"] / 2
+        # cosine over 2 steps: had the skipped step advanced the schedule, the next would run at half the rate
+        assert r["clean"]["lr"] == r["overflowed"]["lr"] == 1e-3
 
 
 def _lr_worker(out_dir: str) -> None:
