@@ -8,7 +8,7 @@ import torch
 from .objectives import alphas_cumprod
 from .timesteps import NUM_TRAIN_TIMESTEPS
 
-__all__ = ["sample"]
+__all__ = ["sample", "ddim_timesteps"]
 
 Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -21,10 +21,16 @@ def _euler_flow(predict: Predict, x: torch.Tensor, steps: int) -> torch.Tensor:
     return x
 
 
+def ddim_timesteps(steps: int) -> torch.Tensor:
+    """Trailing spacing (Lin et al., arXiv:2305.08891, table 2; diffusers' timestep_spacing="trailing"): the first
+    step starts from the noisiest timestep, 999, and the last from about 1000 / steps - 1, towards alpha = 1."""
+    return (torch.arange(NUM_TRAIN_TIMESTEPS, 0, -NUM_TRAIN_TIMESTEPS / steps, dtype=torch.float64).round() - 1).long()
+
+
 def _ddim(predict: Predict, x: torch.Tensor, steps: int, objective: str) -> torch.Tensor:
     """Deterministic DDIM (Song et al., arXiv:2010.02502), eta = 0, trailing timestep spacing."""
     abar = alphas_cumprod().float()
-    ts = torch.linspace(NUM_TRAIN_TIMESTEPS - 1, 0, steps).round().long()
+    ts = ddim_timesteps(steps)
     for i, step in enumerate(ts):
         a = abar[step]
         out = predict(x, torch.full((x.shape[0],), float(step)))

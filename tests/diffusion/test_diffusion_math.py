@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler
+from scipy import stats
 
 from diffpipe.diffusion.objectives import alphas_cumprod, discrete_step, make_targets
 from diffpipe.diffusion.samplers import sample
@@ -25,13 +28,28 @@ def test_importance_sampling_follows_0_99_to_the_t():
     assert k.float().mean().item() == pytest.approx(1 / (1 - 0.99) - 1, rel=0.03)  # geometric mean, 99
 
 
-def test_logit_normal_and_shift_densities():
-    t = sample_timesteps("logit_normal", 100_000, _gen(), logit_mean=0.5, logit_std=1.0)
-    assert t.median().item() == pytest.approx(1 / (1 + math.exp(-0.5)), abs=0.01)
-    shifted = sample_timesteps("shift", 100_000, _gen(), shift=3.0)
-    assert shifted.median().item() == pytest.approx(3 * 0.5 / (1 + 2 * 0.5), abs=0.01)  # 0.75
-    uniform = sample_timesteps("uniform", 100_000, _gen())
-    assert uniform.mean().item() == pytest.approx(0.5, abs=0.01)
+def _logit_normal_cdf(t, mean, std):
+    return stats.norm.cdf((np.log(t / (1 - t)) - mean) / std)
+
+
+def _shifted_uniform_cdf(t, shift):
+    return t / (shift - (shift - 1) * t)  # the inverse of t' = s t / (1 + (s - 1) t) is the CDF of uniform t
+
+
+@pytest.mark.parametrize("kind,cdf", [
+    ("logit_normal", lambda t: _logit_normal_cdf(t, 0.5, 1.0)),
+    ("shift", lambda t: _shifted_uniform_cdf(t, 3.0)),
+    ("uniform", lambda t: t),
+])
+def test_timestep_densities_follow_their_distributions(kind, cdf):
+    """Kolmogorov-Smirnov against the exact CDF over 100,000 draws: the whole density, not one quantile."""
+    t = sample_timesteps(kind, 100_000, _gen(), logit_mean=0.5, logit_std=1.0, shift=3.0).double().numpy()
+    assert stats.kstest(t, cdf).pvalue > 1e-3
+
+
+def test_a_wrong_density_fails_the_distribution_check():
+    t = sample_timesteps("logit_normal", 100_000, _gen(), logit_mean=0.5, logit_std=1.1).double().numpy()
+    assert stats.kstest(t, lambda x: _logit_normal_cdf(x, 0.5, 1.0)).pvalue < 1e-6
 
 
 def test_each_sample_gets_its_own_timestep():
@@ -60,12 +78,100 @@ def test_sampler_with_the_exact_denoiser_recovers_the_data_point(objective):
     assert torch.allclose(out, x0, atol=1e-3)
 
 
+def _sd_scheduler(cls, **kwargs):
+    """diffusers' scheduler with Stable Diffusion's noise schedule (scaled-linear betas 0.00085 to 0.012)."""
+    return cls(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", **kwargs)
+
+
 @pytest.mark.parametrize("objective", ["epsilon", "v_prediction"])
-def test_discrete_targets_match_their_definitions(objective):
+def test_discrete_targets_match_diffusers(objective):
     x0, noise = torch.randn(4, 1, 2, 2, generator=_gen(5)), torch.randn(4, 1, 2, 2, generator=_gen(6))
     t = torch.tensor([0.0, 0.25, 0.5, 0.999])
     out = make_targets(objective, x0, noise, t)
-    a = alphas_cumprod()[discrete_step(t)].float().view(-1, 1, 1, 1)
-    assert torch.allclose(out.noisy, a.sqrt() * x0 + (1 - a).sqrt() * noise, atol=1e-6)  # fp32 rounding near 0
-    expected = noise if objective == "epsilon" else a.sqrt() * noise - (1 - a).sqrt() * x0
-    assert torch.allclose(out.target, expected, atol=1e-6)
+    ddpm = _sd_scheduler(DDPMScheduler)
+    steps = discrete_step(t)
+    assert steps.tolist() == [0, 250, 500, 999]
+    torch.testing.assert_close(out.noisy, ddpm.add_noise(x0, noise, steps), rtol=0, atol=1e-6)
+    expected = noise if objective == "epsilon" else ddpm.get_velocity(x0, noise, steps)
+    torch.testing.assert_close(out.target, expected, rtol=0, atol=1e-6)
+    assert out.model_timestep.tolist() == [0.0, 250.0, 500.0, 999.0]
+
+
+class _RecordingModel:
+    """A fixed nonlinear function of (x, t), neither an exact denoiser nor constant in t; records every call."""
+
+    def __init__(self):
+        gen = _gen(7)
+        self.weight, self.bias = torch.randn(1, 1, 4, 4, generator=gen), torch.randn(1, 1, 4, 4, generator=gen)
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, x, model_t):
+        self.calls.append((x.clone(), model_t.clone()))
+        s = (model_t / 1000).view(-1, 1, 1, 1)
+        return torch.tanh(x * self.weight) * (1 - s) + self.bias * s + 0.3 * x
+
+
+def _diffusers_trajectory(scheduler, noise) -> tuple[list, torch.Tensor]:
+    model, x = _RecordingModel(), noise.clone()
+    for t in scheduler.timesteps:
+        out = model(x, torch.full((x.shape[0],), float(t)))
+        x = scheduler.step(out, t, x).prev_sample
+    return model.calls, x
+
+
+def _assert_same_trajectory(ours, theirs, final_ours, final_theirs):
+    assert len(ours) == len(theirs), f"{len(ours)} model calls against diffusers' {len(theirs)}"
+    for i, ((x, t), (x_ref, t_ref)) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(t, t_ref, rtol=0, atol=1e-3, msg=f"timestep of step {i}")
+        torch.testing.assert_close(x, x_ref, rtol=1e-5, atol=1e-5, msg=f"state entering step {i}")
+    torch.testing.assert_close(final_ours, final_theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("steps", [10, 25])
+@pytest.mark.parametrize("objective", ["epsilon", "v_prediction"])
+def test_ddim_follows_diffusers_step_by_step(objective, steps):
+    """Against DDIMScheduler (eta 0, trailing spacing, final alpha 1), every step's timestep and state."""
+    noise = torch.randn(2, 1, 4, 4, generator=_gen(2))
+    model = _RecordingModel()
+    final = sample(model, noise, steps, objective)
+    ddim = _sd_scheduler(DDIMScheduler, prediction_type=objective, timestep_spacing="trailing", clip_sample=False,
+                         set_alpha_to_one=True)
+    ddim.set_timesteps(steps)
+    calls, expected = _diffusers_trajectory(ddim, noise)
+    _assert_same_trajectory(model.calls, calls, final, expected)
+
+
+@pytest.mark.parametrize("steps", [1, 8, 30])
+def test_flow_matching_euler_follows_diffusers_step_by_step(steps):
+    """Against FlowMatchEulerDiscreteScheduler on the same sigmas (1 down to 0 in equal steps)."""
+    noise = torch.randn(2, 1, 4, 4, generator=_gen(2))
+    model = _RecordingModel()
+    final = sample(model, noise, steps, "flow_matching")
+    euler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+    euler.set_timesteps(sigmas=torch.linspace(1, 0, steps + 1)[:-1].tolist())
+    calls, expected = _diffusers_trajectory(euler, noise)
+    _assert_same_trajectory(model.calls, calls, final, expected)
+
+
+def test_a_wrong_sampler_fails_the_trajectory_check():
+    """Reversed timesteps and a DDIM whose previous alpha is the current one both leave diffusers' trajectory."""
+    noise = torch.randn(2, 1, 4, 4, generator=_gen(2))
+    ddim = _sd_scheduler(DDIMScheduler, prediction_type="epsilon", timestep_spacing="trailing", clip_sample=False)
+    ddim.set_timesteps(10)
+    calls, expected = _diffusers_trajectory(ddim, noise)
+    reversed_ddim = _sd_scheduler(DDIMScheduler, prediction_type="epsilon", timestep_spacing="trailing",
+                                  clip_sample=False)
+    reversed_ddim.set_timesteps(10)
+    reversed_ddim.timesteps = reversed_ddim.timesteps.flip(0)
+    wrong_calls, wrong = _diffusers_trajectory(reversed_ddim, noise)
+    with pytest.raises(AssertionError):
+        _assert_same_trajectory(wrong_calls, calls, wrong, expected)
+    one_step_calls, one_step = _diffusers_trajectory(_one_step(), noise)
+    with pytest.raises(AssertionError):
+        _assert_same_trajectory(one_step_calls, calls, one_step, expected)
+
+
+def _one_step():
+    ddim = _sd_scheduler(DDIMScheduler, prediction_type="epsilon", timestep_spacing="trailing", clip_sample=False)
+    ddim.set_timesteps(1)
+    return ddim
