@@ -97,7 +97,8 @@ def planner_settings(config: str, device: str, batch: int, micro: int, profile: 
         cmd = [sys.executable, "-m", "diffpipe", "plan", config, "--profile", "--set", f'plan.profile="{path}"',
                "--set", f"train.batch_size={batch}", "--set", f"pipeline.microbatches={batch // micro}",
                "--set", "pipeline.stages=1", "--set", f'train.device="{device}"']
-        for item in extra:
+        # planned, like the runs, for this GPU's memory (not the example's plan.memory_gib)
+        for item in extra + [f"{key}={value}" for key, value in settings.items()]:
             cmd += ["--set", item]
         result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if result.returncode != 0:

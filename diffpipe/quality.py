@@ -33,7 +33,7 @@ __all__ = ["Bars", "QualityReport", "DigitJudge", "digit_quality"]
 class Bars:
     min_recognised: float = 0.8
     max_copies: float = 0.1
-    min_variety: float = 0.4
+    min_variety: float = 0.35  # the main job: 0.53; real unseen digits: about 1; one image repeated: 0
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,9 @@ def main() -> int:
     parser.add_argument("--per-digit", type=int, default=10)
     parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args()
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a bar for loading a tiny local text encoder is noise
     torch.set_grad_enabled(False)
     report = digit_quality(args.run_dir, args.per_digit, args.steps)
     print(report.summary())

@@ -1,6 +1,6 @@
 """The main job exactly as the README runs it, then the quality checks of `python -m diffpipe.quality`: a classifier
 fitted on held-out digits the model never saw recognises at least 80 % of the samples as the prompted digit, at
-most 10 % of them copy a training image, and every digit's samples vary at least 0.4x as much as real ones.
+most 10 % of them copy a training image, and every digit's samples vary at least 0.35x as much as real ones (measured: 0.53).
 Takes about 3 minutes."""
 from __future__ import annotations
 

@@ -48,6 +48,11 @@ class Mark:
         else:
             self.event, self.wall = None, time.perf_counter()
 
+    def wait(self) -> None:
+        """Block the host until the device has got here (a CPU is always there)."""
+        if self.event is not None:
+            self.event.synchronize()
+
     def seconds_since(self, origin: "Mark") -> float:
         if self.event is not None:
             return origin.event.elapsed_time(self.event) / 1e3

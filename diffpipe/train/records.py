@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
+
+from ..observe.timing import Mark  # noqa: E402
 
 __all__ = ["MetricsLog", "StepReport", "is_logged", "plot_loss", "make_progress", "NullProgress"]
 
@@ -67,8 +69,8 @@ class NullProgress:
 
 def make_progress() -> Progress:
     return Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                    TextColumn("loss {task.fields[loss]:.4f}"),
-                    TextColumn("{task.fields[samples_per_s]:.1f} samples/s (global batch {task.fields[batch]})"),
+                    TextColumn("loss {task.fields[loss]}"),
+                    TextColumn("{task.fields[samples_per_s]} samples/s (global batch {task.fields[batch]})"),
                     TextColumn("ETA"), TimeRemainingColumn())
 
 
@@ -81,26 +83,28 @@ class StepReport:
     """Each finished step: its wall time, then metrics.jsonl and TensorBoard every `log_every` steps and the
     progress bar (on the main rank; elsewhere only the time)."""
 
-    def __init__(self, run_dir: Path, max_steps: int, batch_size: int, log_every: int, writers, is_main: bool):
+    def __init__(self, run_dir: Path, max_steps: int, batch_size: int, log_every: int, writers, is_main: bool,
+                 device: torch.device):
         self.max_steps, self.batch_size, self.log_every, self.writers = max_steps, batch_size, log_every, writers
         self.log = MetricsLog(run_dir / "metrics.jsonl") if is_main else None
         self.progress = make_progress() if is_main else NullProgress()
-        self.task, self.last = 0, time.perf_counter()
+        self.device, self.task, self.last = device, 0, None
 
     def __enter__(self) -> "StepReport":
         self.progress.__enter__()
-        self.task = self.progress.add_task("train", total=self.max_steps, loss=float("nan"), samples_per_s=0.0,
+        self.task = self.progress.add_task("train", total=self.max_steps, loss="-", samples_per_s="-",
                                            batch=self.batch_size)
-        self.last = time.perf_counter()
+        self.last = Mark(self.device)  # the loop begins: the first step is timed from here
         return self
 
     def __exit__(self, *exc) -> bool:
         return self.progress.__exit__(*exc)
 
-    def time(self, record: dict) -> None:
-        """Seconds since the previous step finished (the first: since the loop began)."""
-        now = time.perf_counter()
-        seconds, self.last = now - self.last, now
+    def time(self, record: dict, end: Mark) -> None:
+        """The step's time on the device: from the previous step's end (the first: the loop's start) to `end`.
+        On a GPU the host runs ahead of the device, so its own clock would give a step the time the host spent
+        waiting there (the last step of a run ended on the host long before it did on the GPU)."""
+        seconds, self.last = end.seconds_since(self.last), end
         record.update(step_time_s=round(seconds, 5), samples_per_s=self.batch_size / seconds)
 
     def write(self, step: int, record: dict) -> None:
@@ -109,4 +113,5 @@ class StepReport:
             for key in ("loss", "lr", "grad_norm", "samples_per_s"):
                 if key in record:
                     self.writers.add_scalar(f"train/{key}", record[key], step)
-        self.progress.update(self.task, completed=step + 1, loss=record["loss"], samples_per_s=record["samples_per_s"])
+        self.progress.update(self.task, completed=step + 1, loss=f"{record['loss']:.4f}",
+                             samples_per_s=f"{record['samples_per_s']:.1f}")

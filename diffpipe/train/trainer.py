@@ -24,7 +24,7 @@ from ..data.prefetch import BatchPrefetcher
 from ..data import make_dataset
 from ..distributed import Topology, init_topology
 from ..observe.observer import PipelineObserver, probe_link
-from ..observe.timing import StepTimes
+from ..observe.timing import Mark, StepTimes
 from ..observe.writers import ScalarWriters, make_writers
 from ..pipeline.runtime import PipelineRunner, stage_indices_for_rank
 from ..pipeline.traffic import Crossing
@@ -35,7 +35,7 @@ from .optim import (LossScaler, average_gradients, clip_gradients, global_grad_n
                     step_optimizer)
 from .records import StepReport, is_logged
 
-__all__ = ["train_worker", "Trainer", "read_record"]
+__all__ = ["train_worker", "Trainer", "read_record", "step_end"]
 
 
 class _ScaledMSE:
@@ -156,7 +156,7 @@ class Trainer:
             record["grad_norm"] = norm * self._unscale(scale_used)
         if self.scaler.enabled:
             record.update(loss_scale=scale_used, skipped=overflow)
-        return _on_host_when_ready(record)
+        return _on_host_when_ready(record, topo.device)
 
     def fit(self) -> None:
         """All steps. On a GPU a step's figures are read once the next step's forward and backward are queued,
@@ -166,7 +166,7 @@ class Trainer:
         train, topo = self.config.train, self.topo
         prefetcher = BatchPrefetcher(self.batch_for, topo.device)
         report = StepReport(self.run_dir, train.max_steps, train.batch_size, train.log_every, self.writers,
-                            topo.is_main)
+                            topo.is_main, topo.device)
         try:
             with report:
                 waiting = None  # the previous step: (step, record, times)
@@ -193,8 +193,9 @@ class Trainer:
     def _finish(self, report: StepReport, step: int, record: dict, times: StepTimes | None) -> str:
         """Read, time, judge and log a finished step; returns the action every rank takes (a checkpoint is
         taken here)."""
+        end = step_end(record)
         record = read_record(record)
-        report.time(record)
+        report.time(record, end)
         action = self.observer.after_step(step, record, times) if times is not None else "continue"
         report.write(step, record)
         if action == "checkpoint":
@@ -225,31 +226,33 @@ class Trainer:
         dist.barrier()
 
 
-_READY = "_ready"  # the CUDA event after which a record's values are on the host
+_END = "_end"  # the record's Mark: where on the device the step ended, after its figures were copied to the host
 
 
-def _on_host_when_ready(record: dict) -> dict:
-    """The record with its GPU tensors copied into pinned host memory once the GPU gets there, and an event
-    marking that point. Reading a GPU tensor (`.item()`) would wait for everything queued on the stream, the
-    next step's forward and backward included, and leave the GPU idle while the host catches up; waiting on
-    the event waits for this step alone."""
-    on_gpu = [k for k, v in record.items() if isinstance(v, torch.Tensor) and v.is_cuda]
-    if not on_gpu:
-        return record
+def _on_host_when_ready(record: dict, device: torch.device) -> dict:
+    """The record with its GPU tensors copied into pinned host memory once the GPU gets there, and a Mark (a CUDA
+    event; on a CPU the clock) at the step's end. Reading a GPU tensor (`.item()`) would wait for everything queued
+    on the stream, the next step's forward and backward included, and leave the GPU idle while the host catches
+    up; waiting on the mark waits for this step alone, and the marks of consecutive steps time them on the device."""
     record = dict(record)
-    for key in on_gpu:
-        host = torch.empty(record[key].shape, dtype=record[key].dtype, pin_memory=True)
-        record[key] = host.copy_(record[key], non_blocking=True)
-    record[_READY] = torch.cuda.Event()
-    record[_READY].record()
+    for key, value in record.items():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            record[key] = host.copy_(value, non_blocking=True)
+    record[_END] = Mark(device)
     return record
+
+
+def step_end(record: dict) -> Mark:
+    """Where on the device the step of a record (from `apply_gradients`) ended."""
+    return record[_END]
 
 
 def read_record(record: dict) -> dict:
     """The record with its tensors read as numbers (on a GPU this waits for the step the record is of)."""
-    if _READY in record:
-        record[_READY].synchronize()
-    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items() if k != _READY}
+    if _END in record:
+        record[_END].wait()
+    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items() if k != _END}
 
 
 def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int) -> int:
