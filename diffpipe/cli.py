@@ -20,6 +20,9 @@ from pathlib import Path
 __all__ = ["main"]
 
 
+_MIN_SIDE_PX = 64  # `diffpipe sample` enlarges smaller images (nearest neighbour) to at least this height
+
+
 class UserError(Exception):
     """Bad input: printed as one message, without a traceback."""
 
@@ -43,7 +46,7 @@ def _prepare_run(args) -> tuple:
                             "or add --overwrite to replace it")
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.toml")
-        print(f"training {config.model.preset or 'model'} on {config.world_size} process(es): "
+        print(f"training {config.model.describe()} on {config.world_size} process(es): "
               f"{config.pipeline.stages} stage(s) x {config.pipeline.data_parallel} replica(s), split at units "
               f"{config.pipeline.split}, schedule {config.pipeline.schedule}; run folder {run_dir}", flush=True)
         print("tensors crossing each stage boundary:\n" + format_crossings(
@@ -78,7 +81,7 @@ def _finish(config, run_dir: Path) -> None:
 
 
 def _sample(args) -> None:
-    from .sampling import load_generator, save_row
+    from .sampling import load_generator, save_grid
 
     gen = load_generator(args.run_dir)
     steps = args.steps or gen.config.sample.steps
@@ -86,8 +89,9 @@ def _sample(args) -> None:
     seeds = [args.seed + i for i in range(args.num)]
     images = gen.generate([args.prompt] * args.num, seeds, steps, guidance)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    save_row(images, args.out)
-    print(f"wrote {args.num} image(s) to {args.out}")
+    scale = -(-_MIN_SIDE_PX // images.shape[-2])  # tiny images (8x8 digits) enlarged to be seen when opened
+    save_grid(images, 1, args.out, scale=scale)
+    print(f"wrote {args.num} image(s) to {args.out}" + (f", each enlarged {scale}x" if scale > 1 else ""))
 
 
 def _plan(args) -> None:
@@ -162,14 +166,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)  # before the heavy imports: `diffpipe --help` answers at once
+    from transformers.utils import logging as transformers_logging
+
     from .config import ConfigError
     from .models.loading import CheckpointError
     from .pipeline.split import SplitError
     from .planner.partition import Infeasible
 
-    from transformers.utils import logging as transformers_logging
-
-    args = _parser().parse_args(argv)
     transformers_logging.disable_progress_bar()  # per-file bars of tiny local saves and loads are noise
     try:
         args.run(args)

@@ -37,6 +37,16 @@ class ModelConfig(_Section):
     text_encoder: str = Field("tiny-clip", description="Frozen text encoder: tiny-clip (built locally from a small config) or a local transformers CLIP folder.")
     text_max_length: int = Field(8, ge=2, le=512, description="Tokens per caption (padded/truncated).")
 
+    def describe(self) -> str:
+        """The model in the user's words: where its architecture comes from (the preset only when it is used)."""
+        if self.config is not None:
+            source = "model.config" + (f", weights {self.path}" if self.path else "")
+        elif self.path is not None:
+            source = self.path if Path(self.path).is_dir() else f"preset {self.preset}, weights {self.path}"
+        else:
+            source = f"preset {self.preset}"
+        return f"{self.architecture} ({source})"
+
 
 class DataConfig(_Section):
     dataset: Literal["digits", "synthetic"] = Field(

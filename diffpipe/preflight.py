@@ -32,11 +32,7 @@ def check_before_launch(config: RunConfig) -> Checked:
     if config.model.text_encoder != "tiny-clip" and not (Path(config.model.text_encoder) / "config.json").is_file():
         raise CheckpointError(f"model.text_encoder={config.model.text_encoder}: no config.json there; give a local "
                               "transformers CLIP folder or \"tiny-clip\"")
-    factor = 2 ** backbone.model.num_upsamplers
-    shape = sample_shape(config, backbone)
-    if shape[1] % factor or shape[2] % factor:
-        raise SplitError(f"sample size {shape[1]}x{shape[2]} must be divisible by {factor} "
-                         f"(the UNet upsamples {backbone.model.num_upsamplers} times)")
+    shape = sample_shape(config, backbone)  # any size: the upsamplers return to each skip's size, as in diffusers
     if config.data.dataset == "digits" and shape != (1, 8, 8):
         raise SplitError(f"data.dataset='digits' has 1x8x8 images but the model takes {shape}; use "
                          "model.preset = \"digits\", a config with in_channels=1 and sample_size=8, or data.dataset = \"synthetic\"")

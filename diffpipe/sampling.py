@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -20,7 +19,7 @@ from .models.text import TextEncoder
 from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 
-__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "save_row", "save_grid", "read_row", "run_stages"]
+__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "save_grid", "run_stages"]
 
 
 def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -106,14 +105,3 @@ def save_grid(images: torch.Tensor, rows: int, path: str | Path, scale: int = 1)
     if scale != 1:
         grid = grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST)
     grid.save(path)
-
-
-def save_row(images: torch.Tensor, path: str | Path) -> None:
-    save_grid(images, 1, path)
-
-
-def read_row(path: str | Path) -> np.ndarray:
-    """A row PNG back as (N, H, H) arrays of 0..255 (square images side by side)."""
-    arr = np.asarray(Image.open(path).convert("L"), dtype=np.float32)
-    h = arr.shape[0]
-    return arr.reshape(h, -1, h).transpose(1, 0, 2)

@@ -46,7 +46,7 @@ def test_one_and_two_stages_and_torchrun_give_the_same_losses_and_a_usable_run_f
     out = tmp_path / "row.png"
     assert main(["sample", str(two), "--prompt", "a handwritten digit three", "--num", "5", "--seed", "2",
                  "--steps", "3", "--out", str(out)]) == 0
-    assert Image.open(out).size == (5 * 8, 8)
+    assert Image.open(out).size == (5 * 8 * 8, 8 * 8)  # 8x8 digits enlarged 8x: visible when opened
 
 
 def _check_observability(run: Path) -> None:
@@ -131,3 +131,12 @@ def test_observe_every_times_only_some_steps(tmp_path):
     assert [r["step"] for r in rows if "stage0_compute_s" in r] == [0, 2, 3]
     assert (run / "timeline.png").is_file()
     assert main(["report", str(run)]) == 0
+
+
+def test_help_answers_before_the_heavy_imports():
+    """`diffpipe --help` parses first: no torch, diffusers or transformers is imported to print it."""
+    code = ("import sys\nfrom diffpipe.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from diffpipe.config import ConfigError, build_config, load_config, save_config
+from diffpipe.models.presets import UNET_PRESETS
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -34,3 +35,20 @@ def test_invalid_toml_names_the_file(tmp_path):
 def test_interleaved_needs_virtual_stages():
     with pytest.raises(ConfigError, match="needs pipeline.virtual_stages >= 2"):
         build_config({"pipeline": {"schedule": "interleaved_1f1b"}})
+
+
+def test_the_model_is_described_by_what_is_used(tmp_path):
+    """The start-up line names the model's source: an inline config or a folder, not the preset left at its default."""
+    assert build_config({}).model.describe() == "unet2d (preset digits)"
+    assert build_config({"model": {"config": {"sample_size": 8}}}).model.describe() == "unet2d (model.config)"
+    assert build_config({"model": {"path": str(tmp_path)}}).model.describe() == f"unet2d ({tmp_path})"
+    single = build_config({"model": {"preset": "sdxl", "path": str(tmp_path / "x.safetensors")}})
+    assert single.model.describe() == f"unet2d (preset sdxl, weights {tmp_path / 'x.safetensors'})"
+
+
+def test_latent_sizes_the_unet_does_not_divide_pass_the_checks_before_launch():
+    from diffpipe.preflight import check_before_launch
+
+    config = build_config({"data": {"dataset": "synthetic"}, "model": {"config": dict(UNET_PRESETS["digits"], sample_size=9)},
+                           "train": {"batch_size": 8}})
+    check_before_launch(config)  # diffusers' UNet handles 9x9 (down to 5x5, up to 9x9): no refusal

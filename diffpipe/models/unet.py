@@ -97,13 +97,15 @@ class _Mid(nn.Module):
 
 
 class _Up(nn.Module):
-    def __init__(self, block: nn.Module, h_name: str, skip_names: list[str]):
+    def __init__(self, block: nn.Module, h_name: str, skip_names: list[str], next_skip: str | None):
         super().__init__()
-        self.block, self.h_name, self.skip_names = block, h_name, skip_names
+        self.block, self.h_name, self.skip_names, self.next_skip = block, h_name, skip_names, next_skip
 
     def forward(self, temb, encoder_hidden_states, **named):
         skips = tuple(named[n] for n in self.skip_names)
         kwargs = dict(hidden_states=named[self.h_name], temb=temb, res_hidden_states_tuple=skips)
+        if self.next_skip is not None and self.block.upsamplers is not None:  # odd sizes: as diffusers' forward
+            kwargs["upsample_size"] = named[self.next_skip].shape[2:]
         if getattr(self.block, "has_cross_attention", False):
             kwargs["encoder_hidden_states"] = encoder_hidden_states
         return {"h": self.block(**kwargs)}
@@ -155,11 +157,13 @@ def unet_backbone(unet: UNet2DConditionModel, granularity: str = "layers") -> Ba
         h_name = "h"
     for i, block in enumerate(unet.up_blocks):
         taken, skips = skips[-len(block.resnets):], skips[:-len(block.resnets)]
+        next_skip = skips[-1] if skips else None
         if _layered(block, granularity):
-            units += up_layers(i, block, h_name, taken)
+            units += up_layers(i, block, h_name, taken, next_skip)
         else:
-            reads = cross + (h_name,) + tuple(n for n in taken if n != h_name)
-            units.append(Unit(f"up.{i}", _Up(block, h_name, taken), reads, ("h",)))
+            sized = (next_skip,) if next_skip is not None and block.upsamplers is not None else ()
+            reads = cross + tuple(dict.fromkeys((h_name,) + tuple(taken) + sized))
+            units.append(Unit(f"up.{i}", _Up(block, h_name, taken, next_skip), reads, ("h",)))
         h_name = "h"
     units.append(Unit("out", _Out(unet), ("h",), ("prediction",)))
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=unet)

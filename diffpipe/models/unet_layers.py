@@ -19,11 +19,12 @@ _CROSS = ("temb", "encoder_hidden_states")
 class _Layer(nn.Module):
     """Resnet, transformer and resampler parts in block order, after concatenating a skip (up blocks)."""
 
-    def __init__(self, parts: list[tuple[str, nn.Module]], h_name: str, out_name: str, skip_name: str | None = None):
+    def __init__(self, parts: list[tuple[str, nn.Module]], h_name: str, out_name: str, skip_name: str | None = None,
+                 size_name: str | None = None):
         super().__init__()
         self.kinds = [kind for kind, _ in parts]
         self.parts = nn.ModuleList(module for _, module in parts)
-        self.h_name, self.out_name, self.skip_name = h_name, out_name, skip_name
+        self.h_name, self.out_name, self.skip_name, self.size_name = h_name, out_name, skip_name, size_name
 
     def forward(self, temb, encoder_hidden_states, **named):
         h = named[self.h_name]
@@ -34,13 +35,16 @@ class _Layer(nn.Module):
                 h = module(h, temb)
             elif kind == "attention":
                 h = module(h, encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
-            else:  # downsampler or upsampler
+            elif self.size_name is not None:  # upsampler: to the size of the skip concatenated next (odd sizes)
+                h = module(h, named[self.size_name].shape[2:])
+            else:  # downsampler
                 h = module(h)
         return {self.out_name: h}
 
 
 def _unit(name: str, layer: _Layer) -> Unit:
-    reads = _CROSS + tuple(dict.fromkeys(n for n in (layer.h_name, layer.skip_name) if n is not None))
+    names = (layer.h_name, layer.skip_name, layer.size_name)
+    reads = _CROSS + tuple(dict.fromkeys(n for n in names if n is not None))
     return Unit(name, layer, reads, (layer.out_name,))
 
 
@@ -64,7 +68,9 @@ def mid_layers(block: nn.Module, h_name: str) -> list[Unit]:
     return units
 
 
-def up_layers(index: int, block: nn.Module, h_name: str, taken: list[str]) -> list[Unit]:
+def up_layers(index: int, block: nn.Module, h_name: str, taken: list[str], next_skip: str | None) -> list[Unit]:
+    """`next_skip`: the skip the next up block concatenates first; the upsampler takes its size, as diffusers'
+    forward does, so latents of odd size (downsampled to ceil(n / 2)) come back to it."""
     attentions = list(getattr(block, "attentions", [])) or [None] * len(block.resnets)
     units = []
     for j, (resnet, attention) in enumerate(zip(block.resnets, attentions)):
@@ -72,5 +78,5 @@ def up_layers(index: int, block: nn.Module, h_name: str, taken: list[str]) -> li
         units.append(_unit(f"up.{index}.{j}", _Layer(parts, h_name, "h", skip_name=taken[-1 - j])))
         h_name = "h"
     if block.upsamplers is not None:
-        units.append(_unit(f"up.{index}.up", _Layer([("resample", block.upsamplers[0])], "h", "h")))
+        units.append(_unit(f"up.{index}.up", _Layer([("resample", block.upsamplers[0])], "h", "h", size_name=next_skip)))
     return units

@@ -23,9 +23,9 @@ SDXL_STYLE = dict(sample_size=16, in_channels=4, out_channels=4, layers_per_bloc
                   flip_sin_to_cos=True, freq_shift=0)
 
 
-def _inputs(config: dict, batch: int = 3):
+def _inputs(config: dict, batch: int = 3, size: tuple[int, int] = (16, 16)):
     gen = torch.Generator().manual_seed(0)
-    sample = torch.randn(batch, 4, 16, 16, generator=gen)
+    sample = torch.randn(batch, 4, *size, generator=gen)
     conditions = {"timestep": torch.tensor([0.0, 417.0, 999.0][:batch]),
                   "encoder_hidden_states": torch.randn(batch, 7, 24, generator=gen)}
     if config.get("addition_embed_type") == "text_time":
@@ -74,6 +74,41 @@ def test_every_split_into_stages_equals_diffusers_forward(config):
         for starts in ([], [1], [3, 7], list(range(1, len(backbone.units)))):
             modules = build_stage_modules(backbone, stage_specs(backbone, starts))
             assert torch.equal(run_stages(modules, sample, conditions), expected), starts
+
+
+@pytest.mark.parametrize("granularity", ["blocks", "layers"])
+@pytest.mark.parametrize("size", [(13, 11), (9, 16)])
+def test_odd_latent_sizes_equal_diffusers_forward(size, granularity):
+    """Sizes the UNet does not divide: the upsamplers return to each skip's size, as diffusers' forward does."""
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**SDXL_STYLE).eval()
+    backbone = unet_backbone(unet, granularity)
+    sample, conditions = _inputs(SDXL_STYLE, size=size)
+    with torch.no_grad():
+        expected = _diffusers_forward(unet, sample, conditions)
+        assert expected.shape[-2:] == size
+        for starts in ([], [3, 7], list(range(1, len(backbone.units)))):
+            modules = build_stage_modules(backbone, stage_specs(backbone, starts))
+            assert torch.equal(run_stages(modules, sample, conditions), expected), starts
+
+
+@pytest.mark.parametrize("granularity", ["blocks", "layers"])
+@pytest.mark.parametrize("config", [SD_STYLE, SDXL_STYLE], ids=["sd-style", "sdxl-style"])
+def test_units_in_train_mode_give_diffusers_gradients(config, granularity):
+    """Forward and backward in train mode: every parameter's gradient equals that through diffusers' forward."""
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(**config).train()
+    backbone = unet_backbone(unet, granularity)
+    sample, conditions = _inputs(config)
+    weight = torch.randn(sample.shape, generator=torch.Generator().manual_seed(1))
+    (_diffusers_forward(unet, sample, conditions) * weight).sum().backward()
+    expected = {n: p.grad.clone() for n, p in unet.named_parameters()}
+    unet.zero_grad(set_to_none=True)
+    (backbone.forward({"sample": sample}, conditions) * weight).sum().backward()
+    got = {n: p.grad for n, p in unet.named_parameters()}
+    assert got.keys() == expected.keys()
+    for name, grad in expected.items():
+        assert got[name] is not None and torch.equal(got[name], grad), name
 
 
 def test_stage_weights_keep_diffusers_names():
