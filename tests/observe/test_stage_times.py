@@ -87,18 +87,22 @@ CASES = [("gpipe", 2), ("gpipe", 4), ("1f1b", 2), ("1f1b", 4)]
 
 
 def test_measured_compute_and_bubble_match_theory(tmp_path):
+    """Bounds that hold however busy the machine is: a sleep never ends early, so each stage computes at least
+    m (F + B) and the step lasts at least (m + 1)(F + B), the schedule's critical path; everything extra is
+    overhead, which a loaded machine stretches. So the lower bounds are exact and the upper ones are a sanity
+    check (half again the theory), not a timing claim; bubble within 0.15 of (S - 1) / (m + S - 1)."""
     run_workers(_worker, (CASES, str(tmp_path)), 2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     unit = FORWARD_S + BACKWARD_S
     for schedule, m in CASES:
         for steps in zip(*(r[(schedule, m)] for r in ranks)):
             window = max(step_s for step_s, _, _ in steps)
-            assert window == pytest.approx((m + 1) * unit, rel=0.2), (schedule, m)
+            assert (m + 1) * unit <= window <= 1.5 * (m + 1) * unit, (schedule, m, window)
             for step_s, compute_s, count in steps:
                 assert count == 2 * m  # one forward and one backward interval per micro-batch
-                assert compute_s == pytest.approx(m * unit, rel=0.15), (schedule, m)
+                assert m * unit <= compute_s <= min(step_s, 1.5 * m * unit), (schedule, m, compute_s)
                 bubble = (window - compute_s) / window
-                assert bubble == pytest.approx(1 / (m + 1), abs=0.08), (schedule, m, bubble)
+                assert bubble == pytest.approx(1 / (m + 1), abs=0.15), (schedule, m, bubble)
 
 
 def test_monitor_fires_on_a_slowed_stage_only(tmp_path):

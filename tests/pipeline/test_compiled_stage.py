@@ -18,6 +18,18 @@ from diffpipe.sampling import run_stages
 from ..models.test_unet_units import SDXL_STYLE, _inputs
 
 
+ROUNDING_RATIO = 8.0
+
+
+def _rounding_ratio(have: torch.Tensor, want: torch.Tensor, truth: torch.Tensor) -> float:
+    """How many times further from the float64 result the compiled fp32 tensor is than the eager fp32 one (each
+    distance the largest over the tensor, floored at one fp32 rounding of its largest element). Up to 8: another
+    order of summing the same terms; a real error (a missing term, a wrong scale) is orders of magnitude more."""
+    floor = torch.finfo(torch.float32).eps * truth.abs().max().item()
+    eager_error = max((want.double() - truth).abs().max().item(), floor)
+    return (have.double() - truth).abs().max().item() / eager_error if floor > 0 else 0.0
+
+
 def _run_middle_stage(stage, received, conditions):
     inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in received]
     out = stage(*inputs, **conditions)
@@ -47,15 +59,21 @@ def test_compiled_checkpointed_stage_matches_eager(compiled):
     got = _run_middle_stage(compiled_stage, received, conditions)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
 
-    for want, have in zip(expected[0], got[0], strict=True):
-        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5)
+    # the exact answer: the eager stage in float64. Compiled kernels fuse and reorder sums, so the compiled fp32
+    # result is another rounding of the same computation: it must be about as close to float64 as eager fp32 is
+    exact = _run_middle_stage(copy.deepcopy(eager_stages[1]).double(), [t.double() if t.is_floating_point() else t
+                                                                         for t in received],
+                              {k: v.double() for k, v in conditions.items()})
+    worst = {}
     assert len(got[1]) == len(expected[1]) and all(g is not None for g in got[1])
-    for want, have in zip(expected[1], got[1]):
-        torch.testing.assert_close(have, want, rtol=1e-4, atol=1e-5)
     assert got[2].keys() == expected[2].keys() and len(got[2]) > 10
-    for name, want in expected[2].items():  # sums over the batch: fp32 reordering noise relative to the scale
-        scale = want.abs().max().item()
-        torch.testing.assert_close(got[2][name], want, rtol=0, atol=1e-5 * scale, msg=name)
+    pairs = [(f"output {i}", i, 0) for i in range(len(expected[0]))] + \
+            [(f"input gradient {i}", i, 1) for i in range(len(expected[1]))] + [(n, n, 2) for n in expected[2]]
+    for name, key, part in pairs:
+        want, have, truth = expected[part][key], got[part][key], exact[part][key]
+        worst[name] = _rounding_ratio(have, want, truth)
+    print({k: round(v, 2) for k, v in sorted(worst.items(), key=lambda kv: -kv[1])[:5]})
+    assert max(worst.values()) <= ROUNDING_RATIO, max(worst.items(), key=lambda kv: kv[1])
     # and the compiled stage chains with the others like the eager one (sampling runs stages in order)
     with torch.no_grad():
         chained = run_stages([eager_stages[0], compiled_stage, eager_stages[2]], sample, conditions)
