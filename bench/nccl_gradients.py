@@ -1,5 +1,5 @@
 """The central correctness check over NCCL: pipelined training on this host's GPUs computes what the unsplit
-diffusers model computes (PIPELINING-FACTS: non-contiguous buffers are a known NCCL risk).
+diffusers model computes (docs/pipelining-facts.md: non-contiguous buffers are a known NCCL risk).
 
     python bench/nccl_gradients.py --gpus 2            # or 4; --device cpu runs the same check with gloo
 

@@ -11,7 +11,7 @@ true` (stage counts in --diffpipe-compiled) and then the plain loop compiled (mi
 each compile takes about 5 minutes on an H200 with an empty inductor cache, so within 10-minute device calls
 split them: `--plain 8 --diffpipe 1 --compile --diffpipe-compiled ""`, then
 `--plain "" --diffpipe "" --compile --plain-compiled ""`. The plain loop is
-the same step as ../shared/reference/plain_loop_gpu.py: FLOPs counted once with FlopCounterMode.
+the same step as bench/reference/plain_loop_gpu.py: FLOPs counted once with FlopCounterMode.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@
     diffpipe timeline runs/digits [--step N] --out timeline.png
     diffpipe report runs/digits
     diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
+    diffpipe config [--markdown]                                      # every config key, its default and help
     torchrun --nnodes 2 --nproc-per-node 4 ... -m diffpipe train CONFIG   # multi-node: one process per GPU
 
 `train` starts pipeline.stages x pipeline.data_parallel processes itself unless torchrun already did.
@@ -123,6 +124,12 @@ def _report(args) -> None:
     print(f"wrote {out}")
 
 
+def _config(args) -> None:
+    from .config_reference import config_reference
+
+    print(config_reference(markdown=args.markdown))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffpipe", description="Pipeline-parallel diffusion training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -162,6 +169,9 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
     sample.add_argument("--out", required=True)
     sample.set_defaults(run=_sample)
+    config = sub.add_parser("config", help="every config key: section, type, default and what it does")
+    config.add_argument("--markdown", action="store_true", help="as docs/config.md")
+    config.set_defaults(run=_config)
     return parser
 
 

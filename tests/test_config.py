@@ -52,3 +52,18 @@ def test_latent_sizes_the_unet_does_not_divide_pass_the_checks_before_launch():
     config = build_config({"data": {"dataset": "synthetic"}, "model": {"config": dict(UNET_PRESETS["digits"], sample_size=9)},
                            "train": {"batch_size": 8}})
     check_before_launch(config)  # diffusers' UNet handles 9x9 (down to 5x5, up to 9x9): no refusal
+
+
+def test_docs_config_md_is_the_generated_reference():
+    """docs/config.md is `diffpipe config --markdown`: regenerate it after changing the schema."""
+    from pathlib import Path
+
+    from diffpipe.config_reference import config_reference
+
+    docs = Path(__file__).parent.parent / "docs" / "config.md"
+    assert docs.read_text() == config_reference(markdown=True) + "\n", \
+        "docs/config.md is stale: run `diffpipe config --markdown > docs/config.md`"
+    text = config_reference()
+    for section in ("[model]", "[data]", "[train]", "[pipeline]", "[plan]", "[observe]", "[output]", "[sample]"):
+        assert section in text
+    assert "max_grad_norm = 1.0" in text and "schedule = \"1f1b\"" in text

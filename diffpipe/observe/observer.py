@@ -146,7 +146,7 @@ class PipelineObserver:
         if self.config.observe.log_every and step % self.config.observe.log_every == 0:
             for r in ranks:
                 own = r["bubble_s"] / max(1e-12, window)
-                print(f"stage {r['pp_rank'] + 1}/{len(ranks)} step {step}: compute {r['compute_s']:.3f} s, "
+                print(f"stage {r['pp_rank']} (of {len(ranks)}) step {step}: compute {r['compute_s']:.3f} s, "
                       f"comm {r['comm_s']:.3f} s, bubble {r['bubble_s']:.3f} s ({own:.1%}, ideal {self.ideal:.1%}), "
                       f"peak {r['peak_gib']:.2f} GiB", flush=True)
         if self.writer is not None:

@@ -17,7 +17,7 @@ from .stage import StageModule
 
 __all__ = ["PipelineRunner", "SCHEDULES", "stage_indices_for_rank"]
 
-# Zero-bubble schedules are left out: PIPELINING-FACTS pitfall 3 (silently wrong gradients when a stage's
+# Zero-bubble schedules are left out: docs/pipelining-facts.md, pitfall 3 (silently wrong gradients when a stage's
 # parameters are not reached through an input that requires grad, as conv_in on a later stage).
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 _MULTI_STAGE = {"interleaved_1f1b"}

@@ -22,7 +22,7 @@ class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous.
 
     Gradients of skip tensors come out of torch.cat's backward as strided views; the pipeline would send them
-    as-is, which gloo refuses and NCCL may corrupt (PIPELINING-FACTS pitfall 1).
+    as-is, which gloo refuses and NCCL may corrupt (docs/pipelining-facts.md, pitfall 1).
     """
 
     @staticmethod

@@ -92,7 +92,7 @@ def boundary_bytes(meta: Backbone, costs: list[UnitCost], inputs: dict[str, torc
 
 
 # Defaults where the config gives no figure: an H200 reaches ~300 TFLOP/s on the SDXL UNet in eager bf16
-# (shared/reference); one 2-core CPU process reaches ~0.05 TFLOP/s on small convolutions.
+# (bench/reference); one 2-core CPU process reaches ~0.05 TFLOP/s on small convolutions.
 _DEFAULTS = {"cuda": (300.0, 100.0), "cpu": (0.05, 2.0)}
 
 
@@ -133,12 +133,16 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
             fixes.append("activation checkpointing (pipeline.checkpointing = \"auto\" fits)")
         except Infeasible:
             fixes.append("activation checkpointing (not enough alone)")
-    try:
-        partition(scaled(costs, 0.5), bounds_bytes, stages, m, p.schedule, hw, p.checkpointing)
-        fixes.append("a smaller micro-batch (half fits)")
-    except Infeasible:
-        fixes.append("a smaller micro-batch")
-    fixes.append("LoRA instead of full fine-tuning (no gradients or AdamW state for frozen weights)")
+    micro = config.micro_batch_size
+    if micro > 1:  # costs scale linearly with the micro-batch; one sample cannot be halved
+        try:
+            partition(scaled(costs, (micro // 2) / micro), bounds_bytes, stages, m, p.schedule, hw, p.checkpointing)
+            fixes.append(f"a smaller micro-batch ({micro // 2} instead of {micro} fits: lower train.batch_size or "
+                         "raise pipeline.microbatches)")
+        except Infeasible:
+            fixes.append(f"a smaller micro-batch than {micro}")
+    if not fixes:
+        fixes.append("a device with more memory (nothing else tried here fits)")
     return "\n".join(lines + ["what would help: " + "; ".join(fixes)])
 
 
