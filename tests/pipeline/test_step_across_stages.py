@@ -15,7 +15,7 @@ def _worker(out_dir: str) -> None:
     from pathlib import Path
 
     from diffpipe.distributed import init_topology
-    from diffpipe.train.trainer import Trainer
+    from diffpipe.train.trainer import Trainer, read_record
 
     config = build_config({"train": {"precision": "fp16", "batch_size": 8, "max_steps": 2},
                            "pipeline": {"stages": 2, "microbatches": 2, "split": [5]}})
@@ -25,9 +25,9 @@ def _worker(out_dir: str) -> None:
     loss, _ = trainer.forward_backward(0)
     if topo.pp_rank == 1:  # an overflow on the last stage only
         trainer.params[0].grad.view(-1)[0] = float("inf")
-    overflowed = trainer.apply_gradients(0, loss)
+    overflowed = read_record(trainer.apply_gradients(0, loss))
     unchanged = all(torch.equal(a, p) for a, p in zip(before, trainer.params))
-    clean = trainer.apply_gradients(1, trainer.forward_backward(1)[0])
+    clean = read_record(trainer.apply_gradients(1, trainer.forward_backward(1)[0]))
     torch.save({"overflowed": overflowed, "unchanged": unchanged, "clean": clean},
                os.path.join(out_dir, f"rank{topo.rank}.pt"))
 
