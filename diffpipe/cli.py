@@ -1,6 +1,7 @@
 """The `diffpipe` command.
 
     diffpipe train examples/digits.toml [--set train.max_steps=50] [--output-dir runs/x] [--overwrite]
+    diffpipe train examples/digits.toml --resume runs/digits [--set pipeline.stages=4]  # from its last checkpoint
     diffpipe plan examples/sdxl_unet.toml --set pipeline.stages=4 [--world-size 8] [--gpu-memory 80GiB] [--json]
         [--profile] [--probe | --probe-unsplit]
     diffpipe timeline runs/digits [--step N] --out timeline.png
@@ -35,16 +36,20 @@ def _prepare_run(args) -> tuple:
     from .config import load_config, save_config
 
     config = load_config(args.config, args.set or [])
-    if args.output_dir:
+    if args.resume:
+        config.output.dir = args.resume
+    elif args.output_dir:
         config.output.dir = args.output_dir
     checked = check_before_launch(config)
     config.pipeline.split, config.pipeline.checkpointing = checked.split, checked.checkpointing
     run_dir = Path(config.output.dir)
     is_main = int(os.environ.get("RANK", "0")) == 0
     if is_main:
-        if run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
+        if args.resume:
+            _check_resumable(config, run_dir, checked.backbone)
+        elif run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
             raise UserError(f"{run_dir} already holds a run; choose another folder with --output-dir, "
-                            "or add --overwrite to replace it")
+                            f"add --overwrite to replace it, or continue it with --resume {run_dir}")
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.toml")
         print(f"training {config.model.describe()} on {config.world_size} process(es): "
@@ -55,12 +60,36 @@ def _prepare_run(args) -> tuple:
     return config, run_dir, is_main
 
 
+def _check_resumable(config, run_dir: Path, backbone) -> None:
+    """Refuse, before any process starts, a resume whose run folder, checkpoint or config does not fit."""
+    from .config import load_config
+    from .train.checkpoint import latest_checkpoint, unsafe_changes, verify_checkpoint
+
+    if not (run_dir / "config.toml").is_file():
+        raise UserError(f"--resume {run_dir}: no run there (config.toml is missing)")
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise UserError(f"--resume {run_dir}: the run has no complete checkpoint (checkpoint.every was 0, or it "
+                        "stopped before the first one); start it again instead")
+    shapes = {name: tuple(p.shape) for name, p in backbone.model.named_parameters()}
+    step = verify_checkpoint(path, shapes)
+    saved = load_config(run_dir / "config.toml").model_dump(mode="json")
+    changed = unsafe_changes(saved, config.model_dump(mode="json"))
+    if changed:
+        raise UserError(f"--resume {run_dir}: the config differs from the run's in what a resumed run must keep: "
+                        + "; ".join(changed) + ". Use the run's config (its config.toml), or start a new run")
+    if step >= config.train.max_steps:
+        raise UserError(f"--resume {run_dir}: the checkpoint is at step {step}, train.max_steps is "
+                        f"{config.train.max_steps}; raise it to train on (--set train.max_steps=N)")
+    print(f"resuming {run_dir} from {path} (step {step})", flush=True)
+
+
 def _train(args) -> None:
     from .distributed import launch
     from .train.trainer import train_worker
 
     config, run_dir, is_main = _prepare_run(args)
-    launch(train_worker, (config.model_dump(mode="json"), str(run_dir)), config.world_size)
+    launch(train_worker, (config.model_dump(mode="json"), str(run_dir), bool(args.resume)), config.world_size)
     if is_main:
         _finish(config, run_dir)
 
@@ -138,6 +167,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
     train.add_argument("--output-dir", help="run folder (overrides output.dir)")
     train.add_argument("--overwrite", action="store_true", help="replace an existing run folder's contents")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its newest checkpoint "
+                       "(on any number of stages and replicas)")
     train.set_defaults(run=_train)
     plan = sub.add_parser("plan", help="show the planned stage split, its costs and the parameter-count split")
     plan.add_argument("config")

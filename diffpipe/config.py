@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "PipelineConfig",
-    "PlanConfig", "ObserveConfig", "OutputConfig", "SampleConfig", "load_config", "save_config",
+    "PlanConfig", "ObserveConfig", "CheckpointConfig", "OutputConfig", "SampleConfig", "load_config", "save_config",
 ]
 
 
@@ -107,9 +107,14 @@ class ObserveConfig(_Section):
     anomaly_factor: float = Field(2.5, gt=1, description="Warn when a stage's latency exceeds this multiple of its rolling mean.")
     anomaly_warmup: int = Field(5, ge=1, description="Steps of history before the monitor judges.")
     on_anomaly: Literal["warn", "checkpoint", "stop"] = Field(
-        "warn", description="After a warning: warn only, checkpoint (save weights now), or stop (save and exit).")
+        "warn", description="After a warning: warn only, checkpoint (write a checkpoint now), or stop (save weights and exit).")
     tensorboard: bool = Field(True, description="Write TensorBoard scalars into RUN_DIR/tensorboard.")
     wandb: bool = Field(False, description="Also log to Weights & Biases (needs `pip install wandb` and a login).")
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(500, ge=0, description="Write a checkpoint (weights, AdamW state, progress) every N steps, and at the end when output.save_weights; 0: never. Resume with `diffpipe train CONFIG --resume RUN_DIR`.")
+    keep: int = Field(2, ge=1, description="Newest checkpoints kept in RUN_DIR/checkpoints; older ones are removed.")
 
 
 class OutputConfig(_Section):
@@ -131,6 +136,7 @@ class RunConfig(_Section):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Stages, schedule, data parallelism.")
     plan: PlanConfig = Field(default_factory=PlanConfig, description="Hardware figures for the stage planner.")
     observe: ObserveConfig = Field(default_factory=ObserveConfig, description="Per-stage timing, timeline, monitor, TensorBoard.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints to resume from, on any layout.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where results go.")
     sample: SampleConfig = Field(default_factory=SampleConfig, description="Sampling during and after training.")
 

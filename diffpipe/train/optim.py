@@ -45,17 +45,17 @@ class LossScaler:
         self.enabled = enabled
         self.scale = init_scale if enabled else 1.0
         self.growth_interval = growth_interval
-        self._good_steps = 0
+        self.good_steps = 0
 
     def update(self, overflow: bool) -> None:
         if not self.enabled:
             return
         if overflow:
             self.scale /= 2
-            self._good_steps = 0
+            self.good_steps = 0
         else:
-            self._good_steps += 1
-            if self._good_steps % self.growth_interval == 0:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
                 self.scale *= 2
 
 

@@ -17,11 +17,12 @@ __all__ = ["MetricsLog", "StepReport", "is_logged", "plot_loss", "make_progress"
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step."""
+    """Appends one JSON object per logged step; a resumed run keeps the lines of the steps before it."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, start_step: int = 0):
         self.path = path
-        self.path.write_text("")
+        kept = [r for r in read_metrics(path) if r["step"] < start_step] if start_step and path.is_file() else []
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:
@@ -84,16 +85,17 @@ class StepReport:
     progress bar (on the main rank; elsewhere only the time)."""
 
     def __init__(self, run_dir: Path, max_steps: int, batch_size: int, log_every: int, writers, is_main: bool,
-                 device: torch.device):
+                 device: torch.device, start_step: int = 0):
         self.max_steps, self.batch_size, self.log_every, self.writers = max_steps, batch_size, log_every, writers
-        self.log = MetricsLog(run_dir / "metrics.jsonl") if is_main else None
+        self.start_step = start_step
+        self.log = MetricsLog(run_dir / "metrics.jsonl", start_step) if is_main else None
         self.progress = make_progress() if is_main else NullProgress()
         self.device, self.task, self.last = device, 0, None
 
     def __enter__(self) -> "StepReport":
         self.progress.__enter__()
-        self.task = self.progress.add_task("train", total=self.max_steps, loss="-", samples_per_s="-",
-                                           batch=self.batch_size)
+        self.task = self.progress.add_task("train", total=self.max_steps, completed=self.start_step, loss="-",
+                                           samples_per_s="-", batch=self.batch_size)
         self.last = Mark(self.device)  # the loop begins: the first step is timed from here
         return self
 

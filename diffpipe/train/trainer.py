@@ -22,6 +22,7 @@ from ..config import RunConfig
 from ..data.batches import BatchMaker, StepBatch
 from ..data.prefetch import BatchPrefetcher
 from ..data import make_dataset
+from ..models.loading import CheckpointError
 from ..distributed import Topology, init_topology
 from ..observe.observer import PipelineObserver, probe_link
 from ..observe.timing import Mark, StepTimes
@@ -33,6 +34,7 @@ from ..pipeline.stage import build_stage_modules
 from ..planner.plan import resolve_stages
 from .optim import (LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer,
                     step_optimizer)
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .records import StepReport, is_logged
 
 __all__ = ["train_worker", "Trainer", "read_record", "step_end"]
@@ -54,6 +56,7 @@ class Trainer:
         p = config.pipeline
         backbone = build_backbone(config, "meta")
         self.model_config = dict(backbone.model.config)
+        self.model_shapes = {name: tuple(q.shape) for name, q in backbone.model.named_parameters()}
         if not isinstance(p.split, list) or not isinstance(p.checkpointing, list):
             p.split, p.checkpointing = resolve_stages(config, backbone)
         specs = stage_specs(backbone, p.split)
@@ -158,19 +161,37 @@ class Trainer:
             record.update(loss_scale=scale_used, skipped=overflow)
         return _on_host_when_ready(record, topo.device)
 
-    def fit(self) -> None:
+    def checkpoint(self, next_step: int) -> None:
+        """A checkpoint to resume from before `next_step` (every process takes part)."""
+        path = save_checkpoint(self, next_step, self.config.checkpoint.keep)
+        if self.topo.is_main:
+            print(f"checkpoint {path}", flush=True)
+
+    def resume(self) -> int:
+        """Weights, AdamW state and progress from the run folder's newest checkpoint; the step to run next."""
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            raise CheckpointError(f"{self.run_dir} holds no complete checkpoint to resume from")
+        return load_checkpoint(self, path)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.config.checkpoint.every
+        return every > 0 and (step + 1) % every == 0 and step + 1 < self.config.train.max_steps
+
+    def fit(self, start_step: int = 0) -> None:
         """All steps. On a GPU a step's figures are read once the next step's forward and backward are queued,
         waiting for that step alone (an event, not the stream: `_on_host_when_ready`), so the device never waits
         for the host between steps; the next batch is made in the background. On a CPU the host is the device:
         each step is read as it ends."""
         train, topo = self.config.train, self.topo
+        self.next_step = start_step  # the step after the last one finished: what a checkpoint resumes at
         prefetcher = BatchPrefetcher(self.batch_for, topo.device)
         report = StepReport(self.run_dir, train.max_steps, train.batch_size, train.log_every, self.writers,
-                            topo.is_main, topo.device)
+                            topo.is_main, topo.device, start_step)
         try:
             with report:
                 waiting = None  # the previous step: (step, record, times)
-                for step in range(train.max_steps):
+                for step in range(start_step, train.max_steps):
                     batch = prefetcher.take(step)
                     if step + 1 < train.max_steps:
                         prefetcher.ask(step + 1)
@@ -189,17 +210,20 @@ class Trainer:
             prefetcher.close()
         self.writers.close()
         self.save()
+        if self.config.checkpoint.every > 0 and self.config.output.save_weights:
+            self.checkpoint(self.next_step)
 
     def _finish(self, report: StepReport, step: int, record: dict, times: StepTimes | None) -> str:
         """Read, time, judge and log a finished step; returns the action every rank takes (a checkpoint is
         taken here)."""
         end = step_end(record)
+        self.next_step = step + 1
         record = read_record(record)
         report.time(record, end)
         action = self.observer.after_step(step, record, times) if times is not None else "continue"
         report.write(step, record)
-        if action == "checkpoint":
-            self.save()
+        if action == "checkpoint" or (action == "continue" and self._checkpoint_due(step)):
+            self.checkpoint(step + 1)
         if action == "stop" and self.topo.is_main:  # the save after the loop keeps the weights
             print(f"stopped after step {step} (observe.on_anomaly = \"stop\"); weights saved", flush=True)
         return action
@@ -264,7 +288,7 @@ def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microb
     return 2 * microbatches * total
 
 
-def train_worker(config_data: dict, run_dir: str) -> None:
+def train_worker(config_data: dict, run_dir: str, resume: bool = False) -> None:
     """Entry point of each process (spawned or under torchrun)."""
     from ..config import build_config
     from transformers.utils import logging as transformers_logging
@@ -277,6 +301,7 @@ def train_worker(config_data: dict, run_dir: str) -> None:
     topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel,
                          resolve_device_kind(config.train.device))
     try:
-        Trainer(config, topo, Path(run_dir)).fit()
+        trainer = Trainer(config, topo, Path(run_dir))
+        trainer.fit(trainer.resume() if resume else 0)
     finally:
         dist.destroy_process_group()

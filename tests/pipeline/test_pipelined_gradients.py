@@ -185,7 +185,7 @@ def _reference(config, autocast: torch.dtype | None) -> dict:
             part = slice(i * config.micro_batch_size, (i + 1) * config.micro_batch_size)
             c = {k: v[part] for k, v in batch.conditions.items()}
             added = {k: c[k] for k in ("text_embeds", "time_ids") if k in c} or None
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype in (torch.bfloat16, torch.float16)):
                 prediction = model(batch.noisy[part], c["timestep"], encoder_hidden_states=c["encoder_hidden_states"],
                                    added_cond_kwargs=added).sample
             loss = F.mse_loss(prediction.float(), batch.target[part].float())

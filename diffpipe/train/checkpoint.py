@@ -1,0 +1,167 @@
+"""Checkpoints: each process writes what it holds, any layout reads back what it needs.
+
+Written through `torch.distributed.checkpoint` (DCP) with its safetensors storage (`HuggingFaceStorageWriter`:
+no pickle anywhere, readable by any safetensors tool), as one flat map of tensors under diffusers' parameter names:
+`model.NAME`, `optim.NAME.exp_avg | exp_avg_sq | step` (AdamW) and `progress.*` (the next step, the learning-rate
+schedule's position, the fp16 loss scale). A pipeline rank writes its own stages; data-parallel replicas hold the
+same names and DCP writes one copy. Loading asks DCP for the names this process holds now, so a checkpoint of 2
+stages resumes on 1, 3 or 4 stages or another data-parallel degree. The batches need no state: every step's data,
+noise and timesteps are drawn from (seed, step) (data/batches.py).
+
+RUN_DIR/checkpoints/step-00000100/ holds the shards and, written last, `complete.json` (step, each model tensor's
+shape, each file's size and sha256). A save goes to a hidden folder renamed into place once complete, and a
+checkpoint is verified file by file before anything in it is read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
+from ..models.loading import CheckpointError
+
+__all__ = ["CHECKPOINTS", "save_checkpoint", "latest_checkpoint", "verify_checkpoint", "load_checkpoint",
+           "unsafe_changes"]
+
+CHECKPOINTS = "checkpoints"
+_COMPLETE = "complete.json"
+_ADAM = ("exp_avg", "exp_avg_sq", "step")
+# what a resumed run may change: its length, logging, outputs and the layout (a checkpoint reshards by name)
+_SAFE_TO_CHANGE = ("train.max_steps", "train.learning_rate", "train.log_every", "train.device", "pipeline.", "plan.",
+                   "observe.", "checkpoint.", "output.", "sample.", "data.text_cache_gib")
+
+
+def _held(trainer) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for module in trainer.modules for name, p in module.full_named_parameters()]
+
+
+def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW's state as its first step would create it, so a checkpoint can be loaded into it before any step."""
+    for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                                 else torch.tensor(0.0, dtype=torch.float32))
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _state(trainer, next_step: int) -> dict[str, torch.Tensor]:
+    """What this process holds, by name: its stages' weights and AdamW state, and the run's progress."""
+    _ensure_optimizer_state(trainer.optimizer)
+    state = {}
+    for name, p in _held(trainer):
+        state[f"model.{name}"] = p.detach()
+        for key in _ADAM:
+            state[f"optim.{name}.{key}"] = trainer.optimizer.state[p][key]
+    state["progress.next_step"] = torch.tensor(next_step, dtype=torch.int64)
+    state["progress.lr_schedule_steps"] = torch.tensor(trainer.lr_schedule.last_epoch, dtype=torch.int64)
+    state["progress.loss_scale"] = torch.tensor(trainer.scaler.scale, dtype=torch.float64)
+    state["progress.loss_scale_good_steps"] = torch.tensor(trainer.scaler.good_steps, dtype=torch.int64)
+    return state
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_checkpoint(trainer, next_step: int, keep: int) -> Path:
+    """Every process writes its part of the checkpoint taken before step `next_step`; rank 0 seals it, keeps the
+    newest `keep` and removes the rest. Collective: every process must call it."""
+    root = trainer.run_dir / CHECKPOINTS
+    final = root / f"step-{next_step:08d}"
+    partial = root / f".{final.name}.partial"
+    if trainer.topo.is_main:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_state(trainer, next_step), storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True))
+    dist.barrier()
+    if trainer.topo.is_main:
+        files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(partial.iterdir())}
+        shapes = {name: list(shape) for name, shape in trainer.model_shapes.items()}
+        (partial / _COMPLETE).write_text(json.dumps({"next_step": next_step, "model": shapes, "files": files},
+                                                    indent=1))
+        shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step from before a resume
+        os.replace(partial, final)
+        for old in sorted(p for p in root.glob("step-*") if (p / _COMPLETE).is_file())[:-keep]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint of a run folder (interrupted saves have no complete.json)."""
+    done = sorted(p for p in (Path(run_dir) / CHECKPOINTS).glob("step-*") if (p / _COMPLETE).is_file())
+    return done[-1] if done else None
+
+
+def verify_checkpoint(path: Path, model_shapes: dict[str, tuple[int, ...]]) -> int:
+    """The checkpoint's next step, after checking every file against its recorded size and sha256 and the model's
+    parameter names and shapes against this model's. Reads no tensor; raises CheckpointError naming the problem."""
+    try:
+        record = json.loads((path / _COMPLETE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a complete diffpipe checkpoint ({exc}); resume from another one "
+                              f"or start a new run") from None
+    for name, expected in record["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path}: {name} is missing; resume from an older checkpoint "
+                                  "(delete this folder) or start a new run")
+        if f.stat().st_size != expected["bytes"] or _sha256(f) != expected["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: {name} is damaged (size or sha256 differs from when it was "
+                                  "written); resume from an older checkpoint (delete this folder) or start a new run")
+    theirs = {k: tuple(v) for k, v in record["model"].items()}
+    missing, extra = sorted(set(model_shapes) - set(theirs)), sorted(set(theirs) - set(model_shapes))
+    wrong = sorted(k for k in set(theirs) & set(model_shapes) if theirs[k] != tuple(model_shapes[k]))
+    if missing or extra or wrong:
+        first = (f"{len(missing)} of this model's weights missing (first: {missing[0]})" if missing else
+                 f"{len(extra)} weights this model lacks (first: {extra[0]})" if extra else
+                 f"{wrong[0]} is {theirs[wrong[0]]} there, {tuple(model_shapes[wrong[0]])} here")
+        raise CheckpointError(f"checkpoint {path} is of another model: {first}. Resume with the model it was "
+                              "trained with, or start a new run")
+    return int(record["next_step"])
+
+
+def load_checkpoint(trainer, path: Path) -> int:
+    """Fill this process's weights, AdamW state and the run's progress from checkpoint `path` (already verified);
+    returns the step to run next. Collective."""
+    state = _state(trainer, 0)
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    trainer.lr_schedule.last_epoch = int(state["progress.lr_schedule_steps"]) - 1
+    trainer.lr_schedule.step()  # to the saved position, setting every group's learning rate for it
+    trainer.scaler.scale = float(state["progress.loss_scale"])
+    trainer.scaler.good_steps = int(state["progress.loss_scale_good_steps"])
+    return int(state["progress.next_step"])
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and not key == "config":  # model.config is one value: the architecture
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def unsafe_changes(saved: dict, new: dict) -> list[str]:
+    """Keys whose values differ between the run's saved config and the one it resumes with, other than those a
+    resumed run may change; each as 'key: saved -> new'."""
+    before, after = _flat(saved), _flat(new)
+    return [f"{key}: {before.get(key)!r} -> {after.get(key)!r}" for key in sorted(set(before) | set(after))
+            if before.get(key) != after.get(key) and not key.startswith(_SAFE_TO_CHANGE)]

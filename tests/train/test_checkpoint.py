@@ -1,0 +1,113 @@
+"""Checkpoints and resume, as a user runs them: a run cut short after its checkpoint at step 3 resumes to the same
+losses step for step as the uninterrupted run on the same 2 stages, and on 1 and 4 stages (resharded by name);
+damaged, partial, foreign and incompatible checkpoints are refused with a message before any process starts."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diffpipe.cli import main
+from diffpipe.models.loading import CheckpointError
+from diffpipe.train.checkpoint import latest_checkpoint, verify_checkpoint
+
+EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "digits.toml"
+QUICK = ["--set", "train.max_steps=6", "--set", "train.batch_size=16", "--set", "checkpoint.every=3",
+         "--set", "output.sample_every_end=false", "--set", "observe.log_every=0"]
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), *QUICK, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def _losses(run: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def _cut_short(full: Path, to: Path) -> Path:
+    """The run folder as a crash after step 4 leaves it: checkpoint 3 complete, metrics of steps 0-4, no step 6."""
+    shutil.copytree(full, to)
+    shutil.rmtree(to / "checkpoints" / "step-00000006")
+    rows = (to / "metrics.jsonl").read_text().splitlines()
+    (to / "metrics.jsonl").write_text("".join(line + "\n" for line in rows if json.loads(line)["step"] <= 4))
+    return to
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("checkpoints") / "full"
+    result = _train("--output-dir", str(run))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def test_checkpoints_are_written_and_kept(full_run):
+    names = sorted(p.name for p in (full_run / "checkpoints").iterdir())
+    assert names == ["step-00000003", "step-00000006"]  # every 3 steps and at the end; keep = 2
+    assert latest_checkpoint(full_run).name == "step-00000006"
+    files = sorted(p.name for p in (full_run / "checkpoints" / "step-00000003").iterdir())
+    assert "complete.json" in files and len(files) == 3  # one shard per stage, then the seal
+    assert all(f.endswith(".safetensors") for f in files if f != "complete.json")  # no pickle
+
+
+@pytest.mark.parametrize("stages", [2, 1, 4])
+def test_a_cut_short_run_resumes_to_the_same_losses(full_run, tmp_path, stages):
+    run = _cut_short(full_run, tmp_path / "run")
+    result = _train("--resume", str(run), "--set", f"pipeline.stages={stages}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming" in result.stdout and "(step 3)" in result.stdout
+    got, want = _losses(run), _losses(full_run)
+    assert list(got) == list(range(6))  # steps 0-2 kept, 3-5 trained again once each
+    if stages == 2:
+        assert got == want  # the same layout: bit for bit
+    else:
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7)  # another layout sums in another order
+    assert latest_checkpoint(run).name == "step-00000006"
+
+
+def _refused(run: Path, *extra: str, capsys) -> str:
+    assert main(["train", str(EXAMPLE), *QUICK, "--resume", str(run), *extra]) == 2
+    return capsys.readouterr().err
+
+
+def test_a_damaged_checkpoint_is_refused_and_left_in_place(full_run, tmp_path, capsys):
+    run = _cut_short(full_run, tmp_path / "run")
+    shard = sorted((run / "checkpoints" / "step-00000003").glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])  # truncated
+    err = _refused(run, capsys=capsys)
+    assert "damaged" in err and shard.name in err and shard.exists()
+    shard.unlink()
+    assert f"{shard.name} is missing" in _refused(run, capsys=capsys)
+
+
+def test_an_incompatible_config_or_model_is_refused(full_run, tmp_path, capsys):
+    run = _cut_short(full_run, tmp_path / "run")
+    assert "train.seed: 0 -> 5" in _refused(run, "--set", "train.seed=5", capsys=capsys)
+    assert "raise it to train on" in _refused(run, "--set", "train.max_steps=3", capsys=capsys)
+    checkpoint = latest_checkpoint(run)
+    record = json.loads((checkpoint / "complete.json").read_text())
+    shapes = {k: tuple(v) for k, v in record["model"].items()}
+    assert verify_checkpoint(checkpoint, shapes) == 3
+    other = dict(shapes, **{"conv_in.weight": (64, 1, 3, 3)})
+    with pytest.raises(CheckpointError, match="of another model: conv_in.weight"):
+        verify_checkpoint(checkpoint, other)
+
+
+def test_partial_saves_are_never_resumed_from(full_run, tmp_path):
+    run = _cut_short(full_run, tmp_path / "run")
+    (run / "checkpoints" / ".step-00000009.partial").mkdir()
+    shutil.copytree(run / "checkpoints" / "step-00000003", run / "checkpoints" / "step-00000008")
+    (run / "checkpoints" / "step-00000008" / "complete.json").unlink()  # a save cut off before it was sealed
+    assert latest_checkpoint(run).name == "step-00000003"
+
+
+def test_no_checkpoint_no_resume(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    assert "no run there" in _refused(run, capsys=capsys)
