@@ -210,10 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # before the heavy imports: `diffpipe --help` answers at once
     from transformers.utils import logging as transformers_logging
 
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
     from .config import ConfigError
     from .models.loading import CheckpointError
     from .pipeline.split import SplitError
     from .planner.partition import Infeasible
+    from .train.trainer import TrainingStopped
 
     transformers_logging.disable_progress_bar()  # per-file bars of tiny local saves and loads are noise
     try:
@@ -221,7 +224,24 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ConfigError, CheckpointError, SplitError, Infeasible, FileNotFoundError) as exc:
         print(f"diffpipe {args.command}: {exc}", file=sys.stderr)
         return 2
+    except TrainingStopped as exc:  # under torchrun: this process's own
+        print(f"diffpipe {args.command}: training stopped: {exc}", file=sys.stderr)
+        return 1
+    except (ProcessRaisedException, ProcessExitedException) as exc:  # a spawned training process failed
+        print(f"diffpipe {args.command}: {_worker_failure(str(exc))}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _worker_failure(text: str) -> str:
+    """One line for a failed training process: its own message when it stopped on purpose, else its error's last
+    line (the traceback above it was printed by that process)."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else text
+    stopped = "TrainingStopped: "
+    if stopped in last:
+        return "training stopped: " + last.split(stopped, 1)[1]
+    return f"a training process failed: {last}"
 
 
 if __name__ == "__main__":

@@ -75,6 +75,7 @@ class TrainConfig(_Section):
     seed: int = Field(0, ge=0, description="Seed for weights, data order, timesteps and noise.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA with NCCL when available, else CPU with gloo.")
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
+    max_bad_steps: int = Field(10, ge=1, description="Stop the run after this many steps in a row skipped for a non-finite loss or gradients (fp16 overflows included).")
     stage_lr_scale: list[float] | None = Field(None, description="Per-stage learning-rate multipliers (one per stage); unset: all 1.")
 
 

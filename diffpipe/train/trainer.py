@@ -35,9 +35,13 @@ from ..planner.plan import resolve_stages
 from .optim import (LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer,
                     step_optimizer)
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .records import StepReport, is_logged
+from .records import StepReport
 
-__all__ = ["train_worker", "Trainer", "read_record", "step_end"]
+__all__ = ["train_worker", "Trainer", "TrainingStopped", "read_record", "step_end"]
+
+
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (its loss or gradients stay non-finite); the message says why and what to do."""
 
 
 class _ScaledMSE:
@@ -82,6 +86,7 @@ class Trainer:
         moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches)
         self.writers = make_writers(config, run_dir) if topo.is_main else ScalarWriters([])
         self.observer = PipelineObserver(config, topo, run_dir, moved, probe_link(topo), self.writers)
+        self.bad_streak, self.skipped_steps = 0, 0  # steps skipped for non-finite values: in a row, in all
         self.overlap_steps = topo.device.type == "cuda"  # read each step's figures only once the next is queued
 
     def _timed(self, step: int) -> bool:
@@ -115,10 +120,6 @@ class Trainer:
         return {name: p.grad.detach() * unscale for m in self.modules for name, p in m.full_named_parameters()
                 if p.grad is not None}
 
-    def _needs_norm(self, step: int) -> bool:
-        train = self.config.train
-        return train.max_grad_norm > 0 or self.scaler.enabled or is_logged(step, train.max_steps, train.log_every)
-
     def _unscale(self, loss_scale: float | None = None) -> float:
         """What turns the gradients the schedule leaves (summed over micro-batches, times the fp16 loss scale)
         into the gradient of the batch's mean loss."""
@@ -135,28 +136,29 @@ class Trainer:
         """
         topo, train = self.topo, self.config.train
         lr = self.optimizer.param_groups[0]["lr"]
-        norm = global_grad_norm(self.params, topo.pp_group, topo.device) if self._needs_norm(step) else None
-        overflow = self.scaler.enabled and not bool(torch.isfinite(norm))  # of scaled gradients
-        start = time.perf_counter()
-        if not overflow:
-            factor = clip_gradients(self.params, norm, train.max_grad_norm, unscale=self._unscale())
-            step_optimizer(self.optimizer, self.params, factor)
-        if times is not None:
-            if topo.device.type == "cuda":
-                torch.cuda.synchronize(topo.device)
-            times.optimizer_s = time.perf_counter() - start
         scale_used = self.scaler.scale
-        self.scaler.update(overflow)
-        if not overflow:  # a skipped step is no step of the schedule
-            self.lr_schedule.step()
         # the loss lives on the last stage of each replica: sum over the world, average over replicas
         total = torch.zeros((), dtype=torch.float64, device=topo.device)
         if loss is not None:
             total += loss.double() / scale_used
         dist.all_reduce(total)
-        record = {"step": step, "loss": total / topo.dp_size, "lr": lr}
-        if norm is not None:
-            record["grad_norm"] = norm * self._unscale(scale_used)
+        norm = global_grad_norm(self.params, topo.pp_group, topo.device)  # every rank: the same value
+        overflow = self.scaler.enabled and not bool(torch.isfinite(norm))  # of scaled gradients
+        # outside fp16 scaling a non-finite loss or gradient skips the step on the device (`_finish` counts it)
+        nonfinite = (~torch.isfinite(norm) | ~torch.isfinite(total)).float()
+        start = time.perf_counter()
+        if not overflow:
+            factor = clip_gradients(self.params, norm, train.max_grad_norm, unscale=self._unscale())
+            step_optimizer(self.optimizer, self.params, factor, skip=None if self.scaler.enabled else nonfinite)
+        if times is not None:
+            if topo.device.type == "cuda":
+                torch.cuda.synchronize(topo.device)
+            times.optimizer_s = time.perf_counter() - start
+        self.scaler.update(overflow)
+        if not overflow:  # a skipped step is no step of the schedule
+            self.lr_schedule.step()
+        record = {"step": step, "loss": total / topo.dp_size, "lr": lr, "grad_norm": norm * self._unscale(scale_used),
+                  "nonfinite": nonfinite}
         if self.scaler.enabled:
             record.update(loss_scale=scale_used, skipped=overflow)
         return _on_host_when_ready(record, topo.device)
@@ -220,13 +222,36 @@ class Trainer:
         self.next_step = step + 1
         record = read_record(record)
         report.time(record, end)
+        self._judge_finite(step, record)
         action = self.observer.after_step(step, record, times) if times is not None else "continue"
         report.write(step, record)
-        if action == "checkpoint" or (action == "continue" and self._checkpoint_due(step)):
+        # no checkpoint after a skipped step: the newest one stays the last good one
+        if self.bad_streak == 0 and (action == "checkpoint" or (action == "continue" and self._checkpoint_due(step))):
             self.checkpoint(step + 1)
         if action == "stop" and self.topo.is_main:  # the save after the loop keeps the weights
             print(f"stopped after step {step} (observe.on_anomaly = \"stop\"); weights saved", flush=True)
         return action
+
+    def _judge_finite(self, step: int, record: dict) -> None:
+        """Count steps skipped for a non-finite loss or gradient (fp16 overflows included: a run that overflows
+        every step is broken too); warn at the first of a streak, stop after `train.max_bad_steps` in a row.
+        Every rank reads the same all-reduced figures, so every rank stops alike."""
+        bad = bool(record.pop("nonfinite")) or bool(record.get("skipped"))
+        self.bad_streak = self.bad_streak + 1 if bad else 0
+        self.skipped_steps += bad
+        record["skipped_steps"] = self.skipped_steps
+        limit = self.config.train.max_bad_steps
+        if bad and self.bad_streak == 1 and self.topo.is_main:
+            what = "fp16 overflow" if record.get("skipped") else "loss or gradients not finite"
+            print(f"warning: step {step}: {what} (loss {record['loss']:.4g}, gradient norm {record['grad_norm']:.4g}); "
+                  f"step skipped, weights unchanged; {limit} in a row stop the run (train.max_bad_steps)", flush=True)
+        if self.bad_streak >= limit:
+            kept = latest_checkpoint(self.run_dir)
+            then = (f"; resume from {kept.name} with --resume {self.run_dir} and a change" if kept is not None
+                    else "; no checkpoint was written before it")
+            raise TrainingStopped(
+                f"{limit} steps in a row up to step {step} had a non-finite loss or gradients (skipped: the weights are "
+                f"those before them). Lower train.learning_rate, check the data, or use bf16 instead of fp16{then}")
 
     def save(self) -> None:
         """Each pipeline rank of replica 0 writes its stages; rank 0 merges them into model.safetensors."""
