@@ -47,10 +47,9 @@ def _prepare_run(args) -> tuple:
     if is_main:
         if args.resume:
             _check_resumable(config, run_dir, checked.backbone)
-        elif run_dir.exists() and any(run_dir.iterdir()) and not args.overwrite:
-            raise UserError(f"{run_dir} already holds a run; choose another folder with --output-dir, "
-                            f"add --overwrite to replace it, or continue it with --resume {run_dir}")
-        run_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            _empty_run_folder(run_dir, args.overwrite)
+        _check_free_space(run_dir, checked.backbone, config)
         save_config(config, run_dir / "config.toml")
         print(f"training {config.model.describe()} on {config.world_size} process(es): "
               f"{config.pipeline.stages} stage(s) x {config.pipeline.data_parallel} replica(s), split at units "
@@ -58,6 +57,44 @@ def _prepare_run(args) -> tuple:
         print("tensors crossing each stage boundary:\n" + format_crossings(
             boundary_traffic(config, checked.backbone, checked.split)), flush=True)
     return config, run_dir, is_main
+
+
+def _empty_run_folder(run_dir: Path, overwrite: bool) -> None:
+    """A new run gets an empty folder: a finished run is replaced whole with --overwrite (never mixed with the new
+    one), anything else is refused rather than deleted."""
+    import shutil
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir} is a file, not a folder; choose a run folder with --output-dir")
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        if not overwrite:
+            raise UserError(f"{run_dir} already holds a run; choose another folder with --output-dir, add "
+                            f"--overwrite to replace it, or continue it with --resume {run_dir}")
+        if not (run_dir / "config.toml").is_file():
+            raise UserError(f"--overwrite: {run_dir} is not a diffpipe run folder (no config.toml); it is left as "
+                            "it is: choose another folder with --output-dir")
+        shutil.rmtree(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / ".writable").touch()
+        (run_dir / ".writable").unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write the run folder {run_dir} ({exc.strerror}); choose another with "
+                        "--output-dir") from None
+
+
+def _check_free_space(run_dir: Path, backbone, config) -> None:
+    """Refuse to start a run whose weights and checkpoints could not be written at its end."""
+    import shutil
+
+    params = sum(p.numel() for p in backbone.model.parameters())
+    # fp32 weights in model.safetensors, and in each checkpoint kept beside AdamW's two moments
+    kept = config.checkpoint.keep + 1 if config.checkpoint.every > 0 else 0
+    needed = 4 * params * (1 + 3 * kept) if config.output.save_weights else 0
+    free = shutil.disk_usage(run_dir).free
+    if needed > free:
+        raise UserError(f"{run_dir}: {free / 2**30:.1f} GiB free, but the weights and {kept} checkpoint(s) need "
+                        f"{needed / 2**30:.1f} GiB; free space, choose another --output-dir, or lower checkpoint.keep")
 
 
 def _check_resumable(config, run_dir: Path, backbone) -> None:
@@ -113,8 +150,11 @@ def _finish(config, run_dir: Path) -> None:
 def _sample(args) -> None:
     from .sampling import load_generator, save_grid
 
+    for name, value in (("--num", args.num), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            raise UserError(f"{name} {value}: give 1 or more")
     gen = load_generator(args.run_dir)
-    steps = args.steps or gen.config.sample.steps
+    steps = gen.config.sample.steps if args.steps is None else args.steps
     guidance = gen.config.sample.guidance_scale if args.guidance is None else args.guidance
     seeds = [args.seed + i for i in range(args.num)]
     images = gen.generate([args.prompt] * args.num, seeds, steps, guidance)

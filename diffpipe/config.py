@@ -60,7 +60,7 @@ class TrainConfig(_Section):
     batch_size: int = Field(32, ge=1, description="Global batch: micro-batch size x pipeline.microbatches x pipeline.data_parallel.")
     learning_rate: float = Field(1e-3, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="AdamW betas.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon (added to the root of the second moment).")
     lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="Learning-rate schedule after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
@@ -231,8 +231,8 @@ def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
             if not isinstance(node, dict):
                 raise ConfigError(f"--set {text!r}: {part} is not a section")
         node[path[-1]] = value
-    try:
-        return RunConfig.model_validate(data)
+    try:  # strict: "64" is not 64 (a quoted --set value is a string); an int is still a valid float
+        return RunConfig.model_validate(data, strict=True)
     except ValidationError as exc:
         lines = [_describe(e, RunConfig) for e in exc.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
@@ -246,6 +246,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file; give a TOML config such as examples/digits.toml") from None
     return build_config(data, overrides)
 
 

@@ -6,7 +6,9 @@ RANK/WORLD_SIZE), in this process when one is enough, and otherwise by spawning 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -91,8 +93,37 @@ def launch(fn: Callable[..., Any], args: tuple, world_size: int) -> None:
     if world_size == 1:
         _spawned_entry(0, 1, port, fn, args)
         return
-    mp.start_processes(_spawned_entry, args=(world_size, port, fn, args), nprocs=world_size,
-                       start_method="spawn", join=True)
+    context = mp.start_processes(_spawned_entry, args=(world_size, port, fn, args), nprocs=world_size,
+                                 start_method="spawn", join=False)
+    _join_passing_on_signals(context)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _join_passing_on_signals(context, grace_s: float = 300.0) -> None:
+    """Wait for the spawned processes. Ctrl-C or SIGTERM to this launcher is passed on to each as SIGTERM (a
+    training process then checkpoints the step it is at and exits); any still running `grace_s` later are killed.
+    If one process fails, torch's join ends the others and raises, naming it."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    deadline = None
+    try:
+        while True:
+            try:
+                if context.join(timeout=1.0):
+                    return
+                if deadline is not None and time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+            except KeyboardInterrupt:
+                if deadline is None:
+                    for process in context.processes:
+                        if process.is_alive():
+                            os.kill(process.pid, signal.SIGTERM)
+                    deadline = time.monotonic() + grace_s
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def init_topology(pp_size: int, dp_size: int, device_kind: str) -> Topology:

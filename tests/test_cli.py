@@ -140,3 +140,58 @@ def test_help_answers_before_the_heavy_imports():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_bad_input_gets_one_line_and_nothing_is_touched(tmp_path, capsys):
+    """Each says what is wrong and what to do (exit 2), before any process starts."""
+    def refused(*argv: str) -> str:
+        assert main(list(argv)) == 2
+        return capsys.readouterr().err.strip()
+
+    assert "train.batch_size: Input should be a valid integer (got '64')" in refused(
+        "train", str(EXAMPLE), "--set", 'train.batch_size="64"')
+    binary = tmp_path / "config.toml"
+    binary.write_bytes(bytes(range(256)))
+    assert "is not a text file" in refused("train", str(binary))
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert "is a file, not a folder" in refused("train", str(EXAMPLE), "--output-dir", str(a_file))
+    assert "cannot write the run folder" in refused("train", str(EXAMPLE), "--output-dir", "/sys/diffpipe-run")
+    for flag, value in (("--num", "0"), ("--steps", "0"), ("--steps", "-5")):
+        assert f"{flag} {value}: give 1 or more" in refused(
+            "sample", str(tmp_path), "--prompt", "a digit", "--out", str(tmp_path / "x.png"), flag, value)
+
+
+def test_overwrite_replaces_a_run_whole_and_refuses_other_folders(tmp_path):
+    from diffpipe.cli import UserError, _empty_run_folder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("")
+    (run / "model.safetensors").write_text("old weights")
+    with pytest.raises(UserError, match="already holds a run"):
+        _empty_run_folder(run, overwrite=False)
+    _empty_run_folder(run, overwrite=True)
+    assert run.is_dir() and list(run.iterdir()) == []  # nothing of the old run is left to mix with the new one
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "me.jpg").write_text("precious")
+    with pytest.raises(UserError, match="not a diffpipe run folder"):
+        _empty_run_folder(other, overwrite=True)
+    assert (other / "me.jpg").read_text() == "precious"
+
+
+def test_a_run_that_could_not_save_its_weights_does_not_start(tmp_path, monkeypatch):
+    import shutil
+    from types import SimpleNamespace
+
+    from diffpipe.cli import UserError, _check_free_space
+    from diffpipe.build import build_backbone
+    from diffpipe.config import build_config
+
+    config = build_config({})
+    backbone = build_backbone(config, "meta")
+    _check_free_space(tmp_path, backbone, config)  # 0.79 M parameters: fits
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
+    with pytest.raises(UserError, match="GiB free, but the weights and 3 checkpoint"):
+        _check_free_space(tmp_path, backbone, config)

@@ -32,7 +32,7 @@ def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], train: 
     """Fused AdamW (one kernel for all parameters, on CPUs too) over (parameters, learning-rate multiplier)
     groups, one per stage, and its schedule."""
     param_groups = [{"params": params, "lr": train.learning_rate * scale} for params, scale in groups if params]
-    opt = torch.optim.AdamW(param_groups, lr=train.learning_rate, betas=train.betas, weight_decay=train.weight_decay,
+    opt = torch.optim.AdamW(param_groups, lr=train.learning_rate, betas=tuple(train.betas), weight_decay=train.weight_decay,
                             eps=train.adam_eps, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, train))
     return opt, sched

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -87,6 +88,7 @@ class Trainer:
         self.writers = make_writers(config, run_dir) if topo.is_main else ScalarWriters([])
         self.observer = PipelineObserver(config, topo, run_dir, moved, probe_link(topo), self.writers)
         self.bad_streak, self.skipped_steps = 0, 0  # steps skipped for non-finite values: in a row, in all
+        self.stop_requested = False  # set by SIGTERM / SIGINT (train_worker): checkpoint after this step and stop
         self.overlap_steps = topo.device.type == "cuda"  # read each step's figures only once the next is queued
 
     def _timed(self, step: int) -> bool:
@@ -137,11 +139,15 @@ class Trainer:
         topo, train = self.topo, self.config.train
         lr = self.optimizer.param_groups[0]["lr"]
         scale_used = self.scaler.scale
-        # the loss lives on the last stage of each replica: sum over the world, average over replicas
-        total = torch.zeros((), dtype=torch.float64, device=topo.device)
+        # [the loss, processes asked to stop]: the loss lives on the last stage of each replica, so the sum over the
+        # world averaged over replicas is the step's loss; a stop asked of any process reaches all in the same step
+        summed = torch.zeros(2, dtype=torch.float64, device=topo.device)
         if loss is not None:
-            total += loss.double() / scale_used
-        dist.all_reduce(total)
+            summed[0] += loss.double() / scale_used
+        if self.stop_requested:
+            summed[1] = 1.0
+        dist.all_reduce(summed)
+        total = summed[0]
         norm = global_grad_norm(self.params, topo.pp_group, topo.device)  # every rank: the same value
         overflow = self.scaler.enabled and not bool(torch.isfinite(norm))  # of scaled gradients
         # outside fp16 scaling a non-finite loss or gradient skips the step on the device (`_finish` counts it)
@@ -158,7 +164,7 @@ class Trainer:
         if not overflow:  # a skipped step is no step of the schedule
             self.lr_schedule.step()
         record = {"step": step, "loss": total / topo.dp_size, "lr": lr, "grad_norm": norm * self._unscale(scale_used),
-                  "nonfinite": nonfinite}
+                  "nonfinite": nonfinite, "stop_asked": summed[1]}
         if self.scaler.enabled:
             record.update(loss_scale=scale_used, skipped=overflow)
         return _on_host_when_ready(record, topo.device)
@@ -223,8 +229,13 @@ class Trainer:
         record = read_record(record)
         report.time(record, end)
         self._judge_finite(step, record)
+        interrupted = record.pop("stop_asked") > 0
         action = self.observer.after_step(step, record, times) if times is not None else "continue"
         report.write(step, record)
+        if interrupted:  # every process: each read the same all-reduced vote
+            path = save_checkpoint(self, step + 1, self.config.checkpoint.keep)
+            raise TrainingStopped(f"interrupted after step {step}; checkpoint {path}. Continue with: diffpipe train "
+                                  f"CONFIG --resume {self.run_dir}")
         # no checkpoint after a skipped step: the newest one stays the last good one
         if self.bad_streak == 0 and (action == "checkpoint" or (action == "continue" and self._checkpoint_due(step))):
             self.checkpoint(step + 1)
@@ -327,6 +338,12 @@ def train_worker(config_data: dict, run_dir: str, resume: bool = False) -> None:
                          resolve_device_kind(config.train.device))
     try:
         trainer = Trainer(config, topo, Path(run_dir))
+
+        def ask_to_stop(signum, frame) -> None:
+            trainer.stop_requested = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C reaches every process; the launcher passes on SIGTERM
+            signal.signal(sig, ask_to_stop)
         trainer.fit(trainer.resume() if resume else 0)
     finally:
         dist.destroy_process_group()

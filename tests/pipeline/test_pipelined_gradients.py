@@ -172,7 +172,7 @@ def _reference(config, autocast: torch.dtype | None) -> dict:
     # torch's own loss scaler for fp16 (skips a step whose gradients overflow, halves the scale)
     scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE, enabled=dtype == torch.float16)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=config.train.learning_rate, betas=config.train.betas,
+    opt = torch.optim.AdamW(params, lr=config.train.learning_rate, betas=tuple(config.train.betas),
                             weight_decay=config.train.weight_decay, eps=config.train.adam_eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config.train))
     chunks = config.pipeline.microbatches * config.pipeline.data_parallel

@@ -1,0 +1,86 @@
+"""Stopping a run from outside loses nothing and leaves nothing running: Ctrl-C or SIGTERM to the launcher alone
+checkpoints the step every process is at and exits non-zero with the resume command; a training process killed
+with SIGKILL brings the launcher and every other process down within seconds, with one line saying which."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "digits.toml"
+LONG = ["--set", "train.max_steps=5000", "--set", "train.batch_size=16", "--set", "observe.log_every=0",
+        "--set", "checkpoint.every=0", "--set", "output.sample_every_end=false"]
+
+
+def _start(run: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(run), *LONG, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_steps(run: Path, proc: subprocess.Popen, steps: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        metrics = run / "metrics.jsonl"
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.5)
+    pytest.fail(f"fewer than {steps} steps in {timeout_s} s")
+
+
+def _workers(launcher: int) -> list[int]:
+    """The launcher's training processes (spawned children, not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    return [int(c) for c in children
+            if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+
+
+def _group_gone(pgid: int, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    os.killpg(pgid, signal.SIGKILL)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_a_signal_to_the_launcher_checkpoints_and_stops_every_process(tmp_path, sig):
+    run = tmp_path / "run"
+    proc = _start(run)
+    _wait_for_steps(run, proc, 3)
+    workers = _workers(proc.pid)
+    assert len(workers) == 2
+    os.kill(proc.pid, sig)  # the launcher alone, not its process group
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-2000:]
+    assert "interrupted after step" in err and f"--resume {run}" in err
+    assert _group_gone(proc.pid)
+    checkpoints = [p for p in (run / "checkpoints").glob("step-*") if (p / "complete.json").is_file()]
+    assert len(checkpoints) == 1  # checkpoint.every = 0: this one is the interruption's
+    step = json.loads((checkpoints[0] / "complete.json").read_text())["next_step"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == step - 1  # the checkpoint is of the last step recorded
+
+
+def test_a_killed_training_process_ends_the_run_within_a_minute(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run)
+    _wait_for_steps(run, proc, 3)
+    started = time.monotonic()
+    os.kill(_workers(proc.pid)[-1], signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert time.monotonic() - started < 60
+    assert proc.returncode == 1
+    assert "a training process failed" in err and "SIGKILL" in err
+    assert "Traceback" not in err
+    assert _group_gone(proc.pid)
