@@ -42,7 +42,13 @@ def unet_config(cfg: ModelConfig) -> dict:
     return dict(UNET_PRESETS[cfg.preset])
 
 
+_PICKLE_SUFFIXES = (".ckpt", ".bin", ".pt", ".pth", ".pkl")
+
+
 def weights_file(path: Path) -> Path:
+    if path.suffix in _PICKLE_SUFFIXES:
+        raise CheckpointError(f"model.path={path}: {path.suffix} files are Python pickles, which can run code when "
+                              "loaded; diffpipe reads only .safetensors (convert it with a trusted tool first)")
     if path.is_file():
         return path
     for folder in (path, path / "unet"):

@@ -19,7 +19,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-__all__ = ["materialise", "is_meta"]
+from .loading import CheckpointError
+
+__all__ = ["materialise", "is_meta", "NonFiniteWeights"]
+
+
+class NonFiniteWeights(CheckpointError):
+    """Weights read from a file hold NaN or inf: never trained on."""
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -59,7 +65,11 @@ def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: in
     with torch.no_grad():
         if reader is not None:
             for key, param in module.named_parameters(recurse=False):
-                param.copy_(reader.get_tensor(f"{name}.{key}" if name else key))
+                full = f"{name}.{key}" if name else key
+                param.copy_(reader.get_tensor(full))
+                if not torch.isfinite(param).all():  # a damaged file whose header is intact reads as NaN or inf
+                    raise NonFiniteWeights(f"{full} in the weights file holds NaN or inf values; the file is damaged "
+                                           "or was written by a diverged run: use another checkpoint")
         else:
             with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
                 torch.manual_seed(_module_seed(seed, name))

@@ -142,11 +142,27 @@ def load_checkpoint(trainer, path: Path) -> int:
     returns the step to run next. Collective."""
     state = _state(trainer, 0)
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
-    trainer.lr_schedule.last_epoch = int(state["progress.lr_schedule_steps"]) - 1
-    trainer.lr_schedule.step()  # to the saved position, setting every group's learning rate for it
+    bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    found = torch.tensor(float(len(bad)), device=trainer.topo.device)
+    dist.all_reduce(found)  # every process stops alike, whichever holds the bad tensor
+    if found.item() > 0:
+        where = bad[0] if bad else "a tensor another process holds"
+        raise CheckpointError(f"checkpoint {path} holds NaN or inf values ({where}); resume from an older "
+                              "checkpoint (delete this folder)")
+    _move_schedule(trainer.lr_schedule, trainer.optimizer, int(state["progress.lr_schedule_steps"]))
     trainer.scaler.scale = float(state["progress.loss_scale"])
     trainer.scaler.good_steps = int(state["progress.loss_scale_good_steps"])
     return int(state["progress.next_step"])
+
+
+def _move_schedule(schedule, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    """The learning-rate schedule (LambdaLR) at `steps` taken, and every group's learning rate with it."""
+    lrs = [base * factor(steps) for base, factor in zip(schedule.base_lrs, schedule.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    state = schedule.state_dict()
+    state.update(last_epoch=steps, _last_lr=lrs)  # the keys of torch's own state dict of a scheduler
+    schedule.load_state_dict(state)
 
 
 def _flat(data: dict, prefix: str = "") -> dict:

@@ -71,3 +71,24 @@ def test_single_file_without_architecture_asks_for_one(tmp_path):
     save_file(_trained_like_unet().state_dict(), str(tmp_path / "w.safetensors"))
     with pytest.raises(CheckpointError, match="give the architecture too"):
         build_unet(ModelConfig(path=str(tmp_path / "w.safetensors"), preset=None))
+
+
+def test_weights_whose_data_bytes_are_damaged_are_never_trained_on(tmp_path):
+    """Header intact, data overwritten with 0xFF (NaN in float32): refused by name when the weights are read."""
+    path = tmp_path / "w.safetensors"
+    save_file(_trained_like_unet().state_dict(), str(path))
+    raw = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(raw[:8], "little")
+    raw[header:header + 4096] = b"\xff" * 4096  # the first tensors' data
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="holds NaN or inf values"):
+        _built({"path": str(path), "preset": "digits"})
+
+
+@pytest.mark.parametrize("suffix", [".ckpt", ".bin", ".pt"])
+def test_pickle_weights_are_refused_unread(tmp_path, suffix):
+    path = tmp_path / f"model{suffix}"
+    path.write_bytes(b"\x80\x04 not to be unpickled")
+    config = build_config({"model": {"path": str(path)}})
+    with pytest.raises(CheckpointError, match="pickles"):
+        check_before_launch(config)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from diffpipe.cli import main
 from diffpipe.models.loading import CheckpointError
@@ -111,3 +112,24 @@ def test_no_checkpoint_no_resume(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     assert "no run there" in _refused(run, capsys=capsys)
+
+
+def test_a_checkpoint_holding_nan_weights_is_never_resumed(full_run, tmp_path):
+    """Sealed as written (sizes and sha256 match), but with NaN weights: refused when read, by name."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    run = _cut_short(full_run, tmp_path / "run")
+    checkpoint = run / "checkpoints" / "step-00000003"
+    shard = sorted(checkpoint.glob("*.safetensors"))[0]
+    tensors = load_file(str(shard))
+    name = next(k for k in tensors if k.startswith("model."))
+    tensors[name] = torch.full_like(tensors[name], float("nan"))
+    save_file(tensors, str(shard))
+    record = json.loads((checkpoint / "complete.json").read_text())
+    record["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+    (checkpoint / "complete.json").write_text(json.dumps(record))
+    result = _train("--resume", str(run))
+    assert result.returncode == 1
+    assert "holds NaN or inf values" in result.stderr and "Traceback" not in result.stderr
