@@ -36,6 +36,8 @@ def _prepare_run(args) -> tuple:
     from .config import load_config, save_config
 
     config = load_config(args.config, args.set or [])
+    if _restarted_by_torchrun(args, config):
+        args.resume = args.output_dir or config.output.dir
     if args.resume:
         config.output.dir = args.resume
     elif args.output_dir:
@@ -57,6 +59,20 @@ def _prepare_run(args) -> tuple:
         print("tensors crossing each stage boundary:\n" + format_crossings(
             boundary_traffic(config, checked.backbone, checked.split)), flush=True)
     return config, run_dir, is_main
+
+
+def _restarted_by_torchrun(args, config) -> bool:
+    """Under `torchrun --max-restarts N`, workers started again after a failure resume from the run's newest
+    checkpoint by themselves (every process decides alike: the folder is only emptied when there is none); with
+    none yet, the run starts over."""
+    from .train.checkpoint import latest_checkpoint
+
+    if args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return False
+    if latest_checkpoint(Path(args.output_dir or config.output.dir)) is not None:
+        return True
+    args.overwrite = True
+    return False
 
 
 def _empty_run_folder(run_dir: Path, overwrite: bool) -> None:

@@ -126,6 +126,17 @@ def _join_passing_on_signals(context, grace_s: float = 300.0) -> None:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _store_of_this_attempt(world_size: int) -> dist.Store | None:
+    """Workers that `torchrun --max-restarts` started again share its store with the failed attempt, whose
+    process addresses are still in it: gloo then connects to dead processes ("connectFullMesh failed: Connection
+    refused", seen here). Each attempt gets keys of its own; None (the usual env:// rendezvous) otherwise."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    return dist.PrefixStore(f"diffpipe/attempt-{attempt}", store)
+
+
 def init_topology(pp_size: int, dp_size: int, device_kind: str) -> Topology:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -139,7 +150,7 @@ def init_topology(pp_size: int, dp_size: int, device_kind: str) -> Topology:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        dist.init_process_group(backend, rank=rank, world_size=world_size, store=_store_of_this_attempt(world_size),
                                 device_id=device if device_kind == "cuda" else None)
     mesh = init_device_mesh(device_kind, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
     return Topology(rank=rank, world_size=world_size, pp_rank=mesh.get_local_rank("pp"), pp_size=pp_size,
