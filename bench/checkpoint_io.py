@@ -1,0 +1,71 @@
+"""How big is a checkpoint and how long does training pause to write and read it?
+
+    python bench/checkpoint_io.py examples/sdxl_unet.toml [--set KEY=VALUE ...]
+
+Builds the config's model as one stage on this device (a Trainer in this process), takes two training steps so
+AdamW's state exists, then times `save_checkpoint` (the pause: every tensor copied to the host and written as
+safetensors, then sealed with sha256) and `verify_checkpoint` + `load_checkpoint`, and prints one JSON line with
+the checkpoint's size and the times. Writes under a temporary folder (or --out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from diffpipe.config import load_config  # noqa: E402
+from diffpipe.distributed import resolve_device_kind, single_process_topology  # noqa: E402
+from diffpipe.train.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint  # noqa: E402
+from diffpipe.train.trainer import Trainer  # noqa: E402
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("--out", default=None, help="folder for the checkpoint (default: a temporary one)")
+    parser.add_argument("--set", action="append", default=[])
+    args = parser.parse_args()
+    run_dir = Path(args.out or tempfile.mkdtemp())
+    config = load_config(args.config, ["pipeline.stages=1", "train.max_steps=2", "observe.enabled=false",
+                                       "output.save_weights=false", "output.sample_every_end=false", *args.set])
+    trainer = Trainer(config, single_process_topology(resolve_device_kind(config.train.device)), run_dir)
+    for step in range(2):
+        trainer._step(step)
+    device = trainer.topo.device
+    _sync(device)
+    start = time.perf_counter()
+    path = save_checkpoint(trainer, 2, keep=1)
+    _sync(device)
+    saved = time.perf_counter() - start
+    size = sum(f.stat().st_size for f in path.iterdir())
+    start = time.perf_counter()
+    verify_checkpoint(path, trainer.model_shapes)
+    verified = time.perf_counter() - start
+    start = time.perf_counter()
+    load_checkpoint(trainer, path)
+    _sync(device)
+    loaded = time.perf_counter() - start
+    params = sum(p.numel() for p in trainer.params)
+    print(json.dumps({"config": args.config, "device": str(device), "parameters_M": round(params / 1e6, 1),
+                      "checkpoint_GiB": round(size / 2**30, 3), "save_s": round(saved, 2),
+                      "save_GiB_per_s": round(size / 2**30 / saved, 2), "verify_sha256_s": round(verified, 2),
+                      "load_s": round(loaded, 2)}), flush=True)
+    if args.out is None:
+        shutil.rmtree(run_dir)
+
+
+if __name__ == "__main__":
+    main()
