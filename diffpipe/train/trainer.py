@@ -8,7 +8,6 @@ merges into model.safetensors.
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..build import AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_text_encoder, give_weights, sample_shape
 from ..config import RunConfig
@@ -37,6 +36,7 @@ from .optim import (LossScaler, average_gradients, clip_gradients, global_grad_n
                     step_optimizer)
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .records import StepReport
+from .weights import gather_weights
 
 __all__ = ["train_worker", "Trainer", "TrainingStopped", "read_record", "step_end"]
 
@@ -265,24 +265,16 @@ class Trainer:
                 f"those before them). Lower train.learning_rate, check the data, or use bf16 instead of fp16{then}")
 
     def save(self) -> None:
-        """Each pipeline rank of replica 0 writes its stages; rank 0 merges them into model.safetensors."""
+        """model.safetensors (every stage's weights, sent to rank 0 over the process group), model_config.json and
+        the text encoder, in rank 0's run folder."""
         if not self.config.output.save_weights:
             return
-        parts = self.run_dir / ".stage-weights"
-        if self.topo.dp_rank == 0:
-            parts.mkdir(exist_ok=True)
-            state = {k: v.cpu().contiguous() for m in self.modules for k, v in m.full_state_dict().items()}
-            save_file(state, str(parts / f"rank-{self.topo.pp_rank}.safetensors"))
-        dist.barrier()
+        merged = gather_weights(self.modules, self.topo)
         if self.topo.is_main:
-            merged = {}
-            for f in sorted(parts.glob("rank-*.safetensors")):
-                merged.update(load_file(str(f)))
             save_file(merged, str(self.run_dir / "model.safetensors"))
             (self.run_dir / "model_config.json").write_text(json.dumps(self.model_config, indent=1, default=list))
             self.text.model.cpu()
             self.text.save(self.run_dir / "text_encoder")
-            shutil.rmtree(parts)
         dist.barrier()
 
 

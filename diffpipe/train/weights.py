@@ -1,0 +1,36 @@
+"""The whole model's weights on rank 0, sent over the process group: no folder shared between machines needed.
+
+Each pipeline rank of replica 0 lists its stages' tensors (names, shapes, dtypes: a small object gather), then
+sends them one by one; rank 0 receives each into a buffer on its device and keeps it on the host, so its device
+holds one tensor of another stage at a time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import Topology
+
+__all__ = ["gather_weights"]
+
+
+def gather_weights(modules, topo: Topology) -> dict[str, torch.Tensor] | None:
+    """Every weight of the model under its diffusers name, on the host of rank 0; None on the other ranks.
+    Collective over replica 0's pipeline ranks (the other replicas hold the same weights and take no part)."""
+    if topo.dp_rank != 0:
+        return None
+    own = {name: t.contiguous() for m in modules for name, t in m.full_state_dict().items()}
+    listing = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in own.items()]
+    listings = [None] * topo.pp_size if topo.pp_rank == 0 else None
+    dist.gather_object(listing, listings, dst=0, group=topo.pp_group)  # replica 0's pipeline rank r is rank r
+    if topo.pp_rank != 0:
+        for name, _, _ in listing:
+            dist.send(own[name], dst=0)
+        return None
+    merged = {name: t.cpu() for name, t in own.items()}
+    for source, theirs in enumerate(listings[1:], start=1):
+        for name, shape, dtype in theirs:
+            buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=topo.device)
+            dist.recv(buffer, src=source)
+            merged[name] = buffer.cpu()
+    return merged
