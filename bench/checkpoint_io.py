@@ -3,9 +3,11 @@
     python bench/checkpoint_io.py examples/sdxl_unet.toml [--set KEY=VALUE ...]
 
 Builds the config's model as one stage on this device (a Trainer in this process), takes two training steps so
-AdamW's state exists, then times `save_checkpoint` (the pause: every tensor copied to the host and written as
-safetensors, then sealed with sha256) and `verify_checkpoint` + `load_checkpoint`, and prints one JSON line with
-the checkpoint's size and the times. Writes under a temporary folder (or --out).
+AdamW's state exists, then times the pause of a synchronous checkpoint (every tensor copied to the host, written
+as safetensors, sealed with sha256), the pause of a background one (`checkpoint.asynchronous`: the copy to host
+memory only) and how long it takes to be written and sealed while the next steps train, and `verify_checkpoint` +
+`load_checkpoint`; prints one JSON line with the checkpoint's size and the times. Writes under a temporary folder
+(or --out).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args()
     run_dir = Path(args.out or tempfile.mkdtemp())
-    config = load_config(args.config, ["pipeline.stages=1", "train.max_steps=2", "observe.enabled=false",
+    config = load_config(args.config, ["pipeline.stages=1", "train.max_steps=1000", "observe.enabled=false",
                                        "output.save_weights=false", "output.sample_every_end=false", *args.set])
     trainer = Trainer(config, single_process_topology(resolve_device_kind(config.train.device)), run_dir)
     for step in range(2):
@@ -58,10 +60,23 @@ def main() -> None:
     load_checkpoint(trainer, path)
     _sync(device)
     loaded = time.perf_counter() - start
+    shutil.rmtree(path)  # room on the disk for the next one
+    background = torch.distributed.new_group(backend="gloo")
+    start = time.perf_counter()
+    pending = save_checkpoint(trainer, 3, keep=1, background_group=background)
+    paused = time.perf_counter() - start
+    steps_meanwhile = 0
+    while not pending.future.done():
+        trainer._step(2 + steps_meanwhile)
+        steps_meanwhile += 1
+    pending.finish()
+    written = time.perf_counter() - start
     params = sum(p.numel() for p in trainer.params)
     print(json.dumps({"config": args.config, "device": str(device), "parameters_M": round(params / 1e6, 1),
                       "checkpoint_GiB": round(size / 2**30, 3), "save_s": round(saved, 2),
-                      "save_GiB_per_s": round(size / 2**30 / saved, 2), "verify_sha256_s": round(verified, 2),
+                      "save_GiB_per_s": round(size / 2**30 / saved, 2), "background_pause_s": round(paused, 2),
+                      "background_written_and_sealed_s": round(written, 2), "steps_trained_meanwhile": steps_meanwhile,
+                      "verify_sha256_s": round(verified, 2),
                       "load_s": round(loaded, 2)}), flush=True)
     if args.out is None:
         shutil.rmtree(run_dir)

@@ -116,6 +116,7 @@ class ObserveConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(500, ge=0, description="Write a checkpoint (weights, AdamW state, progress) every N steps, and at the end when output.save_weights; 0: never. Resume with `diffpipe train CONFIG --resume RUN_DIR`.")
     keep: int = Field(2, ge=1, description="Newest checkpoints kept in RUN_DIR/checkpoints; older ones are removed.")
+    asynchronous: bool = Field(False, description="Copy the checkpoint to host memory and write it in the background while training goes on (sealed before the next one and at the end); needs host memory for one checkpoint.")
 
 
 class OutputConfig(_Section):

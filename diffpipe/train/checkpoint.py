@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 
 from ..models.loading import CheckpointError
 
-__all__ = ["CHECKPOINTS", "save_checkpoint", "latest_checkpoint", "verify_checkpoint", "load_checkpoint",
+__all__ = ["CHECKPOINTS", "PendingCheckpoint", "save_checkpoint", "latest_checkpoint", "verify_checkpoint", "load_checkpoint",
            "unsafe_changes"]
 
 CHECKPOINTS = "checkpoints"
@@ -78,9 +78,25 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(trainer, next_step: int, keep: int) -> Path:
+class PendingCheckpoint:
+    """A checkpoint being written in the background (`checkpoint.asynchronous`): its tensors were copied to host
+    memory when it was started, so training may change the weights; `finish` waits for the writes and seals it."""
+
+    def __init__(self, trainer, next_step: int, future, partial: Path, final: Path, keep: int):
+        self.trainer, self.next_step, self.future = trainer, next_step, future
+        self.partial, self.final, self.keep = partial, final, keep
+
+    def finish(self) -> Path:
+        """Wait for every process's writes, then seal. Collective."""
+        self.future.result()
+        return _seal(self.trainer, self.partial, self.final, self.next_step, self.keep)
+
+
+def save_checkpoint(trainer, next_step: int, keep: int, background_group: dist.ProcessGroup | None = None):
     """Every process writes its part of the checkpoint taken before step `next_step`; rank 0 seals it, keeps the
-    newest `keep` and removes the rest. Collective: every process must call it."""
+    newest `keep` and removes the rest. Collective: every process must call it. With `background_group` (a gloo
+    group: the writes' own collectives run beside training's) the tensors are copied to host memory, written by a
+    thread, and a `PendingCheckpoint` is returned, to `finish()` later; else the sealed checkpoint's path."""
     root = trainer.run_dir / CHECKPOINTS
     final = root / f"step-{next_step:08d}"
     partial = root / f".{final.name}.partial"
@@ -88,7 +104,15 @@ def save_checkpoint(trainer, next_step: int, keep: int) -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state(trainer, next_step), storage_writer=HuggingFaceStorageWriter(str(partial), save_distributed=True))
+    writer = HuggingFaceStorageWriter(str(partial), save_distributed=True)
+    if background_group is not None:
+        future = dcp.async_save(_state(trainer, next_step), storage_writer=writer, process_group=background_group)
+        return PendingCheckpoint(trainer, next_step, future, partial, final, keep)
+    dcp.save(_state(trainer, next_step), storage_writer=writer)
+    return _seal(trainer, partial, final, next_step, keep)
+
+
+def _seal(trainer, partial: Path, final: Path, next_step: int, keep: int) -> Path:
     dist.barrier()
     if trainer.topo.is_main:
         files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(partial.iterdir())}
@@ -97,7 +121,7 @@ def save_checkpoint(trainer, next_step: int, keep: int) -> Path:
                                                     indent=1))
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step from before a resume
         os.replace(partial, final)
-        for old in sorted(p for p in root.glob("step-*") if (p / _COMPLETE).is_file())[:-keep]:
+        for old in sorted(p for p in final.parent.glob("step-*") if (p / _COMPLETE).is_file())[:-keep]:
             shutil.rmtree(old)
     dist.barrier()
     return final

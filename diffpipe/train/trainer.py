@@ -34,7 +34,7 @@ from ..pipeline.stage import build_stage_modules
 from ..planner.plan import resolve_stages
 from .optim import (LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer,
                     step_optimizer)
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import PendingCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from .records import StepReport
 from .weights import gather_weights
 
@@ -89,6 +89,7 @@ class Trainer:
         self.observer = PipelineObserver(config, topo, run_dir, moved, probe_link(topo), self.writers)
         self.bad_streak, self.skipped_steps = 0, 0  # steps skipped for non-finite values: in a row, in all
         self.stop_requested = False  # set by SIGTERM / SIGINT (train_worker): checkpoint after this step and stop
+        self._pending, self._background_group = None, None  # a checkpoint written in the background, its group
         self.overlap_steps = topo.device.type == "cuda"  # read each step's figures only once the next is queued
 
     def _timed(self, step: int) -> bool:
@@ -169,11 +170,27 @@ class Trainer:
             record.update(loss_scale=scale_used, skipped=overflow)
         return _on_host_when_ready(record, topo.device)
 
-    def checkpoint(self, next_step: int) -> None:
-        """A checkpoint to resume from before `next_step` (every process takes part)."""
-        path = save_checkpoint(self, next_step, self.config.checkpoint.keep)
-        if self.topo.is_main:
-            print(f"checkpoint {path}", flush=True)
+    def checkpoint(self, next_step: int, wait: bool = False) -> None:
+        """A checkpoint to resume from before `next_step` (every process takes part): written now, or with
+        `checkpoint.asynchronous` (unless `wait`) started in the background and sealed by the next call."""
+        self.finish_checkpoint()
+        background = None
+        if self.config.checkpoint.asynchronous and not wait:
+            if self._background_group is None:  # created once, by every process alike
+                self._background_group = dist.new_group(backend="gloo")
+            background = self._background_group
+        done = save_checkpoint(self, next_step, self.config.checkpoint.keep, background)
+        if isinstance(done, PendingCheckpoint):
+            self._pending = done
+        elif self.topo.is_main:
+            print(f"checkpoint {done}", flush=True)
+
+    def finish_checkpoint(self) -> None:
+        """Seal the checkpoint being written in the background, if any (waits for its writes)."""
+        if self._pending is not None:
+            path, self._pending = self._pending.finish(), None
+            if self.topo.is_main:
+                print(f"checkpoint {path}", flush=True)
 
     def resume(self) -> int:
         """Weights, AdamW state and progress from the run folder's newest checkpoint; the step to run next."""
@@ -219,7 +236,8 @@ class Trainer:
         self.writers.close()
         self.save()
         if self.config.checkpoint.every > 0 and self.config.output.save_weights:
-            self.checkpoint(self.next_step)
+            self.checkpoint(self.next_step, wait=True)
+        self.finish_checkpoint()
 
     def _finish(self, report: StepReport, step: int, record: dict, times: StepTimes | None) -> str:
         """Read, time, judge and log a finished step; returns the action every rank takes (a checkpoint is
@@ -233,6 +251,7 @@ class Trainer:
         action = self.observer.after_step(step, record, times) if times is not None else "continue"
         report.write(step, record)
         if interrupted:  # every process: each read the same all-reduced vote
+            self.finish_checkpoint()
             path = save_checkpoint(self, step + 1, self.config.checkpoint.keep)
             raise TrainingStopped(f"interrupted after step {step}; checkpoint {path}. Continue with: diffpipe train "
                                   f"CONFIG --resume {self.run_dir}")

@@ -133,3 +133,22 @@ def test_a_checkpoint_holding_nan_weights_is_never_resumed(full_run, tmp_path):
     result = _train("--resume", str(run))
     assert result.returncode == 1
     assert "holds NaN or inf values" in result.stderr and "Traceback" not in result.stderr
+
+
+def _tensors(checkpoint: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return {k: v for shard in sorted(checkpoint.glob("*.safetensors")) for k, v in load_file(str(shard)).items()}
+
+
+def test_a_checkpoint_written_in_the_background_holds_the_step_it_was_taken_at(full_run, tmp_path):
+    """checkpoint.asynchronous: training goes on while the checkpoint is written, yet it holds exactly what the
+    synchronous run's checkpoint of the same step holds (the weights were copied when it was taken)."""
+    run = tmp_path / "async"
+    result = _train("--output-dir", str(run), "--set", "checkpoint.asynchronous=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(run) == _losses(full_run)
+    for name in ("step-00000003", "step-00000006"):
+        got, want = _tensors(run / "checkpoints" / name), _tensors(full_run / "checkpoints" / name)
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), name
