@@ -25,6 +25,7 @@ def test_scaling_script_reports_every_configuration(tmp_path):
     assert [r["configuration"] for r in rows] == ["1 GPU", "pipeline 2, 1F1B, 2 micro-batches",
                                                   "pipeline 64, 1F1B, 2 micro-batches"]
     single, pipeline, impossible = rows
+    assert "error" not in single and "error" not in pipeline, (single.get("error"), pipeline.get("error"))
     assert single["efficiency"] == 1.0 and single["samples_per_s"] > 0
     assert pipeline["devices"] == 2 and pipeline["samples_per_s"] > 0 and pipeline["efficiency"] > 0
     assert set(pipeline["peak_gib_per_stage"]) == {"stage0_peak_gib", "stage1_peak_gib"}

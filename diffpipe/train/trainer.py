@@ -348,13 +348,22 @@ def train_worker(config_data: dict, run_dir: str, resume: bool = False) -> None:
     topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel,
                          resolve_device_kind(config.train.device))
     try:
-        trainer = Trainer(config, topo, Path(run_dir))
-
-        def ask_to_stop(signum, frame) -> None:
-            trainer.stop_requested = True
-
-        for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C reaches every process; the launcher passes on SIGTERM
-            signal.signal(sig, ask_to_stop)
-        trainer.fit(trainer.resume() if resume else 0)
+        _train(Trainer(config, topo, Path(run_dir)), resume)
     finally:
         dist.destroy_process_group()
+
+
+def _train(trainer: Trainer, resume: bool) -> None:
+    """Train, a signal (SIGTERM, or Ctrl-C, which reaches every process) asking every process to checkpoint and
+    stop. The handlers are put back before returning: one left installed would keep the trainer, with the pipeline's
+    pending communication objects, alive until the interpreter's exit, after the process group is destroyed, where
+    freeing them aborted the process now and then ("terminate called without an active exception": 2 runs in 10)."""
+    def ask_to_stop(signum, frame) -> None:
+        trainer.stop_requested = True
+
+    previous = {sig: signal.signal(sig, ask_to_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        trainer.fit(trainer.resume() if resume else 0)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
