@@ -105,7 +105,8 @@ def _check_free_space(run_dir: Path, backbone, config) -> None:
 
     params = sum(p.numel() for p in backbone.model.parameters())
     # fp32 weights in model.safetensors, and in each checkpoint kept beside AdamW's two moments
-    kept = config.checkpoint.keep + 1 if config.checkpoint.every > 0 else 0
+    on = config.checkpoint.every > 0 or config.checkpoint.every_minutes > 0
+    kept = config.checkpoint.keep + 1 if on else 0
     needed = 4 * params * (1 + 3 * kept) if config.output.save_weights else 0
     free = shutil.disk_usage(run_dir).free
     if needed > free:

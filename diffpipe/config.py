@@ -114,7 +114,8 @@ class ObserveConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    every: int = Field(500, ge=0, description="Write a checkpoint (weights, AdamW state, progress) every N steps, and at the end when output.save_weights; 0: never. Resume with `diffpipe train CONFIG --resume RUN_DIR`.")
+    every: int = Field(500, ge=0, description="Write a checkpoint (weights, AdamW state, progress) every N steps, and at the end when output.save_weights and checkpoints are on; 0: not by steps. Resume with `diffpipe train CONFIG --resume RUN_DIR`.")
+    every_minutes: float = Field(0.0, ge=0, description="Also write one when this many minutes have passed since the last (the main process's clock decides for all); 0: off.")
     keep: int = Field(2, ge=1, description="Newest checkpoints kept in RUN_DIR/checkpoints; older ones are removed.")
     asynchronous: bool = Field(False, description="Copy the checkpoint to host memory and write it in the background while training goes on (sealed before the next one and at the end); needs host memory for one checkpoint.")
 

@@ -90,6 +90,7 @@ class Trainer:
         self.bad_streak, self.skipped_steps = 0, 0  # steps skipped for non-finite values: in a row, in all
         self.stop_requested = False  # set by SIGTERM / SIGINT (train_worker): checkpoint after this step and stop
         self._pending, self._background_group = None, None  # a checkpoint written in the background, its group
+        self._last_checkpoint = time.monotonic()  # for checkpoint.every_minutes
         self.overlap_steps = topo.device.type == "cuda"  # read each step's figures only once the next is queued
 
     def _timed(self, step: int) -> bool:
@@ -142,11 +143,13 @@ class Trainer:
         scale_used = self.scaler.scale
         # [the loss, processes asked to stop]: the loss lives on the last stage of each replica, so the sum over the
         # world averaged over replicas is the step's loss; a stop asked of any process reaches all in the same step
-        summed = torch.zeros(2, dtype=torch.float64, device=topo.device)
+        summed = torch.zeros(3, dtype=torch.float64, device=topo.device)
         if loss is not None:
             summed[0] += loss.double() / scale_used
         if self.stop_requested:
             summed[1] = 1.0
+        if topo.is_main and self._checkpoint_overdue():  # [2]: one clock decides when for every process
+            summed[2] = 1.0
         dist.all_reduce(summed)
         total = summed[0]
         norm = global_grad_norm(self.params, topo.pp_group, topo.device)  # every rank: the same value
@@ -165,7 +168,7 @@ class Trainer:
         if not overflow:  # a skipped step is no step of the schedule
             self.lr_schedule.step()
         record = {"step": step, "loss": total / topo.dp_size, "lr": lr, "grad_norm": norm * self._unscale(scale_used),
-                  "nonfinite": nonfinite, "stop_asked": summed[1]}
+                  "nonfinite": nonfinite, "stop_asked": summed[1], "checkpoint_asked": summed[2]}
         if self.scaler.enabled:
             record.update(loss_scale=scale_used, skipped=overflow)
         return _on_host_when_ready(record, topo.device)
@@ -180,6 +183,7 @@ class Trainer:
                 self._background_group = dist.new_group(backend="gloo")
             background = self._background_group
         done = save_checkpoint(self, next_step, self.config.checkpoint.keep, background)
+        self._last_checkpoint = time.monotonic()
         if isinstance(done, PendingCheckpoint):
             self._pending = done
         elif self.topo.is_main:
@@ -198,6 +202,10 @@ class Trainer:
         if path is None:
             raise CheckpointError(f"{self.run_dir} holds no complete checkpoint to resume from")
         return load_checkpoint(self, path)
+
+    def _checkpoint_overdue(self) -> bool:
+        minutes = self.config.checkpoint.every_minutes
+        return minutes > 0 and time.monotonic() - self._last_checkpoint >= 60 * minutes
 
     def _checkpoint_due(self, step: int) -> bool:
         every = self.config.checkpoint.every
@@ -235,7 +243,8 @@ class Trainer:
             prefetcher.close()
         self.writers.close()
         self.save()
-        if self.config.checkpoint.every > 0 and self.config.output.save_weights:
+        checkpoints = self.config.checkpoint.every > 0 or self.config.checkpoint.every_minutes > 0
+        if checkpoints and self.config.output.save_weights:
             self.checkpoint(self.next_step, wait=True)
         self.finish_checkpoint()
 
@@ -248,6 +257,7 @@ class Trainer:
         report.time(record, end)
         self._judge_finite(step, record)
         interrupted = record.pop("stop_asked") > 0
+        overdue = record.pop("checkpoint_asked") > 0
         action = self.observer.after_step(step, record, times) if times is not None else "continue"
         report.write(step, record)
         if interrupted:  # every process: each read the same all-reduced vote
@@ -256,7 +266,8 @@ class Trainer:
             raise TrainingStopped(f"interrupted after step {step}; checkpoint {path}. Continue with: diffpipe train "
                                   f"CONFIG --resume {self.run_dir}")
         # no checkpoint after a skipped step: the newest one stays the last good one
-        if self.bad_streak == 0 and (action == "checkpoint" or (action == "continue" and self._checkpoint_due(step))):
+        due = overdue or self._checkpoint_due(step)
+        if self.bad_streak == 0 and (action == "checkpoint" or (action == "continue" and due)):
             self.checkpoint(step + 1)
         if action == "stop" and self.topo.is_main:  # the save after the loop keeps the weights
             print(f"stopped after step {step} (observe.on_anomaly = \"stop\"); weights saved", flush=True)

@@ -152,3 +152,15 @@ def test_a_checkpoint_written_in_the_background_holds_the_step_it_was_taken_at(f
         got, want = _tensors(run / "checkpoints" / name), _tensors(full_run / "checkpoints" / name)
         assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want), name
+
+
+def test_checkpoints_by_the_clock(tmp_path):
+    """checkpoint.every_minutes, with steps off: a tiny interval asks for one after every step (all processes follow
+    the main one's clock); a long one leaves only the end's."""
+    often, rarely = tmp_path / "often", tmp_path / "rarely"
+    for run, minutes in ((often, "1e-9"), (rarely, "60")):
+        result = _train("--output-dir", str(run), "--set", "checkpoint.every=0", "--set",
+                        f"checkpoint.every_minutes={minutes}", "--set", "checkpoint.keep=6")
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in (often / "checkpoints").iterdir()) == [f"step-0000000{i}" for i in range(1, 7)]
+    assert sorted(p.name for p in (rarely / "checkpoints").iterdir()) == ["step-00000006"]
