@@ -117,7 +117,7 @@ def _check_free_space(run_dir: Path, backbone, config) -> None:
 def _check_resumable(config, run_dir: Path, backbone) -> None:
     """Refuse, before any process starts, a resume whose run folder, checkpoint or config does not fit."""
     from .config import load_config
-    from .train.checkpoint import latest_checkpoint, unsafe_changes, verify_checkpoint
+    from .train.checkpoint import latest_checkpoint, model_shapes, unsafe_changes, verify_checkpoint
 
     if not (run_dir / "config.toml").is_file():
         raise UserError(f"--resume {run_dir}: no run there (config.toml is missing)")
@@ -125,8 +125,7 @@ def _check_resumable(config, run_dir: Path, backbone) -> None:
     if path is None:
         raise UserError(f"--resume {run_dir}: the run has no complete checkpoint (checkpoint.every was 0, or it "
                         "stopped before the first one); start it again instead")
-    shapes = {name: tuple(p.shape) for name, p in backbone.model.named_parameters()}
-    step = verify_checkpoint(path, shapes)
+    step = verify_checkpoint(path, model_shapes(backbone.model))
     saved = load_config(run_dir / "config.toml").model_dump(mode="json")
     changed = unsafe_changes(saved, config.model_dump(mode="json"))
     if changed:

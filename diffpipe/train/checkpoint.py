@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 
 from ..models.loading import CheckpointError
 
-__all__ = ["CHECKPOINTS", "PendingCheckpoint", "save_checkpoint", "latest_checkpoint", "verify_checkpoint", "load_checkpoint",
+__all__ = ["CHECKPOINTS", "PendingCheckpoint", "model_shapes", "save_checkpoint", "latest_checkpoint", "verify_checkpoint", "load_checkpoint",
            "unsafe_changes"]
 
 CHECKPOINTS = "checkpoints"
@@ -36,6 +36,11 @@ _ADAM = ("exp_avg", "exp_avg_sq", "step")
 # what a resumed run may change: its length, logging, outputs and the layout (a checkpoint reshards by name)
 _SAFE_TO_CHANGE = ("train.max_steps", "train.learning_rate", "train.log_every", "train.device", "pipeline.", "plan.",
                    "observe.", "checkpoint.", "output.", "sample.", "data.text_cache_gib")
+
+
+def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """Each parameter's diffusers name and shape: what a checkpoint must match (works on a meta model)."""
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def _held(trainer) -> list[tuple[str, torch.nn.Parameter]]:

@@ -2,8 +2,8 @@
 
 Every process builds the backbone on the meta device and gives weights only to the units of its own stages
 (each module seeded alike whatever the stage count: models/materialise.py), then moves them to its device.
-Only rank 0 prints and writes metrics; each pipeline rank of replica 0 writes its stages' weights, which rank 0
-merges into model.safetensors.
+Only rank 0 prints and writes metrics; replica 0's pipeline ranks send their stages' weights to rank 0, which
+writes model.safetensors (train/weights.py); every process writes its part of each checkpoint (train/checkpoint.py).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from ..pipeline.stage import build_stage_modules
 from ..planner.plan import resolve_stages
 from .optim import (LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer,
                     step_optimizer)
-from .checkpoint import PendingCheckpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import PendingCheckpoint, latest_checkpoint, load_checkpoint, model_shapes, save_checkpoint
 from .records import StepReport
 from .weights import gather_weights
 
@@ -61,7 +61,7 @@ class Trainer:
         p = config.pipeline
         backbone = build_backbone(config, "meta")
         self.model_config = dict(backbone.model.config)
-        self.model_shapes = {name: tuple(q.shape) for name, q in backbone.model.named_parameters()}
+        self.model_shapes = model_shapes(backbone.model)
         if not isinstance(p.split, list) or not isinstance(p.checkpointing, list):
             p.split, p.checkpointing = resolve_stages(config, backbone)
         specs = stage_specs(backbone, p.split)
@@ -141,8 +141,8 @@ class Trainer:
         topo, train = self.topo, self.config.train
         lr = self.optimizer.param_groups[0]["lr"]
         scale_used = self.scaler.scale
-        # [the loss, processes asked to stop]: the loss lives on the last stage of each replica, so the sum over the
-        # world averaged over replicas is the step's loss; a stop asked of any process reaches all in the same step
+        # [the loss, processes asked to stop, checkpoint asked]: the loss lives on the last stage of each replica, so
+        # the sum over the world averaged over replicas is the step's loss; a vote of any process reaches all alike
         summed = torch.zeros(3, dtype=torch.float64, device=topo.device)
         if loss is not None:
             summed[0] += loss.double() / scale_used
@@ -173,9 +173,10 @@ class Trainer:
             record.update(loss_scale=scale_used, skipped=overflow)
         return _on_host_when_ready(record, topo.device)
 
-    def checkpoint(self, next_step: int, wait: bool = False) -> None:
-        """A checkpoint to resume from before `next_step` (every process takes part): written now, or with
-        `checkpoint.asynchronous` (unless `wait`) started in the background and sealed by the next call."""
+    def checkpoint(self, next_step: int, wait: bool = False) -> Path | None:
+        """A checkpoint to resume from before `next_step` (every process takes part): written now (its path is
+        returned), or with `checkpoint.asynchronous` (unless `wait`) started in the background and sealed by the
+        next call (None)."""
         self.finish_checkpoint()
         background = None
         if self.config.checkpoint.asynchronous and not wait:
@@ -186,8 +187,10 @@ class Trainer:
         self._last_checkpoint = time.monotonic()
         if isinstance(done, PendingCheckpoint):
             self._pending = done
-        elif self.topo.is_main:
+            return None
+        if self.topo.is_main:
             print(f"checkpoint {done}", flush=True)
+        return done
 
     def finish_checkpoint(self) -> None:
         """Seal the checkpoint being written in the background, if any (waits for its writes)."""
@@ -261,8 +264,7 @@ class Trainer:
         action = self.observer.after_step(step, record, times) if times is not None else "continue"
         report.write(step, record)
         if interrupted:  # every process: each read the same all-reduced vote
-            self.finish_checkpoint()
-            path = save_checkpoint(self, step + 1, self.config.checkpoint.keep)
+            path = self.checkpoint(step + 1, wait=True)
             raise TrainingStopped(f"interrupted after step {step}; checkpoint {path}. Continue with: diffpipe train "
                                   f"CONFIG --resume {self.run_dir}")
         # no checkpoint after a skipped step: the newest one stays the last good one
