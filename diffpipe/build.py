@@ -2,19 +2,22 @@
 sample, plan and the checks before launch."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .config import RunConfig
 from .models.loading import CheckpointError, build_unet, checked_weights
 from .models.materialise import is_meta, materialise
-from .models.text import TextEncoder
+from .models.pipeline_folder import PipelineText, caption_tokens, is_pipeline_folder, load_vae, vae_scale_factor
+from .models.text import CaptionEncoder, TextEncoder
 from .models.units import Backbone, full_parameter_names
 from .models.unet import unet_backbone
 from .pipeline.split import stage_specs
 from .pipeline.traffic import Crossing, boundary_crossings, trace_shapes
 
 __all__ = ["build_backbone", "give_weights", "build_text_encoder", "AUTOCAST_DTYPES", "sample_shape", "example_inputs",
-           "boundary_traffic"]
+           "boundary_traffic", "text_length", "build_dataset"]
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,9 +43,21 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
 
 
 def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, int, int]:
+    """(channels, height, width) the backbone is fed: for image folders, the latents of a data.resolution square
+    (every bucket has about its area), else the model's sample_size."""
     cfg = backbone.model.config
+    if config.data.dataset == "folder" and is_pipeline_folder(config.model.path):
+        side = config.data.resolution // vae_scale_factor(Path(config.model.path))
+        return cfg.in_channels, side, side
     size = cfg.sample_size if isinstance(cfg.sample_size, int) else cfg.sample_size[0]
     return cfg.in_channels, size, size
+
+
+def text_length(config: RunConfig) -> int:
+    """Tokens per caption: a pipeline folder's tokenizer decides, else model.text_max_length."""
+    if is_pipeline_folder(config.model.path):
+        return caption_tokens(Path(config.model.path))
+    return config.model.text_max_length
 
 
 def _pooled_text_width(backbone: Backbone) -> int:
@@ -53,8 +68,11 @@ def _pooled_text_width(backbone: Backbone) -> int:
     return cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
 
 
-def build_text_encoder(config: RunConfig, backbone: Backbone) -> TextEncoder:
+def build_text_encoder(config: RunConfig, backbone: Backbone) -> CaptionEncoder:
+    """A pipeline folder's own text encoders, else model.text_encoder (tiny-clip or a CLIP folder)."""
     cfg = backbone.model.config
+    if is_pipeline_folder(config.model.path):
+        return PipelineText.from_folder(Path(config.model.path))
     if config.model.text_encoder == "tiny-clip":
         pooled = max(_pooled_text_width(backbone), 1)
         return TextEncoder.tiny(cfg.cross_attention_dim, pooled, config.model.text_max_length,
@@ -66,7 +84,7 @@ def example_inputs(config: RunConfig, backbone: Backbone, batch: int) -> tuple[d
     """Zero-filled inputs and conditions of the shapes a step feeds the backbone (for tracing and costing)."""
     cfg = backbone.model.config
     conditions = {"timestep": torch.zeros(batch),
-                  "encoder_hidden_states": torch.zeros(batch, config.model.text_max_length, cfg.cross_attention_dim)}
+                  "encoder_hidden_states": torch.zeros(batch, text_length(config), cfg.cross_attention_dim)}
     if "text_embeds" in backbone.conditions:
         conditions["text_embeds"] = torch.zeros(batch, _pooled_text_width(backbone))
         conditions["time_ids"] = torch.zeros(batch, 6)
@@ -79,3 +97,21 @@ def boundary_traffic(config: RunConfig, backbone: Backbone, split: list[int]) ->
     shapes = trace_shapes(meta, *example_inputs(config, meta, config.micro_batch_size))
     element = 4 if config.train.precision == "fp32" else 2
     return boundary_crossings(stage_specs(meta, split), shapes, element)
+
+
+def build_dataset(config: RunConfig, backbone: Backbone, text: CaptionEncoder, device: torch.device, rank: int = 0,
+                  world: int = 1, barrier=lambda: None):
+    """The training data: image folders through the pipeline folder's VAE (latents and text outputs cached, each
+    process computing its share of what is missing; `barrier` waits for all), or digits / synthetic."""
+    from .data import make_dataset
+    from .data.images import prepare_folder_images
+
+    if config.data.dataset != "folder":
+        data = make_dataset(config.data.dataset, sample_shape(config, backbone), config.train.seed)
+        text.keep(data.captions + [""], config.data.text_cache_gib)  # "": captions dropped for guidance
+        return data
+    if not is_pipeline_folder(config.model.path):
+        raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
+                              "model_index.json and vae/), whose VAE turns the images into latents")
+    vae = load_vae(Path(config.model.path)).to(device)
+    return prepare_folder_images(config.data, Path(config.model.path), vae, text, rank, world, barrier)

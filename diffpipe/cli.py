@@ -153,14 +153,24 @@ def _finish(config, run_dir: Path) -> None:
     from .train.records import plot_loss
 
     plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    if config.output.sample_every_end and config.output.save_weights and config.data.dataset == "digits":
+    if config.output.sample_every_end and config.output.save_weights and config.data.dataset in ("digits", "folder"):
         gen = load_generator(run_dir)
         seeds = config.sample.seeds
-        prompts = [digit_caption(d) for _ in seeds for d in range(len(DIGIT_WORDS))]
-        row_seeds = [s for s in seeds for _ in DIGIT_WORDS]
+        columns = [digit_caption(d) for d in range(len(DIGIT_WORDS))] if config.data.dataset == "digits" else (
+            config.sample.prompts or _some_captions(config))
+        prompts = [p for _ in seeds for p in columns]
+        row_seeds = [s for s in seeds for _ in columns]
         images = gen.generate(prompts, row_seeds, config.sample.steps, config.sample.guidance_scale)
-        save_grid(images, len(seeds), run_dir / "samples.png", scale=4)
+        save_grid(images, len(seeds), run_dir / "samples.png", scale=4 if config.data.dataset == "digits" else 1)
     print(f"done: {run_dir}", flush=True)
+
+
+def _some_captions(config, most: int = 4) -> list[str]:
+    from .data.folder import Skipped, scan_folders
+    from .data.images import data_folders
+
+    captions = dict.fromkeys(item.caption for item in scan_folders(data_folders(config.data), 0, Skipped()))
+    return list(captions)[:most] or [""]
 
 
 def _sample(args) -> None:

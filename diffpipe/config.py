@@ -31,11 +31,11 @@ class ModelConfig(_Section):
     architecture: Literal["unet2d"] = Field("unet2d", description="Backbone adapter: unet2d (diffusers UNet2DConditionModel).")
     preset: str | None = Field("digits", description="Built-in backbone config (digits, sd15, sdxl); ignored when `config` or `path` is set.")
     config: dict[str, Any] | None = Field(None, description="Backbone config as keyword arguments of the diffusers class (inline table).")
-    path: str | None = Field(None, description="Local diffusers folder (with config.json) or single .safetensors file to load weights from.")
+    path: str | None = Field(None, description="Local diffusers pipeline folder (model_index.json, unet/, vae/, text encoders: SD 1.x/2.x, SDXL), UNet folder (config.json), or single .safetensors file to load weights from.")
     units: Literal["layers", "blocks"] = Field(
         "layers", description="Unit granularity the planner may cut at: layers (each resnet/transformer) or blocks.")
     text_encoder: str = Field("tiny-clip", description="Frozen text encoder: tiny-clip (built locally from a small config) or a local transformers CLIP folder.")
-    text_max_length: int = Field(8, ge=2, le=512, description="Tokens per caption (padded/truncated).")
+    text_max_length: int = Field(8, ge=2, le=512, description="Tokens per caption (padded/truncated); a pipeline folder's tokenizers decide their own (77 for CLIP).")
 
     def describe(self) -> str:
         """The model in the user's words: where its architecture comes from (the preset only when it is used)."""
@@ -49,10 +49,37 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    dataset: Literal["digits", "synthetic"] = Field(
-        "digits", description="digits (scikit-learn's handwritten digits, 8x8 pixels, captioned) or synthetic (random latents).")
+    dataset: Literal["digits", "synthetic", "folder"] = Field(
+        "digits", description="digits (scikit-learn's handwritten digits, 8x8 pixels, captioned), synthetic (random latents), or folder (your images with captions, through the VAE of model.path's pipeline folder).")
+    path: str | list[str] | None = Field(None, description="data.dataset = folder: folder(s) of jpg/png/webp images, captions in same-named .txt files or a metadata.jsonl (file_name, text); subfolders included.")
+    repeats: int | list[int] = Field(1, description="Times each folder's images appear per epoch (one number, or one per folder in data.path).")
+    resolution: int = Field(1024, ge=64, description="Images are trained at about resolution x resolution pixels of area (SD 1.5: 512, SDXL: 1024).")
+    buckets: bool = Field(True, description="Aspect-ratio buckets: sizes of that area and different shapes, each image going to the nearest; false: every image centre-cropped square.")
+    bucket_step: int = Field(64, ge=8, description="Bucket sides are multiples of this many pixels.")
+    max_aspect: float = Field(2.0, ge=1.0, description="Widest bucket shape (width over height, and its transpose).")
+    bucket_sizes: list[list[int]] | None = Field(None, description="Buckets given as [width, height] pixel pairs instead of derived from resolution, bucket_step and max_aspect.")
+    cache: bool = Field(True, description="Compute VAE latents and text-encoder outputs once and keep them on disk (safetensors shards keyed by fingerprints of images and models); false: the frozen VAE and text encoders run inside every step.")
+    cache_dir: str | None = Field(None, description="Where the caches live; unset: .diffpipe_cache inside the first data folder (shared by runs on the same data).")
     caption_dropout: float = Field(0.1, ge=0.0, le=1.0, description="Fraction of captions replaced by the empty caption (enables guidance).")
-    text_cache_gib: float = Field(1.0, ge=0, description="Encode each distinct caption once and keep the text encoder's outputs on its device when they all fit in this many GiB; 0: encode every step's captions.")
+    text_cache_gib: float = Field(1.0, ge=0, description="digits and synthetic: encode each distinct caption once and keep the text encoder's outputs on its device when they all fit in this many GiB; 0: encode every step's captions.")
+
+    @model_validator(mode="after")
+    def _check_folders(self) -> "DataConfig":
+        if self.dataset != "folder":
+            return self
+        if not self.path:
+            raise ValueError("data.dataset = 'folder' needs data.path: a folder of images with captions (or a list)")
+        paths = [self.path] if isinstance(self.path, str) else self.path
+        if isinstance(self.repeats, list) and len(self.repeats) != len(paths):
+            raise ValueError(f"data.repeats lists {len(self.repeats)} numbers for {len(paths)} folders in data.path; "
+                             "give one per folder, or a single number")
+        repeats = self.repeats if isinstance(self.repeats, list) else [self.repeats]
+        if any(r < 1 for r in repeats):
+            raise ValueError(f"data.repeats={self.repeats}: each must be 1 or more")
+        if self.bucket_sizes is not None and (not self.bucket_sizes or any(
+                len(b) != 2 or min(b) < 8 for b in self.bucket_sizes)):
+            raise ValueError(f"data.bucket_sizes={self.bucket_sizes}: give [width, height] pairs of 8 pixels or more")
+        return self
 
 
 class TrainConfig(_Section):
@@ -66,7 +93,8 @@ class TrainConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip gradients to this global norm over all stages; 0 turns clipping off.")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="fp32, bf16 autocast, or fp16 autocast with a loss scaler.")
-    objective: Literal["epsilon", "v_prediction", "flow_matching"] = Field("flow_matching", description="What the model predicts.")
+    objective: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
+        None, description="What the model predicts; unset: the prediction_type of model.path's pipeline scheduler (epsilon or v_prediction), else flow_matching.")
     timestep_sampling: Literal["uniform", "logit_normal", "shift", "importance"] = Field(
         "logit_normal", description="Training timestep density (importance: p(t) proportional to 0.99^t).")
     logit_mean: float = Field(0.0, description="Mean of the logit-normal density.")
@@ -130,6 +158,7 @@ class SampleConfig(_Section):
     steps: int = Field(30, ge=1, description="Sampler steps (Euler for flow matching, DDIM otherwise).")
     guidance_scale: float = Field(3.0, ge=0, description="Classifier-free guidance scale; 1 turns guidance off.")
     seeds: list[int] = Field([0, 1, 2, 3], min_length=1, description="Seeds of the rows of samples.png.")
+    prompts: list[str] = Field([], description="Prompts (columns) of samples.png for image folders; unset: up to 4 distinct captions of the data.")
 
 
 class RunConfig(_Section):
@@ -234,10 +263,28 @@ def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
                 raise ConfigError(f"--set {text!r}: {part} is not a section")
         node[path[-1]] = value
     try:  # strict: "64" is not 64 (a quoted --set value is a string); an int is still a valid float
-        return RunConfig.model_validate(data, strict=True)
+        config = RunConfig.model_validate(data, strict=True)
     except ValidationError as exc:
         lines = [_describe(e, RunConfig) for e in exc.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+    _resolve_objective(config)
+    return config
+
+
+def _resolve_objective(config: RunConfig) -> None:
+    """train.objective unset: the pipeline folder's scheduler decides, else flow matching."""
+    from .models.loading import CheckpointError
+    from .models.pipeline_folder import is_pipeline_folder, scheduler_objective
+
+    if config.train.objective is not None:
+        return
+    if is_pipeline_folder(config.model.path):
+        try:
+            config.train.objective = scheduler_objective(Path(config.model.path))
+        except CheckpointError as exc:
+            raise ConfigError(str(exc)) from None
+    else:
+        config.train.objective = "flow_matching"
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

@@ -1,4 +1,5 @@
-"""Generate images from a run folder through the same stage modules that trained, chained in one process.
+"""Generate images from a run folder through the same stage modules that trained, chained in one process; a run
+on a pipeline folder decodes the latents with that folder's VAE into RGB images.
 
 Used by `diffpipe sample RUN_DIR --prompt TEXT --out FILE.png` and for `samples.png` at the end of training.
 """
@@ -10,12 +11,13 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from .build import AUTOCAST_DTYPES, build_backbone, sample_shape
+from .build import AUTOCAST_DTYPES, build_backbone, build_text_encoder, sample_shape
 from .config import RunConfig, load_config
-from .data.batches import BatchMaker
+from .data.batches import BatchMaker, square_size_ids
 from .diffusion.samplers import sample
 from .models.loading import CheckpointError
-from .models.text import TextEncoder
+from .models.pipeline_folder import is_pipeline_folder, load_vae
+from .models.text import CaptionEncoder, TextEncoder
 from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 
@@ -35,18 +37,21 @@ def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: 
 class Generator:
     config: RunConfig
     modules: list[StageModule]
-    text: TextEncoder
+    text: CaptionEncoder
     conditions_needed: tuple[str, ...]
-    shape: tuple[int, int, int]
+    shape: tuple[int, int, int]  # of what the backbone denoises: latents when there is a VAE
+    vae: torch.nn.Module | None = None
 
     @torch.no_grad()
     def generate(self, prompts: list[str], seeds: list[int], steps: int, guidance_scale: float) -> torch.Tensor:
-        """One image per (prompt, seed) pair, in [-1, 1], shape (N, C, H, W)."""
+        """One image per (prompt, seed) pair, in [-1, 1], shape (N, C, H, W): RGB pixels decoded by the VAE when the
+        run has one, else what the backbone made."""
         noise = torch.stack([torch.randn(self.shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
-        maker = BatchMaker(torch.empty(0), [], self.text, self.config.train, 0.0, self.conditions_needed)
+        maker = BatchMaker(None, self.text, self.config.train, 0.0, self.conditions_needed)
         guided = guidance_scale != 1.0
         texts = list(prompts) + ([""] * len(prompts) if guided else [])
-        conditions = maker.text_conditions(texts, self.shape[1], self.shape[2])
+        height, width = self.pixel_size
+        conditions = maker.text_conditions(texts, square_size_ids(len(texts), height, width))
 
         def predict(x: torch.Tensor, model_t: torch.Tensor) -> torch.Tensor:
             xin = torch.cat([x, x]) if guided else x
@@ -57,23 +62,46 @@ class Generator:
             cond, uncond = out.chunk(2)
             return uncond + guidance_scale * (cond - uncond)
 
-        return sample(predict, noise, steps, self.config.train.objective).clamp(-1, 1)
+        made = sample(predict, noise, steps, self.config.train.objective)
+        return self.decode(made) if self.vae is not None else made.clamp(-1, 1)
+
+    @property
+    def pixel_size(self) -> tuple[int, int]:
+        """(height, width) of the images made, in pixels."""
+        factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
+        return self.shape[1] * factor, self.shape[2] * factor
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents scaled as in training (data/images.py, encode_latents) to RGB in [-1, 1]."""
+        cfg = self.vae.config
+        unscaled = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+        return self.vae.decode(unscaled.to(next(self.vae.parameters()).dtype)).sample.float().clamp(-1, 1)
 
 
 def load_generator(run_dir: str | Path) -> Generator:
+    """The trained backbone of a finished run; the text encoders (and VAE) of the pipeline folder it started from,
+    else the text encoder saved in the run folder."""
     run_dir = Path(run_dir)
-    for name in ("config.toml", "model.safetensors", "text_encoder"):
+    if not (run_dir / "config.toml").is_file():
+        raise CheckpointError(f"{run_dir} is not a run folder (no config.toml); train first with `diffpipe train CONFIG`")
+    config = load_config(run_dir / "config.toml")
+    pipeline = Path(config.model.path) if is_pipeline_folder(config.model.path) else None
+    needed = ("model.safetensors",) if pipeline is not None else ("model.safetensors", "text_encoder")
+    for name in needed:
         if not (run_dir / name).exists():
             raise CheckpointError(f"{run_dir} is not a finished run folder: {name} is missing "
                                   "(train first with `diffpipe train CONFIG`)")
-    config = load_config(run_dir / "config.toml")
     config.model.path = str(run_dir)  # the run's own weights (model.safetensors, model_config.json), not its start
     backbone = build_backbone(config)
     backbone.model.eval()
     split = config.pipeline.split if isinstance(config.pipeline.split, list) else []
     modules = build_stage_modules(backbone, stage_specs(backbone, split), AUTOCAST_DTYPES[config.train.precision])
-    text = TextEncoder.from_folder(run_dir / "text_encoder", config.model.text_max_length)
-    return Generator(config, modules, text, backbone.conditions, sample_shape(config, backbone))
+    if pipeline is None:
+        return Generator(config, modules, TextEncoder.from_folder(run_dir / "text_encoder", config.model.text_max_length),
+                         backbone.conditions, sample_shape(config, backbone))
+    config.model.path = str(pipeline)
+    return Generator(config, modules, build_text_encoder(config, backbone), backbone.conditions,
+                     sample_shape(config, backbone), load_vae(pipeline))
 
 
 def _grey_levels(images: torch.Tensor) -> torch.Tensor:

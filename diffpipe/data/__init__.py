@@ -1,13 +1,15 @@
 """Training data: datasets and the deterministic batches each step draws from them."""
 from __future__ import annotations
 
+from .batches import TensorImages
 from .digits import DigitsDataset
 from .synthetic import SyntheticDataset
 
 __all__ = ["make_dataset"]
 
 
-def make_dataset(name: str, sample_shape: tuple[int, int, int], seed: int):
-    """A dataset with `.images` (N, C, H, W) and `.captions`, by the name in `data.dataset`."""
+def make_dataset(name: str, sample_shape: tuple[int, int, int], seed: int) -> TensorImages:
+    """The images (N, C, H, W) and captions of `data.dataset` digits or synthetic (folders: data/images.py)."""
     factories = {"digits": lambda: DigitsDataset(), "synthetic": lambda: SyntheticDataset(sample_shape, seed=seed)}
-    return factories[name]()
+    data = factories[name]()
+    return TensorImages(data.images, data.captions)

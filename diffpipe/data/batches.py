@@ -13,9 +13,9 @@ import torch
 from ..config import TrainConfig
 from ..diffusion.objectives import make_targets
 from ..diffusion.timesteps import sample_timesteps
-from ..models.text import TextEncoder
+from ..models.text import CaptionEncoder
 
-__all__ = ["StepBatch", "BatchMaker"]
+__all__ = ["StepBatch", "BatchMaker", "TensorImages", "square_size_ids"]
 
 
 @dataclass
@@ -34,44 +34,65 @@ class StepBatch:
         return StepBatch(move(self.noisy), move(self.target), {k: move(v) for k, v in self.conditions.items()})
 
 
+class TensorImages:
+    """Images (or latents) held as one tensor (N, C, H, W) with captions: digits and synthetic data. Sample order:
+    a fresh seeded permutation per epoch, batches taken in turn (wrapping across epochs)."""
+
+    def __init__(self, images: torch.Tensor, captions: list[str]):
+        self.images, self.captions = images, captions
+
+    def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
+        n = len(self.images)
+        start = step * batch_size
+        out: list[int] = []
+        while len(out) < batch_size:
+            epoch, offset = divmod(start + len(out), n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+            out.extend(perm[offset:offset + batch_size - len(out)].tolist())
+        return out
+
+    def x0(self, indices: list[int]) -> torch.Tensor:
+        return self.images[torch.tensor(indices)]
+
+    def size_ids(self, indices: list[int]) -> torch.Tensor:
+        return square_size_ids(len(indices), *self.images.shape[-2:])
+
+
+def square_size_ids(n: int, height: int, width: int) -> torch.Tensor:
+    """SDXL's time ids of uncropped images: (height, width, 0, 0, height, width) each."""
+    return torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32).expand(n, 6).contiguous()
+
+
 class BatchMaker:
-    def __init__(self, images: torch.Tensor, captions: list[str], text: TextEncoder, train: TrainConfig,
-                 caption_dropout: float, conditions: tuple[str, ...]):
-        self.images, self.captions, self.text = images, captions, text
+    """A step's batch from a dataset with `captions`, `batch_indices(step, batch_size, seed)`, `x0(indices)` and
+    `size_ids(indices)` (TensorImages, data/images.py's FolderImages)."""
+
+    def __init__(self, data, text: CaptionEncoder, train: TrainConfig, caption_dropout: float,
+                 conditions: tuple[str, ...]):
+        self.data, self.text = data, text
         self.train, self.caption_dropout, self.conditions = train, caption_dropout, conditions
 
-    def _indices(self, step: int) -> torch.Tensor:
-        """Sample order: a fresh seeded permutation per epoch, batches taken in turn (wrapping)."""
-        n, b = len(self.images), self.train.batch_size
-        start = step * b
-        out = []
-        while len(out) < b:
-            epoch, offset = divmod(start + len(out), n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.train.seed * 7919 + epoch))
-            out.extend(perm[offset:offset + b - len(out)].tolist())
-        return torch.tensor(out)
-
-    def text_conditions(self, captions: list[str], height: int, width: int) -> dict[str, torch.Tensor]:
+    def text_conditions(self, captions: list[str], size_ids: torch.Tensor) -> dict[str, torch.Tensor]:
         hidden, pooled = self.text.encode(captions)
         named = {"encoder_hidden_states": hidden}
         if "text_embeds" in self.conditions:  # SDXL-style: pooled text and (original size, crop, target size)
             named["text_embeds"] = pooled
-            named["time_ids"] = torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32
-                                             ).expand(len(captions), 6).contiguous()
+            named["time_ids"] = size_ids.to(hidden.device)
         return named
 
     def make(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:
         gen = torch.Generator().manual_seed(self.train.seed * 1_000_003 + step)
-        idx = self._indices(step)
-        x0 = self.images[idx]
-        drop = torch.rand(len(idx), generator=gen) < self.caption_dropout
-        captions = ["" if d else self.captions[i] for i, d in zip(idx.tolist(), drop.tolist())]
-        t = sample_timesteps(self.train.timestep_sampling, len(idx), gen, logit_mean=self.train.logit_mean,
-                             logit_std=self.train.logit_std, shift=self.train.shift)
-        noise = torch.randn(x0.shape, generator=gen)
-        targets = make_targets(self.train.objective, x0, noise, t)
+        idx = self.data.batch_indices(step, self.train.batch_size, self.train.seed)
         per = len(idx) // dp_size
         part = slice(dp_rank * per, (dp_rank + 1) * per)
-        conditions = self.text_conditions(captions[part], x0.shape[-2], x0.shape[-1])
-        conditions["timestep"] = targets.model_timestep[part]
-        return StepBatch(targets.noisy[part].contiguous(), targets.target[part].contiguous(), conditions)
+        mine = idx[part]  # only this replica's images are read (and, uncached, encoded)
+        x0 = self.data.x0(mine)
+        drop = torch.rand(len(idx), generator=gen) < self.caption_dropout
+        captions = ["" if d else self.data.captions[i] for i, d in zip(idx, drop.tolist())]
+        t = sample_timesteps(self.train.timestep_sampling, len(idx), gen, logit_mean=self.train.logit_mean,
+                             logit_std=self.train.logit_std, shift=self.train.shift)
+        noise = torch.randn((len(idx), *x0.shape[1:]), generator=gen)  # drawn for the global batch, then sliced
+        targets = make_targets(self.train.objective, x0, noise[part], t[part])
+        conditions = self.text_conditions(captions[part], self.data.size_ids(mine))
+        conditions["timestep"] = targets.model_timestep
+        return StepBatch(targets.noisy.contiguous(), targets.target.contiguous(), conditions)

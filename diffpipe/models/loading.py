@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from ..config import ModelConfig
 from .presets import UNET_PRESETS
 
-__all__ = ["CheckpointError", "build_unet", "unet_config", "check_checkpoint", "weights_file", "checked_weights"]
+__all__ = ["CheckpointError", "PICKLE_SUFFIXES", "build_unet", "unet_config", "check_checkpoint", "weights_file", "checked_weights"]
 
 
 class CheckpointError(ValueError):
@@ -42,19 +42,24 @@ def unet_config(cfg: ModelConfig) -> dict:
     return dict(UNET_PRESETS[cfg.preset])
 
 
-_PICKLE_SUFFIXES = (".ckpt", ".bin", ".pt", ".pth", ".pkl")
+PICKLE_SUFFIXES = (".ckpt", ".bin", ".pt", ".pth", ".pkl")
 
 
 def weights_file(path: Path) -> Path:
-    if path.suffix in _PICKLE_SUFFIXES:
+    if path.suffix in PICKLE_SUFFIXES:
         raise CheckpointError(f"model.path={path}: {path.suffix} files are Python pickles, which can run code when "
                               "loaded; diffpipe reads only .safetensors (convert it with a trusted tool first)")
     if path.is_file():
         return path
     for folder in (path, path / "unet"):
-        for name in ("diffusion_pytorch_model.safetensors", "model.safetensors"):
+        for name in ("diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.fp16.safetensors"):
             if (folder / name).is_file():
                 return folder / name
+    pickles = sorted(str(p) for folder in (path, path / "unet") if folder.is_dir()
+                     for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(f"model.path={path}: only pickle weight files ({', '.join(pickles)}), which can run code "
+                              "when loaded; diffpipe reads only .safetensors (convert them with a trusted tool first)")
     raise CheckpointError(f"model.path={path}: no diffusion_pytorch_model.safetensors or model.safetensors found")
 
 

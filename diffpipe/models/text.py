@@ -1,7 +1,10 @@
-"""The frozen text encoder: a transformers CLIP text model and its tokenizer.
+"""The frozen text encoders: captions in, (hidden states for cross-attention, pooled embedding) out.
 
-`tiny-clip` builds both locally (random seeded weights, a word-level vocabulary) so nothing is downloaded;
-a path loads a local transformers folder. Either way the run folder gets a copy that `diffpipe sample` loads.
+`CaptionEncoder` keeps each distinct caption's outputs once computed (the encoders are frozen). `TextEncoder` is
+one transformers CLIP text model with its tokenizer: `tiny-clip` builds both locally (random seeded weights, a
+word-level vocabulary) so nothing is downloaded; a path loads a local transformers folder; either way the run folder
+gets a copy that `diffpipe sample` loads. The text encoders of a diffusers pipeline folder (SD, SDXL) are in
+models/pipeline_folder.py.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
-__all__ = ["TextEncoder", "TINY_VOCABULARY"]
+__all__ = ["CaptionEncoder", "TextEncoder", "TINY_VOCABULARY"]
 
 TINY_VOCABULARY = (
     "a an the of digit digits number handwritten written drawn picture photo image "
@@ -34,14 +37,77 @@ def _tiny_tokenizer(max_length: int) -> PreTrainedTokenizerFast:
                                    bos_token="<bos>", eos_token="<eos>", model_max_length=max_length)
 
 
-class TextEncoder:
-    """Captions -> (hidden states for cross-attention, pooled projection), without gradients."""
+class CaptionEncoder:
+    """Captions -> (hidden states, pooled embedding), without gradients, each distinct caption computed once when
+    `keep` or `remember` is asked to. Subclasses give `_encode`, `modules`, `hidden_size` and `pooled_size`."""
+
+    max_length: int
+
+    def __init__(self):
+        self._kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # caption -> (hidden, pooled)
+
+    def modules(self) -> list[torch.nn.Module]:
+        raise NotImplementedError
+
+    @property
+    def hidden_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def pooled_size(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.modules()[0].parameters()).device
+
+    def to(self, device: torch.device | str) -> "CaptionEncoder":
+        for module in self.modules():
+            module.to(device)
+        return self
+
+    def caption_bytes(self) -> int:
+        """Bytes one caption's outputs take."""
+        dtype_bytes = next(self.modules()[0].parameters()).element_size()
+        return (self.max_length * self.hidden_size + self.pooled_size) * dtype_bytes
+
+    def keep(self, captions: list[str], max_gib: float, chunk: int = 64) -> bool:
+        """Encode each distinct caption once, on the encoder's device, and answer `encode` from memory from then on:
+        the encoder is frozen, so its output for a caption never changes. Only when all of them fit in `max_gib`;
+        returns whether they were kept."""
+        distinct = sorted(set(captions))
+        if not distinct or len(distinct) * self.caption_bytes() > max_gib * 2**30:
+            return False
+        for start in range(0, len(distinct), chunk):
+            part = distinct[start:start + chunk]
+            hidden, pooled = self._encode(part)
+            self._kept.update({c: (hidden[i], pooled[i]) for i, c in enumerate(part)})
+        return True
+
+    def remember(self, outputs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Outputs computed before (the text cache on disk), answered by `encode` from now on."""
+        device = self.device
+        self._kept.update({c: (h.to(device), p.to(device)) for c, (h, p) in outputs.items()})
+
+    def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states, pooled embedding) of a batch of captions."""
+        if self._kept and all(c in self._kept for c in captions):
+            rows = [self._kept[c] for c in captions]
+            return torch.stack([h for h, _ in rows]), torch.stack([p for _, p in rows])
+        return self._encode(captions)
+
+    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class TextEncoder(CaptionEncoder):
+    """One CLIP text model: its last hidden states and its pooled projection (the digits models' conditioning)."""
 
     def __init__(self, model: CLIPTextModelWithProjection, tokenizer, max_length: int):
+        super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.max_length = max_length
-        self._kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # caption -> (hidden, pooled), see keep()
 
     @classmethod
     def tiny(cls, hidden_size: int, projection_dim: int, max_length: int, seed: int) -> "TextEncoder":
@@ -68,31 +134,16 @@ class TextEncoder:
         self.model.save_pretrained(folder)
         self.tokenizer.save_pretrained(folder)
 
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.model]
+
     @property
     def hidden_size(self) -> int:
         return self.model.config.hidden_size
 
-    def keep(self, captions: list[str], max_gib: float, chunk: int = 64) -> bool:
-        """Encode each distinct caption once, on the model's device, and answer `encode` from memory from then on:
-        the encoder is frozen, so its output for a caption never changes. Only when all of them fit in `max_gib`;
-        returns whether they were kept."""
-        distinct = sorted(set(captions))
-        dtype_bytes = next(self.model.parameters()).element_size()
-        per_caption = (self.max_length * self.hidden_size + self.model.config.projection_dim) * dtype_bytes
-        if not distinct or len(distinct) * per_caption > max_gib * 2**30:
-            return False
-        for start in range(0, len(distinct), chunk):
-            part = distinct[start:start + chunk]
-            hidden, pooled = self._encode(part)
-            self._kept.update({c: (hidden[i], pooled[i]) for i, c in enumerate(part)})
-        return True
-
-    def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden states, pooled projection) of a batch of captions."""
-        if self._kept and all(c in self._kept for c in captions):
-            rows = [self._kept[c] for c in captions]
-            return torch.stack([h for h, _ in rows]), torch.stack([p for _, p in rows])
-        return self._encode(captions)
+    @property
+    def pooled_size(self) -> int:
+        return self.model.config.projection_dim
 
     @torch.no_grad()
     def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,12 +17,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ..build import AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_text_encoder, give_weights, sample_shape
+from ..build import AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_dataset, build_text_encoder, give_weights
 from ..config import RunConfig
 from ..data.batches import BatchMaker, StepBatch
 from ..data.prefetch import BatchPrefetcher
-from ..data import make_dataset
 from ..models.loading import CheckpointError
+from ..models.text import TextEncoder
 from ..distributed import Topology, init_topology
 from ..observe.observer import PipelineObserver, probe_link
 from ..observe.timing import Mark, StepTimes
@@ -78,12 +78,15 @@ class Trainer:
         self.runner = PipelineRunner(self.modules, mine, len(specs), topo.pp_group, topo.device, p.schedule,
                                      p.microbatches, _ScaledMSE(self.scaler), timeable=config.observe.enabled)
         self.optimizer, self.lr_schedule = make_optimizer(groups, config.train)
-        self.text = build_text_encoder(config, backbone)
-        self.text.model.to(topo.device)
-        data = make_dataset(config.data.dataset, sample_shape(config, backbone), config.train.seed)
-        self.text.keep(data.captions + [""], config.data.text_cache_gib)  # "": captions dropped for guidance
-        self.batches = BatchMaker(data.images, data.captions, self.text, config.train,
-                                  config.data.caption_dropout, backbone.conditions)
+        self.text = build_text_encoder(config, backbone).to(topo.device)
+        self.data = build_dataset(config, backbone, self.text, topo.device, topo.rank, topo.world_size, dist.barrier)
+        self.batches = BatchMaker(self.data, self.text, config.train, config.data.caption_dropout, backbone.conditions)
+        skipped = getattr(self.data, "skipped", None)  # image folders: files left out, counted in every metrics line
+        self.skipped_images = len(skipped) if skipped is not None else None
+        if topo.is_main and hasattr(self.data, "bucket_counts"):
+            counts = sorted(self.data.bucket_counts().items())
+            print(f"{len(self.data.items)} images in {len(counts)} bucket(s): "
+                  + ", ".join(f"{b} {n}" for b, n in counts), flush=True)
         moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches)
         self.writers = make_writers(config, run_dir) if topo.is_main else ScalarWriters([])
         self.observer = PipelineObserver(config, topo, run_dir, moved, probe_link(topo), self.writers)
@@ -259,6 +262,8 @@ class Trainer:
         record = read_record(record)
         report.time(record, end)
         self._judge_finite(step, record)
+        if self.skipped_images is not None:
+            record["skipped_images"] = self.skipped_images
         interrupted = record.pop("stop_asked") > 0
         overdue = record.pop("checkpoint_asked") > 0
         action = self.observer.after_step(step, record, times) if times is not None else "continue"
@@ -298,15 +303,16 @@ class Trainer:
 
     def save(self) -> None:
         """model.safetensors (every stage's weights, sent to rank 0 over the process group), model_config.json and
-        the text encoder, in rank 0's run folder."""
+        the text encoder (unless it is a pipeline folder's), in rank 0's run folder."""
         if not self.config.output.save_weights:
             return
         merged = gather_weights(self.modules, self.topo)
         if self.topo.is_main:
             save_file(merged, str(self.run_dir / "model.safetensors"))
             (self.run_dir / "model_config.json").write_text(json.dumps(self.model_config, indent=1, default=list))
-            self.text.model.cpu()
-            self.text.save(self.run_dir / "text_encoder")
+            if isinstance(self.text, TextEncoder):  # a pipeline folder's text encoders stay in it
+                self.text.to("cpu")
+                self.text.save(self.run_dir / "text_encoder")
         dist.barrier()
 
 

@@ -1,0 +1,121 @@
+"""Computed-once tensors on disk (VAE latents, text-encoder outputs) in safetensors shards, by key.
+
+Each shard `NAME.safetensors` is sealed by `NAME.json`, written after it: the shard's sha256, the keys it holds and
+the keys that could not be computed (a broken image) with the reason. A shard without a seal (a build that was
+stopped) is ignored; a shard whose bytes do not match its seal, or that safetensors cannot read, is named in a
+warning, removed and its entries computed again: never trained on. Keys are fingerprints of everything an entry
+depends on (data/images.py), so a changed input or model simply misses, and several processes can build one
+store at once, each writing its own shards.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, save_file
+
+__all__ = ["ShardStore", "fill_store", "Entries"]
+
+Entries = dict[str, dict[str, torch.Tensor]]  # key -> named tensors
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class ShardStore:
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def _seals(self) -> dict[Path, dict]:
+        seals = {}
+        for path in sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []:
+            try:
+                seals[path] = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+                seals[path] = {"keys": [], "failed": {}, "sha256": None}  # a damaged seal: its shard is rebuilt
+        return seals
+
+    def known(self) -> tuple[set[str], dict[str, str]]:
+        """Keys held by sealed shards, and keys that failed (with the reason), from the seals alone."""
+        keys, failed = set(), {}
+        for seal in self._seals().values():
+            keys.update(seal.get("keys", []))
+            failed.update(seal.get("failed", {}))
+        return keys, failed
+
+    def write(self, entries: Entries, failed: dict[str, str]) -> Path | None:
+        """One new shard of `entries` (and the keys that failed), sealed; None when there is nothing to write."""
+        if not entries and not failed:
+            return None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        name = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        shard = self.folder / f"{name}.safetensors"
+        flat = {f"{key}/{tensor}": value.contiguous().cpu() for key, named in entries.items()
+                for tensor, value in named.items()}
+        if flat:
+            save_file(flat, str(shard))
+        seal = {"sha256": _sha256(shard.read_bytes()) if flat else None, "keys": sorted(entries), "failed": failed}
+        temporary = self.folder / f".{name}.json"
+        temporary.write_text(json.dumps(seal))
+        temporary.rename(self.folder / f"{name}.json")
+        return shard
+
+    def load(self, wanted: set[str]) -> tuple[Entries, list[str]]:
+        """The wanted entries found in sound shards, and a line for each damaged shard (whose entries are missing)."""
+        found: Entries = {}
+        damaged = []
+        for seal_path, seal in self._seals().items():
+            if not wanted & set(seal.get("keys", [])):
+                continue
+            shard = seal_path.with_suffix(".safetensors")
+            try:
+                data = shard.read_bytes()
+                if _sha256(data) != seal.get("sha256"):
+                    raise ValueError("its bytes do not match the sha256 in its seal")
+                tensors = load(data)
+            except (OSError, ValueError, SafetensorError) as exc:
+                damaged.append(f"{shard}: {exc}")
+                continue
+            for flat, value in tensors.items():
+                key, name = flat.split("/", 1)
+                if key in wanted:
+                    found.setdefault(key, {})[name] = value
+        return found, damaged
+
+    def remove(self, damaged: list[str]) -> None:
+        for line in damaged:
+            shard = Path(line.split(": ", 1)[0])
+            shard.with_suffix(".json").unlink(missing_ok=True)
+            shard.unlink(missing_ok=True)
+
+
+def fill_store(store: ShardStore, wanted: list[str], compute: Callable[[list[str]], tuple[Entries, dict[str, str]]],
+               rank: int = 0, world: int = 1, barrier: Callable[[], None] = lambda: None,
+               warn: Callable[[str], None] = print) -> tuple[Entries, dict[str, str]]:
+    """Every wanted entry, computed (this process's share of the missing ones) and written first where the store
+    lacks it; returns (entries, failed keys with their reasons). Every process returns the same."""
+    wanted_set = set(wanted)
+    for attempt in range(2):
+        have, failed = store.known()
+        missing = [k for k in wanted if k not in have and k not in failed]
+        mine = missing[rank::world]
+        if mine:
+            store.write(*compute(mine))
+        barrier()
+        entries, damaged = store.load(wanted_set)
+        barrier()  # every process has read before a damaged shard is removed
+        if not damaged:
+            return entries, {k: why for k, why in store.known()[1].items() if k in wanted_set}
+        if rank == 0:
+            for line in damaged:
+                warn(f"warning: damaged cache shard {line}; removed, its entries are computed again")
+            store.remove(damaged)
+        barrier()
+    raise RuntimeError(f"the cache in {store.folder} was damaged again while being rebuilt; check the disk")

@@ -1,0 +1,131 @@
+"""Folders of images with captions, as kohya sd-scripts, diffusion-pipe and Hugging Face's imagefolder lay them out.
+
+A caption comes from `metadata.jsonl` (one JSON object per line with `file_name` and `text` or `caption`) when the
+folder has one, else from a same-named `.txt` beside the image (`cat.jpg` and `cat.txt`); an image without either
+gets the empty caption. jpg, png and webp; EXIF orientation applied; grey, palette, RGBA (on white), CMYK and 16-bit
+images converted to 8-bit RGB. Files that cannot be used (zero bytes, not an image, truncated, too small) are
+skipped and reported by `Skipped`, never trained on and never a crash mid-run.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+__all__ = ["ImageItem", "Skipped", "scan_folders", "read_rgb", "BadImage", "IMAGE_SUFFIXES"]
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+
+
+class BadImage(ValueError):
+    """An image file that cannot be trained on; the message says why."""
+
+
+@dataclass(frozen=True)
+class ImageItem:
+    path: Path
+    caption: str
+    width: int  # as seen, EXIF orientation applied
+    height: int
+
+
+@dataclass
+class Skipped:
+    """Files left out, with the reason for each."""
+
+    files: list[tuple[Path, str]] = field(default_factory=list)
+
+    def add(self, path: Path, reason: str) -> None:
+        self.files.append((path, reason))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def warning(self) -> str:
+        """One line counting the skipped files and naming a few."""
+        named = "; ".join(f"{p.name}: {why}" for p, why in self.files[:3])
+        more = f"; and {len(self.files) - 3} more" if len(self.files) > 3 else ""
+        return f"warning: skipped {len(self.files)} image file(s) that cannot be trained on ({named}{more})"
+
+
+def _metadata_captions(folder: Path) -> dict[str, str]:
+    path = folder / "metadata.jsonl"
+    if not path.is_file():
+        return {}
+    captions = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            captions[row["file_name"]] = str(row.get("text", row.get("caption", "")))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}, line {number}: expected a JSON object with file_name and text") from None
+    return captions
+
+
+def _caption(image: Path, metadata: dict[str, str], folder: Path) -> str:
+    relative = image.relative_to(folder).as_posix()
+    if relative in metadata:
+        return metadata[relative]
+    txt = image.with_suffix(".txt")
+    return txt.read_text(errors="replace").strip() if txt.is_file() else ""
+
+
+def _oriented_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) once the EXIF orientation is applied (5..8 turn the image a quarter)."""
+    orientation = image.getexif().get(0x0112, 1)
+    w, h = image.size
+    return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+
+
+def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skipped) -> list[ImageItem]:
+    """Every usable image of the folders (subfolders included), each listed `repeats` times, in a stable order.
+    Reads only the headers: truncated files are caught by `read_rgb` when the image is decoded."""
+    items = []
+    for folder, repeats in folders:
+        if not folder.is_dir():
+            raise FileNotFoundError(f"data.path: {folder} is not a folder")
+        metadata = _metadata_captions(folder)
+        for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()):
+            try:
+                if path.stat().st_size == 0:
+                    raise BadImage("empty file (0 bytes)")
+                with Image.open(path) as image:
+                    width, height = _oriented_size(image)
+            except (UnidentifiedImageError, OSError) as exc:
+                skipped.add(path, f"not a readable image ({type(exc).__name__})")
+                continue
+            except BadImage as exc:
+                skipped.add(path, str(exc))
+                continue
+            if min(width, height) < min_side:
+                skipped.add(path, f"{width}x{height} is too small (shorter side under {min_side} pixels)")
+                continue
+            items += [ImageItem(path, _caption(path, metadata, folder), width, height)] * repeats
+    return items
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit grey: scale to 8 bits, not clip
+        pixels = np.asarray(image, dtype=np.float64)
+        image = Image.fromarray((pixels / max(pixels.max(), 1) * 255 if pixels.max() > 255 else pixels).astype(np.uint8))
+    if image.mode == "P":
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA"):
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")  # L, CMYK, YCbCr, RGB
+
+
+def read_rgb(path: Path) -> Image.Image:
+    """The image decoded in full, oriented by its EXIF tag, as 8-bit RGB; `BadImage` when it cannot be."""
+    try:
+        with Image.open(path) as image:
+            image.load()  # decodes everything: a truncated file fails here
+            return _to_rgb(ImageOps.exif_transpose(image))
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise BadImage(f"cannot be decoded ({exc})") from None

@@ -1,0 +1,207 @@
+"""A folder dataset ready to train on: images scanned and bucketed, VAE latents and text-encoder outputs cached.
+
+Cache keys (data/cache.py) are fingerprints: a latent's of the image file's bytes, its bucket, crop and flip, in a
+store named by the VAE weights' fingerprint; a caption's of its text, in a store named by the text encoders' and
+tokenizers' fingerprint. A second run reuses every entry; a changed image misses exactly its own; another VAE or
+text encoder gets its own store. With `data.cache = false` nothing is stored: the frozen VAE and text encoders run
+inside each step.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from rich.progress import track
+
+from ..config import DataConfig
+from ..models.pipeline_folder import PipelineText, component_weights, fingerprint_files
+from .buckets import Bucket, Placement, make_buckets, place, to_pixels
+from .cache import ShardStore, fill_store
+from .folder import BadImage, ImageItem, Skipped, read_rgb, scan_folders
+
+__all__ = ["FolderImages", "prepare_folder_images", "data_buckets", "cache_folder", "encode_latents"]
+
+_CHUNK = 8  # images per VAE call
+
+
+def data_buckets(data: DataConfig) -> list[Bucket]:
+    if data.bucket_sizes is not None:
+        return sorted({Bucket(w, h) for w, h in data.bucket_sizes})
+    if not data.buckets:
+        return [Bucket(data.resolution, data.resolution)]
+    return make_buckets(data.resolution, data.bucket_step, data.max_aspect)
+
+
+def data_folders(data: DataConfig) -> list[tuple[Path, int]]:
+    paths = [data.path] if isinstance(data.path, str) else list(data.path or [])
+    repeats = data.repeats if isinstance(data.repeats, list) else [data.repeats] * len(paths)
+    return [(Path(p), r) for p, r in zip(paths, repeats)]
+
+
+def cache_folder(data: DataConfig) -> Path:
+    return Path(data.cache_dir) if data.cache_dir else data_folders(data)[0][0] / ".diffpipe_cache"
+
+
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def latent_key(content: str, placement: Placement, flip: bool = False) -> str:
+    p = placement
+    text = f"{content}/{p.bucket}/{p.resized[0]}x{p.resized[1]}/{p.left},{p.top}/flip={int(flip)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:40]
+
+
+def caption_key(caption: str) -> str:
+    return hashlib.sha256(caption.encode()).hexdigest()[:40]
+
+
+@torch.no_grad()
+def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Scaled latents of pixels in [-1, 1] (N, 3, H, W): the mean of the VAE's posterior, as diffusers' training
+    scripts scale it ((z - shift) x scaling_factor)."""
+    device = next(vae.parameters()).device
+    mean = vae.encode(pixels.to(device, next(vae.parameters()).dtype)).latent_dist.mean.float()
+    shift = vae.config.shift_factor or 0.0
+    return (mean - shift) * vae.config.scaling_factor
+
+
+@dataclass
+class FolderImages:
+    """Items with their placements; `latents` (one per item) when cached, else the VAE encodes them per step."""
+
+    items: list[ImageItem]
+    placements: list[Placement]
+    skipped: Skipped
+    latents: list[torch.Tensor] | None = None
+    vae: torch.nn.Module | None = None
+
+    @property
+    def captions(self) -> list[str]:
+        return [item.caption for item in self.items]
+
+    def bucket_counts(self) -> Counter:
+        return Counter(p.bucket for p in self.placements)
+
+    def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
+        """The step's items, all from one bucket. Each epoch shuffles every bucket's items, cuts them into batches
+        (a bucket's last batch filled up from its start) and shuffles the batches; seeded by (seed, epoch), so every
+        process draws the same."""
+        groups: dict[Bucket, list[int]] = {}
+        for i, p in enumerate(self.placements):
+            groups.setdefault(p.bucket, []).append(i)
+        per_epoch = sum(-(-len(g) // batch_size) for g in groups.values())
+        epoch, position = divmod(step, per_epoch)
+        gen = torch.Generator().manual_seed(seed * 7919 + epoch)
+        batches = []
+        for bucket in sorted(groups):
+            group = groups[bucket]
+            order = [group[i] for i in torch.randperm(len(group), generator=gen).tolist()]
+            for start in range(0, len(order), batch_size):
+                batch = order[start:start + batch_size]
+                while len(batch) < batch_size:
+                    batch += order[:batch_size - len(batch)]
+                batches.append(batch)
+        return batches[torch.randperm(per_epoch, generator=gen)[position]]
+
+    def x0(self, indices: list[int]) -> torch.Tensor:
+        if self.latents is not None:
+            return torch.stack([self.latents[i] for i in indices])
+        pixels = torch.stack([to_pixels(read_rgb(self.items[i].path), self.placements[i]) for i in indices])
+        return encode_latents(self.vae, pixels).cpu()
+
+    def size_ids(self, indices: list[int]) -> torch.Tensor:
+        """SDXL's time ids per item: original (height, width), crop (top, left), target (height, width)."""
+        rows = []
+        for i in indices:
+            item, p = self.items[i], self.placements[i]
+            rows.append([item.height, item.width, p.top, p.left, p.bucket.height, p.bucket.width])
+        return torch.tensor(rows, dtype=torch.float32)
+
+
+def _by_shape(ready: list[tuple[str, torch.Tensor]]):
+    shapes: dict[tuple, list] = {}
+    for key, pixels in ready:
+        shapes.setdefault(tuple(pixels.shape), []).append((key, pixels))
+    for group in shapes.values():
+        yield [k for k, _ in group], torch.stack([p for _, p in group])
+
+
+def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: PipelineText, rank: int = 0, world: int = 1,
+                          barrier: Callable[[], None] = lambda: None, show: bool = True) -> FolderImages:
+    """Scan, bucket and (with data.cache) cache latents and text outputs, this process computing its share of what is
+    missing; every process returns the same dataset. Skipped files are printed once (by rank 0) and counted."""
+    buckets = data_buckets(data)
+    skipped = Skipped()
+    min_side = min(min(b.width, b.height) for b in buckets) // 2
+    items = scan_folders(data_folders(data), min_side, skipped)
+    placements = [place(item.width, item.height, buckets) for item in items]
+    dataset = FolderImages(items, placements, skipped, vae=vae)
+    if data.cache:
+        _cache_latents(dataset, data, model_path, vae, rank, world, barrier, show)
+        _cache_text(dataset, data, text, rank, world, barrier, show)
+    else:
+        for i in reversed(range(len(items))):  # every image decoded once now: a broken one never fails a step
+            try:
+                read_rgb(items[i].path)
+            except BadImage as exc:
+                skipped.add(items[i].path, str(exc))
+                del items[i], placements[i]
+    if rank == 0 and skipped.files:
+        print(skipped.warning(), flush=True)
+    if not dataset.items:
+        raise FileNotFoundError(f"data.path: no usable images in {', '.join(str(f) for f, _ in data_folders(data))}")
+    return dataset
+
+
+def _cache_latents(dataset: FolderImages, data: DataConfig, model_path: Path, vae, rank, world, barrier, show) -> None:
+    store = ShardStore(cache_folder(data) / f"latents-{fingerprint_files(component_weights(model_path, 'vae'))[:16]}")
+    contents = {path: _file_hash(path) for path in {item.path for item in dataset.items}}
+    keys = [latent_key(contents[item.path], p) for item, p in zip(dataset.items, dataset.placements)]
+    first_index: dict[str, int] = {}  # repeated items share a key
+    for i, key in enumerate(keys):
+        first_index.setdefault(key, i)
+
+    def compute(wanted: list[str]):
+        entries, failed = {}, {}
+        todo = sorted(((k, first_index[k]) for k in wanted), key=lambda ki: dataset.placements[ki[1]].bucket)
+        chunks = [todo[s:s + _CHUNK] for s in range(0, len(todo), _CHUNK)]
+        for chunk in track(chunks, description="caching VAE latents", disable=not (show and rank == 0)):
+            ready = []
+            for key, i in chunk:
+                try:
+                    ready.append((key, to_pixels(read_rgb(dataset.items[i].path), dataset.placements[i])))
+                except BadImage as exc:
+                    failed[key] = str(exc)
+            for chunk_keys, pixels in _by_shape(ready):
+                entries.update({k: {"latent": z} for k, z in zip(chunk_keys, encode_latents(vae, pixels).cpu())})
+        return entries, failed
+
+    entries, failed = fill_store(store, list(first_index), compute, rank, world, barrier)
+    keep = [i for i, key in enumerate(keys) if key in entries]
+    for i, key in enumerate(keys):
+        if key in failed and first_index[key] == i:
+            dataset.skipped.add(dataset.items[i].path, failed[key])
+    dataset.items = [dataset.items[i] for i in keep]
+    dataset.placements = [dataset.placements[i] for i in keep]
+    dataset.latents = [entries[keys[i]]["latent"] for i in keep]
+
+
+def _cache_text(dataset: FolderImages, data: DataConfig, text: PipelineText, rank, world, barrier, show) -> None:
+    store = ShardStore(cache_folder(data) / f"text-{text.fingerprint()[:16]}")
+    captions = {caption_key(c): c for c in sorted(set(dataset.captions) | {""})}  # "": captions dropped for guidance
+
+    def compute(keys: list[str]):
+        entries = {}
+        chunks = [keys[s:s + 64] for s in range(0, len(keys), 64)]
+        for chunk in track(chunks, description="caching text-encoder outputs", disable=not (show and rank == 0)):
+            hidden, pooled = text.encode([captions[k] for k in chunk])
+            entries.update({k: {"hidden": h.cpu(), "pooled": p.cpu()} for k, h, p in zip(chunk, hidden, pooled)})
+        return entries, {}
+
+    entries, _ = fill_store(store, list(captions), compute, rank, world, barrier)
+    text.remember({captions[k]: (e["hidden"], e["pooled"]) for k, e in entries.items()})

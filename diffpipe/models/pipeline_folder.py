@@ -1,0 +1,164 @@
+"""A local diffusers pipeline folder: model_index.json beside unet/, vae/, text_encoder/, tokenizer/, scheduler/ (and
+for SDXL text_encoder_2/, tokenizer_2/), as `save_pretrained` writes it and the Hub serves it.
+
+The UNet is the trained backbone (loading.py reads its unet/ subfolder); the VAE and the text encoders here are
+loaded frozen, from safetensors files only; the scheduler's config gives the objective (epsilon or v_prediction)
+unless `train.objective` is set. Text encoding follows diffusers' own pipelines: SD 1.x/2.x attend to the last hidden
+states of one CLIP text model; SDXL to the penultimate hidden states of both, concatenated, with the second's pooled
+projection as the pooled text embedding (tested against `encode_prompt` of both pipelines).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL
+from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection
+
+from .loading import PICKLE_SUFFIXES, CheckpointError
+from .text import CaptionEncoder
+
+__all__ = ["is_pipeline_folder", "component_weights", "scheduler_objective", "load_vae", "vae_scale_factor",
+           "PipelineText", "fingerprint_files", "caption_tokens"]
+
+_INDEX = "model_index.json"
+
+
+def is_pipeline_folder(path: str | Path | None) -> bool:
+    return path is not None and (Path(path) / _INDEX).is_file()
+
+
+def _index(folder: Path) -> dict:
+    return json.loads((folder / _INDEX).read_text())
+
+
+def _has(folder: Path, component: str) -> bool:
+    entry = _index(folder).get(component)
+    return isinstance(entry, list) and entry[0] is not None and (folder / component).is_dir()
+
+
+def component_weights(folder: Path, component: str) -> list[Path]:
+    """The .safetensors files of a component subfolder; pickle-only components are refused unread."""
+    sub = folder / component
+    if not sub.is_dir():
+        raise CheckpointError(f"model.path={folder}: the pipeline folder has no {component}/ subfolder")
+    files = sorted(sub.glob("*.safetensors"))
+    if files:
+        plain = [f for f in files if ".fp16." not in f.name]  # a Hub 'variant' beside the full-precision files
+        return plain or files
+    pickles = sorted(p.name for p in sub.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(f"{sub}: only pickle weight files ({', '.join(pickles)}), which can run code when loaded; "
+                              "diffpipe reads only .safetensors: convert them with a trusted tool, or download the "
+                              "safetensors files of the model")
+    raise CheckpointError(f"{sub} holds no .safetensors weights")
+
+
+def scheduler_objective(folder: Path) -> str:
+    """The objective the folder's scheduler was trained with: its prediction_type, on the schedule diffpipe uses."""
+    path = folder / "scheduler" / "scheduler_config.json"
+    if not path.is_file():
+        raise CheckpointError(f"model.path={folder}: no scheduler/scheduler_config.json; set train.objective")
+    cfg = json.loads(path.read_text())
+    objective = cfg.get("prediction_type", "epsilon")
+    if objective not in ("epsilon", "v_prediction"):
+        raise CheckpointError(f"{path}: prediction_type {objective!r} is not supported; set train.objective to "
+                              "epsilon, v_prediction or flow_matching")
+    schedule = (cfg.get("beta_schedule"), cfg.get("beta_start"), cfg.get("beta_end"), cfg.get("num_train_timesteps"))
+    if schedule != ("scaled_linear", 0.00085, 0.012, 1000):
+        raise CheckpointError(f"{path}: the noise schedule {schedule} (beta_schedule, beta_start, beta_end, "
+                              "num_train_timesteps) is not Stable Diffusion's scaled_linear 0.00085..0.012 over 1000 "
+                              "steps, the only one diffpipe trains with; set train.objective = \"flow_matching\" to "
+                              "train on another path")
+    return objective
+
+
+def load_vae(folder: Path) -> AutoencoderKL:
+    component_weights(folder, "vae")  # refuses pickles before from_pretrained could read one
+    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", use_safetensors=True, local_files_only=True,
+                                        low_cpu_mem_usage=False)  # (True would need accelerate)
+    return vae.eval().requires_grad_(False)
+
+
+def vae_scale_factor(folder: Path) -> int:
+    """Pixels per latent along a side: 2 per VAE level after the first (8 for SD's VAE)."""
+    cfg = json.loads((folder / "vae" / "config.json").read_text())
+    return 2 ** (len(cfg["block_out_channels"]) - 1)
+
+
+def caption_tokens(folder: Path) -> int:
+    """Tokens per caption of the folder's (first) tokenizer: 77 for CLIP."""
+    cfg = json.loads((folder / "tokenizer" / "tokenizer_config.json").read_text())
+    length = cfg.get("model_max_length", 77)
+    return length if length <= 4096 else 77  # transformers writes 1e30 for "no limit"
+
+
+def fingerprint_files(paths: list[Path], extra: str = "") -> str:
+    """sha256 over the files' bytes (streamed) and `extra`: changes when any weight changes."""
+    digest = hashlib.sha256(extra.encode())
+    for path in sorted(paths):
+        digest.update(path.name.encode())
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+class PipelineText(CaptionEncoder):
+    """The text encoders of an SD (one) or SDXL (two) pipeline folder, encoding as diffusers' pipelines do."""
+
+    def __init__(self, tokenizers: list, models: list[torch.nn.Module], folder: Path | None = None):
+        super().__init__()
+        self.tokenizers = tokenizers
+        self.models = [m.eval().requires_grad_(False) for m in models]
+        self.folder = folder
+        self.max_length = tokenizers[0].model_max_length
+        self.penultimate = len(models) > 1  # SDXL attends to the penultimate layer of each
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "PipelineText":
+        tokenizers, models = [], []
+        for suffix in ("", "_2"):
+            if suffix and not _has(folder, f"text_encoder{suffix}"):
+                break
+            component_weights(folder, f"text_encoder{suffix}")
+            tokenizers.append(AutoTokenizer.from_pretrained(folder, subfolder=f"tokenizer{suffix}", local_files_only=True))
+            model_class = CLIPTextModelWithProjection if suffix else CLIPTextModel
+            models.append(model_class.from_pretrained(folder, subfolder=f"text_encoder{suffix}", use_safetensors=True,
+                                                      local_files_only=True))
+        return cls(tokenizers, models, folder)
+
+    def fingerprint(self) -> str:
+        """Of the weights and tokenizers: a text cache keyed by it is invalid once any of them changes."""
+        if self.folder is None:
+            raise ValueError("a PipelineText built from objects has no files to fingerprint")
+        suffixes = [""] + (["_2"] if len(self.models) > 1 else [])
+        files = [f for s in suffixes for f in component_weights(self.folder, f"text_encoder{s}")]
+        files += [f for s in suffixes for f in sorted((self.folder / f"tokenizer{s}").iterdir()) if f.is_file()]
+        return fingerprint_files(files, extra=f"penultimate={self.penultimate}")
+
+    def modules(self) -> list[torch.nn.Module]:
+        return self.models
+
+    @property
+    def hidden_size(self) -> int:
+        return sum(m.config.hidden_size for m in self.models)
+
+    @property
+    def pooled_size(self) -> int:
+        last = self.models[-1]
+        return last.config.projection_dim if self.penultimate else 0
+
+    @torch.no_grad()
+    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, pooled = [], torch.zeros(len(captions), 0, device=self.device)
+        for tokenizer, model in zip(self.tokenizers, self.models):
+            ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                            return_tensors="pt").input_ids.to(self.device)
+            out = model(ids, output_hidden_states=self.penultimate)
+            hidden.append(out.hidden_states[-2] if self.penultimate else out.last_hidden_state)
+        if self.penultimate:  # the second (last) encoder's pooled projection
+            pooled = out.text_embeds
+        return torch.cat(hidden, dim=-1), pooled

@@ -1,0 +1,152 @@
+"""Write small diffusers pipeline folders (random weights, the exact SD 1.5 and SDXL layouts) and a folder of real
+photographs with captions, so the real-data path can be tried and tested without downloading anything.
+
+    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,photos}
+    python examples/make_tiny_pipeline.py --out DIR        # somewhere else
+    diffpipe train examples/photos.toml                    # then fine-tune the tiny SDXL-layout pipeline on the photos
+
+Each pipeline is built from diffusers' and transformers' own classes (UNet2DConditionModel, AutoencoderKL, CLIP text
+models and a real CLIP BPE tokenizer over a small vocabulary) and written by the pipeline's `save_pretrained`, so
+the folders are laid out as on the Hub: model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/ (and
+text_encoder_2/, tokenizer_2/ for SDXL). The photos are scikit-learn's two sample photographs (china.jpg,
+flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from diffusers import (AutoencoderKL, EulerDiscreteScheduler, PNDMScheduler, StableDiffusionPipeline,
+                       StableDiffusionXLPipeline, UNet2DConditionModel)
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+__all__ = ["write_sd15", "write_sdxl", "write_photos", "CAPTION_WORDS"]
+
+CAPTION_WORDS = ("a photo of the chinese temple flower pink yellow red roof tree sky close view wide "
+                 "detail painting drawing").split()
+
+_SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                  steps_offset=1)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2 / CLIP byte-to-character table: every byte gets a printable character."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(keep, map(chr, chars)))
+
+
+def tiny_clip_tokenizer() -> CLIPTokenizer:
+    """A real CLIP BPE tokenizer: every byte, every byte at a word's end, and merges that make CAPTION_WORDS single
+    tokens (any other text still tokenizes, letter by letter)."""
+    alphabet = list(_bytes_to_unicode().values())
+    vocab = alphabet + [c + "</w>" for c in alphabet]
+    merges = []
+    for word in CAPTION_WORDS:
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(pieces) > 1:
+            merges.append((pieces[0], pieces[1]))
+            pieces = [pieces[0] + pieces[1]] + pieces[2:]
+            if pieces[0] not in vocab:
+                vocab.append(pieces[0])
+    vocab += ["<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=list(dict.fromkeys(merges)),
+                         model_max_length=77)
+
+
+def _text_config(tokenizer: CLIPTokenizer, hidden: int, projection: int) -> CLIPTextConfig:
+    return CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                          num_hidden_layers=3, num_attention_heads=2, max_position_embeddings=77,
+                          projection_dim=projection, hidden_act="gelu", pad_token_id=1,
+                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+
+
+def _vae(scaling_factor: float) -> AutoencoderKL:
+    """Four levels, as SD's VAE: 8x fewer pixels per side in the latents, 4 latent channels."""
+    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16, 16, 16),
+                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                         layers_per_block=1, norm_num_groups=8, sample_size=128, scaling_factor=scaling_factor)
+
+
+def write_sd15(out: Path, seed: int = 0) -> Path:
+    """SD 1.5 layout: one CLIP text encoder whose last hidden states the UNet attends to; epsilon prediction."""
+    torch.manual_seed(seed)
+    tokenizer = tiny_clip_tokenizer()
+    unet = UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
+    pipe = StableDiffusionPipeline(
+        vae=_vae(0.18215), text_encoder=CLIPTextModel(_text_config(tokenizer, 32, 32)), tokenizer=tokenizer, unet=unet,
+        scheduler=PNDMScheduler(**_SCHEDULER, skip_prk_steps=True), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False)
+    pipe.save_pretrained(out / "sd15", safe_serialization=True)
+    return out / "sd15"
+
+
+def write_sdxl(out: Path, seed: int = 0) -> Path:
+    """SDXL layout: two CLIP text encoders (penultimate hidden states concatenated: 32 + 32 = the UNet's 64-wide
+    cross-attention; the second's pooled projection, 32, and six time ids of 8 each feed the added embedding)."""
+    torch.manual_seed(seed)
+    tokenizer = tiny_clip_tokenizer()
+    unet = UNet2DConditionModel(
+        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 2), attention_head_dim=(4, 8), cross_attention_dim=64,
+        addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=32 + 6 * 8,
+        use_linear_projection=True, norm_num_groups=8, flip_sin_to_cos=True, freq_shift=0)
+    pipe = StableDiffusionXLPipeline(
+        vae=_vae(0.13025), text_encoder=CLIPTextModel(_text_config(tokenizer, 32, 32)),
+        text_encoder_2=CLIPTextModelWithProjection(_text_config(tokenizer, 32, 32)), tokenizer=tokenizer,
+        tokenizer_2=tokenizer, unet=unet,
+        scheduler=EulerDiscreteScheduler(**_SCHEDULER, timestep_spacing="leading"))
+    pipe.save_pretrained(out / "sdxl", safe_serialization=True)
+    return out / "sdxl"
+
+
+# (photo, caption, crops as (left, top, width, height) in the 640x427 photo): landscape, portrait and square crops
+_CROPS = {
+    "china": ("a photo of the chinese temple", [
+        (0, 0, 640, 427), (100, 40, 480, 320), (0, 100, 420, 280), (200, 0, 420, 300),
+        (60, 0, 280, 420), (300, 20, 260, 390), (150, 60, 300, 300), (380, 150, 250, 250)]),
+    "flower": ("a close photo of a pink flower", [
+        (0, 0, 640, 427), (120, 60, 450, 300), (40, 120, 420, 290), (220, 0, 400, 270),
+        (200, 0, 280, 420), (330, 30, 250, 380), (180, 80, 300, 300), (0, 0, 260, 260)]),
+}
+
+
+def write_photos(out: Path) -> Path:
+    """scikit-learn's two sample photographs cut into 16 crops (landscape, portrait, square) with .txt captions."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images()
+    folder = out / "photos"
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, pixels in zip(photos.filenames, photos.images):
+        name = Path(path).stem
+        caption, crops = _CROPS[name]
+        image = Image.fromarray(pixels)
+        for i, (left, top, width, height) in enumerate(crops):
+            image.crop((left, top, left + width, top + height)).save(folder / f"{name}_{i}.jpg", quality=92)
+            (folder / f"{name}_{i}.txt").write_text(caption + "\n")
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "tiny"), help="folder to write into")
+    args = parser.parse_args()
+    out = Path(args.out)
+    for path in (write_sd15(out), write_sdxl(out), write_photos(out)):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
