@@ -166,8 +166,8 @@ def _reference(config, autocast: torch.dtype | None) -> dict:
     meta = build_backbone(config, "meta")
     model = UNet2DConditionModel.from_pretrained(config.model.path, low_cpu_mem_usage=False).train()
     data = make_dataset(config.data.dataset, sample_shape(config, meta), config.train.seed)
-    maker = BatchMaker(data.images, data.captions, build_text_encoder(config, meta), config.train,
-                       config.data.caption_dropout, meta.conditions)
+    maker = BatchMaker(data, build_text_encoder(config, meta), config.train, config.data.caption_dropout,
+                       meta.conditions)
     dtype = autocast if autocast is not None else AUTOCAST.get(config.train.precision)
     # torch's own loss scaler for fp16 (skips a step whose gradients overflow, halves the scale)
     scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE, enabled=dtype == torch.float16)

@@ -1,0 +1,29 @@
+"""Fixtures shared across test packages: small diffusers pipeline folders and photos, written once per session by
+examples/make_tiny_pipeline.py (the script the README runs)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).parent.parent / "examples" / "make_tiny_pipeline.py"
+
+
+def load_tiny_pipeline_script():
+    spec = importlib.util.spec_from_file_location("make_tiny_pipeline", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Path:
+    """A folder with sd15/ and sdxl/ pipeline folders and photos/ (16 captioned crops); treat it as read-only
+    (copy photos/ before changing it)."""
+    out = tmp_path_factory.mktemp("tiny")
+    script = load_tiny_pipeline_script()
+    script.write_sd15(out)
+    script.write_sdxl(out)
+    script.write_photos(out)
+    return out

@@ -1,0 +1,113 @@
+"""Image folders: both caption conventions, every kind of bad file counted and skipped (never a crash), EXIF
+orientation and mode conversions, buckets and crop offsets."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from diffpipe.data.buckets import Bucket, make_buckets, place, to_pixels
+from diffpipe.data.folder import BadImage, Skipped, read_rgb, scan_folders
+
+
+def _photo(path: Path, size=(96, 64), mode="RGB", **save) -> Path:
+    rng = np.random.default_rng(len(path.name))
+    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    image = Image.fromarray(pixels).convert(mode)
+    image.save(path, **save)
+    return path
+
+
+def test_captions_from_txt_files_and_from_metadata_jsonl(tmp_path):
+    kohya, hf = tmp_path / "kohya", tmp_path / "hf"
+    kohya.mkdir(), hf.mkdir()
+    _photo(kohya / "cat.jpg")
+    (kohya / "cat.txt").write_text("a cat on a mat\n")
+    _photo(kohya / "dog.png")  # no caption: the empty one
+    _photo(hf / "a.webp")
+    _photo(hf / "b.jpg")
+    (hf / "metadata.jsonl").write_text(json.dumps({"file_name": "a.webp", "text": "a red house"}) + "\n"
+                                       + json.dumps({"file_name": "b.jpg", "caption": "a blue boat"}) + "\n")
+    skipped = Skipped()
+    items = scan_folders([(kohya, 1), (hf, 2)], min_side=16, skipped=skipped)
+    captions = [(i.path.name, i.caption) for i in items]
+    assert captions == [("cat.jpg", "a cat on a mat"), ("dog.png", ""), ("a.webp", "a red house"),
+                        ("a.webp", "a red house"), ("b.jpg", "a blue boat"), ("b.jpg", "a blue boat")]  # repeats 2
+    assert len(skipped) == 0
+
+
+def test_every_kind_of_bad_file_is_skipped_counted_and_named(tmp_path):
+    _photo(tmp_path / "good.jpg")
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    (tmp_path / "notes.png").write_text("this is not an image")
+    _photo(tmp_path / "tiny.png", size=(12, 40))
+    data = (_photo(tmp_path / "whole.jpg", size=(200, 160))).read_bytes()
+    (tmp_path / "truncated.jpg").write_bytes(data[: len(data) // 2])
+    skipped = Skipped()
+    items = scan_folders([(tmp_path, 1)], min_side=32, skipped=skipped)
+    reasons = {p.name: why for p, why in skipped.files}
+    assert set(reasons) == {"empty.jpg", "notes.png", "tiny.png"}
+    assert "0 bytes" in reasons["empty.jpg"] and "not a readable image" in reasons["notes.png"]
+    assert "too small" in reasons["tiny.png"]
+    assert "skipped 3 image file(s)" in skipped.warning()
+    # a truncated file has a sound header: it is caught where it is decoded
+    assert {i.path.name for i in items} == {"good.jpg", "truncated.jpg", "whole.jpg"}
+    with pytest.raises(BadImage, match="cannot be decoded"):
+        read_rgb(tmp_path / "truncated.jpg")
+    assert read_rgb(tmp_path / "whole.jpg").size == (200, 160)
+
+
+def test_exif_orientation_and_every_mode_become_upright_8_bit_rgb(tmp_path):
+    base = Image.new("RGB", (60, 30), (255, 0, 0))
+    base.paste((0, 0, 255), (0, 0, 10, 30))  # a blue stripe on the left
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 clockwise to view"
+    base.save(tmp_path / "turned.jpg", exif=exif, quality=95)
+    upright = read_rgb(tmp_path / "turned.jpg")
+    assert upright.size == (30, 60)
+    assert upright.getpixel((15, 5))[2] > 200  # the stripe is now at the top
+    item, = scan_folders([(tmp_path, 1)], min_side=8, skipped=Skipped())
+    assert (item.width, item.height) == (30, 60)  # sizes as seen, for the buckets
+
+    Image.new("RGBA", (20, 20), (0, 0, 0, 0)).save(tmp_path / "clear.png")
+    assert read_rgb(tmp_path / "clear.png").getpixel((3, 3)) == (255, 255, 255)  # transparent on white
+    Image.new("L", (20, 20), 100).save(tmp_path / "grey.png")
+    assert read_rgb(tmp_path / "grey.png").getpixel((3, 3)) == (100, 100, 100)
+    Image.new("CMYK", (20, 20), (0, 255, 255, 0)).save(tmp_path / "print.jpg")
+    red = read_rgb(tmp_path / "print.jpg").getpixel((3, 3))
+    assert red[0] > 200 and red[1] < 60
+    Image.fromarray(np.full((20, 20), 65535, dtype=np.uint16)).save(tmp_path / "deep.png")
+    assert read_rgb(tmp_path / "deep.png").getpixel((3, 3)) == (255, 255, 255)  # 16-bit white stays white
+    for name in ("clear.png", "grey.png", "print.jpg", "deep.png"):
+        assert read_rgb(tmp_path / name).mode == "RGB"
+
+
+def test_buckets_share_an_area_and_images_go_to_the_nearest_shape_centre_cropped():
+    buckets = make_buckets(1024, 64, 2.0)
+    assert Bucket(1024, 1024) in buckets and Bucket(1344, 768) in buckets and Bucket(768, 1344) in buckets
+    for b in buckets:
+        assert b.width % 64 == 0 and b.height % 64 == 0
+        assert 0.85 * 1024**2 <= b.width * b.height <= 1024**2
+        assert max(b.width / b.height, b.height / b.width) <= 2.0
+    placement = place(1500, 1000, buckets)  # 3:2 landscape
+    assert placement.bucket == Bucket(1216, 832)  # 1.46, the nearest ratio to 1.5
+    assert placement.resized == (1248, 832)  # covers the bucket: height fits, width overflows by 32
+    assert (placement.top, placement.left) == (0, 16)  # centred crop
+    tall = place(400, 1000, buckets)
+    assert tall.bucket.height > tall.bucket.width
+    assert math.isclose(place(1000, 1000, buckets).bucket.width, 1024)
+
+
+def test_pixels_are_the_crop_of_the_resized_image(tmp_path):
+    image = Image.new("RGB", (150, 100), (0, 0, 0))
+    image.paste((255, 255, 255), (0, 0, 75, 100))  # left half white
+    placement = place(150, 100, [Bucket(64, 64)])
+    assert placement.resized == (96, 64) and (placement.top, placement.left) == (0, 16)
+    pixels = to_pixels(image, placement)
+    assert pixels.shape == (3, 64, 64) and pixels.min() >= -1 and pixels.max() <= 1
+    # the crop starts 16 px in: the white half ends at 48 - 16 = 32
+    assert pixels[:, :, 28].mean() > 0.9 and pixels[:, :, 36].mean() < -0.9

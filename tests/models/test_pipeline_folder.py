@@ -1,0 +1,91 @@
+"""Diffusers pipeline folders in the SD 1.5 and SDXL layouts: text encoded exactly as diffusers' own pipelines do,
+the VAE and the UNet loaded from them, the scheduler deciding the objective, pickle weights refused unread."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+from diffpipe.build import build_backbone, build_text_encoder, example_inputs, sample_shape
+from diffpipe.config import ConfigError, build_config
+from diffpipe.models.loading import CheckpointError
+from diffpipe.models.pipeline_folder import PipelineText, load_vae, scheduler_objective, vae_scale_factor
+
+CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]
+
+
+def _config(folder, **data):
+    return build_config({"model": {"path": str(folder)},
+                         "data": {"dataset": "folder", "path": str(folder), "resolution": 128, **data}})
+
+
+def test_sd15_text_is_encoded_as_diffusers_stable_diffusion_pipeline_does(tiny):
+    pipe = StableDiffusionPipeline.from_pretrained(tiny / "sd15", safety_checker=None, requires_safety_checker=False)
+    expected, _ = pipe.encode_prompt(CAPTIONS, "cpu", 1, False)
+    text = PipelineText.from_folder(tiny / "sd15")
+    hidden, pooled = text.encode(CAPTIONS)
+    assert hidden.shape == (3, 77, 32) and pooled.shape == (3, 0)
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=0)
+
+
+def test_sdxl_text_is_encoded_as_diffusers_sdxl_pipeline_does(tiny):
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny / "sdxl")
+    expected, _, expected_pooled, _ = pipe.encode_prompt(CAPTIONS, device="cpu", do_classifier_free_guidance=False)
+    text = PipelineText.from_folder(tiny / "sdxl")
+    hidden, pooled = text.encode(CAPTIONS)
+    assert hidden.shape == (3, 77, 64) and pooled.shape == (3, 32)  # penultimate states of both, concatenated
+    torch.testing.assert_close(hidden, expected, rtol=0, atol=0)
+    torch.testing.assert_close(pooled, expected_pooled, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["sd15", "sdxl"])
+def test_both_layouts_load_unet_vae_and_text_with_matching_shapes(tiny, layout):
+    config = _config(tiny / layout)
+    backbone = build_backbone(config)
+    unet = type(backbone.model).from_pretrained(tiny / layout, subfolder="unet")
+    for name, tensor in unet.state_dict().items():
+        assert torch.equal(backbone.model.state_dict()[name], tensor), name  # the folder's weights, not random ones
+    assert vae_scale_factor(tiny / layout) == 8 and sample_shape(config, backbone) == (4, 16, 16)
+    inputs, conditions = example_inputs(config, backbone, 2)
+    text = build_text_encoder(config, backbone)
+    hidden, pooled = text.encode(["a photo", "a photo"])
+    assert hidden.shape == conditions["encoder_hidden_states"].shape
+    if layout == "sdxl":
+        assert pooled.shape == conditions["text_embeds"].shape
+    vae = load_vae(tiny / layout)
+    assert vae.encode(torch.zeros(1, 3, 64, 32)).latent_dist.mean.shape == (1, 4, 8, 4)
+    assert config.train.objective == "epsilon"  # the scheduler's prediction_type
+
+
+def test_the_scheduler_decides_the_objective_unless_the_config_does(tiny, tmp_path):
+    folder = tmp_path / "sdxl"
+    shutil.copytree(tiny / "sdxl", folder)
+    path = folder / "scheduler" / "scheduler_config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps(dict(cfg, prediction_type="v_prediction")))
+    assert scheduler_objective(folder) == "v_prediction" and _config(folder).train.objective == "v_prediction"
+    explicit = build_config({"model": {"path": str(folder)}, "train": {"objective": "flow_matching"}})
+    assert explicit.train.objective == "flow_matching"
+    path.write_text(json.dumps(dict(cfg, beta_schedule="linear")))
+    with pytest.raises(ConfigError, match="not Stable Diffusion's scaled_linear"):
+        _config(folder)
+
+
+def test_pickle_weights_in_a_pipeline_folder_are_refused_unread(tiny, tmp_path):
+    folder = tmp_path / "sdxl"
+    shutil.copytree(tiny / "sdxl", folder)
+    vae_file = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    vae_file.rename(vae_file.with_suffix(".bin"))  # a pickle-era download (the bytes are never read)
+    with pytest.raises(CheckpointError, match="only pickle weight files.*diffusion_pytorch_model.bin"):
+        load_vae(folder)
+    unet_file = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    unet_file.rename(unet_file.with_suffix(".bin"))
+    with pytest.raises(CheckpointError, match="only pickle weight files"):
+        build_backbone(_config(folder))
+    encoder_file = folder / "text_encoder_2" / "model.safetensors"
+    encoder_file.rename(folder / "text_encoder_2" / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="text_encoder_2: only pickle weight files"):
+        PipelineText.from_folder(folder)
