@@ -1,0 +1,134 @@
+"""Latent and text caches: reused by a second run, exactly one entry recomputed for one changed image, a damaged
+shard named and rebuilt (never trained on), broken images skipped and counted; bucketed batches and SDXL time ids."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from diffpipe.config import build_config
+from diffpipe.data.batches import BatchMaker
+from diffpipe.data.buckets import to_pixels
+from diffpipe.data.cache import ShardStore, fill_store
+from diffpipe.data.folder import read_rgb
+from diffpipe.data.images import cache_folder, encode_latents, prepare_folder_images
+from diffpipe.models.pipeline_folder import PipelineText, load_vae
+
+
+def _config(tiny: Path, photos: Path, **data):
+    return build_config({"model": {"path": str(tiny / "sdxl")}, "train": {"batch_size": 4},
+                         "data": {"dataset": "folder", "path": str(photos), "resolution": 128, "bucket_step": 32, **data}})
+
+
+def _written_keys(folder: Path, before: set[Path]) -> int:
+    """Entries written to the cache's shards since `before` (the seals then)."""
+    return sum(len(json.loads(p.read_text())["keys"]) for p in set(folder.rglob("*.json")) - before)
+
+
+def _prepare(config, tiny):
+    text = PipelineText.from_folder(tiny / "sdxl")
+    return prepare_folder_images(config.data, tiny / "sdxl", load_vae(tiny / "sdxl"), text, show=False), text
+
+
+@pytest.fixture()
+def photos(tiny, tmp_path) -> Path:
+    folder = tmp_path / "photos"
+    shutil.copytree(tiny / "photos", folder)
+    return folder
+
+
+def test_a_second_run_reuses_the_cache_and_one_changed_image_is_recomputed_alone(tiny, photos):
+    config = _config(tiny, photos)
+    cache = cache_folder(config.data)
+    data, text = _prepare(config, tiny)
+    assert len(data.items) == 16 and len(data.latents) == 16
+    assert len(data.bucket_counts()) == 3  # landscape, portrait and square crops
+    assert _written_keys(cache, set()) == 16 + 3  # 16 latents; 2 captions and the empty one
+
+    seals = set(cache.rglob("*.json"))
+    again, _ = _prepare(config, tiny)
+    assert _written_keys(cache, seals) == 0
+    assert all(torch.equal(a, b) for a, b in zip(data.latents, again.latents))
+
+    changed = photos / "flower_3.jpg"
+    Image.open(changed).transpose(Image.FLIP_LEFT_RIGHT).save(changed)
+    seals = set(cache.rglob("*.json"))
+    third, _ = _prepare(config, tiny)
+    assert _written_keys(cache, seals) == 1
+    i = [item.path for item in third.items].index(changed)
+    fresh = encode_latents(load_vae(tiny / "sdxl"), to_pixels(read_rgb(changed), third.placements[i])[None])[0]
+    torch.testing.assert_close(third.latents[i], fresh)  # the new image's latent, not the old one's
+    hidden, _ = text.encode(["a photo of the chinese temple"])
+    torch.testing.assert_close(hidden, PipelineText.from_folder(tiny / "sdxl")._encode(["a photo of the chinese temple"])[0])
+
+
+def test_a_damaged_shard_is_named_removed_and_rebuilt(tiny, photos, capsys):
+    config = _config(tiny, photos)
+    data, _ = _prepare(config, tiny)
+    shard = next(cache_folder(config.data).glob("latents-*/*.safetensors"))
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0xFF  # one flipped byte inside a tensor: the header still reads
+    shard.write_bytes(bytes(raw))
+    rebuilt, _ = _prepare(config, tiny)
+    out = capsys.readouterr().out
+    assert f"damaged cache shard {shard}" in out and "do not match the sha256" in out
+    assert not shard.exists()
+    assert all(torch.equal(a, b) for a, b in zip(data.latents, rebuilt.latents))  # recomputed, not the damaged bytes
+
+
+def test_shard_store_gives_every_process_the_same_entries():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        store = ShardStore(Path(folder))
+        computed = []
+
+        def compute(keys):
+            computed.extend(keys)
+            return {k: {"x": torch.full((2,), float(k))} for k in keys if k != "7"}, {"7": "broken"}
+
+        entries, failed = fill_store(store, [str(i) for i in range(10)], compute, rank=1, world=2)
+        assert sorted(computed) == ["1", "3", "5", "7", "9"]  # this process's share of what was missing
+        assert set(entries) == {"1", "3", "5", "9"} and failed == {"7": "broken"}
+        entries, failed = fill_store(store, [str(i) for i in range(10)], compute, rank=0, world=1)
+        assert set(entries) == {str(i) for i in range(10)} - {"7"}  # only the other share was computed
+        assert sorted(computed) == ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_broken_images_are_skipped_and_counted_with_and_without_the_cache(tiny, photos, cache, capsys):
+    data = (photos / "china_0.jpg").read_bytes()
+    (photos / "china_0.jpg").write_bytes(data[: len(data) // 3])  # truncated: its header reads
+    (photos / "zero.png").write_bytes(b"")
+    (photos / "small.png").write_bytes(b"")
+    Image.new("RGB", (20, 20)).save(photos / "small.png")
+    dataset, _ = _prepare(_config(tiny, photos, cache=cache), tiny)
+    assert len(dataset.items) == 15 and len(dataset.skipped) == 3
+    assert {p.name for p, _ in dataset.skipped.files} == {"china_0.jpg", "zero.png", "small.png"}
+    assert "skipped 3 image file(s)" in capsys.readouterr().out
+    if not cache:
+        assert dataset.x0([0, 1]).shape[0] == 2  # the VAE runs in the step
+
+
+def test_batches_come_from_one_bucket_and_carry_each_images_time_ids(tiny, photos):
+    config = _config(tiny, photos)
+    data, text = _prepare(config, tiny)
+    seen = set()
+    for step in range(8):  # two epochs of 16 images in batches of 4 (buckets of 4, 4 and 8)
+        indices = data.batch_indices(step, 4, seed=0)
+        assert len({data.placements[i].bucket for i in indices}) == 1
+        seen.update(indices)
+    assert seen == set(range(16))
+    maker = BatchMaker(data, text, config.train, 0.0, ("timestep", "encoder_hidden_states", "text_embeds", "time_ids"))
+    batch = maker.make(3, 0, 1)
+    indices = data.batch_indices(3, 4, seed=0)
+    bucket = data.placements[indices[0]].bucket
+    assert batch.noisy.shape == (4, 4, bucket.height // 8, bucket.width // 8)
+    for row, i in zip(batch.conditions["time_ids"].tolist(), indices):
+        item, p = data.items[i], data.placements[i]
+        assert row == [item.height, item.width, p.top, p.left, bucket.height, bucket.width]
+    assert any(row[2] or row[3] for i in range(16) for row in data.size_ids([i]).tolist())  # some crops are offset
