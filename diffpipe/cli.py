@@ -7,6 +7,7 @@
     diffpipe timeline runs/digits [--step N] --out timeline.png
     diffpipe report runs/digits
     diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
+    diffpipe cache examples/photos.toml [--processes N]               # image folders: latents and text ahead
     diffpipe config [--markdown]                                      # every config key, its default and help
     torchrun --nnodes 2 --nproc-per-node 4 ... -m diffpipe train CONFIG   # multi-node: one process per GPU
 
@@ -190,6 +191,21 @@ def _sample(args) -> None:
     print(f"wrote {args.num} image(s) to {args.out}" + (f", each enlarged {scale}x" if scale > 1 else ""))
 
 
+def _cache(args) -> None:
+    from .config import load_config
+    from .data.build_cache import cache_worker
+    from .distributed import launch, under_torchrun
+
+    config = load_config(args.config, args.set or [])
+    if config.data.dataset != "folder" or not config.data.cache:
+        raise UserError(f"{args.config}: nothing to cache; diffpipe cache needs data.dataset = \"folder\" and "
+                        "data.cache = true")
+    processes = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.processes
+    if processes < 1:
+        raise UserError(f"--processes {processes}: give 1 or more")
+    launch(cache_worker, (config.model_dump(mode="json"),), processes)
+
+
 def _plan(args) -> None:
     from .config import load_config
     from .planner.report import plan_command
@@ -248,6 +264,11 @@ def _parser() -> argparse.ArgumentParser:
                            "probed time and peak memory beside the plan's")
     plan.add_argument("--probe-unsplit", action="store_true", help="--probe, and the whole model as one stage first")
     plan.set_defaults(run=_plan)
+    cache = sub.add_parser("cache", help="compute an image-folder run's VAE latents and text-encoder outputs ahead")
+    cache.add_argument("config")
+    cache.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value")
+    cache.add_argument("--processes", type=int, default=1, help="processes sharing the work (one per GPU)")
+    cache.set_defaults(run=_cache)
     timeline = sub.add_parser("timeline", help="draw one step of a run as a Gantt chart, one row per rank")
     timeline.add_argument("run_dir")
     timeline.add_argument("--step", type=int, default=None, help="default: the last recorded step")

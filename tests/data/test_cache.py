@@ -132,3 +132,18 @@ def test_batches_come_from_one_bucket_and_carry_each_images_time_ids(tiny, photo
         item, p = data.items[i], data.placements[i]
         assert row == [item.height, item.width, p.top, p.left, bucket.height, bucket.width]
     assert any(row[2] or row[3] for i in range(16) for row in data.size_ids([i]).tolist())  # some crops are offset
+
+
+def test_cache_command_builds_everything_ahead_on_two_processes(tiny, photos):
+    from diffpipe.cli import main
+
+    config_file = photos.parent / "photos.toml"
+    config_file.write_text(f'[model]\npath = "{tiny / "sdxl"}"\n[data]\ndataset = "folder"\npath = "{photos}"\n'
+                           'resolution = 128\nbucket_step = 32\n')
+    assert main(["cache", str(config_file), "--processes", "2"]) == 0
+    cache = photos / ".diffpipe_cache"
+    assert _written_keys(cache, set()) == 16 + 3
+    assert len(list(cache.glob("latents-*/*.safetensors"))) == 2  # one shard per process
+    seals = set(cache.rglob("*.json"))
+    _prepare(_config(tiny, photos), tiny)  # what a training run does first: finds it all
+    assert _written_keys(cache, seals) == 0

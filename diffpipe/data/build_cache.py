@@ -1,0 +1,36 @@
+"""`diffpipe cache CONFIG [--processes N]`: compute the VAE latents and text-encoder outputs of an image-folder run
+before training, N processes (one per GPU on a GPU machine; or under torchrun) each encoding its share.
+
+    diffpipe cache examples/photos.toml
+    diffpipe cache my_sdxl.toml --processes 8
+    torchrun --nproc-per-node 8 -m diffpipe cache my_sdxl.toml
+
+Training then finds every entry in the cache and starts at once; a run started without it builds the same cache on
+its own processes first.
+"""
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+__all__ = ["cache_worker"]
+
+
+def cache_worker(config_data: dict) -> None:
+    """Each process: its share of the missing cache entries, then everyone reads the whole cache back (a check)."""
+    from ..build import build_backbone, build_dataset, build_text_encoder
+    from ..config import build_config
+    from ..distributed import init_topology, resolve_device_kind
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    config = build_config(config_data)
+    world = int(os.environ["WORLD_SIZE"])
+    topo = init_topology(1, world, resolve_device_kind(config.train.device))
+    backbone = build_backbone(config, "meta")
+    text = build_text_encoder(config, backbone).to(topo.device)
+    data = build_dataset(config, backbone, text, topo.device, topo.rank, topo.world_size, dist.barrier)
+    if topo.is_main:
+        counts = ", ".join(f"{b} {n}" for b, n in sorted(data.bucket_counts().items()))
+        print(f"cached {len(data.items)} images ({counts}) and {len(set(data.captions))} captions", flush=True)
