@@ -36,6 +36,34 @@ def check_before_launch(config: RunConfig) -> Checked:
     if config.data.dataset == "digits" and shape != (1, 8, 8):
         raise SplitError(f"data.dataset='digits' has 1x8x8 images but the model takes {shape}; use "
                          "model.preset = \"digits\", a config with in_channels=1 and sample_size=8, or data.dataset = \"synthetic\"")
+    if config.data.dataset == "folder":
+        _check_folder_data(config, backbone)
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
     split, checkpointing = resolve_stages(config, backbone)
     return Checked(backbone, split, checkpointing)
+
+
+def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:
+    """Image folders need a pipeline folder whose VAE and text encoders fit the UNet, and folders that exist."""
+    import json
+
+    from .data.images import data_folders
+    from .models.pipeline_folder import is_pipeline_folder
+
+    if not is_pipeline_folder(config.model.path):
+        raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
+                              "model_index.json, unet/, vae/ and text encoders), whose VAE turns the images into latents")
+    folder = Path(config.model.path)
+    for path, _ in data_folders(config.data):
+        if not path.is_dir():
+            raise FileNotFoundError(f"data.path: {path} is not a folder")
+    unet = backbone.model.config
+    vae = json.loads((folder / "vae" / "config.json").read_text())
+    if vae.get("latent_channels") != unet.in_channels:
+        raise CheckpointError(f"{folder}: the VAE makes {vae.get('latent_channels')}-channel latents but the UNet takes "
+                              f"{unet.in_channels} channels; the folder mixes components of different models")
+    widths = [json.loads((folder / sub / "config.json").read_text())["hidden_size"]
+              for sub in ("text_encoder", "text_encoder_2") if (folder / sub / "config.json").is_file()]
+    if sum(widths) != unet.cross_attention_dim:
+        raise CheckpointError(f"{folder}: the text encoders give {'+'.join(map(str, widths))} wide states but the UNet "
+                              f"attends to {unet.cross_attention_dim}; the folder mixes components of different models")

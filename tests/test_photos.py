@@ -62,3 +62,25 @@ def test_photos_main_job_runs_as_the_readme_says(tmp_path):
     assert len(losses) == 300 and sum(losses[-30:]) < 0.25 * sum(losses[:30])
     for name in ("samples.png", "model.safetensors", "loss.png", "checkpoints"):
         assert (run / name).exists(), name
+
+
+def test_bad_folder_setups_are_one_line_before_anything_starts(tiny, tmp_path, capsys):
+    from diffpipe.cli import main
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(tiny / "sdxl", mixed)
+    vae_config = mixed / "vae" / "config.json"
+    vae_config.write_text(vae_config.read_text().replace('"latent_channels": 4', '"latent_channels": 16'))
+    cases = [
+        ([f"model.path=\"{tiny / 'sdxl'}\"", f"data.path=\"{tmp_path / 'nowhere'}\""], "is not a folder"),
+        ([f"model.path=\"{tiny / 'sdxl' / 'unet'}\"", f"data.path=\"{tiny / 'photos'}\""], "needs model.path to be a diffusers pipeline folder"),
+        ([f"model.path=\"{mixed}\"", f"data.path=\"{tiny / 'photos'}\""], "16-channel latents but the UNet takes 4"),
+        ([f"model.path=\"{tiny / 'sdxl'}\"", "data.path=[\"a\", \"b\"]", "data.repeats=[1]"], "data.repeats lists 1"),
+    ]
+    for overrides, message in cases:
+        args = ["train", str(EXAMPLE), "--output-dir", str(tmp_path / "run")]
+        for override in overrides:
+            args += ["--set", override]
+        assert main(args) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "run").exists()
