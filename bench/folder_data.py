@@ -75,14 +75,17 @@ def write_real_sdxl(out: Path) -> Path:
 def write_images(out: Path, count: int, shapes: list[tuple[int, int]]) -> Path:
     """`count` crops of the two sample photos, resized to the given shapes (10 % larger: the buckets crop)."""
     from PIL import Image
-    from sklearn.datasets import load_sample_images
 
-    photos = load_sample_images()
+    try:
+        from sklearn.datasets import load_sample_images
+        photos = [Image.fromarray(pixels) for pixels in load_sample_images().images]
+    except ImportError:  # a machine without scikit-learn: the whole photos, as examples/make_tiny_pipeline.py wrote them
+        photos = [Image.open(ROOT / "examples" / "tiny" / "photos" / f"{name}_0.jpg") for name in ("china", "flower")]
     folder = out / "images"
     folder.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
     for i in range(count):
-        image = Image.fromarray(photos.images[i % 2])
+        image = photos[i % 2]
         width, height = shapes[i % len(shapes)]
         left, top = (int(v) for v in torch.randint(0, 200, (2,), generator=gen))
         crop = image.crop((left, top, left + 440, top + 227)) if width > height else image.crop(
