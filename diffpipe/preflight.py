@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .build import build_backbone, sample_shape
 from .config import RunConfig
-from .models.loading import CheckpointError, check_checkpoint, weights_file
+from .models.loading import CheckpointError, checked_weights
 from .models.units import Backbone
 from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
@@ -27,8 +27,7 @@ class Checked:
 
 def check_before_launch(config: RunConfig) -> Checked:
     backbone = build_backbone(config, device="meta")
-    if config.model.path is not None:
-        check_checkpoint(backbone.model, weights_file(Path(config.model.path)))
+    checked_weights(backbone.model, config.model)  # converts an original-layout file once, for every process
     if config.model.text_encoder != "tiny-clip" and not (Path(config.model.text_encoder) / "config.json").is_file():
         raise CheckpointError(f"model.text_encoder={config.model.text_encoder}: no config.json there; give a local "
                               "transformers CLIP folder or \"tiny-clip\"")

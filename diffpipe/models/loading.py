@@ -103,9 +103,20 @@ def build_unet(cfg: ModelConfig) -> UNet2DConditionModel:
 
 
 def checked_weights(model: torch.nn.Module, cfg: ModelConfig) -> Path | None:
-    """The weights file of `cfg.path`, refused before anything is read if written for another architecture."""
+    """The weights file of `cfg.path` (an original-layout single file converted first: original_layout.py), refused
+    before anything is read if written for another architecture."""
+    from .original_layout import converted_unet_file, is_original_layout
+
     if cfg.path is None:
         return None
     path = weights_file(Path(cfg.path))
+    _file_shapes(path)  # an unreadable file is named as such
+    if Path(cfg.path).is_file() and is_original_layout(path):
+        try:
+            path = converted_unet_file(path, dict(model.config))
+        except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as exc:
+            raise CheckpointError(f"model.path={cfg.path}: an original-layout (A1111 / ComfyUI) checkpoint that does not "
+                                  f"convert to the UNet of model.preset / model.config ({type(exc).__name__}: {exc}); "
+                                  "check that they describe the same model (sd15, sdxl)") from None
     check_checkpoint(model, path)
     return path

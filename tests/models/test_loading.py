@@ -92,3 +92,43 @@ def test_pickle_weights_are_refused_unread(tmp_path, suffix):
     config = build_config({"model": {"path": str(path)}})
     with pytest.raises(CheckpointError, match="pickles"):
         check_before_launch(config)
+
+
+def _original_layout_file(tmp_path, unet: UNet2DConditionModel):
+    """A single file as A1111 / ComfyUI share them: the UNet under model.diffusion_model.*, beside a VAE's and a
+    text encoder's tensors (which the UNet's loading leaves alone)."""
+    from diffpipe.models.original_layout import to_original_layout
+
+    tensors = to_original_layout(unet.state_dict(), dict(unet.config))
+    tensors["first_stage_model.decoder.conv_in.weight"] = torch.zeros(4, 4, 3, 3)
+    tensors["conditioner.embedders.0.transformer.text_model.embeddings.position_ids"] = torch.zeros(1, 77)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "finetune.safetensors"))
+    return tmp_path / "finetune.safetensors"
+
+
+@pytest.mark.parametrize("style", ["sd", "sdxl"])
+def test_loads_an_original_layout_single_file_through_diffusers_conversion(tmp_path, monkeypatch, style):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    config = dict(UNET_PRESETS["digits"])
+    if style == "sdxl":
+        config.update(addition_embed_type="text_time", addition_time_embed_dim=8,
+                      projection_class_embeddings_input_dim=16 + 6 * 8, transformer_layers_per_block=(1, 2),
+                      use_linear_projection=True)  # diffusers converts int layers_per_block only, as SD and SDXL have
+    torch.manual_seed(5)
+    unet = UNet2DConditionModel(**config)
+    path = _original_layout_file(tmp_path, unet)
+    model = {"path": str(path), "config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}}
+    _assert_same_weights(unet, _built(model))
+    converted = list((tmp_path / "cache" / "diffpipe" / "converted").glob("finetune-*.safetensors"))
+    assert len(converted) == 1  # converted once; a second build reads the converted file
+    _assert_same_weights(unet, _built(model))
+    assert list((tmp_path / "cache" / "diffpipe" / "converted").glob("finetune-*.safetensors")) == converted
+
+
+def test_an_original_layout_file_of_another_architecture_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    torch.manual_seed(5)
+    path = _original_layout_file(tmp_path, UNet2DConditionModel(**UNET_PRESETS["digits"]))
+    wider = dict(UNET_PRESETS["digits"], block_out_channels=[32, 96])
+    with pytest.raises(CheckpointError, match="does not match this model's architecture|does not convert"):
+        _built({"path": str(path), "config": {k: list(v) if isinstance(v, tuple) else v for k, v in wider.items()}})

@@ -1,0 +1,112 @@
+"""UNet weights in the original Stable Diffusion key layout (Stability's releases, A1111, ComfyUI and most shared
+fine-tunes: `model.diffusion_model.input_blocks.1.0.in_layers.0.weight`, ...) and diffusers' layout.
+
+Reading: a single .safetensors file in the original layout is converted once by diffusers' own key map
+(`convert_ldm_unet_checkpoint`, what `from_single_file` uses) for the architecture of model.preset / model.config,
+and written as a diffusers-named file under ~/.cache/diffpipe/converted (keyed by the file's name, size, time and
+header), which every process then reads tensor by tensor as any other weights file.
+
+Writing (`to_original_layout`): the inverse map, derived from the UNet's config (levels, layers per level, which
+levels attend), so a trained UNet can go back to the layout ComfyUI and A1111 load. The round trip through
+diffusers' converter is tested to give back every tensor.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+__all__ = ["ORIGINAL_PREFIX", "is_original_layout", "converted_unet_file", "to_original_layout"]
+
+ORIGINAL_PREFIX = "model.diffusion_model."
+_RESNET_PARTS = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
+                 "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+
+
+def is_original_layout(path: Path) -> bool:
+    with safe_open(str(path), framework="pt") as f:
+        return any(k.startswith(ORIGINAL_PREFIX) for k in f.keys())
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "diffpipe" / "converted"
+
+
+def _file_identity(path: Path) -> str:
+    stat = path.stat()
+    with path.open("rb") as f:
+        header_length = int.from_bytes(f.read(8), "little")
+        header = f.read(min(header_length, 1 << 26))
+    return hashlib.sha256(f"{path.resolve()}/{stat.st_size}/{stat.st_mtime_ns}".encode() + header).hexdigest()[:16]
+
+
+def converted_unet_file(path: Path, config: dict) -> Path:
+    """The diffusers-named UNet weights of an original-layout file, converted on first use."""
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+
+    target = _cache_root() / f"{path.stem}-{_file_identity(path)}.safetensors"
+    if target.is_file():
+        return target
+    checkpoint = {k: v for k, v in load_file(str(path)).items() if k.startswith(ORIGINAL_PREFIX)}
+    converted = convert_ldm_unet_checkpoint(checkpoint, config)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f".{target.name}.{os.getpid()}")
+    save_file({k: v.contiguous() for k, v in converted.items()}, str(temporary))
+    temporary.rename(target)  # several processes may convert at once: each rename is whole
+    return target
+
+
+def _prefix_map(config: dict) -> dict[str, str]:
+    """diffusers module prefix -> original prefix, for this UNet's levels."""
+    levels = len(config["block_out_channels"])
+    layers = config.get("layers_per_block", 2)
+    layers = [layers] * levels if isinstance(layers, int) else list(layers)
+    names = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
+             "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2",
+             "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2",
+             "mid_block.resnets.0": "middle_block.0", "mid_block.attentions.0": "middle_block.1",
+             "mid_block.resnets.1": "middle_block.2"}
+    n = 1
+    for i, kind in enumerate(config["down_block_types"]):
+        for j in range(layers[i]):
+            names[f"down_blocks.{i}.resnets.{j}"] = f"input_blocks.{n}.0"
+            if "CrossAttn" in kind:
+                names[f"down_blocks.{i}.attentions.{j}"] = f"input_blocks.{n}.1"
+            n += 1
+        if i < levels - 1:
+            names[f"down_blocks.{i}.downsamplers.0.conv"] = f"input_blocks.{n}.0.op"
+            n += 1
+    n = 0
+    for i, kind in enumerate(config["up_block_types"]):
+        attends = "CrossAttn" in kind
+        last = list(reversed(layers))[i]
+        for j in range(last + 1):
+            names[f"up_blocks.{i}.resnets.{j}"] = f"output_blocks.{n}.0"
+            if attends:
+                names[f"up_blocks.{i}.attentions.{j}"] = f"output_blocks.{n}.1"
+            if i < levels - 1 and j == last:
+                names[f"up_blocks.{i}.upsamplers.0.conv"] = f"output_blocks.{n}.{2 if attends else 1}.conv"
+            n += 1
+    return names
+
+
+def to_original_layout(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """A diffusers UNet state dict under the original names (with the `model.diffusion_model.` prefix)."""
+    prefixes = sorted(_prefix_map(config).items(), key=lambda kv: -len(kv[0]))
+    out = {}
+    for key, tensor in state_dict.items():
+        for ours, theirs in prefixes:
+            if key.startswith(ours + "."):
+                rest = key[len(ours) + 1:]
+                if ".resnets." in ours:
+                    part, _, tail = rest.partition(".")
+                    rest = f"{_RESNET_PARTS[part]}.{tail}"
+                out[ORIGINAL_PREFIX + theirs + "." + rest] = tensor
+                break
+        else:
+            raise KeyError(f"{key}: no original-layout name known for it")
+    return out
