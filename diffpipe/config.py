@@ -60,6 +60,8 @@ class DataConfig(_Section):
     bucket_sizes: list[list[int]] | None = Field(None, description="Buckets given as [width, height] pixel pairs instead of derived from resolution, bucket_step and max_aspect.")
     cache: bool = Field(True, description="Compute VAE latents and text-encoder outputs once and keep them on disk (safetensors shards keyed by fingerprints of images and models); false: the frozen VAE and text encoders run inside every step.")
     cache_dir: str | None = Field(None, description="Where the caches live; unset: .diffpipe_cache inside the first data folder (shared by runs on the same data).")
+    eval_fraction: float = Field(0.0, ge=0.0, lt=0.5, description="data.dataset = folder: share of the image files held out of training for the eval loss (every k-th file in name order).")
+    eval_path: str | list[str] | None = Field(None, description="data.dataset = folder: folder(s) of images with captions for the eval loss instead of data.eval_fraction.")
     caption_dropout: float = Field(0.1, ge=0.0, le=1.0, description="Fraction of captions replaced by the empty caption (enables guidance).")
     text_cache_gib: float = Field(1.0, ge=0, description="digits and synthetic: encode each distinct caption once and keep the text encoder's outputs on its device when they all fit in this many GiB; 0: encode every step's captions.")
 
@@ -104,6 +106,8 @@ class TrainConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA with NCCL when available, else CPU with gloo.")
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
     max_bad_steps: int = Field(10, ge=1, description="Stop the run after this many steps in a row skipped for a non-finite loss or gradients (fp16 overflows included).")
+    eval_every: int = Field(0, ge=0, description="Eval loss every N steps and at the end (eval_loss and eval_loss_tQ per quantile in metrics.jsonl and TensorBoard) on the held-out data: data.eval_fraction / data.eval_path for folders, the held-out digits for digits; 0: never.")
+    eval_quantiles: list[float] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="Quantiles of the training timestep density the eval loss is measured at (the same timesteps and noise every time).")
     stage_lr_scale: list[float] | None = Field(None, description="Per-stage learning-rate multipliers (one per stage); unset: all 1.")
 
 
@@ -158,6 +162,7 @@ class SampleConfig(_Section):
     steps: int = Field(30, ge=1, description="Sampler steps (Euler for flow matching, DDIM otherwise).")
     guidance_scale: float = Field(3.0, ge=0, description="Classifier-free guidance scale; 1 turns guidance off.")
     seeds: list[int] = Field([0, 1, 2, 3], min_length=1, description="Seeds of the rows of samples.png.")
+    every: int = Field(0, ge=0, description="Also sample during training every N steps, through the pipeline itself (no weights gathered): RUN_DIR/samples/step-N.png and TensorBoard; 0: only samples.png at the end.")
     prompts: list[str] = Field([], description="Prompts (columns) of samples.png for image folders; unset: up to 4 distinct captions of the data.")
 
 
@@ -206,6 +211,14 @@ class RunConfig(_Section):
                     f"{p.stages * p.virtual_stages} stages need {p.stages * p.virtual_stages - 1}; or set split = \"auto\"")
             if any(b <= a for a, b in zip([0] + p.split, p.split)):
                 raise ValueError(f"pipeline.split={p.split} must be strictly increasing unit indices above 0")
+        if t.eval_every and self.data.dataset == "synthetic":
+            raise ValueError("train.eval_every needs held-out data: data.dataset digits or folder (with "
+                             "data.eval_fraction or data.eval_path); set train.eval_every = 0")
+        if t.eval_every and self.data.dataset == "folder" and not (self.data.eval_fraction or self.data.eval_path):
+            raise ValueError("train.eval_every needs held-out images: set data.eval_fraction (e.g. 0.1) or "
+                             "data.eval_path, or train.eval_every = 0")
+        if any(not 0 < q < 1 for q in t.eval_quantiles):
+            raise ValueError(f"train.eval_quantiles={t.eval_quantiles}: each must lie strictly between 0 and 1")
         chunks = p.stages * p.virtual_stages
         if self.train.stage_lr_scale is not None and len(self.train.stage_lr_scale) != chunks:
             raise ValueError(f"train.stage_lr_scale lists {len(self.train.stage_lr_scale)} multipliers for {chunks} "

@@ -53,9 +53,10 @@ def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:
         raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
                               "model_index.json, unet/, vae/ and text encoders), whose VAE turns the images into latents")
     folder = Path(config.model.path)
-    for path, _ in data_folders(config.data):
-        if not path.is_dir():
-            raise FileNotFoundError(f"data.path: {path} is not a folder")
+    for key, eval_split in (("data.path", False), ("data.eval_path", True)):
+        for path, _ in data_folders(config.data, eval_split):
+            if not path.is_dir():
+                raise FileNotFoundError(f"{key}: {path} is not a folder")
     unet = backbone.model.config
     vae = json.loads((folder / "vae" / "config.json").read_text())
     if vae.get("latent_channels") != unet.in_channels:

@@ -6,7 +6,9 @@ Used by `diffpipe sample RUN_DIR --prompt TEXT --out FILE.png` and for `samples.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 from PIL import Image
@@ -33,20 +35,28 @@ def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: 
     return out[0]
 
 
+Forward = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]  # (x, conditions) -> the backbone's output
+
+
 @dataclass
 class Generator:
+    """Samples through `forward`: the stage modules chained in one process (`load_generator`), or the training
+    pipeline itself (Trainer.generate)."""
+
     config: RunConfig
-    modules: list[StageModule]
+    forward: Forward
     text: CaptionEncoder
     conditions_needed: tuple[str, ...]
     shape: tuple[int, int, int]  # of what the backbone denoises: latents when there is a VAE
     vae: torch.nn.Module | None = None
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], seeds: list[int], steps: int, guidance_scale: float) -> torch.Tensor:
+    def generate(self, prompts: list[str], seeds: list[int], steps: int, guidance_scale: float,
+                 decode: bool = True) -> torch.Tensor:
         """One image per (prompt, seed) pair, in [-1, 1], shape (N, C, H, W): RGB pixels decoded by the VAE when the
-        run has one, else what the backbone made."""
+        run has one (and `decode`), else what the backbone made."""
         noise = torch.stack([torch.randn(self.shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
+        noise = noise.to(self.text.device)
         maker = BatchMaker(None, self.text, self.config.train, 0.0, self.conditions_needed)
         guided = guidance_scale != 1.0
         texts = list(prompts) + ([""] * len(prompts) if guided else [])
@@ -55,15 +65,18 @@ class Generator:
 
         def predict(x: torch.Tensor, model_t: torch.Tensor) -> torch.Tensor:
             xin = torch.cat([x, x]) if guided else x
+            model_t = model_t.to(x.device)
             named = dict(conditions, timestep=torch.cat([model_t, model_t]) if guided else model_t)
-            out = run_stages(self.modules, xin, named).float()
+            out = self.forward(xin, named).float()
             if not guided:
                 return out
             cond, uncond = out.chunk(2)
             return uncond + guidance_scale * (cond - uncond)
 
         made = sample(predict, noise, steps, self.config.train.objective)
-        return self.decode(made) if self.vae is not None else made.clamp(-1, 1)
+        if self.vae is not None and decode:
+            return self.decode(made)
+        return made.clamp(-1, 1)
 
     @property
     def pixel_size(self) -> tuple[int, int]:
@@ -75,7 +88,8 @@ class Generator:
         """Latents scaled as in training (data/images.py, encode_latents) to RGB in [-1, 1]."""
         cfg = self.vae.config
         unscaled = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        return self.vae.decode(unscaled.to(next(self.vae.parameters()).dtype)).sample.float().clamp(-1, 1)
+        weights = next(self.vae.parameters())
+        return self.vae.decode(unscaled.to(weights.device, weights.dtype)).sample.float().clamp(-1, 1).cpu()
 
 
 def load_generator(run_dir: str | Path) -> Generator:
@@ -96,11 +110,12 @@ def load_generator(run_dir: str | Path) -> Generator:
     backbone.model.eval()
     split = config.pipeline.split if isinstance(config.pipeline.split, list) else []
     modules = build_stage_modules(backbone, stage_specs(backbone, split), AUTOCAST_DTYPES[config.train.precision])
+    forward = partial(run_stages, modules)
     if pipeline is None:
-        return Generator(config, modules, TextEncoder.from_folder(run_dir / "text_encoder", config.model.text_max_length),
+        return Generator(config, forward, TextEncoder.from_folder(run_dir / "text_encoder", config.model.text_max_length),
                          backbone.conditions, sample_shape(config, backbone))
     config.model.path = str(pipeline)
-    return Generator(config, modules, build_text_encoder(config, backbone), backbone.conditions,
+    return Generator(config, forward, build_text_encoder(config, backbone), backbone.conditions,
                      sample_shape(config, backbone), load_vae(pipeline))
 
 

@@ -15,7 +15,7 @@ from ..diffusion.objectives import make_targets
 from ..diffusion.timesteps import sample_timesteps
 from ..models.text import CaptionEncoder
 
-__all__ = ["StepBatch", "BatchMaker", "TensorImages", "square_size_ids"]
+__all__ = ["StepBatch", "BatchMaker", "TensorImages", "square_size_ids", "fixed_batches"]
 
 
 @dataclass
@@ -51,11 +51,26 @@ class TensorImages:
             out.extend(perm[offset:offset + batch_size - len(out)].tolist())
         return out
 
+    def groups(self) -> list[list[int]]:
+        return [list(range(len(self.images)))]
+
     def x0(self, indices: list[int]) -> torch.Tensor:
         return self.images[torch.tensor(indices)]
 
     def size_ids(self, indices: list[int]) -> torch.Tensor:
         return square_size_ids(len(indices), *self.images.shape[-2:])
+
+
+def fixed_batches(data, batch_size: int) -> list[list[int]]:
+    """Every item once, in batches of `batch_size` from one group (bucket) each; a group's last batch is filled up
+    from its start. The same list every time: what an eval loss runs over."""
+    batches = []
+    for group in data.groups():
+        for start in range(0, len(group), batch_size):
+            batch = group[start:start + batch_size]
+            batches.append([group[i % len(group)] for i in range(start, start + batch_size)] if len(batch) < batch_size
+                           else batch)
+    return batches
 
 
 def square_size_ids(n: int, height: int, width: int) -> torch.Tensor:
@@ -94,5 +109,18 @@ class BatchMaker:
         noise = torch.randn((len(idx), *x0.shape[1:]), generator=gen)  # drawn for the global batch, then sliced
         targets = make_targets(self.train.objective, x0, noise[part], t[part])
         conditions = self.text_conditions(captions[part], self.data.size_ids(mine))
+        conditions["timestep"] = targets.model_timestep
+        return StepBatch(targets.noisy.contiguous(), targets.target.contiguous(), conditions)
+
+    def make_fixed(self, data, indices: list[int], t: float, noise_seed: int, dp_rank: int, dp_size: int) -> StepBatch:
+        """This replica's slice of a batch of the given items of `data`, all at timestep t, with noise drawn from
+        `noise_seed` and every caption kept: the same numbers each time it is asked for (eval)."""
+        per = len(indices) // dp_size
+        part = slice(dp_rank * per, (dp_rank + 1) * per)
+        mine = indices[part]
+        x0 = data.x0(mine)
+        noise = torch.randn((len(indices), *x0.shape[1:]), generator=torch.Generator().manual_seed(noise_seed))
+        targets = make_targets(self.train.objective, x0, noise[part], torch.full((len(mine),), t))
+        conditions = self.text_conditions([data.captions[i] for i in mine], data.size_ids(mine))
         conditions["timestep"] = targets.model_timestep
         return StepBatch(targets.noisy.contiguous(), targets.target.contiguous(), conditions)

@@ -36,8 +36,12 @@ def data_buckets(data: DataConfig) -> list[Bucket]:
     return make_buckets(data.resolution, data.bucket_step, data.max_aspect)
 
 
-def data_folders(data: DataConfig) -> list[tuple[Path, int]]:
-    paths = [data.path] if isinstance(data.path, str) else list(data.path or [])
+def data_folders(data: DataConfig, eval_split: bool = False) -> list[tuple[Path, int]]:
+    """(folder, repeats) of data.path, or with `eval_split` of data.eval_path (each once)."""
+    chosen = data.eval_path if eval_split else data.path
+    paths = [chosen] if isinstance(chosen, str) else list(chosen or [])
+    if eval_split:
+        return [(Path(p), 1) for p in paths]
     repeats = data.repeats if isinstance(data.repeats, list) else [data.repeats] * len(paths)
     return [(Path(p), r) for p, r in zip(paths, repeats)]
 
@@ -79,6 +83,7 @@ class FolderImages:
     skipped: Skipped
     latents: list[torch.Tensor] | None = None
     vae: torch.nn.Module | None = None
+    held_out: "FolderImages | None" = None  # the eval split (data.eval_fraction / data.eval_path), if any
 
     @property
     def captions(self) -> list[str]:
@@ -87,19 +92,23 @@ class FolderImages:
     def bucket_counts(self) -> Counter:
         return Counter(p.bucket for p in self.placements)
 
+    def groups(self) -> list[list[int]]:
+        """Indices of the items of each bucket: what may share a batch."""
+        groups: dict[Bucket, list[int]] = {}
+        for i, p in enumerate(self.placements):
+            groups.setdefault(p.bucket, []).append(i)
+        return [groups[b] for b in sorted(groups)]
+
     def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
         """The step's items, all from one bucket. Each epoch shuffles every bucket's items, cuts them into batches
         (a bucket's last batch filled up from its start) and shuffles the batches; seeded by (seed, epoch), so every
         process draws the same."""
-        groups: dict[Bucket, list[int]] = {}
-        for i, p in enumerate(self.placements):
-            groups.setdefault(p.bucket, []).append(i)
-        per_epoch = sum(-(-len(g) // batch_size) for g in groups.values())
+        groups = self.groups()
+        per_epoch = sum(-(-len(g) // batch_size) for g in groups)
         epoch, position = divmod(step, per_epoch)
         gen = torch.Generator().manual_seed(seed * 7919 + epoch)
         batches = []
-        for bucket in sorted(groups):
-            group = groups[bucket]
+        for group in groups:
             order = [group[i] for i in torch.randperm(len(group), generator=gen).tolist()]
             for start in range(0, len(order), batch_size):
                 batch = order[start:start + batch_size]
@@ -139,23 +148,49 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
     skipped = Skipped()
     min_side = min(min(b.width, b.height) for b in buckets) // 2
     items = scan_folders(data_folders(data), min_side, skipped)
-    placements = [place(item.width, item.height, buckets) for item in items]
-    dataset = FolderImages(items, placements, skipped, vae=vae)
-    if data.cache:
-        _cache_latents(dataset, data, model_path, vae, rank, world, barrier, show)
-        _cache_text(dataset, data, text, rank, world, barrier, show)
+    if data.eval_path:
+        eval_items = scan_folders(data_folders(data, eval_split=True), min_side, skipped)
     else:
-        for i in reversed(range(len(items))):  # every image decoded once now: a broken one never fails a step
-            try:
-                read_rgb(items[i].path)
-            except BadImage as exc:
-                skipped.add(items[i].path, str(exc))
-                del items[i], placements[i]
+        items, eval_items = _hold_out(items, data.eval_fraction)
+    dataset = _placed(items, buckets, skipped, vae)
+    held = _placed(eval_items, buckets, skipped, vae) if eval_items else None
+    for part in (dataset, held) if held is not None else (dataset,):
+        if data.cache:
+            _cache_latents(part, data, model_path, vae, rank, world, barrier, show)
+            _cache_text(part, data, text, rank, world, barrier, show)
+        else:
+            _check_decodes(part)
     if rank == 0 and skipped.files:
         print(skipped.warning(), flush=True)
     if not dataset.items:
         raise FileNotFoundError(f"data.path: no usable images in {', '.join(str(f) for f, _ in data_folders(data))}")
+    dataset.held_out = held if held is not None and held.items else None
     return dataset
+
+
+def _placed(items: list[ImageItem], buckets: list[Bucket], skipped: Skipped, vae) -> FolderImages:
+    return FolderImages(items, [place(i.width, i.height, buckets) for i in items], skipped, vae=vae)
+
+
+def _hold_out(items: list[ImageItem], fraction: float) -> tuple[list[ImageItem], list[ImageItem]]:
+    """Every k-th distinct image file (k = 1 / fraction, in name order) goes to the eval split, all its repeats
+    with it; the rest trains."""
+    if not fraction:
+        return items, []
+    every = max(2, round(1 / fraction))
+    files = sorted({item.path for item in items})
+    held = {path for i, path in enumerate(files) if i % every == every - 1}
+    return [i for i in items if i.path not in held], list({i.path: i for i in items if i.path in held}.values())
+
+
+def _check_decodes(dataset: FolderImages) -> None:
+    """Uncached, every image is decoded once now: a broken one never fails a step."""
+    for i in reversed(range(len(dataset.items))):
+        try:
+            read_rgb(dataset.items[i].path)
+        except BadImage as exc:
+            dataset.skipped.add(dataset.items[i].path, str(exc))
+            del dataset.items[i], dataset.placements[i]
 
 
 def _cache_latents(dataset: FolderImages, data: DataConfig, model_path: Path, vae, rank, world, barrier, show) -> None:

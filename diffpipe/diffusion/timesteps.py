@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["sample_timesteps", "NUM_TRAIN_TIMESTEPS"]
+__all__ = ["sample_timesteps", "timestep_quantiles", "NUM_TRAIN_TIMESTEPS"]
 
 NUM_TRAIN_TIMESTEPS = 1000
 
@@ -44,3 +44,23 @@ def sample_timesteps(kind: str, n: int, generator: torch.Generator, *, logit_mea
     else:
         raise ValueError(f"unknown timestep sampling {kind!r}")
     return t.clamp(1e-5, 1 - 1e-5)
+
+
+def timestep_quantiles(kind: str, quantiles: list[float], *, logit_mean: float = 0.0, logit_std: float = 1.0,
+                       shift: float = 3.0) -> torch.Tensor:
+    """The timesteps t in (0, 1) at the given quantiles of the named training density (its inverse CDF): the fixed
+    timesteps an eval loss is measured at, so it compares across evaluations."""
+    q = torch.tensor(quantiles, dtype=torch.float64)
+    if kind == "uniform":
+        t = q
+    elif kind == "logit_normal":
+        t = torch.sigmoid(logit_mean + logit_std * torch.special.ndtri(q))
+    elif kind == "shift":
+        t = _shift(q, shift)
+    elif kind == "importance":
+        k = torch.arange(NUM_TRAIN_TIMESTEPS, dtype=torch.float64)
+        cdf = torch.cumsum(0.99 ** k, 0) / (0.99 ** k).sum()
+        t = (torch.searchsorted(cdf, q).double() + 0.5) / NUM_TRAIN_TIMESTEPS
+    else:
+        raise ValueError(f"unknown timestep sampling {kind!r}")
+    return t.float().clamp(1e-5, 1 - 1e-5)

@@ -1,4 +1,4 @@
-"""Scalar sinks: TensorBoard (torch.utils.tensorboard) and, when installed and enabled, Weights & Biases."""
+"""Scalar and image sinks: TensorBoard (torch.utils.tensorboard) and, when installed and enabled, Weights & Biases."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,6 +18,9 @@ class _Wandb:
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self._run.log({tag: value}, step=step)
 
+    def add_image(self, tag: str, path: Path, step: int) -> None:
+        self._run.log({tag: self._wandb.Image(str(path))}, step=step)
+
     def close(self) -> None:
         self._run.finish()
 
@@ -31,6 +34,18 @@ class ScalarWriters:
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         for sink in self.sinks:
             sink.add_scalar(tag, value, step)
+
+    def add_image(self, tag: str, path: Path, step: int) -> None:
+        """An image file (a PNG of samples) under `tag`."""
+        import numpy as np
+        from PIL import Image
+
+        pixels = np.asarray(Image.open(path).convert("RGB"))
+        for sink in self.sinks:
+            if isinstance(sink, _Wandb):
+                sink.add_image(tag, path, step)
+            else:
+                sink.add_image(tag, pixels, step, dataformats="HWC")
 
     def close(self) -> None:
         for sink in self.sinks:

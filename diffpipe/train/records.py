@@ -115,5 +115,7 @@ class StepReport:
             for key in ("loss", "lr", "grad_norm", "samples_per_s"):
                 if key in record:
                     self.writers.add_scalar(f"train/{key}", record[key], step)
+            for key in (k for k in record if k.startswith("eval_loss")):
+                self.writers.add_scalar(f"eval/{key.removeprefix('eval_')}", record[key], step)
         self.progress.update(self.task, completed=step + 1, loss=f"{record['loss']:.4f}",
                              samples_per_s=f"{record['samples_per_s']:.1f}")

@@ -17,9 +17,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ..build import AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_dataset, build_text_encoder, give_weights
+from ..build import (AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_dataset, build_text_encoder, give_weights,
+                     sample_shape)
 from ..config import RunConfig
-from ..data.batches import BatchMaker, StepBatch
+from ..data.batches import BatchMaker, StepBatch, TensorImages
 from ..data.prefetch import BatchPrefetcher
 from ..models.loading import CheckpointError
 from ..models.text import TextEncoder
@@ -35,6 +36,7 @@ from ..planner.plan import resolve_stages
 from .optim import (LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer,
                     step_optimizer)
 from .checkpoint import PendingCheckpoint, latest_checkpoint, load_checkpoint, model_shapes, save_checkpoint
+from .evaluation import evaluate, write_samples
 from .records import StepReport
 from .weights import gather_weights
 
@@ -81,12 +83,16 @@ class Trainer:
         self.text = build_text_encoder(config, backbone).to(topo.device)
         self.data = build_dataset(config, backbone, self.text, topo.device, topo.rank, topo.world_size, dist.barrier)
         self.batches = BatchMaker(self.data, self.text, config.train, config.data.caption_dropout, backbone.conditions)
+        self.held_out = _held_out(config, self.data)
+        self.vae = getattr(self.data, "vae", None)  # image folders: decodes samples during training
+        self.conditions_needed, self.sample_shape = backbone.conditions, sample_shape(config, backbone)
         skipped = getattr(self.data, "skipped", None)  # image folders: files left out, counted in every metrics line
         self.skipped_images = len(skipped) if skipped is not None else None
         if topo.is_main and hasattr(self.data, "bucket_counts"):
             counts = sorted(self.data.bucket_counts().items())
+            held = f"; {len(self.held_out.items)} held out for the eval loss" if self.held_out is not None else ""
             print(f"{len(self.data.items)} images in {len(counts)} bucket(s): "
-                  + ", ".join(f"{b} {n}" for b, n in counts), flush=True)
+                  + ", ".join(f"{b} {n}" for b, n in counts) + held, flush=True)
         moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches)
         self.writers = make_writers(config, run_dir) if topo.is_main else ScalarWriters([])
         self.observer = PipelineObserver(config, topo, run_dir, moved, probe_link(topo), self.writers)
@@ -213,6 +219,10 @@ class Trainer:
         minutes = self.config.checkpoint.every_minutes
         return minutes > 0 and time.monotonic() - self._last_checkpoint >= 60 * minutes
 
+    def _due(self, step: int, every: int, at_end: bool) -> bool:
+        last = step + 1 == self.config.train.max_steps
+        return every > 0 and ((step + 1) % every == 0 and not last or at_end and last)
+
     def _checkpoint_due(self, step: int) -> bool:
         every = self.config.checkpoint.every
         return every > 0 and (step + 1) % every == 0 and step + 1 < self.config.train.max_steps
@@ -264,6 +274,10 @@ class Trainer:
         self._judge_finite(step, record)
         if self.skipped_images is not None:
             record["skipped_images"] = self.skipped_images
+        if self._due(step, self.config.train.eval_every, at_end=True):  # its time counts in the next step's
+            record.update(evaluate(self))
+        if self._due(step, self.config.sample.every, at_end=True):
+            write_samples(self, step)
         interrupted = record.pop("stop_asked") > 0
         overdue = record.pop("checkpoint_asked") > 0
         action = self.observer.after_step(step, record, times) if times is not None else "continue"
@@ -343,6 +357,18 @@ def read_record(record: dict) -> dict:
     if _END in record:
         record[_END].wait()
     return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items() if k != _END}
+
+
+def _held_out(config: RunConfig, data):
+    """The eval split when train.eval_every asks for one: the folder's, or the digits never trained on."""
+    if not config.train.eval_every:
+        return None
+    if config.data.dataset == "digits":
+        from ..data.digits import DigitsDataset
+
+        held = DigitsDataset(split="held_out")
+        return TensorImages(held.images, held.captions)
+    return data.held_out
 
 
 def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int) -> int:

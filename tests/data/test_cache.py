@@ -147,3 +147,20 @@ def test_cache_command_builds_everything_ahead_on_two_processes(tiny, photos):
     seals = set(cache.rglob("*.json"))
     _prepare(_config(tiny, photos), tiny)  # what a training run does first: finds it all
     assert _written_keys(cache, seals) == 0
+
+
+def test_eval_splits_hold_out_whole_files_or_take_another_folder(tiny, photos, tmp_path):
+    data, _ = _prepare(_config(tiny, photos, eval_fraction=0.25, repeats=2), tiny)
+    held = data.held_out
+    assert len(held.items) == 4 and len(data.items) == 2 * 12  # repeats apply to training only
+    assert not {i.path for i in held.items} & {i.path for i in data.items}
+    assert len(held.latents) == 4 and held.x0([0]).shape[1] == 4
+    other = tmp_path / "eval"
+    other.mkdir()
+    for name in ("china_1", "flower_1"):
+        shutil.copy(photos / f"{name}.jpg", other / f"{name}.jpg")
+        (other / f"{name}.txt").write_text("a painting of a flower")
+    data, text = _prepare(_config(tiny, photos, eval_path=str(other)), tiny)
+    assert len(data.items) == 16 and len(data.held_out.items) == 2
+    assert data.held_out.captions == ["a painting of a flower"] * 2
+    assert "a painting of a flower" in text._kept  # its text cached too

@@ -1,0 +1,81 @@
+"""What a run does besides training steps, through the training pipeline itself: the eval loss on held-out data at
+fixed timesteps, and samples during training.
+
+Both run forward passes through every stage (`PipelineRunner.forward_only`, no gradients), so no process gathers
+weights and a model split because it does not fit one device samples as it trains. Every process of the run takes
+part; only the main process writes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..data.batches import fixed_batches
+from ..diffusion.timesteps import timestep_quantiles
+from ..sampling import Generator, save_grid
+
+__all__ = ["evaluate", "write_samples", "sample_prompts"]
+
+
+def evaluate(trainer) -> dict[str, float]:
+    """The mean loss over every held-out item at each of `train.eval_quantiles` of the timestep density, with the
+    same noise every time: `eval_loss` (their mean) and `eval_loss_t<q>` each."""
+    train, topo = trainer.config.train, trainer.topo
+    ts = timestep_quantiles(train.timestep_sampling, train.eval_quantiles, logit_mean=train.logit_mean,
+                            logit_std=train.logit_std, shift=train.shift)
+    batches = fixed_batches(trainer.held_out, train.batch_size)
+    sums = torch.zeros(len(ts), dtype=torch.float64, device=topo.device)
+    for b, indices in enumerate(batches):
+        for q, t in enumerate(ts.tolist()):
+            batch = trainer.batches.make_fixed(trainer.held_out, indices, t, train.seed * 1_000_003 + b,
+                                               topo.dp_rank, topo.dp_size).to(topo.device)
+            _, loss = trainer.runner.forward_only(batch.noisy, batch.conditions, batch.target)
+            if loss is not None:
+                sums[q] += loss.double() / trainer.scaler.scale
+    dist.all_reduce(sums)  # the loss lives on each replica's last stage
+    per_quantile = (sums / (len(batches) * topo.dp_size)).tolist()
+    record = {"eval_loss": sum(per_quantile) / len(per_quantile)}
+    record.update({f"eval_loss_t{q:.2f}": v for q, v in zip(train.eval_quantiles, per_quantile)})
+    return record
+
+
+def _pipeline_forward(trainer):
+    """(x, conditions) -> the backbone's output on every process of this replica's pipeline: padded to a whole number
+    of micro-batches, forwarded through the stages, sent from the last stage to the others."""
+    topo, microbatches = trainer.topo, trainer.config.pipeline.microbatches
+
+    def forward(x: torch.Tensor, conditions: dict[str, torch.Tensor]) -> torch.Tensor:
+        n = x.shape[0]
+        rows = torch.arange(-(-n // microbatches) * microbatches, device=x.device) % n
+        out, _ = trainer.runner.forward_only(x[rows], {k: v[rows] for k, v in conditions.items()})
+        out = out.float().contiguous() if out is not None else torch.empty(x[rows].shape, device=x.device)
+        last_stage_rank = topo.dp_rank * topo.pp_size + topo.pp_size - 1
+        dist.broadcast(out, src=last_stage_rank, group=topo.pp_group)
+        return out[:n]
+
+    return forward
+
+
+def sample_prompts(trainer) -> list[str]:
+    from ..data.digits import DIGIT_WORDS, digit_caption
+
+    if trainer.config.data.dataset == "digits":
+        return [digit_caption(d) for d in range(len(DIGIT_WORDS))]
+    return trainer.config.sample.prompts or list(dict.fromkeys(trainer.data.captions))[:4]
+
+
+def write_samples(trainer, step: int) -> None:
+    """RUN_DIR/samples/step-N.png (rows: sample.seeds; columns: the prompts) and the same grid in TensorBoard."""
+    cfg, topo = trainer.config, trainer.topo
+    prompts = sample_prompts(trainer)
+    generator = Generator(cfg, _pipeline_forward(trainer), trainer.text, trainer.conditions_needed,
+                          trainer.sample_shape, trainer.vae)
+    seeds = cfg.sample.seeds
+    images = generator.generate([p for _ in seeds for p in prompts], [s for s in seeds for _ in prompts],
+                                cfg.sample.steps, cfg.sample.guidance_scale, decode=topo.is_main)
+    if topo.is_main:
+        folder = trainer.run_dir / "samples"
+        folder.mkdir(exist_ok=True)
+        path = folder / f"step-{step + 1:06d}.png"
+        save_grid(images, len(seeds), path, scale=4 if cfg.data.dataset == "digits" else 1)
+        trainer.writers.add_image("samples", path, step)
