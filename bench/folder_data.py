@@ -3,6 +3,7 @@ against the frozen VAE and text encoders run inside every step.
 
     python bench/folder_data.py --size real --out /tmp/folder_bench     # H200: real SDXL widths, 1024x1024 buckets
     python bench/folder_data.py --size tiny --out /tmp/folder_bench     # CPU dry run (the tiny pipeline, 128x128)
+    python bench/folder_data.py --size real --out /tmp/fb --stages 2 --cached-only --skip cache  # 2 GPUs, per bucket
 
 Writes a pipeline folder with random weights (real size: the SDXL UNet preset, SDXL's VAE config, CLIP ViT-L and
 OpenCLIP bigG text-encoder configs, a small real CLIP tokenizer), and a folder of captioned photographs cut from
@@ -125,10 +126,12 @@ def bench_cache(size: str, folder: Path, images: Path) -> None:
                           "buckets": {str(b): n for b, n in sorted(data.bucket_counts().items())}}), flush=True)
 
 
-def bench_training(size: str, folder: Path, images: Path, out: Path, steps: int) -> None:
-    for cache in (True, False):
+def bench_training(size: str, folder: Path, images: Path, out: Path, steps: int, stages: int, uncached: bool) -> None:
+    for cache in (True, False) if uncached else (True,):
         config = _data(size, folder, images, cache)
         config["train"]["max_steps"] = steps
+        config["pipeline"]["stages"] = stages
+        config["observe"]["every"] = 1 if stages > 1 else 10  # several stages: every step's peak memory, per bucket
         config_file = out / f"train_cache_{cache}.json"
         sets = [f"{section}.{key}={json.dumps(value)}" for section, keys in config.items() for key, value in keys.items()]
         run = out / f"run_cache_{cache}"
@@ -143,7 +146,12 @@ def bench_training(size: str, folder: Path, images: Path, out: Path, steps: int)
             continue
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         rates = [r["samples_per_s"] for r in rows[2:]]
-        print(json.dumps({"what": "train", "cache": cache, "steps": len(rows), "wall_s": round(wall, 1),
+        peaks = {}  # bucket -> the largest peak of each stage over its steps
+        for r in rows:
+            stage_peaks = [r.get(f"stage{s}_peak_gib", 0.0) for s in range(stages)]
+            peaks[r["bucket"]] = [round(max(a, b), 2) for a, b in zip(peaks.get(r["bucket"], stage_peaks), stage_peaks)]
+        print(json.dumps({"what": "train", "cache": cache, "stages": stages, "steps": len(rows), "wall_s": round(wall, 1),
+                          "peak_gib_per_stage_by_bucket": peaks,
                           "median_step_s": round(statistics.median(r["step_time_s"] for r in rows[2:]), 4),
                           "median_samples_per_s": round(statistics.median(rates), 2),
                           "final_loss": rows[-1]["loss"]}), flush=True)
@@ -156,6 +164,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--out", required=True)
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: cache,train")
+    parser.add_argument("--stages", type=int, default=1, help="pipeline stages (one GPU each)")
+    parser.add_argument("--cached-only", action="store_true", help="train only with the cache (not also without)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,7 +176,7 @@ def main() -> None:
     if "cache" not in args.skip:
         bench_cache(args.size, folder, images)
     if "train" not in args.skip:
-        bench_training(args.size, folder, images, out, args.steps)
+        bench_training(args.size, folder, images, out, args.steps, args.stages, not args.cached_only)
 
 
 if __name__ == "__main__":

@@ -272,8 +272,10 @@ class Trainer:
         record = read_record(record)
         report.time(record, end)
         self._judge_finite(step, record)
-        if self.skipped_images is not None:
+        if self.skipped_images is not None:  # image folders
             record["skipped_images"] = self.skipped_images
+            indices = self.data.batch_indices(step, self.config.train.batch_size, self.config.train.seed)
+            record["bucket"] = str(self.data.placements[indices[0]].bucket)
         if self._due(step, self.config.train.eval_every, at_end=True):  # its time counts in the next step's
             record.update(evaluate(self))
         if self._due(step, self.config.sample.every, at_end=True):
