@@ -97,7 +97,8 @@ def load_generator(run_dir: str | Path) -> Generator:
     else the text encoder saved in the run folder."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
-        raise CheckpointError(f"{run_dir} is not a run folder (no config.toml); train first with `diffpipe train CONFIG`")
+        raise CheckpointError(f"{run_dir} is not a finished run folder: config.toml is missing "
+                              "(train first with `diffpipe train CONFIG`)")
     config = load_config(run_dir / "config.toml")
     pipeline = Path(config.model.path) if is_pipeline_folder(config.model.path) else None
     needed = ("model.safetensors",) if pipeline is not None else ("model.safetensors", "text_encoder")
