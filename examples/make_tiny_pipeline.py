@@ -21,7 +21,7 @@ from diffusers import (AutoencoderKL, EulerDiscreteScheduler, PNDMScheduler, Sta
                        StableDiffusionXLPipeline, UNet2DConditionModel)
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
-__all__ = ["write_sd15", "write_sdxl", "write_photos", "CAPTION_WORDS"]
+__all__ = ["write_sd15", "write_sdxl", "write_photos", "fitted_vae", "CAPTION_WORDS"]
 
 CAPTION_WORDS = ("a photo of the chinese temple flower pink yellow red roof tree sky close view wide "
                  "detail painting drawing").split()
@@ -67,14 +67,36 @@ def _text_config(tokenizer: CLIPTokenizer, hidden: int, projection: int) -> CLIP
                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
 
 
-def _vae(scaling_factor: float) -> AutoencoderKL:
-    """Four levels, as SD's VAE: 8x fewer pixels per side in the latents, 4 latent channels."""
-    return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16, 16, 16),
-                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                         layers_per_block=1, norm_num_groups=8, sample_size=128, scaling_factor=scaling_factor)
+def fitted_vae(steps: int = 400) -> AutoencoderKL:
+    """Four levels, as SD's VAE (8x fewer pixels per side in the latents, 4 latent channels), trained for `steps` to
+    reconstruct crops of the sample photos (MSE and a small KL term, as the SD VAE's objective less its GAN): random
+    weights would decode any latents to coloured noise. Its scaling factor makes the latents' spread 1, as SD's."""
+    import torch.nn.functional as F
+    from sklearn.datasets import load_sample_images
+
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16, 16, 16),
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        layers_per_block=1, norm_num_groups=8, sample_size=128)
+    photos = torch.stack([torch.from_numpy(p).permute(2, 0, 1).float() / 127.5 - 1 for p in load_sample_images().images])
+    photos = F.interpolate(photos, size=(128, 192), mode="area")  # about the scale the buckets train at
+    gen = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.Adam(vae.parameters(), lr=2e-3)
+    for _ in range(steps):
+        tops, lefts = torch.randint(0, 128 - 48, (8,), generator=gen), torch.randint(0, 192 - 48, (8,), generator=gen)
+        which = torch.randint(0, 2, (8,), generator=gen)
+        batch = torch.stack([photos[w, :, t:t + 48, l:l + 48] for w, t, l in zip(which, tops, lefts)])
+        posterior = vae.encode(batch).latent_dist
+        loss = F.mse_loss(vae.decode(posterior.sample(gen)).sample, batch) + 1e-6 * posterior.kl().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        spread = vae.encode(photos).latent_dist.mean.std().item()
+    vae.register_to_config(scaling_factor=round(1 / spread, 5))
+    return vae.eval()
 
 
-def write_sd15(out: Path, seed: int = 0) -> Path:
+def write_sd15(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Path:
     """SD 1.5 layout: one CLIP text encoder whose last hidden states the UNet attends to; epsilon prediction."""
     torch.manual_seed(seed)
     tokenizer = tiny_clip_tokenizer()
@@ -83,14 +105,14 @@ def write_sd15(out: Path, seed: int = 0) -> Path:
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
         cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8)
     pipe = StableDiffusionPipeline(
-        vae=_vae(0.18215), text_encoder=CLIPTextModel(_text_config(tokenizer, 32, 32)), tokenizer=tokenizer, unet=unet,
+        vae=vae or fitted_vae(), text_encoder=CLIPTextModel(_text_config(tokenizer, 32, 32)), tokenizer=tokenizer, unet=unet,
         scheduler=PNDMScheduler(**_SCHEDULER, skip_prk_steps=True), safety_checker=None, feature_extractor=None,
         requires_safety_checker=False)
     pipe.save_pretrained(out / "sd15", safe_serialization=True)
     return out / "sd15"
 
 
-def write_sdxl(out: Path, seed: int = 0) -> Path:
+def write_sdxl(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Path:
     """SDXL layout: two CLIP text encoders (penultimate hidden states concatenated: 32 + 32 = the UNet's 64-wide
     cross-attention; the second's pooled projection, 32, and six time ids of 8 each feed the added embedding)."""
     torch.manual_seed(seed)
@@ -102,7 +124,7 @@ def write_sdxl(out: Path, seed: int = 0) -> Path:
         addition_embed_type="text_time", addition_time_embed_dim=8, projection_class_embeddings_input_dim=32 + 6 * 8,
         use_linear_projection=True, norm_num_groups=8, flip_sin_to_cos=True, freq_shift=0)
     pipe = StableDiffusionXLPipeline(
-        vae=_vae(0.13025), text_encoder=CLIPTextModel(_text_config(tokenizer, 32, 32)),
+        vae=vae or fitted_vae(), text_encoder=CLIPTextModel(_text_config(tokenizer, 32, 32)),
         text_encoder_2=CLIPTextModelWithProjection(_text_config(tokenizer, 32, 32)), tokenizer=tokenizer,
         tokenizer_2=tokenizer, unet=unet,
         scheduler=EulerDiscreteScheduler(**_SCHEDULER, timestep_spacing="leading"))
@@ -144,7 +166,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "tiny"), help="folder to write into")
     args = parser.parse_args()
     out = Path(args.out)
-    for path in (write_sd15(out), write_sdxl(out), write_photos(out)):
+    vae = fitted_vae()  # one VAE for both layouts: they differ in the UNet and text encoders
+    for path in (write_sd15(out, vae), write_sdxl(out, vae), write_photos(out)):
         print(f"wrote {path}")
 
 

@@ -23,7 +23,8 @@ def tiny(tmp_path_factory) -> Path:
     (copy photos/ before changing it)."""
     out = tmp_path_factory.mktemp("tiny")
     script = load_tiny_pipeline_script()
-    script.write_sd15(out)
-    script.write_sdxl(out)
+    vae = script.fitted_vae()
+    script.write_sd15(out, vae)
+    script.write_sdxl(out, vae)
     script.write_photos(out)
     return out
