@@ -77,7 +77,7 @@ def fitted_vae(steps: int = 400) -> AutoencoderKL:
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16, 16, 16),
                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                         layers_per_block=1, norm_num_groups=8, sample_size=128)
-    photos = torch.stack([torch.from_numpy(p).permute(2, 0, 1).float() / 127.5 - 1 for p in load_sample_images().images])
+    photos = torch.stack([torch.tensor(p).permute(2, 0, 1).float() / 127.5 - 1 for p in load_sample_images().images])
     photos = F.interpolate(photos, size=(128, 192), mode="area")  # about the scale the buckets train at
     gen = torch.Generator().manual_seed(0)
     optimizer = torch.optim.Adam(vae.parameters(), lr=2e-3)
