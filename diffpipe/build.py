@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
+from .models.lora import add_lora, base_module_name, seed_lora
 from .models.loading import CheckpointError, build_unet, checked_weights
 from .models.materialise import is_meta, materialise
 from .models.pipeline_folder import PipelineText, caption_tokens, is_pipeline_folder, load_vae, vae_scale_factor
@@ -22,23 +23,34 @@ __all__ = ["build_backbone", "give_weights", "build_text_encoder", "AUTOCAST_DTY
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
-    """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`)."""
+def build_backbone(config: RunConfig, device: str | torch.device = "cpu", adapters: bool = True) -> Backbone:
+    """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`). With `adapters` and
+    adapter.type = lora, LoRA layers too (on the meta device they get weights with the rest)."""
     try:
         backbone = unet_backbone(build_unet(config.model), config.model.units)
     except ValueError as exc:  # unsupported UNet options
         raise CheckpointError(str(exc)) from None
     if str(device) != "meta":
         give_weights(backbone, config, device=device)
+    if adapters and config.adapter.type == "lora" and str(device) == "meta":
+        try:
+            add_lora(backbone.model, config.adapter, config.model.architecture, config.train.seed)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        backbone.parameter_names = full_parameter_names(backbone.model)
     return backbone
 
 
 def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None = None,
                  device: str | torch.device = "cpu") -> None:
     """Weights (model.path's, else seeded random) for the given units of a meta backbone, all when None; the
-    other units stay on the meta device. The same unit gets the same weights whatever else is built."""
+    other units stay on the meta device. The same unit gets the same weights whatever else is built. LoRA layers
+    already injected get their seeded initial adapters."""
     modules = None if units is None else {id(m) for i in units for m in backbone.units[i].module.modules()}
-    materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model), modules, device)
+    materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model), modules, device,
+                rename=base_module_name)
+    if config.adapter.type == "lora":
+        seed_lora(backbone.model, config.train.seed)
     backbone.parameter_names = full_parameter_names(backbone.model)  # materialising made new parameter objects
 
 

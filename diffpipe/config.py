@@ -14,7 +14,7 @@ import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
-    "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "PipelineConfig",
+    "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "AdapterConfig", "PipelineConfig",
     "PlanConfig", "ObserveConfig", "CheckpointConfig", "OutputConfig", "SampleConfig", "load_config", "save_config",
 ]
 
@@ -111,6 +111,14 @@ class TrainConfig(_Section):
     stage_lr_scale: list[float] | None = Field(None, description="Per-stage learning-rate multipliers (one per stage); unset: all 1.")
 
 
+class AdapterConfig(_Section):
+    type: Literal["none", "lora"] = Field("none", description="none: full fine-tune; lora: train LoRA adapters (peft) on the frozen backbone.")
+    rank: int = Field(16, ge=1, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input.")
+    target_modules: list[str] | None = Field(None, description="Module names (suffixes) that get adapters; unset: the attention projections to_q, to_k, to_v, to_out.0.")
+
+
 class PipelineConfig(_Section):
     stages: int = Field(2, ge=1, description="Pipeline-parallel degree: processes per model replica.")
     virtual_stages: int = Field(1, ge=1, description="Model chunks per process (interleaved_1f1b needs 2 or more).")
@@ -170,6 +178,7 @@ class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The backbone.")
     data: DataConfig = Field(default_factory=DataConfig, description="The training data.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation and diffusion.")
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="Full fine-tune or LoRA.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Stages, schedule, data parallelism.")
     plan: PlanConfig = Field(default_factory=PlanConfig, description="Hardware figures for the stage planner.")
     observe: ObserveConfig = Field(default_factory=ObserveConfig, description="Per-stage timing, timeline, monitor, TensorBoard.")

@@ -73,7 +73,9 @@ def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 def check_checkpoint(model: torch.nn.Module, path: Path) -> None:
     """Refuse a weights file written for another architecture (reads only the header; works on a meta model)."""
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    from .lora import is_adapter, plain_name  # adapters are not the base model's: the file never holds them
+
+    own = {plain_name(k): tuple(v.shape) for k, v in model.state_dict().items() if not is_adapter(k)}
     theirs = _file_shapes(path)
     missing = sorted(set(own) - set(theirs))
     unexpected = sorted(set(theirs) - set(own))

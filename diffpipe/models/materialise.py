@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -38,9 +39,12 @@ def _module_seed(seed: int, name: str) -> int:
 
 
 def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
-                modules: set[int] | None = None, device: str | torch.device = "cpu") -> None:
+                modules: set[int] | None = None, device: str | torch.device = "cpu",
+                rename: Callable[[str], str | None] = lambda name: name) -> None:
     """Give real weights, on `device`, to the meta modules of `model` whose id() is in `modules` (all when None):
-    the checkpoint's tensors when given (its architecture already checked), else seeded random ones.
+    the checkpoint's tensors when given (its architecture already checked), else seeded random ones. `rename`
+    gives a module's name in the checkpoint (and so its seed), or None for one the checkpoint cannot hold (a LoRA
+    adapter: drawn at random, seeded by its own name).
 
     Parameters are replaced by new tensors: anything keyed by parameter identity must be rebuilt after this.
     """
@@ -48,29 +52,32 @@ def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
     with opened as reader:
         for name, module in model.named_modules():
             if modules is None or id(module) in modules:
-                _materialise_module(model, name, module, seed, reader, device)
+                _materialise_module(model, name, module, seed, reader, device, rename)
 
 
-def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: int, reader, device) -> None:
+def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: int, reader, device,
+                        rename: Callable[[str], str | None]) -> None:
     own = list(module.parameters(recurse=False))
     if not any(t.is_meta for t in own):
         return
     if any(b.is_meta for b in module.buffers(recurse=False)):
         raise ValueError(f"{type(model).__name__}.{name} ({type(module).__name__}) has buffers only its "
                          "constructor can fill; building it on the meta device is not supported")
-    if reader is None and not hasattr(module, "reset_parameters"):
+    file_name = rename(name)
+    from_file = reader is not None and file_name is not None
+    if not from_file and not hasattr(module, "reset_parameters"):
         raise ValueError(f"{type(model).__name__}.{name} ({type(module).__name__}) has no reset_parameters "
                          "to draw its random weights with; give model.path to load them instead")
     module.to_empty(device=device, recurse=False)
     with torch.no_grad():
-        if reader is not None:
+        if from_file:
             for key, param in module.named_parameters(recurse=False):
-                full = f"{name}.{key}" if name else key
+                full = f"{file_name}.{key}" if file_name else key
                 param.copy_(reader.get_tensor(full))
                 if not torch.isfinite(param).all():  # a damaged file whose header is intact reads as NaN or inf
                     raise NonFiniteWeights(f"{full} in the weights file holds NaN or inf values; the file is damaged "
                                            "or was written by a diverged run: use another checkpoint")
         else:
             with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
-                torch.manual_seed(_module_seed(seed, name))
+                torch.manual_seed(_module_seed(seed, file_name if file_name is not None else name))
                 module.reset_parameters()

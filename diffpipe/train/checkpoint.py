@@ -39,12 +39,14 @@ _SAFE_TO_CHANGE = ("train.max_steps", "train.learning_rate", "train.log_every", 
 
 
 def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
-    """Each parameter's diffusers name and shape: what a checkpoint must match (works on a meta model)."""
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    """Each trained parameter's name and shape (diffusers names; with LoRA, the adapters alone: the frozen base
+    comes from model.path): what a checkpoint must match (works on a meta model)."""
+    return {name: tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _held(trainer) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(name, p) for module in trainer.modules for name, p in module.full_named_parameters()]
+    """This process's trained parameters by name: what its part of a checkpoint holds."""
+    return [(name, p) for module in trainer.modules for name, p in module.full_named_parameters() if p.requires_grad]
 
 
 def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

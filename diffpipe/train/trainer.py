@@ -23,6 +23,7 @@ from ..config import RunConfig
 from ..data.batches import BatchMaker, StepBatch, TensorImages
 from ..data.prefetch import BatchPrefetcher
 from ..models.loading import CheckpointError
+from ..models.lora import lora_metadata, lora_scale, lora_weights, merge_lora
 from ..models.text import TextEncoder
 from ..distributed import Topology, init_topology
 from ..observe.observer import PipelineObserver, probe_link
@@ -318,12 +319,17 @@ class Trainer:
                 f"those before them). Lower train.learning_rate, check the data, or use bf16 instead of fp16{then}")
 
     def save(self) -> None:
-        """model.safetensors (every stage's weights, sent to rank 0 over the process group), model_config.json and
-        the text encoder (unless it is a pipeline folder's), in rank 0's run folder."""
+        """model.safetensors (every stage's weights, sent to rank 0 over the process group; with LoRA, merged into
+        the base, and the adapters alone in lora.safetensors), model_config.json and the text encoder (unless it is
+        a pipeline folder's), in rank 0's run folder."""
         if not self.config.output.save_weights:
             return
         merged = gather_weights(self.modules, self.topo)
         if self.topo.is_main:
+            if self.config.adapter.type == "lora":  # the adapters alone, and the base with them merged in
+                save_file(lora_weights(merged), str(self.run_dir / "lora.safetensors"),
+                          metadata=lora_metadata(self.config))
+                merged = merge_lora(merged, lora_scale(self.config.adapter))
             save_file(merged, str(self.run_dir / "model.safetensors"))
             (self.run_dir / "model_config.json").write_text(json.dumps(self.model_config, indent=1, default=list))
             if isinstance(self.text, TextEncoder):  # a pipeline folder's text encoders stay in it

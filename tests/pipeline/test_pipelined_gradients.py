@@ -3,8 +3,8 @@
 Real processes (gloo, CPU). The reference is `UNet2DConditionModel.forward` itself (train mode, autograd), in one
 process, with torch's own AdamW and `clip_grad_norm_`; its initial weights are saved with `save_pretrained` and
 the pipeline reads them through `model.path`. For every schedule offered, at 2 and 4 stages, with data parallel
-x pipeline (3 micro-batches on 2 stages), with clipping on and off, and for a digits and a tiny SDXL-style UNet,
-these must agree:
+x pipeline (3 micro-batches on 2 stages), with clipping on and off, for a digits and a tiny SDXL-style UNet, and
+for LoRA (peft's layers on the frozen model, the reference injecting them into its whole UNet), these must agree:
 - every step's loss, and the logged gradient norm (before clipping);
 - every parameter's gradient of the first step's mean loss, before clipping and before the optimizer, in
   magnitude (AdamW ignores a uniform scale of its input, so the weights alone would not catch one);
@@ -52,6 +52,7 @@ from diffpipe.build import build_backbone, build_text_encoder, sample_shape
 from diffpipe.config import build_config
 from diffpipe.data import make_dataset
 from diffpipe.data.batches import BatchMaker
+from diffpipe.models.lora import add_lora
 from diffpipe.models.presets import UNET_PRESETS
 from diffpipe.train.optim import lr_factor
 
@@ -68,9 +69,10 @@ FP16_SCALE = 2.0 ** 16  # the trainer's LossScaler starts here and does not chan
 
 def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4,
             checkpointing="none", model: str = "digits", clip: float = 1.0, precision: str = "fp32",
-            steps: int = STEPS) -> dict:
+            steps: int = STEPS, lora: bool = False) -> dict:
     micro_size = 2 if model == "digits" else 1
     return {
+        "adapter": {"type": "lora", "rank": 4, "alpha": 8.0} if lora else {"type": "none"},
         "model": {"path": model},  # the folder written by `_save_initial_weights`, resolved per test
         "data": {"dataset": "digits" if model == "digits" else "synthetic"},
         "train": {"max_steps": steps, "batch_size": micro_size * dp * microbatches, "learning_rate": 1e-3,
@@ -88,6 +90,7 @@ TWO = {
     "interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2),
     "1f1b-2-checkpointed": _config(2, "1f1b", checkpointing="all"),
     "sdxl-style-1f1b-2": _config(2, "1f1b", model="sdxl-style"),
+    "lora-1f1b-2": _config(2, "1f1b", lora=True),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),
@@ -95,6 +98,7 @@ FOUR = {
     "interleaved-4x2": _config(4, "interleaved_1f1b", virtual=2),
     "dp2-x-1f1b-2-3-microbatches": _config(2, "1f1b", dp=2, microbatches=3, clip=0.0),
     "sdxl-style-dp2-x-gpipe-2": _config(2, "gpipe", dp=2, model="sdxl-style"),
+    "lora-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, lora=True),
 }
 LOW_PRECISION = {
     "bf16-1f1b-2": _config(2, "1f1b", precision="bf16"),
@@ -143,7 +147,7 @@ def _scenario_worker(scenarios: list[tuple[str, dict]], out_dir: str, device_kin
             got["losses"].append(record["loss"])
             got["grad_norms"].append(record["grad_norm"])
             got["skipped"].append(record.get("skipped", False))
-        named = [(n, p) for m in trainer.modules for n, p in m.full_named_parameters()]
+        named = [(n, p) for m in trainer.modules for n, p in m.full_named_parameters() if p.requires_grad]
         got["weights"] = {n: p.detach().cpu() for n, p in named}
         got["moments"] = {f"{n}:{k}": trainer.optimizer.state[p][k].cpu() for n, p in named
                           for k in ("exp_avg", "exp_avg_sq")}
@@ -165,13 +169,15 @@ def reference(config, autocast: torch.dtype | None = None) -> dict:
 def _reference(config, autocast: torch.dtype | None) -> dict:
     meta = build_backbone(config, "meta")
     model = UNet2DConditionModel.from_pretrained(config.model.path, low_cpu_mem_usage=False).train()
+    if config.adapter.type == "lora":  # peft's own layers on the whole model, seeded as the pipeline seeds them
+        add_lora(model, config.adapter, config.model.architecture, config.train.seed)
     data = make_dataset(config.data.dataset, sample_shape(config, meta), config.train.seed)
     maker = BatchMaker(data, build_text_encoder(config, meta), config.train, config.data.caption_dropout,
                        meta.conditions)
     dtype = autocast if autocast is not None else AUTOCAST.get(config.train.precision)
     # torch's own loss scaler for fp16 (skips a step whose gradients overflow, halves the scale)
     scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE, enabled=dtype == torch.float16)
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.train.learning_rate, betas=tuple(config.train.betas),
                             weight_decay=config.train.weight_decay, eps=config.train.adam_eps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config.train))
@@ -195,7 +201,7 @@ def _reference(config, autocast: torch.dtype | None) -> dict:
         for p in params:
             p.grad /= chunks
         if step == 0:  # before clipping
-            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if config.train.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm)
@@ -208,9 +214,9 @@ def _reference(config, autocast: torch.dtype | None) -> dict:
         out["skipped"].append(skipped)
         out["losses"].append(float(torch.stack(losses).mean()))
         out["grad_norms"].append(float(norm))
-    out["weights"] = {n: p.detach() for n, p in model.named_parameters()}
-    out["moments"] = {f"{n}:{k}": opt.state[p][k] for n, p in model.named_parameters()
-                      for k in ("exp_avg", "exp_avg_sq")}
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out["weights"] = {n: p.detach() for n, p in trained}
+    out["moments"] = {f"{n}:{k}": opt.state[p][k] for n, p in trained for k in ("exp_avg", "exp_avg_sq")}
     return out
 
 

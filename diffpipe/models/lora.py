@@ -1,0 +1,101 @@
+"""LoRA adapters (Hu et al., arXiv:2106.09685) through peft, on the backbone before it is cut into stages.
+
+peft injects its LoRA layers into the model in place (`inject_adapter_in_model`), on the modules a process has
+weights for and, on the meta device, on the others; the base weights are frozen, so only the adapters reach the
+optimizer, the gradients and the checkpoints. Each adapter's A matrix is drawn from a generator seeded by the
+module's name (B starts at zero, as peft does), so every stage count trains the same adapter.
+
+Names: peft calls a wrapped weight `....to_q.base_layer.weight` and an adapter `....to_q.lora_A.default.weight`;
+`plain_name` gives the names diffusers and the exports use (`....to_q.weight`, `....to_q.lora_A.weight`).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
+
+from ..config import AdapterConfig
+
+__all__ = ["lora_metadata", "add_lora", "seed_lora", "plain_name", "base_module_name", "is_adapter", "merge_lora", "lora_weights", "lora_scale", "DEFAULT_TARGETS"]
+
+DEFAULT_TARGETS = {"unet2d": ["to_q", "to_k", "to_v", "to_out.0"]}  # attention projections, as diffusers' scripts
+
+
+def _seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/lora/{name}".encode()).digest()[:8], "little") >> 1
+
+
+def add_lora(model: torch.nn.Module, adapter: AdapterConfig, architecture: str, seed: int) -> None:
+    """Inject LoRA into `model` in place, freeze everything else; seeded per module where weights are real."""
+    config = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
+                        target_modules=adapter.target_modules or DEFAULT_TARGETS[architecture],
+                        init_lora_weights=True)
+    try:
+        inject_adapter_in_model(config, model)
+    except ValueError as exc:  # peft: no module matched
+        raise ValueError(f"adapter.target_modules={config.target_modules}: {exc}") from None
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name))
+    seed_lora(model, seed)
+
+
+def seed_lora(model: torch.nn.Module, seed: int) -> None:
+    """Initial adapters of every LoRA layer with real weights: A as peft draws it, from a generator seeded by the
+    layer's name; B zero (the adapted model starts equal to the base)."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and not module.lora_A["default"].weight.is_meta:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_seed(seed, name))
+                module.reset_lora_parameters("default", True)
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name without peft's wrapping: `x.to_q.base_layer.weight` -> `x.to_q.weight`."""
+    return name.replace(".base_layer.", ".").replace(".default.", ".")
+
+
+def base_module_name(name: str) -> str | None:
+    """A module's name in the base model (`x.to_q.base_layer` -> `x.to_q`); None for LoRA's own modules."""
+    if ".lora_" in name:
+        return None
+    return name.removesuffix(".base_layer")
+
+
+def lora_scale(adapter: AdapterConfig) -> float:
+    return adapter.alpha / adapter.rank
+
+
+def lora_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapters of a full state dict (peft names), under plain names: `x.to_q.lora_A.weight` ..."""
+    return {plain_name(k): v for k, v in state.items() if is_adapter(k)}
+
+
+def merge_lora(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """The backbone's own weights with each adapter merged in (W + scale B A), under diffusers' names: what a full
+    fine-tune of the same result would hold, loadable without peft."""
+    merged = {plain_name(k): v for k, v in state.items() if not is_adapter(k)}
+    for key, a in state.items():
+        if ".lora_A." in key:
+            module = key.split(".lora_A.")[0]
+            b = state[key.replace(".lora_A.", ".lora_B.")]
+            weight = f"{module}.weight"
+            merged[weight] = (merged[weight].float() + scale * (b.float() @ a.float())).to(merged[weight].dtype)
+    return merged
+
+
+def lora_metadata(config) -> dict[str, str]:
+    """The safetensors header of an adapter file: rank, alpha, targets, base model, and the training config."""
+    import json
+
+    adapter = config.adapter
+    return {"format": "pt", "diffpipe.lora": json.dumps({
+        "r": adapter.rank, "lora_alpha": adapter.alpha,
+        "target_modules": adapter.target_modules or DEFAULT_TARGETS[config.model.architecture],
+        "base_model": config.model.path or f"preset {config.model.preset}"}),
+        "diffpipe.config": json.dumps(config.model_dump(mode="json"))}
