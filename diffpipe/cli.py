@@ -8,6 +8,7 @@
     diffpipe report runs/digits
     diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
     diffpipe cache examples/photos.toml [--processes N]               # image folders: latents and text ahead
+    diffpipe export runs/photos --format diffusers|kohya|original --out PATH   # for diffusers, ComfyUI, A1111, kohya
     diffpipe config [--markdown]                                      # every config key, its default and help
     torchrun --nnodes 2 --nproc-per-node 4 ... -m diffpipe train CONFIG   # multi-node: one process per GPU
 
@@ -206,6 +207,16 @@ def _cache(args) -> None:
     launch(cache_worker, (config.model_dump(mode="json"),), processes)
 
 
+def _export(args) -> None:
+    from .export import ExportError, export_run
+
+    try:
+        written = export_run(Path(args.run_dir), args.format, Path(args.out))
+    except ExportError as exc:
+        raise UserError(str(exc)) from None
+    print(f"wrote {written}")
+
+
 def _plan(args) -> None:
     from .config import load_config
     from .planner.report import plan_command
@@ -287,6 +298,13 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
     sample.add_argument("--out", required=True)
     sample.set_defaults(run=_sample)
+    export = sub.add_parser("export", help="a finished run's weights for diffusers, ComfyUI, A1111 or kohya's tools")
+    export.add_argument("run_dir")
+    export.add_argument("--format", required=True, choices=["diffusers", "kohya", "original"],
+                        help="diffusers: a pipeline folder (full) or LoRA file; kohya: LoRA for ComfyUI/A1111/kohya; "
+                             "original: the UNet as one file in the original layout")
+    export.add_argument("--out", required=True, help="folder (diffusers) or .safetensors file")
+    export.set_defaults(run=_export)
     config = sub.add_parser("config", help="every config key: section, type, default and what it does")
     config.add_argument("--markdown", action="store_true", help="as docs/config.md")
     config.set_defaults(run=_config)

@@ -39,7 +39,20 @@ def check_before_launch(config: RunConfig) -> Checked:
         _check_folder_data(config, backbone)
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
     split, checkpointing = resolve_stages(config, backbone)
+    _check_first_stage_trains(backbone, split)
     return Checked(backbone, split, checkpointing)
+
+
+def _check_first_stage_trains(backbone: Backbone, split: list[int]) -> None:
+    """A first stage without trainable parameters (LoRA on modules it lacks) makes outputs that need no gradient,
+    and the pipeline's backward through it fails deep inside torch: refused here, naming the fix."""
+    first = backbone.units[:split[0]] if split else backbone.units
+    if not any(p.requires_grad for unit in first for p in unit.module.parameters()):
+        names = f"{first[0].name}..{first[-1].name}"
+        raise SplitError(f"stage 0 (units {names}) holds no trainable parameter (no module of adapter.target_modules "
+                         "is in it), so nothing before it needs a gradient; put more units into stage 0 "
+                         f"(pipeline.split = [{split[0] + 1 if split else 1}, ...]) or add its modules to "
+                         "adapter.target_modules (e.g. \"conv1\", \"conv2\")")
 
 
 def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:

@@ -85,7 +85,10 @@ def merge_lora(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.
             module = key.split(".lora_A.")[0]
             b = state[key.replace(".lora_A.", ".lora_B.")]
             weight = f"{module}.weight"
-            merged[weight] = (merged[weight].float() + scale * (b.float() @ a.float())).to(merged[weight].dtype)
+            base = merged[weight]
+            # Linear: B A; Conv2d (A a k x k convolution, B 1 x 1): the same product over the flattened kernels
+            delta = (b.float().flatten(1) @ a.float().flatten(1)).view(base.shape)
+            merged[weight] = (base.float() + scale * delta).to(base.dtype)
     return merged
 
 

@@ -1,0 +1,55 @@
+"""LoRA through peft: the merged weights compute what the adapted model computes (linear and convolution
+adapters), the base weights stay those of the file, and a first stage without adapters is refused before launch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import UNet2DConditionModel
+
+from diffpipe.build import build_backbone, give_weights
+from diffpipe.config import build_config
+from diffpipe.models.lora import add_lora, lora_scale, merge_lora
+from diffpipe.models.presets import UNET_PRESETS
+from diffpipe.pipeline.split import SplitError
+from diffpipe.preflight import check_before_launch
+
+TARGETS = ["to_q", "to_v", "conv1", "conv_in", "proj_in"]
+
+
+def test_merged_weights_compute_what_the_adapted_model_computes():
+    config = build_config({"adapter": {"type": "lora", "rank": 4, "alpha": 12.0, "target_modules": TARGETS}})
+    torch.manual_seed(0)
+    adapted = UNet2DConditionModel(**UNET_PRESETS["digits"])
+    add_lora(adapted, config.adapter, "unet2d", seed=0)
+    with torch.no_grad():  # B starts at zero: give every adapter a value
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    merged = merge_lora(adapted.state_dict(), lora_scale(config.adapter))
+    plain = UNet2DConditionModel(**UNET_PRESETS["digits"])
+    plain.load_state_dict(merged)
+    x, t, text = torch.randn(2, 1, 8, 8), torch.tensor([10.0, 900.0]), torch.randn(2, 8, 32)
+    with torch.no_grad():
+        want = adapted.eval()(x, t, encoder_hidden_states=text).sample
+        got = plain.eval()(x, t, encoder_hidden_states=text).sample
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert any(".conv1.lora_A." in n for n, _ in adapted.named_parameters())  # convolutions were adapted too
+
+
+def test_only_adapters_train_and_the_base_is_the_unadapted_model():
+    lora = build_config({"adapter": {"type": "lora", "rank": 4}})
+    backbone = build_backbone(lora, "meta")
+    give_weights(backbone, lora)
+    trainable = [n for n, p in backbone.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    full = build_backbone(build_config({}))
+    base = {k.replace(".base_layer.", "."): v for k, v in backbone.model.state_dict().items() if ".lora_" not in k}
+    assert base.keys() == full.model.state_dict().keys()
+    assert all(torch.equal(base[k], v) for k, v in full.model.state_dict().items())
+
+
+def test_a_first_stage_without_adapters_is_refused_before_launch():
+    config = build_config({"adapter": {"type": "lora"}, "pipeline": {"split": [2]}})
+    with pytest.raises(SplitError, match="stage 0 .* holds no trainable parameter"):
+        check_before_launch(config)
+    check_before_launch(build_config({"adapter": {"type": "lora"}, "pipeline": {"split": [4]}}))  # down.0 adapts
