@@ -1,0 +1,113 @@
+"""SDXL-width LoRA on one GPU: diffpipe (one stage) against a plain peft + diffusers LoRA loop, and against full
+fine-tuning; samples/s and peak memory. SDXL UNet config, random weights, 1024x1024 (128x128 latents), fp32
+weights, bf16 autocast, batch 8 in one micro-batch, fused AdamW.
+
+    python bench/lora_sdxl.py [--ranks 16,64] [--steps 8] [--skip-full]
+
+Prints one JSON line per configuration: the median step over the steps after the first two, samples/s and the
+device's peak allocated memory over the run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from diffpipe.config import build_config, load_config  # noqa: E402
+from diffpipe.distributed import single_process_topology  # noqa: E402
+from diffpipe.models.lora import add_lora  # noqa: E402
+from diffpipe.models.presets import UNET_PRESETS  # noqa: E402
+from diffpipe.train.trainer import Trainer  # noqa: E402
+
+BATCH = 8
+
+
+def _report(what: str, rank: int | None, steps: list[float]) -> None:
+    median = statistics.median(steps[2:])
+    print(json.dumps({"what": what, "rank": rank, "median_step_s": round(median, 4),
+                      "samples_per_s": round(BATCH / median, 2),
+                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}), flush=True)
+
+
+def plain_peft_loop(rank: int, steps: int) -> None:
+    """diffusers' UNet with peft's LoRA layers (the same injection), AdamW on the adapters: the loop a user writes."""
+    from diffusers import UNet2DConditionModel
+
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = UNet2DConditionModel(**UNET_PRESETS["sdxl"]).to("cuda").train()
+    adapter = build_config({"adapter": {"type": "lora", "rank": rank, "alpha": float(rank)}}).adapter
+    add_lora(model, adapter, "unet2d", seed=0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    inputs = dict(sample=torch.randn(BATCH, 4, 128, 128, device="cuda"),
+                  timestep=torch.randint(0, 1000, (BATCH,), device="cuda"),
+                  encoder_hidden_states=torch.randn(BATCH, 77, 2048, device="cuda"),
+                  added_cond_kwargs=dict(text_embeds=torch.randn(BATCH, 1280, device="cuda"),
+                                         time_ids=torch.randn(BATCH, 6, device="cuda")))
+    target = torch.randn(BATCH, 4, 128, 128, device="cuda")
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(**inputs).sample
+        torch.nn.functional.mse_loss(out.float(), target).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    _report("plain peft loop", rank, times)
+    del model, opt
+
+
+def diffpipe_run(rank: int | None, steps: int) -> None:
+    """diffpipe, one stage, the same batch as one micro-batch (rank None: full fine-tune)."""
+    torch.cuda.reset_peak_memory_stats()
+    sets = ["pipeline.stages=1", "pipeline.microbatches=1", f"train.batch_size={BATCH}", f"train.max_steps={steps}",
+            "observe.every=1000", "observe.timeline_step=0", "observe.log_every=0", "output.save_weights=false",
+            "output.sample_every_end=false", "checkpoint.every=0", "train.learning_rate=1e-4",
+            'pipeline.checkpointing="none"', 'train.device="cuda"']
+    if rank is not None:
+        sets += ['adapter.type="lora"', f"adapter.rank={rank}", f"adapter.alpha={float(rank)}"]
+    config = load_config(ROOT / "examples" / "sdxl_unet.toml", sets)
+    run_dir = Path(tempfile.mkdtemp())
+    trainer = Trainer(config, single_process_topology("cuda"), run_dir)
+    trainer.fit()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _report("diffpipe lora" if rank is not None else "diffpipe full fine-tune", rank, [r["step_time_s"] for r in rows])
+    del trainer
+
+
+def _free() -> None:
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", default="16,64")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--skip-full", action="store_true")
+    args = parser.parse_args()
+    for rank in [int(r) for r in args.ranks.split(",") if r]:
+        plain_peft_loop(rank, args.steps)
+        _free()
+        diffpipe_run(rank, args.steps)
+        _free()
+    if not args.skip_full:
+        diffpipe_run(None, args.steps)
+
+
+if __name__ == "__main__":
+    main()
