@@ -164,3 +164,19 @@ def test_checkpoints_by_the_clock(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in (often / "checkpoints").iterdir()) == [f"step-0000000{i}" for i in range(1, 7)]
     assert sorted(p.name for p in (rarely / "checkpoints").iterdir()) == ["step-00000006"]
+
+
+def test_a_lora_run_checkpoints_its_adapters_alone_and_resumes_on_another_layout(tmp_path):
+    lora = ["--set", "adapter.type=\"lora\"", "--set", "adapter.rank=4"]
+    full = tmp_path / "full"
+    assert _train("--output-dir", str(full), *lora).returncode == 0
+    names = set()
+    for shard in (full / "checkpoints" / "step-00000003").glob("*.safetensors"):
+        from safetensors import safe_open
+        with safe_open(str(shard), framework="pt") as f:
+            names |= {k for k in f.keys() if k.startswith("model.")}
+    assert names and all(".lora_A." in k or ".lora_B." in k for k in names)  # the frozen base comes from the model
+    run = _cut_short(full, tmp_path / "run")
+    result = _train("--resume", str(run), *lora, "--set", "pipeline.stages=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(run) == pytest.approx(_losses(full), rel=1e-5, abs=1e-7)
