@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, RunConfig
-from .models.lora import add_lora, base_module_name, seed_lora
+from .models.lora import add_lora, base_module_name, load_adapters, seed_lora
 from .models.loading import CheckpointError, build_unet, checked_weights
 from .models.materialise import is_meta, materialise
 from .models.pipeline_folder import PipelineText, caption_tokens, is_pipeline_folder, load_vae, vae_scale_factor
@@ -51,6 +51,11 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
                 rename=base_module_name)
     if config.adapter.type == "lora":
         seed_lora(backbone.model, config.train.seed)
+        if config.adapter.init_from:
+            try:
+                load_adapters(backbone.model, config.adapter.init_from)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
     backbone.parameter_names = full_parameter_names(backbone.model)  # materialising made new parameter objects
 
 

@@ -117,6 +117,7 @@ class AdapterConfig(_Section):
     alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input.")
     target_modules: list[str] | None = Field(None, description="Module names (suffixes) that get adapters; unset: the attention projections to_q, to_k, to_v, to_out.0.")
+    init_from: str | None = Field(None, description="Start the adapters from a LoRA file (a run's lora.safetensors, or diffusers' pytorch_lora_weights.safetensors) instead of peft's initialisation.")
 
 
 class PipelineConfig(_Section):

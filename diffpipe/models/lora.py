@@ -18,7 +18,7 @@ from peft.tuners.lora import LoraLayer
 
 from ..config import AdapterConfig
 
-__all__ = ["lora_metadata", "add_lora", "seed_lora", "plain_name", "base_module_name", "is_adapter", "merge_lora", "lora_weights", "lora_scale", "DEFAULT_TARGETS"]
+__all__ = ["load_adapters", "lora_metadata", "add_lora", "seed_lora", "plain_name", "base_module_name", "is_adapter", "merge_lora", "lora_weights", "lora_scale", "DEFAULT_TARGETS"]
 
 DEFAULT_TARGETS = {"unet2d": ["to_q", "to_k", "to_v", "to_out.0"]}  # attention projections, as diffusers' scripts
 
@@ -102,3 +102,27 @@ def lora_metadata(config) -> dict[str, str]:
         "target_modules": adapter.target_modules or DEFAULT_TARGETS[config.model.architecture],
         "base_model": config.model.path or f"preset {config.model.preset}"}),
         "diffpipe.config": json.dumps(config.model_dump(mode="json"))}
+
+
+def load_adapters(model: torch.nn.Module, path: str) -> None:
+    """Adapters from a LoRA file (plain names, optionally under diffusers' `unet.` prefix) into the LoRA layers with
+    real weights; every such layer must be in the file with the same rank."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        saved = {k.removeprefix("unet."): v for k, v in load_file(path).items()}
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(f"adapter.init_from={path}: not a readable .safetensors file ({exc})") from None
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not is_adapter(name) or p.is_meta:
+                continue
+            key = plain_name(name)
+            if key not in saved:
+                raise ValueError(f"adapter.init_from={path} has no {key}: it was trained with other "
+                                 "adapter.target_modules or on another model")
+            if tuple(saved[key].shape) != tuple(p.shape):
+                raise ValueError(f"adapter.init_from={path}: {key} is {tuple(saved[key].shape)}, the adapter here "
+                                 f"{tuple(p.shape)}; set adapter.rank to the file's")
+            p.copy_(saved[key])

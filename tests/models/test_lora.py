@@ -53,3 +53,29 @@ def test_a_first_stage_without_adapters_is_refused_before_launch():
     with pytest.raises(SplitError, match="stage 0 .* holds no trainable parameter"):
         check_before_launch(config)
     check_before_launch(build_config({"adapter": {"type": "lora"}, "pipeline": {"split": [4]}}))  # down.0 adapts
+
+
+def test_adapters_start_from_a_lora_file_when_asked(tmp_path):
+    from safetensors.torch import save_file
+
+    from diffpipe.config import ConfigError
+    from diffpipe.models.lora import lora_weights
+
+    config = build_config({"adapter": {"type": "lora", "rank": 4}, "train": {"seed": 1}})
+    source = build_backbone(config, "meta")
+    give_weights(source, config)
+    with torch.no_grad():
+        for name, p in source.model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    saved = {f"unet.{k}": v for k, v in lora_weights(source.model.state_dict()).items()}  # diffusers' layout
+    save_file(saved, str(tmp_path / "lora.safetensors"))
+    resumed = build_config({"adapter": {"type": "lora", "rank": 4, "init_from": str(tmp_path / "lora.safetensors")}})
+    target = build_backbone(resumed, "meta")
+    give_weights(target, resumed)
+    for (name, want), (_, got) in zip(source.model.named_parameters(), target.model.named_parameters()):
+        if ".lora_" in name:
+            assert torch.equal(got, want), name
+    wrong_rank = build_config({"adapter": {"type": "lora", "rank": 8, "init_from": str(tmp_path / "lora.safetensors")}})
+    with pytest.raises(ConfigError, match="set adapter.rank to the file's"):
+        give_weights(build_backbone(wrong_rank, "meta"), wrong_rank)
