@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
     from .config import ConfigError
+    from .distributed import WorkerFailed
     from .models.loading import CheckpointError
     from .pipeline.split import SplitError
     from .planner.partition import Infeasible
@@ -332,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as exc:  # under torchrun: this process's own
         print(f"diffpipe {args.command}: training stopped: {exc}", file=sys.stderr)
         return 1
-    except (ProcessRaisedException, ProcessExitedException) as exc:  # a spawned training process failed
+    except (ProcessRaisedException, ProcessExitedException, WorkerFailed) as exc:  # a spawned process failed
         print(f"diffpipe {args.command}: {_worker_failure(str(exc))}", file=sys.stderr)
         return 1
     return 0

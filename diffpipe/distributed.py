@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -17,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-__all__ = ["Topology", "launch", "init_topology", "single_process_topology", "under_torchrun", "resolve_device_kind"]
+__all__ = ["Topology", "WorkerFailed", "launch", "init_topology", "single_process_topology", "under_torchrun", "resolve_device_kind"]
 
 
 @dataclass
@@ -69,10 +70,25 @@ def single_process_topology(device_kind: str) -> "Topology":
     return init_topology(1, 1, device_kind)
 
 
-def _spawned_entry(index: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+class WorkerFailed(RuntimeError):
+    """A spawned process failed; the message is the first failure's own error, not the others' lost connections."""
+
+
+# errors that a process meets because another one failed first: never the cause worth naming
+_KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+             "Socket Timeout", "Connection refused")
+
+
+def _spawned_entry(index: int, world_size: int, port: int, fn: Callable, args: tuple, errors: str) -> None:
     _set_place(index, world_size, port)
     try:
         fn(*args)
+    except BaseException as exc:
+        # the launcher reads these to name the first real failure (torch's join names whichever it sees first)
+        line = f"{type(exc).__name__}: {exc}".strip().splitlines()
+        with open(os.path.join(errors, f"rank-{index}.txt"), "w") as f:
+            f.write(f"{time.time()}\n{line[-1] if line else type(exc).__name__}")
+        raise
     finally:
         # a process group left to the interpreter's exit can abort in gloo's threads ("terminate called
         # without an active exception") after the work itself succeeded
@@ -91,11 +107,36 @@ def launch(fn: Callable[..., Any], args: tuple, world_size: int) -> None:
         return
     port = _free_port()
     if world_size == 1:
-        _spawned_entry(0, 1, port, fn, args)
+        _set_place(0, 1, port)
+        try:
+            fn(*args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
         return
-    context = mp.start_processes(_spawned_entry, args=(world_size, port, fn, args), nprocs=world_size,
-                                 start_method="spawn", join=False)
-    _join_passing_on_signals(context)
+    with tempfile.TemporaryDirectory(prefix="diffpipe-errors-") as errors:
+        context = mp.start_processes(_spawned_entry, args=(world_size, port, fn, args, errors), nprocs=world_size,
+                                     start_method="spawn", join=False)
+        try:
+            _join_passing_on_signals(context)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+            cause = _first_failure(errors)
+            if cause is None:
+                raise
+            raise WorkerFailed(cause) from exc
+
+
+def _first_failure(errors: str) -> str | None:
+    """The earliest error written by a process that is not a knock-on of another's failure; None when there is
+    none (a process killed from outside writes nothing: torch's own message names it)."""
+    found = []
+    for name in sorted(os.listdir(errors)):
+        with open(os.path.join(errors, name)) as f:
+            stamp, _, line = f.read().partition("\n")
+        found.append((float(stamp), line, name.removesuffix(".txt").replace("-", " ")))
+    found.sort()
+    real = [f for f in found if not any(k in f[1] for k in _KNOCK_ON)]
+    return f"{real[0][1]} (process {real[0][2].removeprefix('rank ')})" if real else None
 
 
 def _interrupt(signum, frame) -> None:
