@@ -10,11 +10,24 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..data.batches import fixed_batches
+from ..config import RunConfig
+from ..data.batches import TensorImages, fixed_batches
 from ..diffusion.timesteps import timestep_quantiles
 from ..sampling import Generator, save_grid
 
-__all__ = ["evaluate", "write_samples", "sample_prompts"]
+__all__ = ["evaluate", "held_out_data", "write_samples", "sample_prompts"]
+
+
+def held_out_data(config: RunConfig, data):
+    """The eval split when train.eval_every asks for one: the folder's, or the digits never trained on."""
+    if not config.train.eval_every:
+        return None
+    if config.data.dataset == "digits":
+        from ..data.digits import DigitsDataset
+
+        held = DigitsDataset(split="held_out")
+        return TensorImages(held.images, held.captions)
+    return data.held_out
 
 
 def evaluate(trainer) -> dict[str, float]:

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from ..build import (AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_dataset, build_text_encoder, give_weights,
                      sample_shape)
 from ..config import RunConfig
-from ..data.batches import BatchMaker, StepBatch, TensorImages
+from ..data.batches import BatchMaker, StepBatch
 from ..data.prefetch import BatchPrefetcher
 from ..models.loading import CheckpointError
 from ..models.lora import lora_metadata, lora_scale, lora_weights, merge_lora
@@ -37,7 +37,7 @@ from ..planner.plan import resolve_stages
 from .optim import (LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer,
                     step_optimizer)
 from .checkpoint import PendingCheckpoint, latest_checkpoint, load_checkpoint, model_shapes, save_checkpoint
-from .evaluation import evaluate, write_samples
+from .evaluation import evaluate, held_out_data, write_samples
 from .records import StepReport
 from .weights import gather_weights
 
@@ -84,7 +84,7 @@ class Trainer:
         self.text = build_text_encoder(config, backbone).to(topo.device)
         self.data = build_dataset(config, backbone, self.text, topo.device, topo.rank, topo.world_size, dist.barrier)
         self.batches = BatchMaker(self.data, self.text, config.train, config.data.caption_dropout, backbone.conditions)
-        self.held_out = _held_out(config, self.data)
+        self.held_out = held_out_data(config, self.data)
         self.vae = getattr(self.data, "vae", None)  # image folders: decodes samples during training
         self.conditions_needed, self.sample_shape = backbone.conditions, sample_shape(config, backbone)
         skipped = getattr(self.data, "skipped", None)  # image folders: files left out, counted in every metrics line
@@ -365,18 +365,6 @@ def read_record(record: dict) -> dict:
     if _END in record:
         record[_END].wait()
     return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items() if k != _END}
-
-
-def _held_out(config: RunConfig, data):
-    """The eval split when train.eval_every asks for one: the folder's, or the digits never trained on."""
-    if not config.train.eval_every:
-        return None
-    if config.data.dataset == "digits":
-        from ..data.digits import DigitsDataset
-
-        held = DigitsDataset(split="held_out")
-        return TensorImages(held.images, held.captions)
-    return data.held_out
 
 
 def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int) -> int:
