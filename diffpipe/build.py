@@ -23,16 +23,17 @@ __all__ = ["build_backbone", "give_weights", "build_text_encoder", "AUTOCAST_DTY
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_backbone(config: RunConfig, device: str | torch.device = "cpu", adapters: bool = True) -> Backbone:
-    """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`). With `adapters` and
-    adapter.type = lora, LoRA layers too (on the meta device they get weights with the rest)."""
+def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
+    """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`), and with
+    adapter.type = lora its LoRA layers too, which get weights with the rest. Built with weights (sampling, benches)
+    it is the plain model: a LoRA run's model.safetensors has the adapters merged in."""
     try:
         backbone = unet_backbone(build_unet(config.model), config.model.units)
     except ValueError as exc:  # unsupported UNet options
         raise CheckpointError(str(exc)) from None
     if str(device) != "meta":
         give_weights(backbone, config, device=device)
-    if adapters and config.adapter.type == "lora" and str(device) == "meta":
+    if config.adapter.type == "lora" and str(device) == "meta":
         try:
             add_lora(backbone.model, config.adapter, config.model.architecture, config.train.seed)
         except ValueError as exc:

@@ -107,20 +107,24 @@ class BatchMaker:
         t = sample_timesteps(self.train.timestep_sampling, len(idx), gen, logit_mean=self.train.logit_mean,
                              logit_std=self.train.logit_std, shift=self.train.shift)
         noise = torch.randn((len(idx), *x0.shape[1:]), generator=gen)  # drawn for the global batch, then sliced
-        targets = make_targets(self.train.objective, x0, noise[part], t[part])
-        conditions = self.text_conditions(captions[part], self.data.size_ids(mine))
-        conditions["timestep"] = targets.model_timestep
-        return StepBatch(targets.noisy.contiguous(), targets.target.contiguous(), conditions)
+        return self._batch(x0, noise[part], t[part], self.text_conditions(captions[part], self.data.size_ids(mine)))
 
-    def make_fixed(self, data, indices: list[int], t: float, noise_seed: int, dp_rank: int, dp_size: int) -> StepBatch:
-        """This replica's slice of a batch of the given items of `data`, all at timestep t, with noise drawn from
-        `noise_seed` and every caption kept: the same numbers each time it is asked for (eval)."""
+    def make_fixed(self, data, indices: list[int], ts: list[float], noise_seed: int, dp_rank: int,
+                   dp_size: int) -> list[StepBatch]:
+        """This replica's slice of a batch of the given items of `data` at each timestep of `ts` (the items read and
+        the captions encoded once), with noise drawn from `noise_seed` and every caption kept: the same numbers each
+        time it is asked for (eval)."""
         per = len(indices) // dp_size
         part = slice(dp_rank * per, (dp_rank + 1) * per)
         mine = indices[part]
         x0 = data.x0(mine)
-        noise = torch.randn((len(indices), *x0.shape[1:]), generator=torch.Generator().manual_seed(noise_seed))
-        targets = make_targets(self.train.objective, x0, noise[part], torch.full((len(mine),), t))
+        noise = torch.randn((len(indices), *x0.shape[1:]), generator=torch.Generator().manual_seed(noise_seed))[part]
         conditions = self.text_conditions([data.captions[i] for i in mine], data.size_ids(mine))
-        conditions["timestep"] = targets.model_timestep
-        return StepBatch(targets.noisy.contiguous(), targets.target.contiguous(), conditions)
+        return [self._batch(x0, noise, torch.full((len(mine),), t), conditions) for t in ts]
+
+    def _batch(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
+               conditions: dict[str, torch.Tensor]) -> StepBatch:
+        """This replica's items noised to timesteps t, with their text conditions, as the backbone is fed."""
+        targets = make_targets(self.train.objective, x0, noise, t)
+        return StepBatch(targets.noisy.contiguous(), targets.target.contiguous(),
+                         dict(conditions, timestep=targets.model_timestep))

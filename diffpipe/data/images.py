@@ -154,10 +154,14 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
         items, eval_items = _hold_out(items, data.eval_fraction)
     dataset = _placed(items, buckets, skipped, vae)
     held = _placed(eval_items, buckets, skipped, vae) if eval_items else None
+    if data.cache:  # the models' fingerprints (a read of their weight files) once for both splits
+        vae_fingerprint = fingerprint_files(component_weights(model_path, "vae"))
+        latent_store = ShardStore(cache_folder(data) / f"latents-{vae_fingerprint[:16]}")
+        text_store = ShardStore(cache_folder(data) / f"text-{text.fingerprint()[:16]}")
     for part in (dataset, held) if held is not None else (dataset,):
         if data.cache:
-            _cache_latents(part, data, model_path, vae, rank, world, barrier, show)
-            _cache_text(part, data, text, rank, world, barrier, show)
+            _cache_latents(part, latent_store, vae, rank, world, barrier, show)
+            _cache_text(part, text_store, text, rank, world, barrier, show)
         else:
             _check_decodes(part)
     if rank == 0 and skipped.files:
@@ -193,8 +197,7 @@ def _check_decodes(dataset: FolderImages) -> None:
             del dataset.items[i], dataset.placements[i]
 
 
-def _cache_latents(dataset: FolderImages, data: DataConfig, model_path: Path, vae, rank, world, barrier, show) -> None:
-    store = ShardStore(cache_folder(data) / f"latents-{fingerprint_files(component_weights(model_path, 'vae'))[:16]}")
+def _cache_latents(dataset: FolderImages, store: ShardStore, vae, rank, world, barrier, show) -> None:
     contents = {path: _file_hash(path) for path in {item.path for item in dataset.items}}
     keys = [latent_key(contents[item.path], p) for item, p in zip(dataset.items, dataset.placements)]
     first_index: dict[str, int] = {}  # repeated items share a key
@@ -226,8 +229,7 @@ def _cache_latents(dataset: FolderImages, data: DataConfig, model_path: Path, va
     dataset.latents = [entries[keys[i]]["latent"] for i in keep]
 
 
-def _cache_text(dataset: FolderImages, data: DataConfig, text: PipelineText, rank, world, barrier, show) -> None:
-    store = ShardStore(cache_folder(data) / f"text-{text.fingerprint()[:16]}")
+def _cache_text(dataset: FolderImages, store: ShardStore, text: PipelineText, rank, world, barrier, show) -> None:
     captions = {caption_key(c): c for c in sorted(set(dataset.captions) | {""})}  # "": captions dropped for guidance
 
     def compute(keys: list[str]):

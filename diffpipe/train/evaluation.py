@@ -39,9 +39,10 @@ def evaluate(trainer) -> dict[str, float]:
     batches = fixed_batches(trainer.held_out, train.batch_size)
     sums = torch.zeros(len(ts), dtype=torch.float64, device=topo.device)
     for b, indices in enumerate(batches):
-        for q, t in enumerate(ts.tolist()):
-            batch = trainer.batches.make_fixed(trainer.held_out, indices, t, train.seed * 1_000_003 + b,
-                                               topo.dp_rank, topo.dp_size).to(topo.device)
+        at_each_t = trainer.batches.make_fixed(trainer.held_out, indices, ts.tolist(), train.seed * 1_000_003 + b,
+                                               topo.dp_rank, topo.dp_size)
+        for q, batch in enumerate(at_each_t):
+            batch = batch.to(topo.device)
             _, loss = trainer.runner.forward_only(batch.noisy, batch.conditions, batch.target)
             if loss is not None:
                 sums[q] += loss.double() / trainer.scaler.scale

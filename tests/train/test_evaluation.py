@@ -50,7 +50,7 @@ def _reference_eval_loss(run: Path) -> float:
     for t in ts.tolist():
         per_batch = []
         for b, indices in enumerate(fixed_batches(data, train.batch_size)):
-            batch = maker.make_fixed(data, indices, t, train.seed * 1_000_003 + b, 0, 1)
+            batch, = maker.make_fixed(data, indices, [t], train.seed * 1_000_003 + b, 0, 1)
             with torch.no_grad():
                 out = unet(batch.noisy, batch.conditions["timestep"],
                            encoder_hidden_states=batch.conditions["encoder_hidden_states"]).sample
