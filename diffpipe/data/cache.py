@@ -105,17 +105,20 @@ def fill_store(store: ShardStore, wanted: list[str], compute: Callable[[list[str
     for attempt in range(2):
         have, failed = store.known()
         missing = [k for k in wanted if k not in have and k not in failed]
+        barrier()  # every process has listed what is missing before any writes: the shares below then agree
         mine = missing[rank::world]
         if mine:
             store.write(*compute(mine))
         barrier()
         entries, damaged = store.load(wanted_set)
+        failed = {k: why for k, why in store.known()[1].items() if k in wanted_set}
         barrier()  # every process has read before a damaged shard is removed
-        if not damaged:
-            return entries, {k: why for k, why in store.known()[1].items() if k in wanted_set}
+        if not damaged and wanted_set <= set(entries) | set(failed):
+            return entries, failed
         if rank == 0:
             for line in damaged:
                 warn(f"warning: damaged cache shard {line}; removed, its entries are computed again")
             store.remove(damaged)
         barrier()
-    raise RuntimeError(f"the cache in {store.folder} was damaged again while being rebuilt; check the disk")
+    raise RuntimeError(f"the cache in {store.folder} is still incomplete or damaged after a rebuild; check the disk "
+                       "and that every process sees the same cache folder (data.cache_dir)")

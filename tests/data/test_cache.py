@@ -81,22 +81,38 @@ def test_a_damaged_shard_is_named_removed_and_rebuilt(tiny, photos, capsys):
 
 
 def test_shard_store_gives_every_process_the_same_entries():
+    """Two processes (threads sharing a barrier) fill one store: each computes its own share of what is missing,
+    the shares cover it all, and both get every entry."""
     import tempfile
+    import threading
 
     with tempfile.TemporaryDirectory() as folder:
         store = ShardStore(Path(folder))
-        computed = []
+        computed = {0: [], 1: []}
+        barrier = threading.Barrier(2)
+        results = {}
 
-        def compute(keys):
-            computed.extend(keys)
-            return {k: {"x": torch.full((2,), float(k))} for k in keys if k != "7"}, {"7": "broken"}
+        def compute_for(rank):
+            def compute(keys):
+                computed[rank].extend(keys)
+                return {k: {"x": torch.full((2,), float(k))} for k in keys if k != "7"}, {"7": "broken"} if "7" in keys else {}
+            return compute
 
-        entries, failed = fill_store(store, [str(i) for i in range(10)], compute, rank=1, world=2)
-        assert sorted(computed) == ["1", "3", "5", "7", "9"]  # this process's share of what was missing
-        assert set(entries) == {"1", "3", "5", "9"} and failed == {"7": "broken"}
-        entries, failed = fill_store(store, [str(i) for i in range(10)], compute, rank=0, world=1)
-        assert set(entries) == {str(i) for i in range(10)} - {"7"}  # only the other share was computed
-        assert sorted(computed) == ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"]
+        def process(rank):
+            results[rank] = fill_store(store, [str(i) for i in range(10)], compute_for(rank), rank=rank, world=2,
+                                       barrier=barrier.wait)
+
+        threads = [threading.Thread(target=process, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(computed[1]) == ["1", "3", "5", "7", "9"]  # this process's share of what was missing
+        assert sorted(computed[0]) == ["0", "2", "4", "6", "8"]
+        for entries, failed in results.values():
+            assert set(entries) == {str(i) for i in range(10)} - {"7"} and failed == {"7": "broken"}
+        entries, failed = fill_store(store, [str(i) for i in range(10)], compute_for(0))
+        assert len(computed[0]) == 5 and set(entries) == set(results[0][0])  # a second run computes nothing
 
 
 @pytest.mark.parametrize("cache", [True, False])
