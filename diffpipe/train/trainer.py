@@ -220,9 +220,9 @@ class Trainer:
         minutes = self.config.checkpoint.every_minutes
         return minutes > 0 and time.monotonic() - self._last_checkpoint >= 60 * minutes
 
-    def _due(self, step: int, every: int, at_end: bool) -> bool:
-        last = step + 1 == self.config.train.max_steps
-        return every > 0 and ((step + 1) % every == 0 and not last or at_end and last)
+    def _due(self, step: int, every: int) -> bool:
+        """Every `every` steps and after the last one (0: never)."""
+        return every > 0 and ((step + 1) % every == 0 or step + 1 == self.config.train.max_steps)
 
     def _checkpoint_due(self, step: int) -> bool:
         every = self.config.checkpoint.every
@@ -277,9 +277,9 @@ class Trainer:
             record["skipped_images"] = self.skipped_images
             indices = self.data.batch_indices(step, self.config.train.batch_size, self.config.train.seed)
             record["bucket"] = str(self.data.placements[indices[0]].bucket)
-        if self._due(step, self.config.train.eval_every, at_end=True):  # its time counts in the next step's
+        if self._due(step, self.config.train.eval_every):  # its time counts in the next step's
             record.update(evaluate(self))
-        if self._due(step, self.config.sample.every, at_end=True):
+        if self._due(step, self.config.sample.every):
             write_samples(self, step)
         interrupted = record.pop("stop_asked") > 0
         overdue = record.pop("checkpoint_asked") > 0
