@@ -26,6 +26,7 @@ from diffpipe.config import build_config, load_config  # noqa: E402
 from diffpipe.distributed import single_process_topology  # noqa: E402
 from diffpipe.models.lora import add_lora  # noqa: E402
 from diffpipe.models.presets import UNET_PRESETS  # noqa: E402
+from diffpipe.models.unet import UNet2DFamily  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
 BATCH = 8
@@ -46,7 +47,7 @@ def plain_peft_loop(rank: int, steps: int) -> None:
     torch.manual_seed(0)
     model = UNet2DConditionModel(**UNET_PRESETS["sdxl"]).to("cuda").train()
     adapter = build_config({"adapter": {"type": "lora", "rank": rank, "alpha": float(rank)}}).adapter
-    add_lora(model, adapter, "unet2d", seed=0)
+    add_lora(model, adapter, UNet2DFamily.lora_targets, seed=0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     inputs = dict(sample=torch.randn(BATCH, 4, 128, 128, device="cuda"),
                   timestep=torch.randint(0, 1000, (BATCH,), device="cuda"),

@@ -7,18 +7,19 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, RunConfig
+from .models.family import Feed, ModelFamily
 from .models.lora import add_lora, base_module_name, load_adapters, seed_lora
-from .models.loading import CheckpointError, build_unet, checked_weights
+from .models.loading import CheckpointError, build_model, checked_weights
 from .models.materialise import is_meta, materialise
-from .models.pipeline_folder import PipelineText, caption_tokens, is_pipeline_folder, load_vae, vae_scale_factor
+from .models.pipeline_folder import is_pipeline_folder, load_vae, vae_scale_factor
+from .models.registry import ArchitectureError, family_for
 from .models.text import CaptionEncoder, TextEncoder
 from .models.units import Backbone, full_parameter_names
-from .models.unet import unet_backbone
 from .pipeline.split import stage_specs
 from .pipeline.traffic import Crossing, boundary_crossings, trace_shapes
 
 __all__ = ["build_backbone", "give_weights", "build_text_encoder", "AUTOCAST_DTYPES", "sample_shape", "example_inputs",
-           "boundary_traffic", "text_length", "build_dataset"]
+           "boundary_traffic", "text_length", "build_dataset", "model_family", "feed"]
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -27,15 +28,19 @@ def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Bac
     """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`), and with
     adapter.type = lora its LoRA layers too, which get weights with the rest. Built with weights (sampling, benches)
     it is the plain model: a LoRA run's model.safetensors has the adapters merged in."""
+    family = model_family(config)
+    model = build_model(config.model, family)
     try:
-        backbone = unet_backbone(build_unet(config.model), config.model.units)
-    except ValueError as exc:  # unsupported UNet options
+        family.check_supported(model)
+    except ValueError as exc:  # options the adapter cannot train yet
         raise CheckpointError(str(exc)) from None
+    backbone = family.describe(model, config.model.units)
+    backbone.family = family
     if str(device) != "meta":
         give_weights(backbone, config, device=device)
     if config.adapter.type == "lora" and str(device) == "meta":
         try:
-            add_lora(backbone.model, config.adapter, config.model.architecture, config.train.seed)
+            add_lora(backbone.model, config.adapter, family.lora_targets, config.train.seed)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         backbone.parameter_names = full_parameter_names(backbone.model)
@@ -48,8 +53,8 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
     other units stay on the meta device. The same unit gets the same weights whatever else is built. LoRA layers
     already injected get their seeded initial adapters."""
     modules = None if units is None else {id(m) for i in units for m in backbone.units[i].module.modules()}
-    materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model), modules, device,
-                rename=base_module_name)
+    materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model, backbone.family),
+                modules, device, rename=base_module_name, buffers=backbone.family.constructor_buffers(backbone.model))
     if config.adapter.type == "lora":
         seed_lora(backbone.model, config.train.seed)
         if config.adapter.init_from:
@@ -60,53 +65,56 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
     backbone.parameter_names = full_parameter_names(backbone.model)  # materialising made new parameter objects
 
 
+def model_family(config: RunConfig) -> ModelFamily:
+    """The family of model.architecture (models/registry.py)."""
+    try:
+        return family_for(config.model.architecture)
+    except ArchitectureError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def feed(config: RunConfig, backbone: Backbone) -> Feed:
+    """How this run's backbone is fed (its family's conditions and latent layout)."""
+    return Feed.of(backbone, config.model.guidance)
+
+
 def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, int, int]:
-    """(channels, height, width) the backbone is fed: for image folders, the latents of a data.resolution square
-    (every bucket has about its area), else the model's sample_size."""
-    cfg = backbone.model.config
+    """(channels, height, width) of the latents the backbone denoises (before any packing): for image folders, the
+    latents of a data.resolution square (every bucket has about its area), else the family's default size."""
+    family, cfg = backbone.family, backbone.model.config
     if config.data.dataset == "folder" and is_pipeline_folder(config.model.path):
         side = config.data.resolution // vae_scale_factor(Path(config.model.path))
-        return cfg.in_channels, side, side
-    size = cfg.sample_size if isinstance(cfg.sample_size, int) else cfg.sample_size[0]
-    return cfg.in_channels, size, size
+    else:
+        side = family.default_latent_size(cfg)
+    return family.latent_channels(cfg), side, side
 
 
 def text_length(config: RunConfig) -> int:
     """Tokens per caption: a pipeline folder's tokenizer decides, else model.text_max_length."""
     if is_pipeline_folder(config.model.path):
-        return caption_tokens(Path(config.model.path))
+        return model_family(config).folder_text_length(Path(config.model.path))
     return config.model.text_max_length
-
-
-def _pooled_text_width(backbone: Backbone) -> int:
-    """Width of SDXL-style pooled text embeddings: the added embedding's input less the six time ids; 0 if unused."""
-    cfg = backbone.model.config
-    if cfg.addition_embed_type != "text_time":
-        return 0
-    return cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
 
 
 def build_text_encoder(config: RunConfig, backbone: Backbone) -> CaptionEncoder:
     """A pipeline folder's own text encoders, else model.text_encoder (tiny-clip or a CLIP folder)."""
-    cfg = backbone.model.config
     if is_pipeline_folder(config.model.path):
-        return PipelineText.from_folder(Path(config.model.path))
+        return backbone.family.folder_text_encoder(Path(config.model.path))
     if config.model.text_encoder == "tiny-clip":
-        pooled = max(_pooled_text_width(backbone), 1)
-        return TextEncoder.tiny(cfg.cross_attention_dim, pooled, config.model.text_max_length,
-                                config.train.seed + 1)
+        hidden, pooled = backbone.family.text_widths(backbone.model.config)
+        return TextEncoder.tiny(hidden, max(pooled, 1), config.model.text_max_length, config.train.seed + 1)
     return TextEncoder.from_folder(config.model.text_encoder, config.model.text_max_length)
 
 
 def example_inputs(config: RunConfig, backbone: Backbone, batch: int) -> tuple[dict, dict]:
     """Zero-filled inputs and conditions of the shapes a step feeds the backbone (for tracing and costing)."""
-    cfg = backbone.model.config
-    conditions = {"timestep": torch.zeros(batch),
-                  "encoder_hidden_states": torch.zeros(batch, text_length(config), cfg.cross_attention_dim)}
-    if "text_embeds" in backbone.conditions:
-        conditions["text_embeds"] = torch.zeros(batch, _pooled_text_width(backbone))
-        conditions["time_ids"] = torch.zeros(batch, 6)
-    return {"sample": torch.zeros(batch, *sample_shape(config, backbone))}, conditions
+    hidden, pooled = backbone.family.text_widths(backbone.model.config)
+    channels, height, width = sample_shape(config, backbone)
+    fed = feed(config, backbone)
+    conditions = fed.conditions(torch.zeros(batch, text_length(config), hidden), torch.zeros(batch, pooled),
+                                torch.zeros(batch, 6), (height, width))
+    conditions["timestep"] = torch.zeros(batch)
+    return {"sample": fed.pack(torch.zeros(batch, channels, height, width))}, conditions
 
 
 def boundary_traffic(config: RunConfig, backbone: Backbone, split: list[int]) -> list[Crossing]:

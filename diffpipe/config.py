@@ -28,14 +28,24 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    architecture: Literal["unet2d"] = Field("unet2d", description="Backbone adapter: unet2d (diffusers UNet2DConditionModel).")
-    preset: str | None = Field("digits", description="Built-in backbone config (digits, sd15, sdxl); ignored when `config` or `path` is set.")
+    architecture: str = Field("unet2d", description="Backbone family: unet2d (diffusers UNet2DConditionModel: SD 1.x/2.x, SDXL), flux (FluxTransformer2DModel), sd3 (SD3Transformer2DModel: SD3, SD3.5), or a ModelFamily subclass of your own as \"package.module:Class\".")
+    preset: str | None = Field("digits", description="Built-in backbone config of the family (unet2d: digits, sd15, sdxl; flux: digits, tiny, dev; sd3: digits, tiny, medium); ignored when `config` or `path` is set.")
     config: dict[str, Any] | None = Field(None, description="Backbone config as keyword arguments of the diffusers class (inline table).")
     path: str | None = Field(None, description="Local diffusers pipeline folder (model_index.json, unet/, vae/, text encoders: SD 1.x/2.x, SDXL), UNet folder (config.json), or single .safetensors file to load weights from.")
     units: Literal["layers", "blocks"] = Field(
         "layers", description="Unit granularity the planner may cut at: layers (each resnet/transformer) or blocks.")
     text_encoder: str = Field("tiny-clip", description="Frozen text encoder: tiny-clip (built locally from a small config) or a local transformers CLIP folder.")
     text_max_length: int = Field(8, ge=2, le=512, description="Tokens per caption (padded/truncated); a pipeline folder's tokenizers decide their own (77 for CLIP).")
+    guidance: float = Field(3.5, ge=0.0, description="Guidance-distilled models (Flux-dev: guidance_embeds = true): the guidance value embedded while training and sampling (diffusers' Flux scripts: 3.5).")
+
+    @model_validator(mode="after")
+    def _check_architecture(self) -> "ModelConfig":
+        from .models.registry import BUILTIN_FAMILIES
+
+        if self.architecture not in BUILTIN_FAMILIES and ":" not in self.architecture:
+            raise ValueError(f"model.architecture={self.architecture!r} is unknown; choose one of "
+                             f"{sorted(BUILTIN_FAMILIES)}, or name a ModelFamily subclass as \"package.module:Class\"")
+        return self
 
     def describe(self) -> str:
         """The model in the user's words: where its architecture comes from (the preset only when it is used)."""
@@ -295,19 +305,22 @@ def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
 
 
 def _resolve_objective(config: RunConfig) -> None:
-    """train.objective unset: the pipeline folder's scheduler decides, else flow matching."""
+    """train.objective unset: the pipeline folder's scheduler decides (through the model's family), else the family's
+    default (flow matching)."""
     from .models.loading import CheckpointError
-    from .models.pipeline_folder import is_pipeline_folder, scheduler_objective
+    from .models.pipeline_folder import is_pipeline_folder
+    from .models.registry import ArchitectureError, family_for
 
     if config.train.objective is not None:
         return
-    if is_pipeline_folder(config.model.path):
-        try:
-            config.train.objective = scheduler_objective(Path(config.model.path))
-        except CheckpointError as exc:
-            raise ConfigError(str(exc)) from None
-    else:
-        config.train.objective = "flow_matching"
+    try:
+        family = family_for(config.model.architecture)
+        if is_pipeline_folder(config.model.path):
+            config.train.objective = family.objective_of_folder(Path(config.model.path))
+        else:
+            config.train.objective = family.default_objective
+    except (CheckpointError, ArchitectureError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

@@ -27,14 +27,18 @@ class Checked:
 
 def check_before_launch(config: RunConfig) -> Checked:
     backbone = build_backbone(config, device="meta")
-    checked_weights(backbone.model, config.model)  # converts an original-layout file once, for every process
+    checked_weights(backbone.model, config.model, backbone.family)  # converts an original-layout file once
     if config.model.text_encoder != "tiny-clip" and not (Path(config.model.text_encoder) / "config.json").is_file():
         raise CheckpointError(f"model.text_encoder={config.model.text_encoder}: no config.json there; give a local "
                               "transformers CLIP folder or \"tiny-clip\"")
-    shape = sample_shape(config, backbone)  # any size: the upsamplers return to each skip's size, as in diffusers
+    shape = sample_shape(config, backbone)  # UNets: any size (the upsamplers return to each skip's size)
     if config.data.dataset == "digits" and shape != (1, 8, 8):
         raise SplitError(f"data.dataset='digits' has 1x8x8 images but the model takes {shape}; use "
-                         "model.preset = \"digits\", a config with in_channels=1 and sample_size=8, or data.dataset = \"synthetic\"")
+                         "model.preset = \"digits\", a config made for 1-channel 8x8 images, or data.dataset = \"synthetic\"")
+    multiple = backbone.family.latent_multiple(backbone.model.config)
+    if config.data.dataset != "folder" and (shape[1] % multiple or shape[2] % multiple):
+        raise SplitError(f"the {config.model.architecture} model takes latents whose sides are multiples of {multiple} "
+                         f"(its patch size), but the data is {shape[1]}x{shape[2]}")
     if config.data.dataset == "folder":
         _check_folder_data(config, backbone)
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
@@ -70,13 +74,20 @@ def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:
         for path, _ in data_folders(config.data, eval_split):
             if not path.is_dir():
                 raise FileNotFoundError(f"{key}: {path} is not a folder")
-    unet = backbone.model.config
+    family, cfg = backbone.family, backbone.model.config
     vae = json.loads((folder / "vae" / "config.json").read_text())
-    if vae.get("latent_channels") != unet.in_channels:
-        raise CheckpointError(f"{folder}: the VAE makes {vae.get('latent_channels')}-channel latents but the UNet takes "
-                              f"{unet.in_channels} channels; the folder mixes components of different models")
-    widths = [json.loads((folder / sub / "config.json").read_text())["hidden_size"]
-              for sub in ("text_encoder", "text_encoder_2") if (folder / sub / "config.json").is_file()]
-    if sum(widths) != unet.cross_attention_dim:
-        raise CheckpointError(f"{folder}: the text encoders give {'+'.join(map(str, widths))} wide states but the UNet "
-                              f"attends to {unet.cross_attention_dim}; the folder mixes components of different models")
+    if vae.get("latent_channels") != family.latent_channels(cfg):
+        raise CheckpointError(f"{folder}: the VAE makes {vae.get('latent_channels')}-channel latents but the "
+                              f"{family.component} takes {family.latent_channels(cfg)}; the folder mixes components "
+                              "of different models")
+    factor = 2 ** (len(vae["block_out_channels"]) - 1)
+    multiple = family.latent_multiple(cfg)
+    if (config.data.bucket_step // factor) % multiple or config.data.bucket_step % factor:
+        raise CheckpointError(f"data.bucket_step = {config.data.bucket_step}: the {family.component} needs latents whose "
+                              f"sides are multiples of {multiple} ({multiple * factor} pixels through this VAE); "
+                              f"use a multiple of {multiple * factor}")
+    given, wanted = family.folder_text_widths(folder), family.text_widths(cfg)
+    if given != wanted:
+        raise CheckpointError(f"{folder}: the text encoders give {given[0]}-wide states and {given[1]}-wide pooled "
+                              f"embeddings but the {family.component} takes {wanted[0]} and {wanted[1]}; the folder "
+                              "mixes components of different models")

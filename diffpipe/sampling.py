@@ -13,10 +13,11 @@ from typing import Callable
 import torch
 from PIL import Image
 
-from .build import AUTOCAST_DTYPES, build_backbone, build_text_encoder, sample_shape
+from .build import AUTOCAST_DTYPES, build_backbone, build_text_encoder, feed, sample_shape
 from .config import RunConfig, load_config
 from .data.batches import BatchMaker, square_size_ids
 from .diffusion.samplers import sample
+from .models.family import Feed
 from .models.loading import CheckpointError
 from .models.pipeline_folder import is_pipeline_folder, load_vae
 from .models.text import CaptionEncoder, TextEncoder
@@ -46,8 +47,8 @@ class Generator:
     config: RunConfig
     forward: Forward
     text: CaptionEncoder
-    conditions_needed: tuple[str, ...]
-    shape: tuple[int, int, int]  # of what the backbone denoises: latents when there is a VAE
+    feed: Feed  # how the backbone is fed: its conditions and latent layout
+    shape: tuple[int, int, int]  # of what the backbone denoises (before packing): latents when there is a VAE
     vae: torch.nn.Module | None = None
 
     @torch.no_grad()
@@ -56,12 +57,13 @@ class Generator:
         """One image per (prompt, seed) pair, in [-1, 1], shape (N, C, H, W): RGB pixels decoded by the VAE when the
         run has one (and `decode`), else what the backbone made."""
         noise = torch.stack([torch.randn(self.shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
-        noise = noise.to(self.text.device)
-        maker = BatchMaker(None, self.text, self.config.train, 0.0, self.conditions_needed)
+        latent_size = self.shape[1:]
+        noise = self.feed.pack(noise.to(self.text.device))  # sampled in the backbone's own layout
+        maker = BatchMaker(None, self.text, self.config.train, 0.0, self.feed)
         guided = guidance_scale != 1.0
         texts = list(prompts) + ([""] * len(prompts) if guided else [])
         height, width = self.pixel_size
-        conditions = maker.text_conditions(texts, square_size_ids(len(texts), height, width))
+        conditions = maker.text_conditions(texts, square_size_ids(len(texts), height, width), latent_size)
 
         def predict(x: torch.Tensor, model_t: torch.Tensor) -> torch.Tensor:
             xin = torch.cat([x, x]) if guided else x
@@ -73,7 +75,7 @@ class Generator:
             cond, uncond = out.chunk(2)
             return uncond + guidance_scale * (cond - uncond)
 
-        made = sample(predict, noise, steps, self.config.train.objective)
+        made = self.feed.unpack(sample(predict, noise, steps, self.config.train.objective), latent_size)
         if self.vae is not None and decode:
             return self.decode(made)
         return made.clamp(-1, 1)
@@ -114,9 +116,9 @@ def load_generator(run_dir: str | Path) -> Generator:
     forward = partial(run_stages, modules)
     if pipeline is None:
         return Generator(config, forward, TextEncoder.from_folder(run_dir / "text_encoder", config.model.text_max_length),
-                         backbone.conditions, sample_shape(config, backbone))
+                         feed(config, backbone), sample_shape(config, backbone))
     config.model.path = str(pipeline)
-    return Generator(config, forward, build_text_encoder(config, backbone), backbone.conditions,
+    return Generator(config, forward, build_text_encoder(config, backbone), feed(config, backbone),
                      sample_shape(config, backbone), load_vae(pipeline))
 
 

@@ -13,6 +13,7 @@ import torch
 from ..config import TrainConfig
 from ..diffusion.objectives import make_targets
 from ..diffusion.timesteps import sample_timesteps
+from ..models.family import Feed
 from ..models.text import CaptionEncoder
 
 __all__ = ["StepBatch", "BatchMaker", "TensorImages", "square_size_ids", "fixed_batches"]
@@ -80,20 +81,17 @@ def square_size_ids(n: int, height: int, width: int) -> torch.Tensor:
 
 class BatchMaker:
     """A step's batch from a dataset with `captions`, `batch_indices(step, batch_size, seed)`, `x0(indices)` and
-    `size_ids(indices)` (TensorImages, data/images.py's FolderImages)."""
+    `size_ids(indices)` (TensorImages, data/images.py's FolderImages), fed as the model's family asks (`feed`:
+    its named conditions and its latent layout)."""
 
-    def __init__(self, data, text: CaptionEncoder, train: TrainConfig, caption_dropout: float,
-                 conditions: tuple[str, ...]):
+    def __init__(self, data, text: CaptionEncoder, train: TrainConfig, caption_dropout: float, feed: Feed):
         self.data, self.text = data, text
-        self.train, self.caption_dropout, self.conditions = train, caption_dropout, conditions
+        self.train, self.caption_dropout, self.feed = train, caption_dropout, feed
 
-    def text_conditions(self, captions: list[str], size_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    def text_conditions(self, captions: list[str], size_ids: torch.Tensor,
+                        latent_size: tuple[int, int]) -> dict[str, torch.Tensor]:
         hidden, pooled = self.text.encode(captions)
-        named = {"encoder_hidden_states": hidden}
-        if "text_embeds" in self.conditions:  # SDXL-style: pooled text and (original size, crop, target size)
-            named["text_embeds"] = pooled
-            named["time_ids"] = size_ids.to(hidden.device)
-        return named
+        return self.feed.conditions(hidden, pooled, size_ids, latent_size)
 
     def make(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:
         gen = torch.Generator().manual_seed(self.train.seed * 1_000_003 + step)
@@ -107,7 +105,8 @@ class BatchMaker:
         t = sample_timesteps(self.train.timestep_sampling, len(idx), gen, logit_mean=self.train.logit_mean,
                              logit_std=self.train.logit_std, shift=self.train.shift)
         noise = torch.randn((len(idx), *x0.shape[1:]), generator=gen)  # drawn for the global batch, then sliced
-        return self._batch(x0, noise[part], t[part], self.text_conditions(captions[part], self.data.size_ids(mine)))
+        conditions = self.text_conditions(captions[part], self.data.size_ids(mine), x0.shape[-2:])
+        return self._batch(x0, noise[part], t[part], conditions)
 
     def make_fixed(self, data, indices: list[int], ts: list[float], noise_seed: int, dp_rank: int,
                    dp_size: int) -> list[StepBatch]:
@@ -119,12 +118,12 @@ class BatchMaker:
         mine = indices[part]
         x0 = data.x0(mine)
         noise = torch.randn((len(indices), *x0.shape[1:]), generator=torch.Generator().manual_seed(noise_seed))[part]
-        conditions = self.text_conditions([data.captions[i] for i in mine], data.size_ids(mine))
+        conditions = self.text_conditions([data.captions[i] for i in mine], data.size_ids(mine), x0.shape[-2:])
         return [self._batch(x0, noise, torch.full((len(mine),), t), conditions) for t in ts]
 
     def _batch(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
                conditions: dict[str, torch.Tensor]) -> StepBatch:
-        """This replica's items noised to timesteps t, with their text conditions, as the backbone is fed."""
+        """This replica's items noised to timesteps t, with their text conditions, in the layout the backbone reads."""
         targets = make_targets(self.train.objective, x0, noise, t)
-        return StepBatch(targets.noisy.contiguous(), targets.target.contiguous(),
-                         dict(conditions, timestep=targets.model_timestep))
+        noisy, target = self.feed.pack(targets.noisy), self.feed.pack(targets.target)
+        return StepBatch(noisy.contiguous(), target.contiguous(), dict(conditions, timestep=targets.model_timestep))

@@ -1,4 +1,5 @@
-"""Build the backbone from a preset, an inline config, a local diffusers folder or a single .safetensors file.
+"""Build the backbone (of any family: family.py) from a preset, an inline config, a local diffusers folder or a
+single .safetensors file.
 
 The model is built on the meta device; `build.give_weights` then gives weights (materialise.py): random
 (seeded) unless `model.path` is given, checked here against the architecture first. Nothing is downloaded.
@@ -9,53 +10,54 @@ import json
 from pathlib import Path
 
 import torch
-from diffusers import UNet2DConditionModel
 from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
-from .presets import UNET_PRESETS
+from .family import ModelFamily
 
-__all__ = ["CheckpointError", "PICKLE_SUFFIXES", "build_unet", "unet_config", "check_checkpoint", "weights_file", "checked_weights"]
+__all__ = ["CheckpointError", "PICKLE_SUFFIXES", "build_model", "model_kwargs", "check_checkpoint", "weights_file",
+           "checked_weights"]
 
 
 class CheckpointError(ValueError):
     """A weights file that cannot be used for this model; the message says why and what to do."""
 
 
-def unet_config(cfg: ModelConfig) -> dict:
-    """The UNet's constructor arguments: `config`, else a folder's config.json, else `preset`."""
+def model_kwargs(cfg: ModelConfig, family: ModelFamily) -> dict:
+    """The backbone's constructor arguments: `config`, else a folder's config.json, else `preset`."""
     if cfg.config is not None:
         return dict(cfg.config)
     path = Path(cfg.path) if cfg.path is not None else None
     if path is not None and path.is_dir():
-        for candidate in (path / "config.json", path / "model_config.json", path / "unet" / "config.json"):
+        for candidate in (path / "config.json", path / "model_config.json", path / family.component / "config.json"):
             if candidate.is_file():
                 return {k: v for k, v in json.loads(candidate.read_text()).items() if not k.startswith("_")}
-        raise CheckpointError(f"model.path={cfg.path}: no config.json there (nor in its unet/ subfolder)")
+        raise CheckpointError(f"model.path={cfg.path}: no config.json there (nor in its {family.component}/ subfolder)")
     if path is not None and not path.exists():
         raise CheckpointError(f"model.path={cfg.path} does not exist")
     if cfg.preset is None:
         raise CheckpointError(f"model.path={cfg.path} is a single weights file: give the architecture too, "
                               "with model.preset or model.config")
-    if cfg.preset not in UNET_PRESETS:
-        raise CheckpointError(f"model.preset={cfg.preset!r} is unknown; choose one of {sorted(UNET_PRESETS)}")
-    return dict(UNET_PRESETS[cfg.preset])
+    if cfg.preset not in family.presets:
+        raise CheckpointError(f"model.preset={cfg.preset!r} is not a {family.name} preset; choose one of "
+                              f"{sorted(family.presets)}")
+    return dict(family.presets[cfg.preset])
 
 
 PICKLE_SUFFIXES = (".ckpt", ".bin", ".pt", ".pth", ".pkl")
 
 
-def weights_file(path: Path) -> Path:
+def weights_file(path: Path, component: str = "unet") -> Path:
     if path.suffix in PICKLE_SUFFIXES:
         raise CheckpointError(f"model.path={path}: {path.suffix} files are Python pickles, which can run code when "
                               "loaded; diffpipe reads only .safetensors (convert it with a trusted tool first)")
     if path.is_file():
         return path
-    for folder in (path, path / "unet"):
+    for folder in (path, path / component):
         for name in ("diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.fp16.safetensors"):
             if (folder / name).is_file():
                 return folder / name
-    pickles = sorted(str(p) for folder in (path, path / "unet") if folder.is_dir()
+    pickles = sorted(str(p) for folder in (path, path / component) if folder.is_dir()
                      for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise CheckpointError(f"model.path={path}: only pickle weight files ({', '.join(pickles)}), which can run code "
@@ -93,27 +95,32 @@ def check_checkpoint(model: torch.nn.Module, path: Path) -> None:
                               "Check model.preset / model.config against the checkpoint.")
 
 
-def build_unet(cfg: ModelConfig) -> UNet2DConditionModel:
-    """The UNet of `cfg` on the meta device, without weights: `build.give_weights` gives them (the checkpoint's,
+def build_model(cfg: ModelConfig, family: ModelFamily) -> torch.nn.Module:
+    """The backbone of `cfg` on the meta device, without weights: `build.give_weights` gives them (the checkpoint's,
     else seeded random ones)."""
-    kwargs = unet_config(cfg)
+    kwargs = model_kwargs(cfg, family)
     with torch.device("meta"):
         try:
-            return UNet2DConditionModel(**kwargs)
-        except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"model config is not a valid UNet2DConditionModel config: {exc}") from None
+            return family.model_class(**kwargs)
+        except (TypeError, ValueError, AssertionError) as exc:
+            raise CheckpointError(f"model config is not a valid {family.model_class.__name__} config "
+                                  f"(model.architecture = {family.name!r}): {exc}") from None
 
 
-def checked_weights(model: torch.nn.Module, cfg: ModelConfig) -> Path | None:
+def checked_weights(model: torch.nn.Module, cfg: ModelConfig, family: ModelFamily) -> Path | None:
     """The weights file of `cfg.path` (an original-layout single file converted first: original_layout.py), refused
     before anything is read if written for another architecture."""
     from .original_layout import converted_unet_file, is_original_layout
 
     if cfg.path is None:
         return None
-    path = weights_file(Path(cfg.path))
+    path = weights_file(Path(cfg.path), family.component)
     _file_shapes(path)  # an unreadable file is named as such
     if Path(cfg.path).is_file() and is_original_layout(path):
+        if family.name != "unet2d":
+            raise CheckpointError(f"model.path={cfg.path}: a single file in the original (non-diffusers) layout; only "
+                                  "UNets convert from it yet: give the diffusers folder of the model "
+                                  f"(model_index.json, {family.component}/, ...)")
         try:
             path = converted_unet_file(path, dict(model.config))
         except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as exc:

@@ -18,19 +18,18 @@ from peft.tuners.lora import LoraLayer
 
 from ..config import AdapterConfig
 
-__all__ = ["load_adapters", "lora_metadata", "add_lora", "seed_lora", "plain_name", "base_module_name", "is_adapter", "merge_lora", "lora_weights", "lora_scale", "DEFAULT_TARGETS"]
-
-DEFAULT_TARGETS = {"unet2d": ["to_q", "to_k", "to_v", "to_out.0"]}  # attention projections, as diffusers' scripts
+__all__ = ["load_adapters", "lora_metadata", "add_lora", "seed_lora", "plain_name", "base_module_name", "is_adapter", "merge_lora", "lora_weights", "lora_scale"]
 
 
 def _seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/lora/{name}".encode()).digest()[:8], "little") >> 1
 
 
-def add_lora(model: torch.nn.Module, adapter: AdapterConfig, architecture: str, seed: int) -> None:
-    """Inject LoRA into `model` in place, freeze everything else; seeded per module where weights are real."""
+def add_lora(model: torch.nn.Module, adapter: AdapterConfig, default_targets: tuple[str, ...], seed: int) -> None:
+    """Inject LoRA into `model` in place, freeze everything else; seeded per module where weights are real.
+    `default_targets`: the family's modules (ModelFamily.lora_targets) when adapter.target_modules is unset."""
     config = LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
-                        target_modules=adapter.target_modules or DEFAULT_TARGETS[architecture],
+                        target_modules=adapter.target_modules or list(default_targets),
                         init_lora_weights=True)
     try:
         inject_adapter_in_model(config, model)
@@ -92,14 +91,14 @@ def merge_lora(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.
     return merged
 
 
-def lora_metadata(config) -> dict[str, str]:
+def lora_metadata(config, default_targets: tuple[str, ...]) -> dict[str, str]:
     """The safetensors header of an adapter file: rank, alpha, targets, base model, and the training config."""
     import json
 
     adapter = config.adapter
     return {"format": "pt", "diffpipe.lora": json.dumps({
         "r": adapter.rank, "lora_alpha": adapter.alpha,
-        "target_modules": adapter.target_modules or DEFAULT_TARGETS[config.model.architecture],
+        "target_modules": adapter.target_modules or list(default_targets),
         "base_model": config.model.path or f"preset {config.model.preset}"}),
         "diffpipe.config": json.dumps(config.model_dump(mode="json"))}
 

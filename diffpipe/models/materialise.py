@@ -40,11 +40,13 @@ def _module_seed(seed: int, name: str) -> int:
 
 def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
                 modules: set[int] | None = None, device: str | torch.device = "cpu",
-                rename: Callable[[str], str | None] = lambda name: name) -> None:
+                rename: Callable[[str], str | None] = lambda name: name,
+                buffers: dict[str, torch.Tensor] | None = None) -> None:
     """Give real weights, on `device`, to the meta modules of `model` whose id() is in `modules` (all when None):
     the checkpoint's tensors when given (its architecture already checked), else seeded random ones. `rename`
     gives a module's name in the checkpoint (and so its seed), or None for one the checkpoint cannot hold (a LoRA
-    adapter: drawn at random, seeded by its own name).
+    adapter: drawn at random, seeded by its own name). Buffers only a constructor fills (a fixed positional table)
+    come from the checkpoint when it holds them, else from `buffers` (full names: ModelFamily.constructor_buffers).
 
     Parameters are replaced by new tensors: anything keyed by parameter identity must be rebuilt after this.
     """
@@ -52,23 +54,37 @@ def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
     with opened as reader:
         for name, module in model.named_modules():
             if modules is None or id(module) in modules:
-                _materialise_module(model, name, module, seed, reader, device, rename)
+                _materialise_module(model, name, module, seed, reader, device, rename, buffers or {})
 
 
 def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: int, reader, device,
-                        rename: Callable[[str], str | None]) -> None:
+                        rename: Callable[[str], str | None], buffers: dict[str, torch.Tensor]) -> None:
     own = list(module.parameters(recurse=False))
-    if not any(t.is_meta for t in own):
+    meta_buffers = [key for key, b in module.named_buffers(recurse=False) if b.is_meta]
+    if not any(t.is_meta for t in own) and not meta_buffers:
         return
-    if any(b.is_meta for b in module.buffers(recurse=False)):
-        raise ValueError(f"{type(model).__name__}.{name} ({type(module).__name__}) has buffers only its "
-                         "constructor can fill; building it on the meta device is not supported")
     file_name = rename(name)
+    values = {}
+    for key in meta_buffers:
+        full = f"{file_name}.{key}" if file_name else key
+        if reader is not None and full in reader.keys():
+            values[key] = reader.get_tensor(full)
+        elif f"{name}.{key}" in buffers:
+            values[key] = buffers[f"{name}.{key}"]
+        else:
+            raise ValueError(f"{type(model).__name__}.{name} ({type(module).__name__}) has a buffer {key!r} only its "
+                             "constructor can fill; building it on the meta device is not supported")
+    if not any(t.is_meta for t in own):  # buffers only: its parameters (if any) already hold weights
+        for key, value in values.items():
+            persistent = key not in module._non_persistent_buffers_set
+            module.register_buffer(key, value.to(device=device, dtype=getattr(module, key).dtype), persistent=persistent)
+        return
     from_file = reader is not None and file_name is not None
     if not from_file and not hasattr(module, "reset_parameters"):
         raise ValueError(f"{type(model).__name__}.{name} ({type(module).__name__}) has no reset_parameters "
                          "to draw its random weights with; give model.path to load them instead")
     module.to_empty(device=device, recurse=False)
+    _fill_buffers(module, values)
     with torch.no_grad():
         if from_file:
             for key, param in module.named_parameters(recurse=False):
@@ -81,3 +97,9 @@ def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: in
             with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
                 torch.manual_seed(_module_seed(seed, file_name if file_name is not None else name))
                 module.reset_parameters()
+
+
+def _fill_buffers(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for key, value in values.items():
+            getattr(module, key).copy_(value)

@@ -21,7 +21,7 @@ from .loading import PICKLE_SUFFIXES, CheckpointError
 from .text import CaptionEncoder
 
 __all__ = ["is_pipeline_folder", "component_weights", "scheduler_objective", "load_vae", "vae_scale_factor",
-           "PipelineText", "fingerprint_files", "caption_tokens"]
+           "PipelineText", "fingerprint_files", "caption_tokens", "text_encoder_configs"]
 
 _INDEX = "model_index.json"
 
@@ -86,6 +86,13 @@ def vae_scale_factor(folder: Path) -> int:
     """Pixels per latent along a side: 2 per VAE level after the first (8 for SD's VAE)."""
     cfg = json.loads((folder / "vae" / "config.json").read_text())
     return 2 ** (len(cfg["block_out_channels"]) - 1)
+
+
+def text_encoder_configs(folder: Path, names: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3")
+                         ) -> list[dict]:
+    """The config.json of each text encoder the folder has, in order."""
+    return [json.loads((folder / name / "config.json").read_text()) for name in names
+            if (folder / name / "config.json").is_file()]
 
 
 def caption_tokens(folder: Path) -> int:

@@ -12,10 +12,12 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
+from .family import ModelFamily, TextBatch
+from .presets import UNET_PRESETS
 from .unet_layers import LAYERED_BLOCKS, down_layers, mid_layers, up_layers
 from .units import Backbone, Unit
 
-__all__ = ["unet_backbone", "UNET_CONDITIONS", "check_unet_supported"]
+__all__ = ["unet_backbone", "UNET_CONDITIONS", "check_unet_supported", "UNet2DFamily"]
 
 UNET_CONDITIONS = ("timestep", "encoder_hidden_states", "text_embeds", "time_ids")
 
@@ -166,4 +168,66 @@ def unet_backbone(unet: UNet2DConditionModel, granularity: str = "layers") -> Ba
             units.append(Unit(f"up.{i}", _Up(block, h_name, taken, next_skip), reads, ("h",)))
         h_name = "h"
     units.append(Unit("out", _Out(unet), ("h",), ("prediction",)))
-    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=unet)
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=unet,
+                    family=UNet2DFamily())
+
+
+def _pooled_width(cfg) -> int:
+    """Width of SDXL-style pooled text embeddings: the added embedding's input less the six time ids; 0 if unused."""
+    if cfg.addition_embed_type != "text_time":
+        return 0
+    return cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+
+
+class UNet2DFamily(ModelFamily):
+    """SD 1.x/2.x (one CLIP, cross-attention to its hidden states) and SDXL (two CLIPs, pooled text and size ids
+    through the added time embedding). The objective of a pipeline folder comes from its scheduler."""
+
+    name = "unet2d"
+    model_class = UNet2DConditionModel
+    component = "unet"
+    presets = UNET_PRESETS
+
+    def check_supported(self, model):
+        check_unet_supported(model)
+
+    def describe(self, model, granularity):
+        return unet_backbone(model, granularity)
+
+    def latent_channels(self, cfg):
+        return cfg.in_channels
+
+    def default_latent_size(self, cfg):
+        return cfg.sample_size if isinstance(cfg.sample_size, int) else cfg.sample_size[0]
+
+    def text_widths(self, cfg):
+        return cfg.cross_attention_dim, _pooled_width(cfg)
+
+    def conditions(self, cfg, text: TextBatch):
+        named = {"encoder_hidden_states": text.hidden}
+        if cfg.addition_embed_type == "text_time":  # SDXL: pooled text and (original size, crop, target size)
+            named["text_embeds"] = text.pooled
+            named["time_ids"] = text.size_ids
+        return named
+
+    def diffusers_forward(self, model, sample, conditions):
+        added = {k: conditions[k] for k in ("text_embeds", "time_ids") if k in conditions} or None
+        return model(sample, conditions["timestep"], encoder_hidden_states=conditions["encoder_hidden_states"],
+                     added_cond_kwargs=added).sample
+
+    def folder_text_encoder(self, folder):
+        from .pipeline_folder import PipelineText
+
+        return PipelineText.from_folder(folder)
+
+    def folder_text_widths(self, folder):
+        from .pipeline_folder import text_encoder_configs
+
+        configs = text_encoder_configs(folder)
+        pooled = configs[-1]["projection_dim"] if len(configs) > 1 else 0  # SDXL: the second's projection
+        return sum(c["hidden_size"] for c in configs), pooled
+
+    def objective_of_folder(self, folder):
+        from .pipeline_folder import scheduler_objective
+
+        return scheduler_objective(folder)

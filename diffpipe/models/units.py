@@ -8,6 +8,7 @@ pipeline package decides which of them cross each stage boundary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,6 +41,7 @@ class Backbone:
     output: the name of the prediction written by the last unit.
     parameter_names: maps each parameter/buffer object id to its name in the original model,
     so a stage's weights can be saved and loaded under the names diffusers uses.
+    family: the ModelFamily that described the model (how it is fed, its diffusers forward).
     """
 
     units: list[Unit]
@@ -48,6 +50,7 @@ class Backbone:
     output: str
     model: nn.Module
     parameter_names: dict[int, str] = field(default_factory=dict)
+    family: Any = None  # the ModelFamily that described it (family.py)
 
     def __post_init__(self) -> None:
         if not self.parameter_names:

@@ -34,12 +34,12 @@ def parse_memory(text: str) -> float:
 def _stage_rows(part: Partition, meta: Backbone, trainable: list[int]) -> list[dict]:
     rows = []
     for s in part.stages:
-        carried = [n for n in live_after(meta, s.last - 1) if n.startswith("skip.")] if s.last < len(meta.units) else []
+        carried = list(live_after(meta, s.last - 1)) if s.last < len(meta.units) else []  # to the next stage
         rows.append({"stage": s.index, "units": f"{meta.units[s.first].name}..{meta.units[s.last - 1].name}",
                      "trainable_params_M": round(sum(trainable[s.first:s.last]) / 1e6, 2),
                      "forward_ms": round(s.forward_s * 1e3, 3), "backward_ms": round(s.backward_s * 1e3, 3),
                      "send_ms": round(s.send_s * 1e3, 3), "peak_GiB": round(s.memory_bytes / GIB, 2),
-                     "checkpointed": s.checkpointed, "skips_carried": carried})
+                     "checkpointed": s.checkpointed, "sends": carried})
     return rows
 
 
@@ -65,11 +65,11 @@ def format_plan(plan: Plan, meta: Backbone) -> str:
         part = d[key]
         lines.append(f"\n{title} {part['split']}:")
         lines.append(f"  {'stage':>5} {'units':<22} {'params M':>9} {'fwd ms':>9} {'bwd ms':>9} {'send ms':>8} "
-                     f"{'peak GiB':>9}  ckpt  skips carried")
+                     f"{'peak GiB':>9}  ckpt  sends")
         for r in part["stages"]:
             lines.append(f"  {r['stage']:>5} {r['units']:<22} {r['trainable_params_M']:>9.2f} {r['forward_ms']:>9.3f} "
                          f"{r['backward_ms']:>9.3f} {r['send_ms']:>8.3f} {r['peak_GiB']:>9.2f}  "
-                         f"{'yes' if r['checkpointed'] else 'no ':<4}  {', '.join(r['skips_carried']) or '-'}")
+                         f"{'yes' if r['checkpointed'] else 'no ':<4}  {', '.join(r['sends']) or '-'}")
         lines.append(f"  slowest stage {part['slowest_stage_ms']:.3f} ms, data-parallel all-reduce "
                      f"{part['allreduce_ms']:.1f} ms, step {part['step_s']:.4f} s, bubble {part['bubble_fraction']:.1%}, "
                      f"{part['samples_per_s']:.2f} samples/s")

@@ -82,8 +82,8 @@ def write_samples(trainer, step: int) -> None:
     """RUN_DIR/samples/step-N.png (rows: sample.seeds; columns: the prompts) and the same grid in TensorBoard."""
     cfg, topo = trainer.config, trainer.topo
     prompts = sample_prompts(trainer)
-    generator = Generator(cfg, _pipeline_forward(trainer), trainer.text, trainer.conditions_needed,
-                          trainer.sample_shape, trainer.vae)
+    generator = Generator(cfg, _pipeline_forward(trainer), trainer.text, trainer.feed, trainer.sample_shape,
+                          trainer.vae)
     seeds = cfg.sample.seeds
     images = generator.generate([p for _ in seeds for p in prompts], [s for s in seeds for _ in prompts],
                                 cfg.sample.steps, cfg.sample.guidance_scale, decode=topo.is_main)

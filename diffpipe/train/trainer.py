@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ..build import (AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_dataset, build_text_encoder, give_weights,
-                     sample_shape)
+from ..build import (AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_dataset, build_text_encoder, feed,
+                     give_weights, sample_shape)
 from ..config import RunConfig
 from ..data.batches import BatchMaker, StepBatch
 from ..data.prefetch import BatchPrefetcher
@@ -83,10 +83,11 @@ class Trainer:
         self.optimizer, self.lr_schedule = make_optimizer(groups, config.train)
         self.text = build_text_encoder(config, backbone).to(topo.device)
         self.data = build_dataset(config, backbone, self.text, topo.device, topo.rank, topo.world_size, dist.barrier)
-        self.batches = BatchMaker(self.data, self.text, config.train, config.data.caption_dropout, backbone.conditions)
+        self.feed = feed(config, backbone)
+        self.batches = BatchMaker(self.data, self.text, config.train, config.data.caption_dropout, self.feed)
         self.held_out = held_out_data(config, self.data)
         self.vae = getattr(self.data, "vae", None)  # image folders: decodes samples during training
-        self.conditions_needed, self.sample_shape = backbone.conditions, sample_shape(config, backbone)
+        self.sample_shape = sample_shape(config, backbone)
         skipped = getattr(self.data, "skipped", None)  # image folders: files left out, counted in every metrics line
         self.skipped_images = len(skipped) if skipped is not None else None
         if topo.is_main and hasattr(self.data, "bucket_counts"):
@@ -328,7 +329,7 @@ class Trainer:
         if self.topo.is_main:
             if self.config.adapter.type == "lora":  # the adapters alone, and the base with them merged in
                 save_file(lora_weights(merged), str(self.run_dir / "lora.safetensors"),
-                          metadata=lora_metadata(self.config))
+                          metadata=lora_metadata(self.config, self.feed.family.lora_targets))
                 merged = merge_lora(merged, lora_scale(self.config.adapter))
             save_file(merged, str(self.run_dir / "model.safetensors"))
             (self.run_dir / "model_config.json").write_text(json.dumps(self.model_config, indent=1, default=list))

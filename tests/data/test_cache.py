@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from diffpipe.build import build_backbone, feed
 from diffpipe.config import build_config
 from diffpipe.data.batches import BatchMaker
 from diffpipe.data.buckets import to_pixels
@@ -139,7 +140,7 @@ def test_batches_come_from_one_bucket_and_carry_each_images_time_ids(tiny, photo
         assert len({data.placements[i].bucket for i in indices}) == 1
         seen.update(indices)
     assert seen == set(range(16))
-    maker = BatchMaker(data, text, config.train, 0.0, ("timestep", "encoder_hidden_states", "text_embeds", "time_ids"))
+    maker = BatchMaker(data, text, config.train, 0.0, feed(config, build_backbone(config, "meta")))
     batch = maker.make(3, 0, 1)
     indices = data.batch_indices(3, 4, seed=0)
     bucket = data.placements[indices[0]].bucket

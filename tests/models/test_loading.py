@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 from diffpipe.build import build_backbone
 from diffpipe.preflight import check_before_launch
 from diffpipe.config import ModelConfig, build_config
-from diffpipe.models.loading import CheckpointError, build_unet
+from diffpipe.models.loading import CheckpointError, build_model
+from diffpipe.models.unet import UNet2DFamily
 from diffpipe.models.presets import UNET_PRESETS
 
 
@@ -70,7 +71,7 @@ def test_corrupt_checkpoint_is_refused_with_the_file_named(tmp_path):
 def test_single_file_without_architecture_asks_for_one(tmp_path):
     save_file(_trained_like_unet().state_dict(), str(tmp_path / "w.safetensors"))
     with pytest.raises(CheckpointError, match="give the architecture too"):
-        build_unet(ModelConfig(path=str(tmp_path / "w.safetensors"), preset=None))
+        build_model(ModelConfig(path=str(tmp_path / "w.safetensors"), preset=None), UNet2DFamily())
 
 
 def test_weights_whose_data_bytes_are_damaged_are_never_trained_on(tmp_path):

@@ -10,6 +10,7 @@ from diffpipe.build import build_backbone, give_weights
 from diffpipe.config import build_config
 from diffpipe.models.lora import add_lora, lora_scale, merge_lora
 from diffpipe.models.presets import UNET_PRESETS
+from diffpipe.models.unet import UNet2DFamily
 from diffpipe.pipeline.split import SplitError
 from diffpipe.preflight import check_before_launch
 
@@ -20,7 +21,7 @@ def test_merged_weights_compute_what_the_adapted_model_computes():
     config = build_config({"adapter": {"type": "lora", "rank": 4, "alpha": 12.0, "target_modules": TARGETS}})
     torch.manual_seed(0)
     adapted = UNet2DConditionModel(**UNET_PRESETS["digits"])
-    add_lora(adapted, config.adapter, "unet2d", seed=0)
+    add_lora(adapted, config.adapter, UNet2DFamily.lora_targets, seed=0)
     with torch.no_grad():  # B starts at zero: give every adapter a value
         for name, p in adapted.named_parameters():
             if ".lora_B." in name:

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 
-from diffpipe.build import build_backbone, build_text_encoder, sample_shape
+from diffpipe.build import build_backbone, build_text_encoder, feed, sample_shape
 from diffpipe.config import build_config
 from diffpipe.data import make_dataset
 from diffpipe.data.batches import BatchMaker
@@ -168,12 +168,12 @@ def reference(config, autocast: torch.dtype | None = None) -> dict:
 
 def _reference(config, autocast: torch.dtype | None) -> dict:
     meta = build_backbone(config, "meta")
-    model = UNet2DConditionModel.from_pretrained(config.model.path, low_cpu_mem_usage=False).train()
+    model = meta.family.model_class.from_pretrained(config.model.path, low_cpu_mem_usage=False).train()
     if config.adapter.type == "lora":  # peft's own layers on the whole model, seeded as the pipeline seeds them
-        add_lora(model, config.adapter, config.model.architecture, config.train.seed)
+        add_lora(model, config.adapter, meta.family.lora_targets, config.train.seed)
     data = make_dataset(config.data.dataset, sample_shape(config, meta), config.train.seed)
     maker = BatchMaker(data, build_text_encoder(config, meta), config.train, config.data.caption_dropout,
-                       meta.conditions)
+                       feed(config, meta))
     dtype = autocast if autocast is not None else AUTOCAST.get(config.train.precision)
     # torch's own loss scaler for fp16 (skips a step whose gradients overflow, halves the scale)
     scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE, enabled=dtype == torch.float16)
@@ -190,10 +190,8 @@ def _reference(config, autocast: torch.dtype | None) -> dict:
         for i in range(chunks):
             part = slice(i * config.micro_batch_size, (i + 1) * config.micro_batch_size)
             c = {k: v[part] for k, v in batch.conditions.items()}
-            added = {k: c[k] for k in ("text_embeds", "time_ids") if k in c} or None
             with torch.autocast("cpu", dtype=dtype, enabled=dtype in (torch.bfloat16, torch.float16)):
-                prediction = model(batch.noisy[part], c["timestep"], encoder_hidden_states=c["encoder_hidden_states"],
-                                   added_cond_kwargs=added).sample
+                prediction = meta.family.diffusers_forward(model, batch.noisy[part], c)
             loss = F.mse_loss(prediction.float(), batch.target[part].float())
             scaler.scale(loss).backward()
             losses.append(loss.detach())

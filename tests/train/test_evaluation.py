@@ -16,7 +16,7 @@ from diffusers import UNet2DConditionModel
 from PIL import Image
 from safetensors.torch import load_file
 
-from diffpipe.build import build_backbone, build_text_encoder
+from diffpipe.build import build_backbone, build_text_encoder, feed
 from diffpipe.config import load_config
 from diffpipe.data.batches import BatchMaker, TensorImages, fixed_batches
 from diffpipe.data.digits import DigitsDataset
@@ -43,7 +43,7 @@ def _reference_eval_loss(run: Path) -> float:
     unet.eval()
     held = DigitsDataset(split="held_out")
     data = TensorImages(held.images, held.captions)
-    maker = BatchMaker(data, build_text_encoder(config, meta), config.train, 0.0, meta.conditions)
+    maker = BatchMaker(data, build_text_encoder(config, meta), config.train, 0.0, feed(config, meta))
     train = config.train
     ts = timestep_quantiles(train.timestep_sampling, train.eval_quantiles)
     losses = []

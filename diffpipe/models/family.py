@@ -1,0 +1,137 @@
+"""The adapter protocol: what diffpipe needs to know about one family of backbones (UNet, Flux, SD3, ...).
+
+A family says how to build its diffusers model on the meta device, how to describe it as units (units.py), what
+it is fed (the latent layout and the named conditions, from the frozen text encoders' outputs), and how diffusers'
+own forward is called (the reference every pipelined run is tested against). Nothing else in diffpipe knows which
+family it trains: `build.py`, `data/`, `preflight.py`, `sampling.py` and the planner ask the family.
+
+Add a family with one module defining a `ModelFamily` subclass and one line in registry.py, or, without touching
+diffpipe, by naming it in the config: `model.architecture = "my_package.my_module:MyFamily"`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from .units import Backbone
+
+__all__ = ["ModelFamily", "TextBatch", "Feed"]
+
+
+@dataclass
+class TextBatch:
+    """What the frozen encoders and the data give a batch, before the family names it for its backbone.
+
+    hidden: (B, L, D) text hidden states; pooled: (B, P) pooled text embedding (P may be 0); size_ids: (B, 6)
+    SDXL's (original h, w, crop top, left, target h, w); latent_size: (h, w) of the latents; guidance: the
+    embedded guidance value of guidance-distilled models (Flux-dev).
+    """
+
+    hidden: torch.Tensor
+    pooled: torch.Tensor
+    size_ids: torch.Tensor
+    latent_size: tuple[int, int]
+    guidance: float
+
+
+class ModelFamily:
+    """One family of backbones. Methods take the diffusers model's config (`model.config`), never its weights,
+    except `describe` and `diffusers_forward`."""
+
+    name: ClassVar[str]
+    model_class: ClassVar[type[nn.Module]]
+    component: ClassVar[str]  # the pipeline folder's subfolder holding the backbone: "unet", "transformer"
+    presets: ClassVar[dict[str, dict]] = {}  # built-in configs (keyword arguments of model_class), random weights
+    lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
+    default_objective: ClassVar[str] = "flow_matching"  # when neither train.objective nor a scheduler decides
+
+    def check_supported(self, model: nn.Module) -> None:
+        """Raise ValueError naming a config option the adapter cannot train yet."""
+
+    def describe(self, model: nn.Module, granularity: str) -> Backbone:
+        """The model as units in forward order, sharing its modules (and weights)."""
+        raise NotImplementedError
+
+    def latent_channels(self, cfg: Any) -> int:
+        """Channels of the latents the VAE must make (before any packing)."""
+        raise NotImplementedError
+
+    def default_latent_size(self, cfg: Any) -> int:
+        """Side of the square latent trained on when no pipeline folder's VAE decides (digits, synthetic data)."""
+        raise NotImplementedError
+
+    def latent_multiple(self, cfg: Any) -> int:
+        """Latent sides must be multiples of this (the patch size of a transformer)."""
+        return 1
+
+    def text_widths(self, cfg: Any) -> tuple[int, int]:
+        """(hidden, pooled) widths the backbone expects from the text encoders."""
+        raise NotImplementedError
+
+    def conditions(self, cfg: Any, text: TextBatch) -> dict[str, torch.Tensor]:
+        """The named conditions every stage gets, less the timestep (the batch maker adds it)."""
+        raise NotImplementedError
+
+    def pack(self, cfg: Any, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (B, C, H, W) in the layout the backbone reads (and predicts in)."""
+        return latents
+
+    def unpack(self, cfg: Any, sample: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
+        """The inverse of `pack`."""
+        return sample
+
+    def diffusers_forward(self, model: nn.Module, sample: torch.Tensor,
+                          conditions: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The diffusers model's own forward on what a stage is fed: the reference of the correctness tests."""
+        raise NotImplementedError
+
+    def folder_text_encoder(self, folder: Path):
+        """The frozen text encoders of a local diffusers pipeline folder, as a CaptionEncoder."""
+        raise NotImplementedError(f"{self.name}: loading text encoders from a pipeline folder is not supported yet")
+
+    def folder_text_widths(self, folder: Path) -> tuple[int, int]:
+        """(hidden, pooled) widths the folder's text encoders make, read from their configs (no weights loaded)."""
+        raise NotImplementedError
+
+    def folder_text_length(self, folder: Path) -> int:
+        """Length of the hidden-state sequence the folder's text encoders make per caption."""
+        from .pipeline_folder import caption_tokens
+
+        return caption_tokens(folder)
+
+    def objective_of_folder(self, folder: Path) -> str:
+        """The objective a pipeline folder's scheduler was trained with."""
+        return self.default_objective
+
+    def constructor_buffers(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Buffers only the constructor can fill (a fixed positional table), by full name, for a meta-built model
+        whose weights file does not hold them."""
+        return {}
+
+
+@dataclass(frozen=True)
+class Feed:
+    """How one built model is fed: its family and config, bound (what the batch maker and the sampler hold)."""
+
+    family: ModelFamily
+    cfg: Any
+    guidance: float = 1.0
+
+    @classmethod
+    def of(cls, backbone: Backbone, guidance: float = 1.0) -> "Feed":
+        return cls(backbone.family, backbone.model.config, guidance)
+
+    def conditions(self, hidden: torch.Tensor, pooled: torch.Tensor, size_ids: torch.Tensor,
+                   latent_size: tuple[int, int]) -> dict[str, torch.Tensor]:
+        return self.family.conditions(self.cfg, TextBatch(hidden, pooled, size_ids.to(hidden.device),
+                                                          tuple(latent_size), self.guidance))
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.family.pack(self.cfg, latents)
+
+    def unpack(self, sample: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
+        return self.family.unpack(self.cfg, sample, latent_size)

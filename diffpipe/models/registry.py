@@ -1,0 +1,40 @@
+"""Model families by `model.architecture`: the built-in ones by name, or any `ModelFamily` subclass named by its
+import path ("package.module:Class"), so a family can live outside diffpipe and still reach every process.
+
+    from diffpipe.models.registry import family_for
+    family_for("flux").presets                 # the built-in Flux configs
+"""
+from __future__ import annotations
+
+import importlib
+
+from .family import ModelFamily
+
+__all__ = ["BUILTIN_FAMILIES", "family_for", "ArchitectureError"]
+
+# name -> "module:Class" (imported on first use: a config check never imports diffusers)
+BUILTIN_FAMILIES = {
+    "unet2d": "diffpipe.models.unet:UNet2DFamily",
+    "flux": "diffpipe.models.flux:FluxFamily",
+    "sd3": "diffpipe.models.sd3:SD3Family",
+}
+
+
+class ArchitectureError(ValueError):
+    """An unknown model.architecture; the message lists what exists."""
+
+
+def family_for(architecture: str) -> ModelFamily:
+    """The family named by a built-in name or an import path "module:Class"."""
+    path = BUILTIN_FAMILIES.get(architecture, architecture)
+    module_name, _, class_name = path.partition(":")
+    if not class_name:
+        raise ArchitectureError(f"model.architecture={architecture!r} is unknown; choose one of "
+                                f"{sorted(BUILTIN_FAMILIES)}, or give a ModelFamily subclass as \"module:Class\"")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ArchitectureError(f"model.architecture={architecture!r}: cannot import {path} ({exc})") from None
+    if not (isinstance(cls, type) and issubclass(cls, ModelFamily)):
+        raise ArchitectureError(f"model.architecture={architecture!r}: {path} is not a ModelFamily subclass")
+    return cls()
