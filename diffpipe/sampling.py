@@ -27,7 +27,8 @@ from .pipeline.stage import StageModule, build_stage_modules
 __all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "save_grid", "run_stages"]
 
 
-def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: dict[str, torch.Tensor]) -> torch.Tensor:
+def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: dict[str, torch.Tensor],
+               like: torch.Tensor | None = None) -> torch.Tensor:
     """The pipeline's forward in one process: each stage's sends are the next stage's receives."""
     out: tuple = (sample_in,)
     for module in modules:
@@ -36,7 +37,8 @@ def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: 
     return out[0]
 
 
-Forward = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]  # (x, conditions) -> the backbone's output
+# (x, conditions, a tensor shaped as the output) -> the backbone's output, all in the backbone's own layout
+Forward = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -58,7 +60,7 @@ class Generator:
         run has one (and `decode`), else what the backbone made."""
         noise = torch.stack([torch.randn(self.shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
         latent_size = self.shape[1:]
-        noise = self.feed.pack(noise.to(self.text.device))  # sampled in the backbone's own layout
+        noise = noise.to(self.text.device)
         maker = BatchMaker(None, self.text, self.config.train, 0.0, self.feed)
         guided = guidance_scale != 1.0
         texts = list(prompts) + ([""] * len(prompts) if guided else [])
@@ -69,13 +71,14 @@ class Generator:
             xin = torch.cat([x, x]) if guided else x
             model_t = model_t.to(x.device)
             named = dict(conditions, timestep=torch.cat([model_t, model_t]) if guided else model_t)
-            out = self.forward(xin, named).float()
+            out = self.forward(self.feed.pack(xin), named, self.feed.pack_prediction(xin))
+            out = self.feed.unpack_prediction(out, latent_size).float()
             if not guided:
                 return out
             cond, uncond = out.chunk(2)
             return uncond + guidance_scale * (cond - uncond)
 
-        made = self.feed.unpack(sample(predict, noise, steps, self.config.train.objective), latent_size)
+        made = sample(predict, noise, steps, self.config.train.objective)
         if self.vae is not None and decode:
             return self.decode(made)
         return made.clamp(-1, 1)

@@ -125,5 +125,5 @@ class BatchMaker:
                conditions: dict[str, torch.Tensor]) -> StepBatch:
         """This replica's items noised to timesteps t, with their text conditions, in the layout the backbone reads."""
         targets = make_targets(self.train.objective, x0, noise, t)
-        noisy, target = self.feed.pack(targets.noisy), self.feed.pack(targets.target)
+        noisy, target = self.feed.pack(targets.noisy), self.feed.pack_prediction(targets.target)
         return StepBatch(noisy.contiguous(), target.contiguous(), dict(conditions, timestep=targets.model_timestep))

@@ -77,16 +77,22 @@ class ModelFamily:
         raise NotImplementedError
 
     def pack(self, cfg: Any, latents: torch.Tensor) -> torch.Tensor:
-        """Latents (B, C, H, W) in the layout the backbone reads (and predicts in)."""
+        """Latents (B, C, H, W) in the layout the backbone reads (Flux: 2x2 patches as tokens)."""
         return latents
 
-    def unpack(self, cfg: Any, sample: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
-        """The inverse of `pack`."""
-        return sample
+    def pack_prediction(self, cfg: Any, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (B, C, H, W) in the layout the backbone predicts in (the training target's): a transformer's last
+        unit leaves its tokens unpatchified, so no later stage needs the image's height and width."""
+        return self.pack(cfg, latents)
+
+    def unpack_prediction(self, cfg: Any, prediction: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
+        """The inverse of `pack_prediction`: a prediction as latents (B, C, H, W)."""
+        return prediction
 
     def diffusers_forward(self, model: nn.Module, sample: torch.Tensor,
                           conditions: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The diffusers model's own forward on what a stage is fed: the reference of the correctness tests."""
+        """The diffusers model's own forward on what the first stage is fed, as the pipeline's output is laid out
+        (`pack_prediction`): the reference of the correctness tests."""
         raise NotImplementedError
 
     def folder_text_encoder(self, folder: Path):
@@ -133,5 +139,8 @@ class Feed:
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         return self.family.pack(self.cfg, latents)
 
-    def unpack(self, sample: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
-        return self.family.unpack(self.cfg, sample, latent_size)
+    def pack_prediction(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.family.pack_prediction(self.cfg, latents)
+
+    def unpack_prediction(self, prediction: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
+        return self.family.unpack_prediction(self.cfg, prediction, latent_size)

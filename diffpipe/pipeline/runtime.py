@@ -97,11 +97,12 @@ class PipelineRunner:
         return torch.stack([loss.detach().float() for loss in losses]).mean(), times
 
     @torch.no_grad()
-    def forward_only(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor],
-                     target: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward_only(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor], target: torch.Tensor,
+                     with_loss: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """A forward of every micro-batch without gradients (evaluation, sampling): on the rank holding the last
-        stage, the output (micro-batches merged) and, given a target, the mean loss; (None, None) elsewhere. Nothing
-        is timed and no gradient is touched, so it may run between a step's backward and its optimizer step."""
+        stage, the output (micro-batches merged) and, `with_loss`, the mean loss against `target` (without: any tensor
+        of the output's shape); (None, None) elsewhere. Nothing is timed and no gradient is touched, so it may run
+        between a step's backward and its optimizer step."""
         schedule = self._schedule_for(tuple(sample.shape))
         for clock in self.clocks:
             clock.start_step(None)
@@ -109,9 +110,9 @@ class PipelineRunner:
         args = (sample,) if self.holds_first_stage else ()
         kwargs = dict(conditions)
         if self.holds_last_stage:  # the schedule computes its loss on the last stage: a target is always needed
-            kwargs.update(target=target if target is not None else torch.zeros_like(sample), losses=losses)
+            kwargs.update(target=target, losses=losses)
         output = schedule.eval(*args, **kwargs)
         if not self.holds_last_stage:
             return None, None
-        loss = torch.stack([loss.float() for loss in losses]).mean() if target is not None else None
+        loss = torch.stack([loss.float() for loss in losses]).mean() if with_loss else None
         return output, loss

@@ -58,11 +58,12 @@ def _pipeline_forward(trainer):
     of micro-batches, forwarded through the stages, sent from the last stage to the others."""
     topo, microbatches = trainer.topo, trainer.config.pipeline.microbatches
 
-    def forward(x: torch.Tensor, conditions: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(x: torch.Tensor, conditions: dict[str, torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         rows = torch.arange(-(-n // microbatches) * microbatches, device=x.device) % n
-        out, _ = trainer.runner.forward_only(x[rows], {k: v[rows] for k, v in conditions.items()})
-        out = out.float().contiguous() if out is not None else torch.empty(x[rows].shape, device=x.device)
+        out, _ = trainer.runner.forward_only(x[rows], {k: v[rows] for k, v in conditions.items()}, like[rows],
+                                            with_loss=False)
+        out = out.float().contiguous() if out is not None else torch.empty(like[rows].shape, device=x.device)
         last_stage_rank = topo.dp_rank * topo.pp_size + topo.pp_size - 1
         dist.broadcast(out, src=last_stage_rank, group=topo.pp_group)
         return out[:n]

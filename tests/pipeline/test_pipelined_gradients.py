@@ -1,9 +1,11 @@
 """The central test: pipelined training computes what the unsplit diffusers model computes.
 
-Real processes (gloo, CPU). The reference is `UNet2DConditionModel.forward` itself (train mode, autograd), in one
+Real processes (gloo, CPU). The reference is the diffusers model's own forward (`UNet2DConditionModel`,
+`FluxTransformer2DModel`, `SD3Transformer2DModel`: `ModelFamily.diffusers_forward`; train mode, autograd), in one
 process, with torch's own AdamW and `clip_grad_norm_`; its initial weights are saved with `save_pretrained` and
 the pipeline reads them through `model.path`. For every schedule offered, at 2 and 4 stages, with data parallel
-x pipeline (3 micro-batches on 2 stages), with clipping on and off, for a digits and a tiny SDXL-style UNet, and
+x pipeline (3 micro-batches on 2 stages), with clipping on and off, for a digits and a tiny SDXL-style UNet, for
+Flux and SD3 made for digits (every schedule at 2 and 4 stages, and dp2 x pp2), and
 for LoRA (peft's layers on the frozen model, the reference injecting them into its whole UNet), these must agree:
 - every step's loss, and the logged gradient norm (before clipping);
 - every parameter's gradient of the first step's mean loss, before clipping and before the optimizer, in
@@ -46,14 +48,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers import UNet2DConditionModel
 
 from diffpipe.build import build_backbone, build_text_encoder, feed, sample_shape
 from diffpipe.config import build_config
 from diffpipe.data import make_dataset
 from diffpipe.data.batches import BatchMaker
 from diffpipe.models.lora import add_lora
+from diffpipe.models.flux import FLUX_PRESETS
 from diffpipe.models.presets import UNET_PRESETS
+from diffpipe.models.registry import family_for
+from diffpipe.models.sd3 import SD3_PRESETS
 from diffpipe.train.optim import lr_factor
 
 from ..helpers import run_workers
@@ -67,14 +71,19 @@ AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_SCALE = 2.0 ** 16  # the trainer's LossScaler starts here and does not change in 3 clean steps
 
 
+MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d", SDXL_STYLE),
+          "flux": ("flux", FLUX_PRESETS["digits"]), "sd3": ("sd3", SD3_PRESETS["digits"])}
+
+
 def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4,
             checkpointing="none", model: str = "digits", clip: float = 1.0, precision: str = "fp32",
             steps: int = STEPS, lora: bool = False) -> dict:
-    micro_size = 2 if model == "digits" else 1
+    digits = model != "sdxl-style"  # the others are made for 1-channel 8x8 images
+    micro_size = 2 if digits else 1
     return {
         "adapter": {"type": "lora", "rank": 4, "alpha": 8.0} if lora else {"type": "none"},
-        "model": {"path": model},  # the folder written by `_save_initial_weights`, resolved per test
-        "data": {"dataset": "digits" if model == "digits" else "synthetic"},
+        "model": {"path": model, "architecture": MODELS[model][0]},  # path: the folder of `model_folders`
+        "data": {"dataset": "digits" if digits else "synthetic"},
         "train": {"max_steps": steps, "batch_size": micro_size * dp * microbatches, "learning_rate": 1e-3,
                   "warmup_steps": 1, "adam_eps": 1e-6, "max_grad_norm": clip, "seed": 3,
                   "timestep_sampling": "uniform", "precision": precision},
@@ -91,6 +100,12 @@ TWO = {
     "1f1b-2-checkpointed": _config(2, "1f1b", checkpointing="all"),
     "sdxl-style-1f1b-2": _config(2, "1f1b", model="sdxl-style"),
     "lora-1f1b-2": _config(2, "1f1b", lora=True),
+    "flux-gpipe-2": _config(2, "gpipe", model="flux"),
+    "flux-1f1b-2": _config(2, "1f1b", model="flux"),
+    "flux-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="flux"),
+    "sd3-gpipe-2": _config(2, "gpipe", model="sd3"),
+    "sd3-1f1b-2": _config(2, "1f1b", model="sd3"),
+    "sd3-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="sd3"),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),
@@ -99,12 +114,19 @@ FOUR = {
     "dp2-x-1f1b-2-3-microbatches": _config(2, "1f1b", dp=2, microbatches=3, clip=0.0),
     "sdxl-style-dp2-x-gpipe-2": _config(2, "gpipe", dp=2, model="sdxl-style"),
     "lora-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, lora=True),
+    "flux-gpipe-4": _config(4, "gpipe", model="flux"),
+    "flux-1f1b-4": _config(4, "1f1b", model="flux"),
+    "flux-interleaved-4x2": _config(4, "interleaved_1f1b", virtual=2, model="flux"),
+    "flux-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, model="flux"),
+    "sd3-gpipe-4": _config(4, "gpipe", model="sd3"),
+    "sd3-1f1b-4": _config(4, "1f1b", model="sd3"),
+    "sd3-interleaved-4x2": _config(4, "interleaved_1f1b", virtual=2, model="sd3"),
+    "sd3-dp2-x-gpipe-2": _config(2, "gpipe", dp=2, model="sd3"),
 }
 LOW_PRECISION = {
     "bf16-1f1b-2": _config(2, "1f1b", precision="bf16"),
     "fp16-1f1b-2": _config(2, "1f1b", precision="fp16", steps=1),
 }
-MODELS = {"digits": UNET_PRESETS["digits"], "sdxl-style": SDXL_STYLE}
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +134,9 @@ def model_folders(tmp_path_factory) -> dict[str, str]:
     """Each test model's initial weights, drawn by diffusers' own initialisation and saved as a diffusers folder."""
     root = tmp_path_factory.mktemp("initial-weights")
     folders = {}
-    for name, kwargs in MODELS.items():
+    for name, (architecture, kwargs) in MODELS.items():
         torch.manual_seed(11)
-        UNet2DConditionModel(**kwargs).save_pretrained(root / name, safe_serialization=True)
+        family_for(architecture).model_class(**kwargs).save_pretrained(root / name, safe_serialization=True)
         folders[name] = str(root / name)
     return folders
 

@@ -1,0 +1,130 @@
+"""The frozen text encoders of Flux and SD3 pipeline folders, encoding as diffusers' own pipelines do.
+
+Flux (FluxPipeline.encode_prompt): the pooled output of a CLIP text model (text_encoder/) and the last hidden
+states of T5 (text_encoder_2/, 512 tokens). SD3 / SD3.5 (StableDiffusion3Pipeline.encode_prompt): the penultimate
+hidden states of two CLIP models with projection (text_encoder/, text_encoder_2/) concatenated and zero-padded to
+T5's width, followed along the sequence by T5's (text_encoder_3/, 256 tokens); the pooled text is both CLIPs'
+projections concatenated. Both are tested equal to the pipelines' `encode_prompt` on folders their
+`save_pretrained` wrote. Weights are read from safetensors files only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
+
+from .loading import CheckpointError
+from .pipeline_folder import component_weights, fingerprint_files, text_encoder_configs
+from .text import CaptionEncoder
+
+__all__ = ["FluxText", "SD3Text", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "flux_text_widths", "sd3_text_widths"]
+
+FLUX_T5_TOKENS = 512  # FluxPipeline's max_sequence_length
+SD3_T5_TOKENS = 256  # StableDiffusion3Pipeline's max_sequence_length
+_CLIP_TOKENS = 77
+
+
+def _load(folder: Path, index: str, model_class) -> tuple:
+    suffix = "" if index == "1" else f"_{index}"
+    if not (folder / f"text_encoder{suffix}").is_dir():
+        raise CheckpointError(f"model.path={folder}: the pipeline folder has no text_encoder{suffix}/ subfolder")
+    component_weights(folder, f"text_encoder{suffix}")  # refuses pickles before from_pretrained could read one
+    tokenizer = AutoTokenizer.from_pretrained(folder, subfolder=f"tokenizer{suffix}", local_files_only=True)
+    model = model_class.from_pretrained(folder, subfolder=f"text_encoder{suffix}", use_safetensors=True,
+                                        local_files_only=True)
+    return tokenizer, model.eval().requires_grad_(False)
+
+
+def _ids(tokenizer, captions: list[str], length: int, device) -> torch.Tensor:
+    return tokenizer(captions, padding="max_length", max_length=length, truncation=True,
+                     return_tensors="pt").input_ids.to(device)
+
+
+class _FolderText(CaptionEncoder):
+    """Text encoders loaded from a pipeline folder's text_encoder*/ and tokenizer*/ subfolders."""
+
+    suffixes: tuple[str, ...]
+
+    def __init__(self, tokenizers: list, models: list[torch.nn.Module], folder: Path | None = None):
+        super().__init__()
+        self.tokenizers, self.models, self.folder = tokenizers, models, folder
+
+    def fingerprint(self) -> str:
+        """Of the weights and tokenizers: a text cache keyed by it is invalid once any of them changes."""
+        files = [f for s in self.suffixes for f in component_weights(self.folder, f"text_encoder{s}")]
+        files += [f for s in self.suffixes for f in sorted((self.folder / f"tokenizer{s}").iterdir()) if f.is_file()]
+        return fingerprint_files(files, extra=type(self).__name__)
+
+    def modules(self) -> list[torch.nn.Module]:
+        return self.models
+
+
+class FluxText(_FolderText):
+    suffixes = ("", "_2")
+    max_length = FLUX_T5_TOKENS
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "FluxText":
+        (clip_tok, clip), (t5_tok, t5) = _load(folder, "1", CLIPTextModel), _load(folder, "2", T5EncoderModel)
+        return cls([clip_tok, t5_tok], [clip, t5], folder)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.models[1].config.d_model
+
+    @property
+    def pooled_size(self) -> int:
+        return self.models[0].config.hidden_size
+
+    @torch.no_grad()
+    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        (clip_tok, t5_tok), (clip, t5) = self.tokenizers, self.models
+        pooled = clip(_ids(clip_tok, captions, clip_tok.model_max_length, self.device),
+                      output_hidden_states=False).pooler_output
+        hidden = t5(_ids(t5_tok, captions, FLUX_T5_TOKENS, self.device), output_hidden_states=False)[0]
+        return hidden, pooled
+
+
+class SD3Text(_FolderText):
+    suffixes = ("", "_2", "_3")
+    max_length = _CLIP_TOKENS + SD3_T5_TOKENS
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "SD3Text":
+        loaded = [_load(folder, "1", CLIPTextModelWithProjection), _load(folder, "2", CLIPTextModelWithProjection),
+                  _load(folder, "3", T5EncoderModel)]
+        return cls([t for t, _ in loaded], [m for _, m in loaded], folder)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.models[2].config.d_model
+
+    @property
+    def pooled_size(self) -> int:
+        return self.models[0].config.projection_dim + self.models[1].config.projection_dim
+
+    @torch.no_grad()
+    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, pooled = [], []
+        for tokenizer, model in zip(self.tokenizers[:2], self.models[:2]):
+            out = model(_ids(tokenizer, captions, tokenizer.model_max_length, self.device), output_hidden_states=True)
+            hidden.append(out.hidden_states[-2])
+            pooled.append(out[0])
+        t5 = self.models[2](_ids(self.tokenizers[2], captions, SD3_T5_TOKENS, self.device), output_hidden_states=False)[0]
+        clip = torch.cat(hidden, dim=-1)
+        clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        return torch.cat([clip, t5], dim=-2), torch.cat(pooled, dim=-1)
+
+
+def flux_text_widths(folder: Path) -> tuple[int, int]:
+    """(T5's width, CLIP's pooled width) from the folder's configs."""
+    clip, t5 = text_encoder_configs(folder)[:2]
+    return t5["d_model"], clip["hidden_size"]
+
+
+def sd3_text_widths(folder: Path) -> tuple[int, int]:
+    """(T5's width, both CLIPs' projections) from the folder's configs."""
+    clip_l, clip_g, t5 = text_encoder_configs(folder)[:3]
+    return t5["d_model"], clip_l["projection_dim"] + clip_g["projection_dim"]

@@ -1,0 +1,181 @@
+"""Adapter for diffusers' `FluxTransformer2DModel` (Flux.1 dev and schnell).
+
+Units: `embed` (image, text, time, guidance and pooled-text embeddings, and the rotary embedding of every image and
+text position), each double-stream block `double.i`, each single-stream block `single.i`, and `out` (the adaptive
+output norm and projection). Named tensors: `h` (image tokens), `context` (text tokens), `temb`, and `rope`, the
+rotary embedding's cosines and sines stacked (2, positions, head dim): computed once by `embed` and sent on, as
+diffusers' forward computes it once (recomputing it in every block would cost 57 small kernels a micro-batch;
+sending it costs 2 x positions x head dim floats a boundary; figures in docs/benchmarks.md).
+
+The backbone reads latents packed 2x2 into tokens, as FluxPipeline packs them (`pack`), and predicts in that layout;
+the image and text position ids go to every stage as conditions, one row per sample (the same for all samples of a
+bucket), since the pipeline splits conditions along the batch. Timesteps reach the model as diffusers' Flux
+pipelines give them, t in [0, 1] (the model multiplies by 1000); flow matching with SD3's shifted density is
+`train.timestep_sampling = "shift"`.
+"""
+from __future__ import annotations
+
+import torch
+from diffusers import FluxTransformer2DModel
+from torch import nn
+
+from .family import ModelFamily, TextBatch
+from .units import Backbone, Unit
+
+__all__ = ["FluxFamily", "flux_backbone", "FLUX_PRESETS", "pack_latents", "unpack_latents", "image_ids"]
+
+_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+            num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56))
+FLUX_PRESETS = {
+    "dev": _DEV,  # 11.9 B parameters
+    "schnell": dict(_DEV, guidance_embeds=False),
+    # 1-channel 8x8 latents (scikit-learn's digits), packed 2x2 into 16 tokens of 4 channels
+    "digits": dict(patch_size=1, in_channels=4, num_layers=3, num_single_layers=3, attention_head_dim=16,
+                   num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=False,
+                   axes_dims_rope=(4, 6, 6)),
+}
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, 4C), as FluxPipeline._pack_latents."""
+    b, c, h, w = latents.shape
+    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
+    """The inverse of `pack_latents`, as FluxPipeline._unpack_latents."""
+    (b, _, channels), (h, w) = tokens.shape, latent_size
+    tokens = tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return tokens.reshape(b, channels // 4, h, w)
+
+
+def image_ids(latent_size: tuple[int, int], device=None) -> torch.Tensor:
+    """(H/2 * W/2, 3) position ids of the packed tokens: (0, row, column), as FluxPipeline._prepare_latent_image_ids."""
+    h, w = latent_size[0] // 2, latent_size[1] // 2
+    ids = torch.zeros(h, w, 3, device=device)
+    ids[..., 1] = torch.arange(h, device=device)[:, None]
+    ids[..., 2] = torch.arange(w, device=device)[None, :]
+    return ids.reshape(h * w, 3)
+
+
+class _Embed(nn.Module):
+    def __init__(self, model: FluxTransformer2DModel):
+        super().__init__()
+        self.x_embedder, self.context_embedder = model.x_embedder, model.context_embedder
+        self.time_text_embed, self.pos_embed = model.time_text_embed, model.pos_embed
+        self.guided = model.config.guidance_embeds
+
+    def forward(self, sample, timestep, pooled_projections, encoder_hidden_states, img_ids, txt_ids, guidance=None):
+        h = self.x_embedder(sample)
+        timestep = (timestep / 1000).to(h.dtype) * 1000  # what FluxPipeline gives (t / 1000), scaled as the model does
+        if self.guided:
+            temb = self.time_text_embed(timestep, guidance.to(h.dtype) * 1000, pooled_projections)
+        else:
+            temb = self.time_text_embed(timestep, pooled_projections)
+        cos, sin = self.pos_embed(torch.cat((txt_ids[0], img_ids[0]), dim=0))
+        return {"h": h, "context": self.context_embedder(encoder_hidden_states), "temb": temb,
+                "rope": torch.stack((cos, sin))}
+
+
+class _Block(nn.Module):
+    """A double- or single-stream block: both take and return (text tokens, image tokens) in diffusers 0.42."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, h, context, temb, rope):
+        context, h = self.block(hidden_states=h, encoder_hidden_states=context, temb=temb,
+                                image_rotary_emb=(rope[0], rope[1]))
+        return {"h": h, "context": context}
+
+
+class _Out(nn.Module):
+    def __init__(self, model: FluxTransformer2DModel):
+        super().__init__()
+        self.norm_out, self.proj_out = model.norm_out, model.proj_out
+
+    def forward(self, h, temb):
+        return {"prediction": self.proj_out(self.norm_out(h, temb))}
+
+
+def flux_backbone(model: FluxTransformer2DModel) -> Backbone:
+    conditions = ("timestep", "pooled_projections", "encoder_hidden_states", "img_ids", "txt_ids")
+    if model.config.guidance_embeds:
+        conditions += ("guidance",)
+    streams = ("h", "context", "temb", "rope")
+    units = [Unit("embed", _Embed(model), ("sample",) + conditions, streams)]
+    units += [Unit(f"double.{i}", _Block(b), streams, ("h", "context")) for i, b in enumerate(model.transformer_blocks)]
+    units += [Unit(f"single.{i}", _Block(b), streams, ("h", "context"))
+              for i, b in enumerate(model.single_transformer_blocks)]
+    units.append(Unit("out", _Out(model), ("h", "temb"), ("prediction",)))
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model,
+                    family=FluxFamily())
+
+
+class FluxFamily(ModelFamily):
+    """Flux.1: a CLIP text model's pooled output and T5's hidden states; flow matching."""
+
+    name = "flux"
+    model_class = FluxTransformer2DModel
+    component = "transformer"
+    presets = FLUX_PRESETS
+
+    def check_supported(self, model):
+        if model.config.patch_size != 1:
+            raise ValueError(f"Flux config patch_size={model.config.patch_size} is not supported: diffusers' Flux packs "
+                             "latents 2x2 outside the model, with patch_size = 1")
+
+    def describe(self, model, granularity):
+        return flux_backbone(model)
+
+    def latent_channels(self, cfg):
+        return cfg.in_channels // 4
+
+    def default_latent_size(self, cfg):
+        """Flux configs carry no sample size: 128 (1024 pixels, what Flux trains at); 1-channel configs are for digits."""
+        return 8 if cfg.in_channels == 4 else 128
+
+    def latent_multiple(self, cfg):
+        return 2
+
+    def text_widths(self, cfg):
+        return cfg.joint_attention_dim, cfg.pooled_projection_dim
+
+    def conditions(self, cfg, text: TextBatch):
+        batch, device = text.hidden.shape[0], text.hidden.device
+        named = {"pooled_projections": text.pooled, "encoder_hidden_states": text.hidden,
+                 "img_ids": image_ids(text.latent_size, device).expand(batch, -1, -1),
+                 "txt_ids": torch.zeros(batch, text.hidden.shape[1], 3, device=device)}
+        if cfg.guidance_embeds:
+            named["guidance"] = torch.full((batch,), text.guidance, device=device)
+        return named
+
+    def pack(self, cfg, latents):
+        return pack_latents(latents)
+
+    def unpack_prediction(self, cfg, prediction, latent_size):
+        return unpack_latents(prediction, latent_size)
+
+    def diffusers_forward(self, model, sample, conditions):
+        return model(hidden_states=sample, timestep=conditions["timestep"] / 1000,
+                     guidance=conditions.get("guidance"), pooled_projections=conditions["pooled_projections"],
+                     encoder_hidden_states=conditions["encoder_hidden_states"], img_ids=conditions["img_ids"][0],
+                     txt_ids=conditions["txt_ids"][0], return_dict=False)[0]
+
+    def folder_text_encoder(self, folder):
+        from .dit_text import FluxText
+
+        return FluxText.from_folder(folder)
+
+    def folder_text_widths(self, folder):
+        from .dit_text import flux_text_widths
+
+        return flux_text_widths(folder)
+
+    def folder_text_length(self, folder):
+        from .dit_text import FLUX_T5_TOKENS
+
+        return FLUX_T5_TOKENS

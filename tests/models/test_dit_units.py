@@ -1,0 +1,86 @@
+"""The Flux and SD3 adapters' units, run in order and as stages, compute exactly diffusers' forward, and the
+families' latent layouts are what diffusers' pipelines use (packing, unpatchifying) and invert exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+from diffpipe.models.family import Feed
+from diffpipe.models.flux import FluxFamily
+from diffpipe.models.sd3 import SD3Family
+from diffpipe.pipeline.split import stage_specs
+from diffpipe.pipeline.stage import build_stage_modules
+from diffpipe.sampling import run_stages
+
+FLUX = dict(patch_size=1, in_channels=16, num_layers=2, num_single_layers=3, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=24, pooled_projection_dim=20, guidance_embeds=True,
+            axes_dims_rope=(4, 6, 6))
+SD3 = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=16, num_attention_heads=2,
+           joint_attention_dim=24, caption_projection_dim=32, pooled_projection_dim=20, out_channels=4,
+           pos_embed_max_size=16)
+SD35 = dict(SD3, qk_norm="rms_norm", dual_attention_layers=(0,))  # SD3.5's per-head norms, MMDiT-X's extra attention
+CASES = {"flux": (FluxFamily(), FLUX), "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35)}
+
+
+def _fed(family, model, size=(8, 12), batch=3):
+    """A batch as the batch maker feeds it: latents in the family's layout, its named conditions, timesteps."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = model.config
+    latents = torch.randn(batch, family.latent_channels(cfg), *size, generator=gen)
+    hidden, pooled = family.text_widths(cfg)
+    feed = Feed(family, cfg, guidance=3.5)
+    conditions = feed.conditions(torch.randn(batch, 7, hidden, generator=gen), torch.randn(batch, pooled, generator=gen),
+                                 torch.zeros(batch, 6), size)
+    conditions["timestep"] = torch.tensor([0.0, 417.0, 999.0][:batch])
+    return feed, latents, conditions
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_units_in_order_and_as_stages_equal_diffusers_forward(name):
+    family, config = CASES[name]
+    torch.manual_seed(0)
+    model = family.model_class(**config).eval()
+    backbone = family.describe(model, "layers")
+    feed, latents, conditions = _fed(family, model)
+    with torch.no_grad():
+        expected = family.diffusers_forward(model, feed.pack(latents), conditions)
+        units = backbone.forward({"sample": feed.pack(latents)}, conditions)
+        staged = run_stages(build_stage_modules(backbone, stage_specs(backbone, [1, 3, len(backbone.units) - 1])),
+                            feed.pack(latents), conditions)
+    assert torch.equal(staged, units) and torch.equal(units, expected)
+    if name != "flux":  # SD3's forward unpatchifies: the prediction as latents is exactly diffusers' output
+        plain = model(hidden_states=latents, timestep=conditions["timestep"], return_dict=False,
+                      pooled_projections=conditions["pooled_projections"],
+                      encoder_hidden_states=conditions["encoder_hidden_states"])[0]
+        assert torch.equal(feed.unpack_prediction(units, (8, 12)), plain)
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3"])
+def test_prediction_layout_inverts_exactly(name):
+    family, config = CASES[name]
+    with torch.device("meta"):
+        cfg = family.model_class(**config).config
+    latents = torch.randn(2, family.latent_channels(cfg), 8, 12)
+    feed = Feed(family, cfg)
+    assert torch.equal(feed.unpack_prediction(feed.pack_prediction(latents), (8, 12)), latents)
+
+
+def test_flux_packing_is_diffusers_pipeline_packing():
+    from diffusers import FluxPipeline
+
+    latents = torch.randn(2, 4, 8, 12)
+    packed = FluxPipeline._pack_latents(latents, 2, 4, 8, 12)
+    feed = Feed(FluxFamily(), FluxTransformer2DModel(**dict(FLUX, num_layers=1, num_single_layers=1)).config)
+    assert torch.equal(feed.pack(latents), packed)
+    ids = FluxPipeline._prepare_latent_image_ids(2, 4, 6, "cpu", torch.float32)
+    text = feed.conditions(torch.zeros(2, 5, 24), torch.zeros(2, 20), torch.zeros(2, 6), (8, 12))
+    assert torch.equal(text["img_ids"][1], ids) and text["txt_ids"].shape == (2, 5, 3)
+
+
+def test_the_sd3_positional_table_is_rebuilt_on_a_meta_model():
+    family = SD3Family()
+    real = SD3Transformer2DModel(**SD3)
+    with torch.device("meta"):
+        meta = SD3Transformer2DModel(**SD3)
+    assert torch.equal(family.constructor_buffers(meta)["pos_embed.pos_embed"], real.pos_embed.pos_embed)
