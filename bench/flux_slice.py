@@ -1,0 +1,143 @@
+"""A Flux-width slice on one GPU: diffpipe (one stage) against a plain `FluxTransformer2DModel` training loop on the
+same slice; samples/s, model TFLOP/s and peak memory. Flux.1-dev's width (3072, 24 heads of 128, T5 width 4096,
+guidance embedding) with fewer blocks, random weights, 1024x1024 (4096 image tokens, 512 text tokens), fp32
+weights, bf16 autocast, fused AdamW, the whole batch as one micro-batch. Also times the rotary embedding, which
+the Flux adapter computes once and sends across stage boundaries, against the bytes it adds to a boundary.
+
+    python bench/flux_slice.py [--double 4] [--single 8] [--batch 2] [--steps 8]
+
+Prints one JSON line per measurement: median step after the first two, samples/s, TFLOP/s (the FLOPs of one
+forward and backward counted by torch's FlopCounterMode, over the median step) and the peak allocated memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from diffpipe.config import build_config  # noqa: E402
+from diffpipe.distributed import single_process_topology  # noqa: E402
+from diffpipe.models.flux import FLUX_PRESETS, image_ids  # noqa: E402
+from diffpipe.train.trainer import Trainer  # noqa: E402
+
+TOKENS, LATENT = 512, 128
+
+
+def _slice(args) -> dict:
+    return dict(FLUX_PRESETS["dev"], num_layers=args.double, num_single_layers=args.single)
+
+
+def _inputs(batch: int) -> dict:
+    cuda = dict(device="cuda")
+    return dict(hidden_states=torch.randn(batch, (LATENT // 2) ** 2, 64, **cuda), timestep=torch.rand(batch, **cuda),
+                guidance=torch.full((batch,), 3.5, **cuda), pooled_projections=torch.randn(batch, 768, **cuda),
+                encoder_hidden_states=torch.randn(batch, TOKENS, 4096, **cuda),
+                img_ids=image_ids((LATENT, LATENT), "cuda"), txt_ids=torch.zeros(TOKENS, 3, **cuda))
+
+
+def _report(what: str, batch: int, steps: list[float], flops: float, **extra) -> None:
+    median = statistics.median(steps[2:])
+    print(json.dumps({"what": what, "batch": batch, "median_step_s": round(median, 4),
+                      "samples_per_s": round(batch / median, 3), "tflops": round(flops / median / 1e12, 1),
+                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), **extra}), flush=True)
+
+
+def plain_loop(args) -> float:
+    """diffusers' model, its own forward, AdamW: the loop a user writes. Returns the FLOPs of one step."""
+    from diffusers import FluxTransformer2DModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(**_slice(args)).to("cuda").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    inputs, target = _inputs(args.batch), torch.randn(args.batch, (LATENT // 2) ** 2, 64, device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(**inputs, return_dict=False)[0]
+        torch.nn.functional.mse_loss(out.float(), target).backward()
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    opt.zero_grad(set_to_none=True)
+    flops = counter.get_total_flops()
+    times = []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    params = sum(p.numel() for p in model.parameters())
+    _report("plain FluxTransformer2DModel loop", args.batch, times, flops, params_B=round(params / 1e9, 2))
+    del model, opt
+    return flops
+
+
+def diffpipe_run(args, flops: float) -> None:
+    torch.cuda.reset_peak_memory_stats()
+    config = build_config({
+        "model": {"architecture": "flux", "config": _slice(args), "text_max_length": TOKENS},
+        "data": {"dataset": "synthetic"},
+        "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
+                  "objective": "flow_matching", "device": "cuda"},
+        "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "none"},
+        "observe": {"every": 1000, "timeline_step": 0, "log_every": 0},
+        "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0}})
+    run_dir = Path(tempfile.mkdtemp())
+    trainer = Trainer(config, single_process_topology("cuda"), run_dir)
+    trainer.fit()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _report("diffpipe, one stage", args.batch, [r["step_time_s"] for r in rows], flops)
+
+
+def rotary_cost() -> None:
+    """The rotary embedding of 4608 positions: time to compute it, bytes it adds to each stage boundary."""
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    pos = FluxPosEmbed(theta=10000, axes_dim=list(FLUX_PRESETS["dev"]["axes_dims_rope"]))
+    ids = torch.cat((torch.zeros(TOKENS, 3, device="cuda"), image_ids((LATENT, LATENT), "cuda")))
+    for _ in range(5):
+        cos, sin = pos(ids)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(100):
+        cos, sin = pos(ids)
+    torch.cuda.synchronize()
+    per_call = (time.perf_counter() - start) / 100
+    print(json.dumps({"what": "rotary embedding, 4608 positions", "compute_ms": round(per_call * 1e3, 3),
+                      "boundary_bytes_MB": round(2 * cos.numel() * cos.element_size() / 1e6, 2),
+                      "blocks_in_flux_dev": 57}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--double", type=int, default=4)
+    parser.add_argument("--single", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    rotary_cost()
+    flops = plain_loop(args)
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    diffpipe_run(args, flops)
+
+
+if __name__ == "__main__":
+    main()
