@@ -48,6 +48,7 @@ class ModelFamily:
     presets: ClassVar[dict[str, dict]] = {}  # built-in configs (keyword arguments of model_class), random weights
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     default_objective: ClassVar[str] = "flow_matching"  # when neither train.objective nor a scheduler decides
+    cudnn_attention: ClassVar[bool] = True  # False: cuDNN's attention kernels fail on this family's shapes (CUDA)
 
     def check_supported(self, model: nn.Module) -> None:
         """Raise ValueError naming a config option the adapter cannot train yet."""

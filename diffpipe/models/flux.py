@@ -122,6 +122,9 @@ class FluxFamily(ModelFamily):
     model_class = FluxTransformer2DModel
     component = "transformer"
     presets = FLUX_PRESETS
+    # torch 2.11 on an H200: cuDNN's attention backward fails on Flux's 1024x1024 shapes ("mha_graph.execute(...)
+    # .is_good()", reported as CUBLAS_STATUS_EXECUTION_FAILED), in a plain diffusers loop too; flash attention works
+    cudnn_attention = False
 
     def check_supported(self, model):
         if model.config.patch_size != 1:

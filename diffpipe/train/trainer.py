@@ -63,6 +63,8 @@ class Trainer:
         self.config, self.topo, self.run_dir = config, topo, run_dir
         p = config.pipeline
         backbone = build_backbone(config, "meta")
+        if topo.device.type == "cuda" and not backbone.family.cudnn_attention:
+            torch.backends.cuda.enable_cudnn_sdp(False)  # the family's note says why
         self.model_config = dict(backbone.model.config)
         self.model_shapes = model_shapes(backbone.model)
         if not isinstance(p.split, list) or not isinstance(p.checkpointing, list):
