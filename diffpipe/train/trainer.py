@@ -33,6 +33,7 @@ from ..pipeline.runtime import PipelineRunner, stage_indices_for_rank
 from ..pipeline.traffic import Crossing
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
+from ..pipeline.tied import TiedGradients, tied_parameters
 from ..planner.plan import resolve_stages
 from .optim import (LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer,
                     step_optimizer)
@@ -77,8 +78,12 @@ class Trainer:
                                           frozenset(p.checkpointing), p.compile)
         self.modules = [all_modules[i].to(topo.device).train() for i in mine]
         lr_scale = config.train.stage_lr_scale or [1.0] * len(specs)
-        groups = [([q for q in m.parameters() if q.requires_grad], lr_scale[i]) for m, i in zip(self.modules, mine)]
+        seen: set[int] = set()  # a weight tied between two stages of this process is one parameter, trained once
+        groups = [([q for q in m.parameters() if q.requires_grad and not (id(q) in seen or seen.add(id(q)))],
+                   lr_scale[i]) for m, i in zip(self.modules, mine)]
         self.params = [q for params, _ in groups for q in params]
+        held = {name: q for m in self.modules for name, q in m.full_named_parameters()}
+        self.tied = TiedGradients(tied_parameters(backbone, specs), held, mine, topo.pp_group, topo.device)
         self.scaler = LossScaler(config.train.precision == "fp16")
         self.runner = PipelineRunner(self.modules, mine, len(specs), topo.pp_group, topo.device, p.schedule,
                                      p.microbatches, _ScaledMSE(self.scaler), timeable=config.observe.enabled)
@@ -126,6 +131,7 @@ class Trainer:
         batch = batch if batch is not None else self.batch_for(step)
         self.optimizer.zero_grad(set_to_none=True)
         result = self.runner.step(batch.noisy, batch.conditions, batch.target, timed=self._timed(step))
+        self.tied.sum_()  # weights shared by units of several stages: every copy gets the whole gradient
         average_gradients(self.params, self.topo.dp_group, self.topo.dp_size)
         return result
 
@@ -165,7 +171,7 @@ class Trainer:
             summed[2] = 1.0
         dist.all_reduce(summed)
         total = summed[0]
-        norm = global_grad_norm(self.params, topo.pp_group, topo.device)  # every rank: the same value
+        norm = global_grad_norm(self.tied.for_norm(self.params), topo.pp_group, topo.device)  # the same on every rank
         overflow = self.scaler.enabled and not bool(torch.isfinite(norm))  # of scaled gradients
         # outside fp16 scaling a non-finite loss or gradient skips the step on the device (`_finish` counts it)
         nonfinite = (~torch.isfinite(norm) | ~torch.isfinite(total)).float()

@@ -72,7 +72,8 @@ FP16_SCALE = 2.0 ** 16  # the trainer's LossScaler starts here and does not chan
 
 
 MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d", SDXL_STYLE),
-          "flux": ("flux", FLUX_PRESETS["digits"]), "sd3": ("sd3", SD3_PRESETS["digits"])}
+          "flux": ("flux", FLUX_PRESETS["digits"]), "sd3": ("sd3", SD3_PRESETS["digits"]),
+          "toy-tied": ("tests.models.toy_family:ToyFamily", {})}  # a norm tied between the first and last units
 
 
 def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4,
@@ -106,6 +107,8 @@ TWO = {
     "sd3-gpipe-2": _config(2, "gpipe", model="sd3"),
     "sd3-1f1b-2": _config(2, "1f1b", model="sd3"),
     "sd3-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="sd3"),
+    "toy-tied-1f1b-2": _config(2, "1f1b", model="toy-tied"),
+    "toy-tied-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="toy-tied"),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),
@@ -122,6 +125,8 @@ FOUR = {
     "sd3-1f1b-4": _config(4, "1f1b", model="sd3"),
     "sd3-interleaved-4x2": _config(4, "interleaved_1f1b", virtual=2, model="sd3"),
     "sd3-dp2-x-gpipe-2": _config(2, "gpipe", dp=2, model="sd3"),
+    "toy-tied-gpipe-4": _config(4, "gpipe", model="toy-tied"),
+    "toy-tied-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, model="toy-tied"),
 }
 LOW_PRECISION = {
     "bf16-1f1b-2": _config(2, "1f1b", precision="bf16"),
