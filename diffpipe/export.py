@@ -10,14 +10,15 @@ Reads the run folder's files, written on rank 0 at the end of training (weights 
 run over several machines needs no shared disk): `model.safetensors` (with LoRA, the base with the adapters merged
 in), `lora.safetensors` (the adapters), `model_config.json` and `config.toml`.
 
-- diffusers, full fine-tune: the UNet by `save_pretrained` in `unet/`; when the run started from a pipeline folder,
-  its other components (VAE, text encoders, tokenizers, scheduler, model_index.json) copied beside it, so
-  `from_pretrained` loads the whole pipeline.
-- diffusers, LoRA: written by diffusers' own `save_lora_weights` of the SD or SDXL pipeline, with the LoRA config
-  (rank, alpha, targets) in the header.
+- diffusers, full fine-tune: the backbone by `save_pretrained` in `unet/` (Flux, SD3: `transformer/`); when the run
+  started from a pipeline folder, its other components (VAE, text encoders, tokenizers, scheduler, model_index.json)
+  copied beside it, so `from_pretrained` loads the whole pipeline.
+- diffusers, LoRA: written by diffusers' own `save_lora_weights` of the SD, SDXL, Flux or SD3 pipeline, with the
+  LoRA config (rank, alpha, targets) in the header.
 - kohya: `lora_unet_<module>.lora_down.weight` / `.lora_up.weight` / `.alpha`, the module named as kohya's tools
   name it (SD 1.x/2.x: the diffusers path; SDXL: the original layout's path), dots turned to underscores.
 - original: the UNet's weights under `model.diffusion_model.` (with LoRA merged), for ComfyUI's and A1111's loaders.
+  (kohya and original: UNets only so far.)
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import load_config
+from .models.registry import family_for
 from .models.original_layout import ORIGINAL_PREFIX, to_original_layout
 from .models.pipeline_folder import is_pipeline_folder
 
@@ -50,7 +52,11 @@ def export_run(run_dir: Path, fmt: str, out: Path) -> Path:
         out = out.with_name(out.name + ".safetensors")  # what loaders recognise (diffusers would try a pickle)
     config = load_config(run_dir / "config.toml")
     unet_config = json.loads((run_dir / "model_config.json").read_text())
+    family = family_for(config.model.architecture)
     lora = config.adapter.type == "lora"
+    if fmt in ("kohya", "original") and family.name != "unet2d":
+        raise ExportError(f"--format {fmt} writes UNet layouts, and {run_dir} trained a {family.name} model; use "
+                          "--format diffusers (diffusers' own loaders, and ComfyUI's for diffusers LoRA files)")
     if fmt == "kohya" and not lora:
         raise ExportError(f"--format kohya writes LoRA adapters, and {run_dir} trained every weight (adapter.type = "
                           "\"none\"); use --format diffusers or original")
@@ -58,7 +64,7 @@ def export_run(run_dir: Path, fmt: str, out: Path) -> Path:
         return _write_original(run_dir, unet_config, out)
     if lora:
         return _write_lora(run_dir, config, unet_config, fmt, out)
-    return _write_diffusers_folder(run_dir, config, unet_config, out)
+    return _write_diffusers_folder(run_dir, config, family, unet_config, out)
 
 
 def _write_original(run_dir: Path, unet_config: dict, out: Path) -> Path:
@@ -69,16 +75,14 @@ def _write_original(run_dir: Path, unet_config: dict, out: Path) -> Path:
     return out
 
 
-def _write_diffusers_folder(run_dir: Path, config, unet_config: dict, out: Path) -> Path:
-    from diffusers import UNet2DConditionModel
-
+def _write_diffusers_folder(run_dir: Path, config, family, model_config: dict, out: Path) -> Path:
     with torch.device("meta"):
-        unet = UNet2DConditionModel(**unet_config)
-    unet.load_state_dict(load_file(str(run_dir / "model.safetensors")), assign=True)
+        model = family.model_class(**{k: v for k, v in model_config.items() if not k.startswith("_")})
+    model.load_state_dict(load_file(str(run_dir / "model.safetensors")), assign=True)
     base = Path(config.model.path) if is_pipeline_folder(config.model.path) else None
     if base is not None:
-        shutil.copytree(base, out, ignore=shutil.ignore_patterns("unet", ".diffpipe*"), dirs_exist_ok=True)
-    unet.save_pretrained(out / "unet" if base is not None else out, safe_serialization=True)
+        shutil.copytree(base, out, ignore=shutil.ignore_patterns(family.component, ".diffpipe*"), dirs_exist_ok=True)
+    model.save_pretrained(out / family.component if base is not None else out, safe_serialization=True)
     return out
 
 
@@ -111,11 +115,20 @@ def _write_lora(run_dir: Path, config, unet_config: dict, fmt: str, out: Path) -
                   "ss_network_alpha": str(config.adapter.alpha), **metadata}
         save_file(kohya, str(out), metadata=header)
         return out
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    import diffusers
 
-    pipeline = StableDiffusionXLPipeline if unet_config.get("addition_embed_type") == "text_time" else StableDiffusionPipeline
     lora_config = json.loads(metadata.get("diffpipe.lora", "{}"))
-    pipeline.save_lora_weights(out, unet_lora_layers=adapters, weight_name="pytorch_lora_weights.safetensors",
-                               unet_lora_adapter_metadata={"r": config.adapter.rank, "lora_alpha": config.adapter.alpha,
-                                                           "target_modules": lora_config.get("target_modules", modules)})
+    adapter_metadata = {"r": config.adapter.rank, "lora_alpha": config.adapter.alpha,
+                        "target_modules": lora_config.get("target_modules", modules)}
+    if config.model.architecture == "unet2d":
+        sdxl = unet_config.get("addition_embed_type") == "text_time"
+        pipeline = diffusers.StableDiffusionXLPipeline if sdxl else diffusers.StableDiffusionPipeline
+        pipeline.save_lora_weights(out, unet_lora_layers=adapters, weight_name="pytorch_lora_weights.safetensors",
+                                   unet_lora_adapter_metadata=adapter_metadata)
+    else:
+        pipeline = {"flux": diffusers.FluxPipeline, "sd3": diffusers.StableDiffusion3Pipeline}.get(config.model.architecture)
+        if pipeline is None:
+            raise ExportError(f"no diffusers pipeline is known to load LoRA files of {config.model.architecture!r} models")
+        pipeline.save_lora_weights(out, transformer_lora_layers=adapters, weight_name="pytorch_lora_weights.safetensors",
+                                   transformer_lora_adapter_metadata=adapter_metadata)
     return out / "pytorch_lora_weights.safetensors"

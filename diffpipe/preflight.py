@@ -78,16 +78,16 @@ def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:
     vae = json.loads((folder / "vae" / "config.json").read_text())
     if vae.get("latent_channels") != family.latent_channels(cfg):
         raise CheckpointError(f"{folder}: the VAE makes {vae.get('latent_channels')}-channel latents but the "
-                              f"{family.component} takes {family.latent_channels(cfg)}; the folder mixes components "
+                              f"{family.backbone_name} takes {family.latent_channels(cfg)}; the folder mixes components "
                               "of different models")
     factor = 2 ** (len(vae["block_out_channels"]) - 1)
     multiple = family.latent_multiple(cfg)
     if (config.data.bucket_step // factor) % multiple or config.data.bucket_step % factor:
-        raise CheckpointError(f"data.bucket_step = {config.data.bucket_step}: the {family.component} needs latents whose "
+        raise CheckpointError(f"data.bucket_step = {config.data.bucket_step}: the {family.backbone_name} needs latents whose "
                               f"sides are multiples of {multiple} ({multiple * factor} pixels through this VAE); "
                               f"use a multiple of {multiple * factor}")
     given, wanted = family.folder_text_widths(folder), family.text_widths(cfg)
     if given != wanted:
         raise CheckpointError(f"{folder}: the text encoders give {given[0]}-wide states and {given[1]}-wide pooled "
-                              f"embeddings but the {family.component} takes {wanted[0]} and {wanted[1]}; the folder "
+                              f"embeddings but the {family.backbone_name} takes {wanted[0]} and {wanted[1]}; the folder "
                               "mixes components of different models")

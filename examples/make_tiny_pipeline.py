@@ -1,14 +1,16 @@
-"""Write small diffusers pipeline folders (random weights, the exact SD 1.5 and SDXL layouts) and a folder of real
-photographs with captions, so the real-data path can be tried and tested without downloading anything.
+"""Write small diffusers pipeline folders (random weights, the exact SD 1.5, SDXL, Flux and SD3 layouts) and a folder
+of real photographs with captions, so the real-data path can be tried and tested without downloading anything.
 
-    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,photos}
+    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,flux,sd3,photos}
     python examples/make_tiny_pipeline.py --out DIR        # somewhere else
     diffpipe train examples/photos.toml                    # then fine-tune the tiny SDXL-layout pipeline on the photos
+    diffpipe train examples/flux_tiny.toml                 # or the tiny Flux-layout one (sd3_tiny.toml: SD3)
 
 Each pipeline is built from diffusers' and transformers' own classes (UNet2DConditionModel, AutoencoderKL, CLIP text
 models and a real CLIP BPE tokenizer over a small vocabulary) and written by the pipeline's `save_pretrained`, so
 the folders are laid out as on the Hub: model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/ (and
-text_encoder_2/, tokenizer_2/ for SDXL). The photos are scikit-learn's two sample photographs (china.jpg,
+text_encoder_2/, tokenizer_2/ for SDXL; transformer/, a CLIP and a T5 encoder with a real T5 unigram tokenizer for
+Flux; three text encoders for SD3). The photos are scikit-learn's two sample photographs (china.jpg,
 flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption.
 """
 from __future__ import annotations
@@ -17,11 +19,13 @@ import argparse
 from pathlib import Path
 
 import torch
-from diffusers import (AutoencoderKL, EulerDiscreteScheduler, PNDMScheduler, StableDiffusionPipeline,
-                       StableDiffusionXLPipeline, UNet2DConditionModel)
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from diffusers import (AutoencoderKL, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline,
+                       FluxTransformer2DModel, PNDMScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline,
+                       StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel)
+from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config,
+                          T5EncoderModel, T5Tokenizer)
 
-__all__ = ["write_sd15", "write_sdxl", "write_photos", "fitted_vae", "CAPTION_WORDS"]
+__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_photos", "fitted_vae", "CAPTION_WORDS"]
 
 CAPTION_WORDS = ("a photo of the chinese temple flower pink yellow red roof tree sky close view wide "
                  "detail painting drawing").split()
@@ -58,6 +62,20 @@ def tiny_clip_tokenizer() -> CLIPTokenizer:
     vocab += ["<|startoftext|>", "<|endoftext|>"]
     return CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=list(dict.fromkeys(merges)),
                          model_max_length=77)
+
+
+def tiny_t5_tokenizer() -> T5Tokenizer:
+    """A real T5 (unigram) tokenizer: CAPTION_WORDS as single pieces, any other text letter by letter."""
+    letters = sorted(set("".join(CAPTION_WORDS)) | set("abcdefghijklmnopqrstuvwxyz"))
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
+    vocab += [("\u2581" + w, -1.0) for w in CAPTION_WORDS] + [(c, -5.0) for c in letters]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def _t5(tokenizer: T5Tokenizer, width: int) -> T5EncoderModel:
+    return T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=width, d_kv=16, d_ff=2 * width, num_layers=2,
+                                   num_heads=width // 16, relative_attention_num_buckets=8, pad_token_id=0,
+                                   eos_token_id=1, decoder_start_token_id=0))
 
 
 def _text_config(tokenizer: CLIPTokenizer, hidden: int, projection: int) -> CLIPTextConfig:
@@ -132,6 +150,40 @@ def write_sdxl(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Pa
     return out / "sdxl"
 
 
+def write_flux(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Path:
+    """Flux layout: a CLIP text model (pooled output, 32) and T5 (64 wide, 512 tokens); the transformer reads 4-channel
+    latents packed 2x2 (16 channels), two double-stream and two single-stream blocks, guidance embedded (as dev)."""
+    torch.manual_seed(seed)
+    clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae or fitted_vae(),
+        text_encoder=CLIPTextModel(_text_config(clip_tokenizer, 32, 32)), tokenizer=clip_tokenizer,
+        text_encoder_2=_t5(t5_tokenizer, 64), tokenizer_2=t5_tokenizer, transformer=transformer)
+    pipe.save_pretrained(out / "flux", safe_serialization=True)
+    return out / "flux"
+
+
+def write_sd3(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Path:
+    """SD3 layout: two CLIP text models with projection (penultimate states 32 + 32, zero-padded to T5's 64; pooled
+    32 + 32) and T5 (64 wide, 256 tokens); the transformer patchifies 4-channel latents 2x2, three joint blocks."""
+    torch.manual_seed(seed)
+    clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    transformer = SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=3, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+        pos_embed_max_size=32)
+    pipe = StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae or fitted_vae(), transformer=transformer,
+        text_encoder=CLIPTextModelWithProjection(_text_config(clip_tokenizer, 32, 32)), tokenizer=clip_tokenizer,
+        text_encoder_2=CLIPTextModelWithProjection(_text_config(clip_tokenizer, 32, 32)), tokenizer_2=clip_tokenizer,
+        text_encoder_3=_t5(t5_tokenizer, 64), tokenizer_3=t5_tokenizer)
+    pipe.save_pretrained(out / "sd3", safe_serialization=True)
+    return out / "sd3"
+
+
 # (photo, caption, crops as (left, top, width, height) in the 640x427 photo): landscape, portrait and square crops
 _CROPS = {
     "china": ("a photo of the chinese temple", [
@@ -166,8 +218,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "tiny"), help="folder to write into")
     args = parser.parse_args()
     out = Path(args.out)
-    vae = fitted_vae()  # one VAE for both layouts: they differ in the UNet and text encoders
-    for path in (write_sd15(out, vae), write_sdxl(out, vae), write_photos(out)):
+    vae = fitted_vae()  # one VAE for every layout: they differ in the backbone and text encoders
+    for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_sd3(out, vae),
+                 write_photos(out)):
         print(f"wrote {path}")
 
 

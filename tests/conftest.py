@@ -19,12 +19,14 @@ def load_tiny_pipeline_script():
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
-    """A folder with sd15/ and sdxl/ pipeline folders and photos/ (16 captioned crops); treat it as read-only
-    (copy photos/ before changing it)."""
+    """A folder with sd15/, sdxl/, flux/ and sd3/ pipeline folders and photos/ (16 captioned crops); treat it as
+    read-only (copy photos/ before changing it)."""
     out = tmp_path_factory.mktemp("tiny")
     script = load_tiny_pipeline_script()
     vae = script.fitted_vae()
     script.write_sd15(out, vae)
     script.write_sdxl(out, vae)
+    script.write_flux(out, vae)
+    script.write_sd3(out, vae)
     script.write_photos(out)
     return out

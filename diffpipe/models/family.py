@@ -45,6 +45,7 @@ class ModelFamily:
     name: ClassVar[str]
     model_class: ClassVar[type[nn.Module]]
     component: ClassVar[str]  # the pipeline folder's subfolder holding the backbone: "unet", "transformer"
+    backbone_name: ClassVar[str] = "transformer"  # what messages call it
     presets: ClassVar[dict[str, dict]] = {}  # built-in configs (keyword arguments of model_class), random weights
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     default_objective: ClassVar[str] = "flow_matching"  # when neither train.objective nor a scheduler decides

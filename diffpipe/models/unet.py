@@ -186,6 +186,7 @@ class UNet2DFamily(ModelFamily):
     name = "unet2d"
     model_class = UNet2DConditionModel
     component = "unet"
+    backbone_name = "UNet"
     presets = UNET_PRESETS
 
     def check_supported(self, model):
