@@ -1,3 +1,18 @@
-"""diffpipe: pipeline-parallel training of diffusion models on torch.distributed.pipelining."""
+"""diffpipe: pipeline-parallel training of diffusion models on torch.distributed.pipelining.
+
+For a loop of your own: `from diffpipe import describe, plan_split, stage_modules, family_of, feed_of` (api.py);
+imported on first use, so `diffpipe --help` does not import torch.
+"""
 
 __version__ = "0.1.0"
+
+_API = ("family_of", "describe", "feed_of", "plan_split", "stage_modules", "stage_specs")
+__all__ = list(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'diffpipe' has no attribute {name!r}")
