@@ -52,9 +52,11 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
     """Weights (model.path's, else seeded random) for the given units of a meta backbone, all when None; the
     other units stay on the meta device. The same unit gets the same weights whatever else is built. LoRA layers
     already injected get their seeded initial adapters."""
-    modules = None if units is None else {id(m) for i in units for m in backbone.units[i].module.modules()}
+    modules = None if units is None else _modules_holding(backbone, units)
+    before = dict(backbone.parameter_names)
     materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model, backbone.family),
-                modules, device, rename=base_module_name, buffers=backbone.family.constructor_buffers(backbone.model))
+                modules, device, rename=base_module_name, buffers=backbone.family.constructor_buffers(backbone.model),
+                reset_own=backbone.family.reset_own_parameters)
     if config.adapter.type == "lora":
         seed_lora(backbone.model, config.train.seed)
         if config.adapter.init_from:
@@ -63,6 +65,26 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
     backbone.parameter_names = full_parameter_names(backbone.model)  # materialising made new parameter objects
+    _rebind(backbone, before)
+
+
+def _rebind(backbone: Backbone, before: dict[int, str]) -> None:
+    """Point units that hold a model's parameter directly (not through its module) at the materialised one."""
+    now = dict(backbone.model.named_parameters())
+    for unit in backbone.units:
+        for module in unit.module.modules():
+            for key, p in list(module.named_parameters(recurse=False)):
+                name = before.get(id(p))
+                if p.is_meta and name in now and not now[name].is_meta:
+                    setattr(module, key, now[name])
+
+
+def _modules_holding(backbone: Backbone, units: list[int]) -> set[int]:
+    """The model's modules owning a weight the units use: a unit may hold a parameter of a module it does not wrap
+    whole (Wan's output unit, the model's own `scale_shift_table`)."""
+    used = {id(t) for i in units for t in (*backbone.units[i].module.parameters(), *backbone.units[i].module.buffers())}
+    return {id(m) for m in backbone.model.modules()
+            if any(id(t) in used for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))}
 
 
 def model_family(config: RunConfig) -> ModelFamily:
@@ -78,15 +100,17 @@ def feed(config: RunConfig, backbone: Backbone) -> Feed:
     return Feed.of(backbone, config.model.guidance)
 
 
-def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, int, int]:
-    """(channels, height, width) of the latents the backbone denoises (before any packing): for image folders, the
-    latents of a data.resolution square (every bucket has about its area), else the family's default size."""
+def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, ...]:
+    """(channels, height, width) of the latents the backbone denoises (before any packing), (channels, frames, height,
+    width) for a video family: for image folders, the latents of a data.resolution square (every bucket has about
+    its area), else the family's default size."""
     family, cfg = backbone.family, backbone.model.config
     if config.data.dataset == "folder" and is_pipeline_folder(config.model.path):
         side = config.data.resolution // vae_scale_factor(Path(config.model.path))
     else:
         side = family.default_latent_size(cfg)
-    return family.latent_channels(cfg), side, side
+    frames = family.latent_frames(cfg)
+    return (family.latent_channels(cfg),) + ((frames,) if frames is not None else ()) + (side, side)
 
 
 def text_length(config: RunConfig) -> int:
@@ -101,20 +125,23 @@ def build_text_encoder(config: RunConfig, backbone: Backbone) -> CaptionEncoder:
     if is_pipeline_folder(config.model.path):
         return backbone.family.folder_text_encoder(Path(config.model.path))
     if config.model.text_encoder == "tiny-clip":
+        from .data.moving_digits import MOTION_WORDS
+
         hidden, pooled = backbone.family.text_widths(backbone.model.config)
-        return TextEncoder.tiny(hidden, max(pooled, 1), config.model.text_max_length, config.train.seed + 1)
+        extra = MOTION_WORDS if config.data.dataset == "moving_digits" else ()
+        return TextEncoder.tiny(hidden, max(pooled, 1), config.model.text_max_length, config.train.seed + 1, extra)
     return TextEncoder.from_folder(config.model.text_encoder, config.model.text_max_length)
 
 
 def example_inputs(config: RunConfig, backbone: Backbone, batch: int) -> tuple[dict, dict]:
     """Zero-filled inputs and conditions of the shapes a step feeds the backbone (for tracing and costing)."""
     hidden, pooled = backbone.family.text_widths(backbone.model.config)
-    channels, height, width = sample_shape(config, backbone)
+    shape = sample_shape(config, backbone)
     fed = feed(config, backbone)
     conditions = fed.conditions(torch.zeros(batch, text_length(config), hidden), torch.zeros(batch, pooled),
-                                torch.zeros(batch, 6), (height, width))
+                                torch.zeros(batch, 6), shape[1:])
     conditions["timestep"] = torch.zeros(batch)
-    return {"sample": fed.pack(torch.zeros(batch, channels, height, width))}, conditions
+    return {"sample": fed.pack(torch.zeros(batch, *shape))}, conditions
 
 
 def boundary_traffic(config: RunConfig, backbone: Backbone, split: list[int]) -> list[Crossing]:

@@ -151,19 +151,21 @@ def _train(args) -> None:
 
 def _finish(config, run_dir: Path) -> None:
     from .data.digits import DIGIT_WORDS, digit_caption
+    from .data.moving_digits import moving_prompts
     from .sampling import load_generator, save_grid
     from .train.records import plot_loss
 
     plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    if config.output.sample_every_end and config.output.save_weights and config.data.dataset in ("digits", "folder"):
+    if config.output.sample_every_end and config.output.save_weights and config.data.dataset != "synthetic":
         gen = load_generator(run_dir)
         seeds = config.sample.seeds
-        columns = [digit_caption(d) for d in range(len(DIGIT_WORDS))] if config.data.dataset == "digits" else (
-            config.sample.prompts or _some_captions(config))
+        columns = {"digits": lambda: [digit_caption(d) for d in range(len(DIGIT_WORDS))], "moving_digits": moving_prompts,
+                   "folder": lambda: config.sample.prompts or _some_captions(config)}[config.data.dataset]()
         prompts = [p for _ in seeds for p in columns]
         row_seeds = [s for s in seeds for _ in columns]
         images = gen.generate(prompts, row_seeds, config.sample.steps, config.sample.guidance_scale)
-        save_grid(images, len(seeds), run_dir / "samples.png", scale=4 if config.data.dataset == "digits" else 1)
+        written = save_grid(images, len(seeds), run_dir / "samples.png", scale=1 if config.data.dataset == "folder" else 4)
+        print(f"samples: {written}", flush=True)
     print(f"done: {run_dir}", flush=True)
 
 
@@ -188,8 +190,8 @@ def _sample(args) -> None:
     images = gen.generate([args.prompt] * args.num, seeds, steps, guidance)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     scale = -(-_MIN_SIDE_PX // images.shape[-2])  # tiny images (8x8 digits) enlarged to be seen when opened
-    save_grid(images, 1, args.out, scale=scale)
-    print(f"wrote {args.num} image(s) to {args.out}" + (f", each enlarged {scale}x" if scale > 1 else ""))
+    written = save_grid(images, 1, args.out, scale=scale)
+    print(f"wrote {args.num} image(s) to {written}" + (f", each enlarged {scale}x" if scale > 1 else ""))
 
 
 def _cache(args) -> None:

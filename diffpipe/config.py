@@ -59,8 +59,8 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    dataset: Literal["digits", "synthetic", "folder"] = Field(
-        "digits", description="digits (scikit-learn's handwritten digits, 8x8 pixels, captioned), synthetic (random latents), or folder (your images with captions, through the VAE of model.path's pipeline folder).")
+    dataset: Literal["digits", "moving_digits", "synthetic", "folder"] = Field(
+        "digits", description="digits (scikit-learn's handwritten digits, 8x8 pixels, captioned), moving_digits (clips of them sliding left, right, up or down, captioned with the motion; for video families), synthetic (random latents), or folder (your images with captions, through the VAE of model.path's pipeline folder).")
     path: str | list[str] | None = Field(None, description="data.dataset = folder: folder(s) of jpg/png/webp images, captions in same-named .txt files or a metadata.jsonl (file_name, text); subfolders included.")
     repeats: int | list[int] = Field(1, description="Times each folder's images appear per epoch (one number, or one per folder in data.path).")
     resolution: int = Field(1024, ge=64, description="Images are trained at about resolution x resolution pixels of area (SD 1.5: 512, SDXL: 1024).")

@@ -35,10 +35,13 @@ def check_before_launch(config: RunConfig) -> Checked:
     if config.data.dataset == "digits" and shape != (1, 8, 8):
         raise SplitError(f"data.dataset='digits' has 1x8x8 images but the model takes {shape}; use "
                          "model.preset = \"digits\", a config made for 1-channel 8x8 images, or data.dataset = \"synthetic\"")
+    if config.data.dataset == "moving_digits" and (len(shape) != 4 or shape[0] != 1 or shape[2:] != (8, 8)):
+        raise SplitError(f"data.dataset='moving_digits' has clips of 1x8x8 frames but the model takes {shape}; use a "
+                         "video family made for them (model.architecture = \"wan\", model.preset = \"digits\")")
     multiple = backbone.family.latent_multiple(backbone.model.config)
-    if config.data.dataset != "folder" and (shape[1] % multiple or shape[2] % multiple):
+    if config.data.dataset != "folder" and (shape[-2] % multiple or shape[-1] % multiple):
         raise SplitError(f"the {config.model.architecture} model takes latents whose sides are multiples of {multiple} "
-                         f"(its patch size), but the data is {shape[1]}x{shape[2]}")
+                         f"(its patch size), but the data is {shape[-2]}x{shape[-1]}")
     if config.data.dataset == "folder":
         _check_folder_data(config, backbone)
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some

@@ -87,7 +87,7 @@ class Generator:
     def pixel_size(self) -> tuple[int, int]:
         """(height, width) of the images made, in pixels."""
         factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
-        return self.shape[1] * factor, self.shape[2] * factor
+        return self.shape[-2] * factor, self.shape[-1] * factor
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents scaled as in training (data/images.py, encode_latents) to RGB in [-1, 1]."""
@@ -143,8 +143,19 @@ def images_to_pil(images: torch.Tensor) -> list[Image.Image]:
     return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in arr]
 
 
-def save_grid(images: torch.Tensor, rows: int, path: str | Path, scale: int = 1) -> None:
-    """Images (rows x cols, row-major) tiled edge to edge, each scaled by `scale` (nearest neighbour)."""
+def save_grid(images: torch.Tensor, rows: int, path: str | Path, scale: int = 1) -> Path:
+    """Images (rows x cols, row-major) tiled edge to edge, each scaled by `scale` (nearest neighbour); clips
+    (N, C, F, H, W) as an animated GIF of such grids, beside `path` with the suffix .gif. Returns the file written."""
+    if images.dim() == 5:
+        frames = [_grid(images[:, :, f], rows, scale) for f in range(images.shape[2])]
+        path = Path(path).with_suffix(".gif")
+        frames[0].save(path, save_all=True, append_images=frames[1:], duration=250, loop=0)
+        return path
+    _grid(images, rows, scale).save(path)
+    return Path(path)
+
+
+def _grid(images: torch.Tensor, rows: int, scale: int) -> Image.Image:
     tiles = images_to_pil(images)
     cols = len(tiles) // rows
     w, h = tiles[0].size
@@ -153,4 +164,4 @@ def save_grid(images: torch.Tensor, rows: int, path: str | Path, scale: int = 1)
         grid.paste(tile, ((i % cols) * w, (i // cols) * h))
     if scale != 1:
         grid = grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST)
-    grid.save(path)
+    return grid

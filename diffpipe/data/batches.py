@@ -105,7 +105,7 @@ class BatchMaker:
         t = sample_timesteps(self.train.timestep_sampling, len(idx), gen, logit_mean=self.train.logit_mean,
                              logit_std=self.train.logit_std, shift=self.train.shift)
         noise = torch.randn((len(idx), *x0.shape[1:]), generator=gen)  # drawn for the global batch, then sliced
-        conditions = self.text_conditions(captions[part], self.data.size_ids(mine), x0.shape[-2:])
+        conditions = self.text_conditions(captions[part], self.data.size_ids(mine), x0.shape[2:])
         return self._batch(x0, noise[part], t[part], conditions)
 
     def make_fixed(self, data, indices: list[int], ts: list[float], noise_seed: int, dp_rank: int,
@@ -118,7 +118,7 @@ class BatchMaker:
         mine = indices[part]
         x0 = data.x0(mine)
         noise = torch.randn((len(indices), *x0.shape[1:]), generator=torch.Generator().manual_seed(noise_seed))[part]
-        conditions = self.text_conditions([data.captions[i] for i in mine], data.size_ids(mine), x0.shape[-2:])
+        conditions = self.text_conditions([data.captions[i] for i in mine], data.size_ids(mine), x0.shape[2:])
         return [self._batch(x0, noise, torch.full((len(mine),), t), conditions) for t in ts]
 
     def _batch(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,

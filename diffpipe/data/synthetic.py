@@ -9,7 +9,7 @@ __all__ = ["SyntheticDataset"]
 
 
 class SyntheticDataset:
-    def __init__(self, shape: tuple[int, int, int], size: int = 256, seed: int = 0):
+    def __init__(self, shape: tuple[int, ...], size: int = 256, seed: int = 0):
         gen = torch.Generator().manual_seed(seed)
         self.images = torch.randn(size, *shape, generator=gen)
         self.captions = [digit_caption(i % 10) for i in range(size)]

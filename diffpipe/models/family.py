@@ -27,14 +27,15 @@ class TextBatch:
     """What the frozen encoders and the data give a batch, before the family names it for its backbone.
 
     hidden: (B, L, D) text hidden states; pooled: (B, P) pooled text embedding (P may be 0); size_ids: (B, 6)
-    SDXL's (original h, w, crop top, left, target h, w); latent_size: (h, w) of the latents; guidance: the
+    SDXL's (original h, w, crop top, left, target h, w); latent_size: (h, w) of the latents ((frames, h, w) for
+    clips); guidance: the
     embedded guidance value of guidance-distilled models (Flux-dev).
     """
 
     hidden: torch.Tensor
     pooled: torch.Tensor
     size_ids: torch.Tensor
-    latent_size: tuple[int, int]
+    latent_size: tuple[int, ...]
     guidance: float
 
 
@@ -114,6 +115,15 @@ class ModelFamily:
     def objective_of_folder(self, folder: Path) -> str:
         """The objective a pipeline folder's scheduler was trained with."""
         return self.default_objective
+
+    def latent_frames(self, cfg: Any) -> int | None:
+        """Latent frames of a clip trained on without a VAE deciding (video families); None: images."""
+        return None
+
+    def reset_own_parameters(self, module: nn.Module) -> bool:
+        """Draw the random weights of a module without `reset_parameters` (in place, from the seeded generator the
+        caller set); False when this family does not know the module."""
+        return False
 
     def constructor_buffers(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Buffers only the constructor can fill (a fixed positional table), by full name, for a meta-built model

@@ -41,12 +41,14 @@ def _module_seed(seed: int, name: str) -> int:
 def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
                 modules: set[int] | None = None, device: str | torch.device = "cpu",
                 rename: Callable[[str], str | None] = lambda name: name,
-                buffers: dict[str, torch.Tensor] | None = None) -> None:
+                buffers: dict[str, torch.Tensor] | None = None,
+                reset_own: Callable[[nn.Module], bool] = lambda module: False) -> None:
     """Give real weights, on `device`, to the meta modules of `model` whose id() is in `modules` (all when None):
     the checkpoint's tensors when given (its architecture already checked), else seeded random ones. `rename`
     gives a module's name in the checkpoint (and so its seed), or None for one the checkpoint cannot hold (a LoRA
     adapter: drawn at random, seeded by its own name). Buffers only a constructor fills (a fixed positional table)
     come from the checkpoint when it holds them, else from `buffers` (full names: ModelFamily.constructor_buffers).
+    A module without `reset_parameters` gets its random weights from `reset_own` (ModelFamily.reset_own_parameters).
 
     Parameters are replaced by new tensors: anything keyed by parameter identity must be rebuilt after this.
     """
@@ -54,11 +56,12 @@ def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
     with opened as reader:
         for name, module in model.named_modules():
             if modules is None or id(module) in modules:
-                _materialise_module(model, name, module, seed, reader, device, rename, buffers or {})
+                _materialise_module(model, name, module, seed, reader, device, rename, buffers or {}, reset_own)
 
 
 def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: int, reader, device,
-                        rename: Callable[[str], str | None], buffers: dict[str, torch.Tensor]) -> None:
+                        rename: Callable[[str], str | None], buffers: dict[str, torch.Tensor],
+                        reset_own: Callable[[nn.Module], bool]) -> None:
     own = list(module.parameters(recurse=False))
     meta_buffers = [key for key, b in module.named_buffers(recurse=False) if b.is_meta]
     if not any(t.is_meta for t in own) and not meta_buffers:
@@ -80,9 +83,6 @@ def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: in
             module.register_buffer(key, value.to(device=device, dtype=getattr(module, key).dtype), persistent=persistent)
         return
     from_file = reader is not None and file_name is not None
-    if not from_file and not hasattr(module, "reset_parameters"):
-        raise ValueError(f"{type(model).__name__}.{name} ({type(module).__name__}) has no reset_parameters "
-                         "to draw its random weights with; give model.path to load them instead")
     module.to_empty(device=device, recurse=False)
     _fill_buffers(module, values)
     with torch.no_grad():
@@ -96,7 +96,11 @@ def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: in
         else:
             with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
                 torch.manual_seed(_module_seed(seed, file_name if file_name is not None else name))
-                module.reset_parameters()
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+                elif not reset_own(module):
+                    raise ValueError(f"{type(model).__name__}.{name} ({type(module).__name__}) has no reset_parameters "
+                                     "to draw its random weights with; give model.path to load them instead")
 
 
 def _fill_buffers(module: nn.Module, values: dict[str, torch.Tensor]) -> None:

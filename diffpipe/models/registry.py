@@ -17,6 +17,7 @@ BUILTIN_FAMILIES = {
     "unet2d": "diffpipe.models.unet:UNet2DFamily",
     "flux": "diffpipe.models.flux:FluxFamily",
     "sd3": "diffpipe.models.sd3:SD3Family",
+    "wan": "diffpipe.models.wan:WanFamily",
 }
 
 

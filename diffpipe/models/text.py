@@ -26,8 +26,8 @@ TINY_VOCABULARY = (
 ).split()
 
 
-def _tiny_tokenizer(max_length: int) -> PreTrainedTokenizerFast:
-    words = ["<pad>", "<unk>", "<bos>", "<eos>"] + TINY_VOCABULARY
+def _tiny_tokenizer(max_length: int, extra_words: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    words = ["<pad>", "<unk>", "<bos>", "<eos>"] + TINY_VOCABULARY + list(extra_words)
     core = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.normalizer = Lowercase()
     core.pre_tokenizer = Whitespace()
@@ -110,8 +110,11 @@ class TextEncoder(CaptionEncoder):
         self.max_length = max_length
 
     @classmethod
-    def tiny(cls, hidden_size: int, projection_dim: int, max_length: int, seed: int) -> "TextEncoder":
-        tokenizer = _tiny_tokenizer(max_length)
+    def tiny(cls, hidden_size: int, projection_dim: int, max_length: int, seed: int,
+             extra_words: tuple[str, ...] = ()) -> "TextEncoder":
+        """`extra_words`: known beyond TINY_VOCABULARY (the motions of moving digits), appended so the others keep
+        their ids."""
+        tokenizer = _tiny_tokenizer(max_length, extra_words)
         config = CLIPTextConfig(
             vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
             num_hidden_layers=2, num_attention_heads=max(1, hidden_size // 16), max_position_embeddings=max_length,

@@ -73,9 +73,12 @@ def _pipeline_forward(trainer):
 
 def sample_prompts(trainer) -> list[str]:
     from ..data.digits import DIGIT_WORDS, digit_caption
+    from ..data.moving_digits import moving_prompts
 
     if trainer.config.data.dataset == "digits":
         return [digit_caption(d) for d in range(len(DIGIT_WORDS))]
+    if trainer.config.data.dataset == "moving_digits":
+        return moving_prompts()
     return trainer.config.sample.prompts or list(dict.fromkeys(trainer.data.captions))[:4]
 
 
@@ -92,5 +95,5 @@ def write_samples(trainer, step: int) -> None:
         folder = trainer.run_dir / "samples"
         folder.mkdir(exist_ok=True)
         path = folder / f"step-{step + 1:06d}.png"
-        save_grid(images, len(seeds), path, scale=4 if cfg.data.dataset == "digits" else 1)
+        path = save_grid(images, len(seeds), path, scale=4 if cfg.data.dataset in ("digits", "moving_digits") else 1)
         trainer.writers.add_image("samples", path, step)

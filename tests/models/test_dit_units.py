@@ -9,6 +9,7 @@ from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 from diffpipe.models.family import Feed
 from diffpipe.models.flux import FluxFamily
 from diffpipe.models.sd3 import SD3Family
+from diffpipe.models.wan import WAN_PRESETS, WanFamily
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
 from diffpipe.sampling import run_stages
@@ -20,10 +21,13 @@ SD3 = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_h
            joint_attention_dim=24, caption_projection_dim=32, pooled_projection_dim=20, out_channels=4,
            pos_embed_max_size=16)
 SD35 = dict(SD3, qk_norm="rms_norm", dual_attention_layers=(0,))  # SD3.5's per-head norms, MMDiT-X's extra attention
-CASES = {"flux": (FluxFamily(), FLUX), "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35)}
+WAN = dict(WAN_PRESETS["digits"], in_channels=4, out_channels=4, text_dim=24, num_layers=3)
+CASES = {"flux": (FluxFamily(), FLUX), "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
+         "wan": (WanFamily(), WAN)}
+SIZES = {"wan": (3, 8, 12)}  # frames, height, width of a clip
 
 
-def _fed(family, model, size=(8, 12), batch=3):
+def _fed(family, model, size=(8, 12), batch=3):  # noqa: C901
     """A batch as the batch maker feeds it: latents in the family's layout, its named conditions, timesteps."""
     gen = torch.Generator().manual_seed(0)
     cfg = model.config
@@ -39,31 +43,33 @@ def _fed(family, model, size=(8, 12), batch=3):
 @pytest.mark.parametrize("name", CASES)
 def test_units_in_order_and_as_stages_equal_diffusers_forward(name):
     family, config = CASES[name]
+    size = SIZES.get(name, (8, 12))
     torch.manual_seed(0)
     model = family.model_class(**config).eval()
     backbone = family.describe(model, "layers")
-    feed, latents, conditions = _fed(family, model)
+    feed, latents, conditions = _fed(family, model, size)
     with torch.no_grad():
         expected = family.diffusers_forward(model, feed.pack(latents), conditions)
         units = backbone.forward({"sample": feed.pack(latents)}, conditions)
         staged = run_stages(build_stage_modules(backbone, stage_specs(backbone, [1, 3, len(backbone.units) - 1])),
                             feed.pack(latents), conditions)
     assert torch.equal(staged, units) and torch.equal(units, expected)
-    if name != "flux":  # SD3's forward unpatchifies: the prediction as latents is exactly diffusers' output
+    if name != "flux":  # SD3's and Wan's forward unpatchify: the prediction as latents is exactly diffusers' output
+        pooled = {k: conditions[k] for k in ("pooled_projections",) if k in conditions}
         plain = model(hidden_states=latents, timestep=conditions["timestep"], return_dict=False,
-                      pooled_projections=conditions["pooled_projections"],
-                      encoder_hidden_states=conditions["encoder_hidden_states"])[0]
-        assert torch.equal(feed.unpack_prediction(units, (8, 12)), plain)
+                      encoder_hidden_states=conditions["encoder_hidden_states"], **pooled)[0]
+        assert torch.equal(feed.unpack_prediction(units, size), plain)
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3"])
+@pytest.mark.parametrize("name", ["flux", "sd3", "wan"])
 def test_prediction_layout_inverts_exactly(name):
     family, config = CASES[name]
+    size = SIZES.get(name, (8, 12))
     with torch.device("meta"):
         cfg = family.model_class(**config).config
-    latents = torch.randn(2, family.latent_channels(cfg), 8, 12)
+    latents = torch.randn(2, family.latent_channels(cfg), *size)
     feed = Feed(family, cfg)
-    assert torch.equal(feed.unpack_prediction(feed.pack_prediction(latents), (8, 12)), latents)
+    assert torch.equal(feed.unpack_prediction(feed.pack_prediction(latents), size), latents)
 
 
 def test_flux_packing_is_diffusers_pipeline_packing():
@@ -84,3 +90,13 @@ def test_the_sd3_positional_table_is_rebuilt_on_a_meta_model():
     with torch.device("meta"):
         meta = SD3Transformer2DModel(**SD3)
     assert torch.equal(family.constructor_buffers(meta)["pos_embed.pos_embed"], real.pos_embed.pos_embed)
+
+
+def test_the_wan_rotary_tables_are_rebuilt_on_a_meta_model():
+    family = WanFamily()
+    real = family.model_class(**WAN)
+    with torch.device("meta"):
+        meta = family.model_class(**WAN)
+    rebuilt = family.constructor_buffers(meta)
+    assert set(rebuilt) == {name for name, _ in real.named_buffers()}
+    assert all(torch.equal(rebuilt[name], buffer) for name, buffer in real.named_buffers())

@@ -1,0 +1,151 @@
+"""Adapter for diffusers' `WanTransformer3DModel` (Wan 2.1 text-to-video): clips of frames through the pipeline.
+
+Units: `embed` (the 3-D patch embedding, the time and text embeddings, and the rotary embedding of every
+frame/row/column position), each transformer block `block.i`, and `out` (the modulated output norm and
+projection). Named tensors: `h` (video tokens, frames x rows x columns), `context` (text tokens), `temb`, `tproj`
+(the six modulations each block reads) and `rope` (cosines and sines stacked, computed once and sent on, as for
+Flux). The backbone reads latents (B, C, F, H, W) and predicts in its token layout, unpatchified outside the
+pipeline, so no later stage needs the clip's frame count or size. Timesteps reach the model as diffusers' Wan
+pipeline gives them (t x 1000).
+"""
+from __future__ import annotations
+
+import torch
+from diffusers import WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+from torch import nn
+
+from .family import ModelFamily, TextBatch
+from .units import Backbone, Unit
+
+__all__ = ["WanFamily", "wan_backbone", "WAN_PRESETS"]
+
+WAN_PRESETS = {
+    "t2v-1.3b": dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    "t2v-14b": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    # clips of 1-channel 8x8 frames (moving digits): 4 frames of 16 tokens each
+    "digits": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=1, out_channels=1,
+                   text_dim=32, freq_dim=32, ffn_dim=64, num_layers=4, cross_attn_norm=True,
+                   qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64),
+}
+
+
+class _Embed(nn.Module):
+    def __init__(self, model: WanTransformer3DModel):
+        super().__init__()
+        self.rope, self.patch_embedding, self.condition_embedder = model.rope, model.patch_embedding, model.condition_embedder
+
+    def forward(self, sample, timestep, encoder_hidden_states):
+        cos, sin = self.rope(sample)
+        h = self.patch_embedding(sample).flatten(2).transpose(1, 2).contiguous()
+        temb, tproj, context, _ = self.condition_embedder(timestep, encoder_hidden_states, None)
+        return {"h": h, "context": context, "temb": temb, "tproj": tproj.unflatten(1, (6, -1)),
+                "rope": torch.stack((cos, sin))}
+
+
+class _Block(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, h, context, tproj, rope):
+        return {"h": self.block(h, context, tproj, (rope[0], rope[1]))}
+
+
+class _Out(nn.Module):
+    def __init__(self, model: WanTransformer3DModel):
+        super().__init__()
+        # the model's own parameter, held directly (build.give_weights points it at the materialised one)
+        self.norm_out, self.proj_out, self.scale_shift_table = model.norm_out, model.proj_out, model.scale_shift_table
+
+    def forward(self, h, temb):
+        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        h = (self.norm_out(h.float()) * (1 + scale) + shift).type_as(h)
+        return {"prediction": self.proj_out(h)}
+
+
+def wan_backbone(model: WanTransformer3DModel) -> Backbone:
+    conditions = ("timestep", "encoder_hidden_states")
+    streams = ("h", "context", "temb", "tproj", "rope")
+    units = [Unit("embed", _Embed(model), ("sample",) + conditions, streams)]
+    units += [Unit(f"block.{i}", _Block(b), ("h", "context", "tproj", "rope"), ("h",)) for i, b in enumerate(model.blocks)]
+    units.append(Unit("out", _Out(model), ("h", "temb"), ("prediction",)))
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model,
+                    family=WanFamily())
+
+
+class WanFamily(ModelFamily):
+    """Wan 2.1 text-to-video: umT5's hidden states (a tiny stand-in encoder of its width without a folder); flow
+    matching. Latents are clips (B, C, F, H, W)."""
+
+    name = "wan"
+    model_class = WanTransformer3DModel
+    component = "transformer"
+    presets = WAN_PRESETS
+
+    def check_supported(self, model):
+        cfg = model.config
+        if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None or cfg.pos_embed_seq_len is not None:
+            raise ValueError("Wan image-to-video configs (image_dim, added_kv_proj_dim, pos_embed_seq_len) are not "
+                             "supported yet: the wan adapter trains text-to-video")
+
+    def describe(self, model, granularity):
+        return wan_backbone(model)
+
+    def latent_channels(self, cfg):
+        return cfg.in_channels
+
+    def default_latent_size(self, cfg):
+        return 8 if cfg.in_channels == 1 else 60  # digits clips; else 480 x 480 pixels through Wan's 8x VAE
+
+    def latent_frames(self, cfg):
+        return 4 if cfg.in_channels == 1 else 21  # Wan's VAE: 81 frames -> 1 + 80 / 4 latent frames
+
+    def latent_multiple(self, cfg):
+        return cfg.patch_size[1]
+
+    def text_widths(self, cfg):
+        return cfg.text_dim, 0
+
+    def conditions(self, cfg, text: TextBatch):
+        return {"encoder_hidden_states": text.hidden}
+
+    def pack_prediction(self, cfg, latents):
+        """(B, C, F, H, W) -> (B, F/pt * H/ph * W/pw, pt * ph * pw * C): the model's tokens before it unpatchifies."""
+        b, c, f, h, w = latents.shape
+        pt, ph, pw = cfg.patch_size
+        out = latents.reshape(b, c, f // pt, pt, h // ph, ph, w // pw, pw).permute(0, 2, 4, 6, 3, 5, 7, 1)
+        return out.reshape(b, (f // pt) * (h // ph) * (w // pw), pt * ph * pw * c)
+
+    def unpack_prediction(self, cfg, prediction, latent_size):
+        """As the end of WanTransformer3DModel.forward; latent_size = (frames, height, width)."""
+        (f, h, w), (pt, ph, pw) = latent_size, cfg.patch_size
+        b = prediction.shape[0]
+        out = prediction.reshape(b, f // pt, h // ph, w // pw, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return out.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    def diffusers_forward(self, model, sample, conditions):
+        out = model(hidden_states=sample, timestep=conditions["timestep"],
+                    encoder_hidden_states=conditions["encoder_hidden_states"], return_dict=False)[0]
+        return self.pack_prediction(model.config, out)
+
+    def reset_own_parameters(self, module):
+        """Wan's modulation tables (the model's and each block's `scale_shift_table`), drawn as diffusers draws them:
+        randn / sqrt(width)."""
+        own = list(module.parameters(recurse=False))
+        if not own or any(name != "scale_shift_table" for name, _ in module.named_parameters(recurse=False)):
+            return False
+        for p in own:
+            p.normal_().div_(p.shape[-1] ** 0.5)
+        return True
+
+    def constructor_buffers(self, model):
+        """The rotary tables WanRotaryPosEmbed's constructor computes, built again on the CPU."""
+        cfg = model.config
+        with torch.device("cpu"):
+            rope = WanRotaryPosEmbed(cfg.attention_head_dim, cfg.patch_size, cfg.rope_max_seq_len)
+        return {f"rope.{name}": buffer for name, buffer in rope.named_buffers()}
