@@ -110,6 +110,8 @@ def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, ...]:
     else:
         side = family.default_latent_size(cfg)
     frames = family.latent_frames(cfg)
+    if frames is not None and config.data.frames is not None:
+        frames = config.data.frames
     return (family.latent_channels(cfg),) + ((frames,) if frames is not None else ()) + (side, side)
 
 

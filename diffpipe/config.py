@@ -72,6 +72,7 @@ class DataConfig(_Section):
     cache_dir: str | None = Field(None, description="Where the caches live; unset: .diffpipe_cache inside the first data folder (shared by runs on the same data).")
     eval_fraction: float = Field(0.0, ge=0.0, lt=0.5, description="data.dataset = folder: share of the image files held out of training for the eval loss (every k-th file in name order).")
     eval_path: str | list[str] | None = Field(None, description="data.dataset = folder: folder(s) of images with captions for the eval loss instead of data.eval_fraction.")
+    frames: int | None = Field(None, ge=1, description="Video families on moving_digits or synthetic clips: latent frames per clip; unset: the family's default (digits clips 4; Wan 21, i.e. 81 video frames through its VAE).")
     caption_dropout: float = Field(0.1, ge=0.0, le=1.0, description="Fraction of captions replaced by the empty caption (enables guidance).")
     text_cache_gib: float = Field(1.0, ge=0, description="digits and synthetic: encode each distinct caption once and keep the text encoder's outputs on its device when they all fit in this many GiB; 0: encode every step's captions.")
 

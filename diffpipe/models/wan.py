@@ -28,8 +28,8 @@ WAN_PRESETS = {
                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
                     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
     # clips of 1-channel 8x8 frames (moving digits): 4 frames of 16 tokens each
-    "digits": dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=1, out_channels=1,
-                   text_dim=32, freq_dim=32, ffn_dim=64, num_layers=4, cross_attn_norm=True,
+    "digits": dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=12, in_channels=1, out_channels=1,
+                   text_dim=32, freq_dim=32, ffn_dim=128, num_layers=4, cross_attn_norm=True,
                    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64),
 }
 

@@ -94,8 +94,9 @@ class StageModule(nn.Module):
             yield self._full_names[name], p
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """This stage's weights under the names of the whole model (as diffusers saves them)."""
-        return {self._full_names[name]: t.detach() for name, t in self._own_tensors()}
+        """This stage's weights under the names of the whole model (as diffusers saves them; buffers a constructor
+        computes and does not save, such as Wan's rotary tables, left out)."""
+        return {self._full_names[name]: t.detach() for name, t in self.state_dict(keep_vars=True).items()}
 
 
 def repeated_blocks(backbone: Backbone, compiled: bool | str) -> tuple[str, ...]:
