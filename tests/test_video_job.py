@@ -15,12 +15,12 @@ ROOT = Path(__file__).parent.parent
 def test_video_job_trains_across_two_stages_and_samples_animated_clips(tmp_path):
     run = tmp_path / "video"
     cmd = [sys.executable, "-m", "diffpipe", "train", str(ROOT / "examples" / "video_tiny.toml"), "--output-dir",
-           str(run), "--set", "train.max_steps=300", "--set", "checkpoint.every=0", "--set", "sample.steps=4"]
+           str(run), "--set", "train.max_steps=200", "--set", "checkpoint.every=0", "--set", "sample.steps=4"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 stage(s)" in result.stdout and "(h, context, temb, tproj, rope)" in result.stdout
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 300 and sum(losses[-50:]) < 0.6 * sum(losses[:50])
+    assert len(losses) == 200 and sum(losses[-50:]) < 0.65 * sum(losses[:50])  # measured 0.57 (1.32 -> 0.75)
     gif = Image.open(run / "samples.gif")  # 2 seeds x 4 prompts, each clip 4 frames of 8x8 shown 4x
     assert gif.is_animated and gif.n_frames == 4 and gif.size == (4 * 32, 2 * 32)
     out = tmp_path / "three.gif"
