@@ -105,3 +105,38 @@ def test_the_tiny_dit_examples_train_sample_and_export_as_a_user_runs_them(examp
     trained = load_file(str(run / "model.safetensors"))
     for name, tensor in pipeline.transformer.state_dict().items():
         assert torch.equal(trained[name], tensor), name
+
+
+@torch.no_grad()
+def _flux_output(transformer) -> torch.Tensor:
+    from diffpipe.models.family import Feed
+    from diffpipe.models.flux import FluxFamily
+
+    family, gen = FluxFamily(), torch.Generator().manual_seed(0)
+    feed = Feed(family, transformer.config, guidance=3.5)
+    conditions = feed.conditions(torch.randn(2, 16, 64, generator=gen), torch.randn(2, 32, generator=gen),
+                                 torch.zeros(2, 6), (16, 12))
+    conditions["timestep"] = torch.tensor([500.0, 20.0])
+    return family.diffusers_forward(transformer.eval(), feed.pack(torch.randn(2, 4, 16, 12, generator=gen)), conditions)
+
+
+def test_a_flux_lora_export_loads_in_diffusers_and_reproduces_the_trained_model(tiny, tmp_path, capsys):
+    from diffpipe.cli import main
+
+    run = tmp_path / "lora"
+    result = _train("flux_tiny", tiny, run, "--set", "train.max_steps=3", "--set", "train.learning_rate=1e-2",
+                    "--set", "train.warmup_steps=0", "--set", "checkpoint.every=0", "--set", "adapter.type=\"lora\"",
+                    "--set", "adapter.rank=4", "--set", "adapter.alpha=8.0", "--set", "output.sample_every_end=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = FluxPipeline.from_pretrained(tiny / "flux").transformer
+    trained.load_state_dict(load_file(str(run / "model.safetensors")))  # the base with the adapters merged
+    want = _flux_output(trained)
+    assert main(["export", str(run), "--format", "diffusers", "--out", str(tmp_path / "out")]) == 0
+    pipe = FluxPipeline.from_pretrained(tiny / "flux")
+    base = _flux_output(pipe.transformer)
+    pipe.load_lora_weights(tmp_path / "out" / "pytorch_lora_weights.safetensors")
+    got = _flux_output(pipe.transformer)
+    assert (base - want).abs().max() > 1e-3  # the adapters matter
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert main(["export", str(run), "--format", "kohya", "--out", str(tmp_path / "k.safetensors")]) == 2  # UNets only
+    assert "--format kohya writes UNet layouts" in capsys.readouterr().err
