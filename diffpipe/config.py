@@ -114,6 +114,7 @@ class TrainConfig(_Section):
     logit_std: float = Field(1.0, gt=0, description="Standard deviation of the logit-normal density.")
     shift: float = Field(3.0, gt=0, description="Shift factor for timestep_sampling = shift (SD3's t' = s t / (1 + (s - 1) t)).")
     seed: int = Field(0, ge=0, description="Seed for weights, data order, timesteps and noise.")
+    dropout: bool = Field(True, description="Keep the model's own dropout layers in training (the spatio-temporal UNet's temporal convolutions drop 10 %); false: off, so a step is a deterministic function of the batch.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA with NCCL when available, else CPU with gloo.")
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
     max_bad_steps: int = Field(10, ge=1, description="Stop the run after this many steps in a row skipped for a non-finite loss or gradients (fp16 overflows included).")

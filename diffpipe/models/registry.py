@@ -18,6 +18,7 @@ BUILTIN_FAMILIES = {
     "flux": "diffpipe.models.flux:FluxFamily",
     "sd3": "diffpipe.models.sd3:SD3Family",
     "wan": "diffpipe.models.wan:WanFamily",
+    "unet3d": "diffpipe.models.unet3d:UNet3DFamily",
 }
 
 

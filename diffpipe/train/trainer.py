@@ -77,6 +77,9 @@ class Trainer:
         all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
                                           frozenset(p.checkpointing), p.compile)
         self.modules = [all_modules[i].to(topo.device).train() for i in mine]
+        if not config.train.dropout:
+            for dropout in (m for module in self.modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
+                dropout.eval()
         lr_scale = config.train.stage_lr_scale or [1.0] * len(specs)
         seen: set[int] = set()  # a weight tied between two stages of this process is one parameter, trained once
         groups = [([q for q in m.parameters() if q.requires_grad and not (id(q) in seen or seen.add(id(q)))],

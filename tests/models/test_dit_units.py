@@ -9,6 +9,7 @@ from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 from diffpipe.models.family import Feed
 from diffpipe.models.flux import FluxFamily
 from diffpipe.models.sd3 import SD3Family
+from diffpipe.models.unet3d import UNET3D_PRESETS, UNet3DFamily
 from diffpipe.models.wan import WAN_PRESETS, WanFamily
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
@@ -23,8 +24,9 @@ SD3 = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_h
 SD35 = dict(SD3, qk_norm="rms_norm", dual_attention_layers=(0,))  # SD3.5's per-head norms, MMDiT-X's extra attention
 WAN = dict(WAN_PRESETS["digits"], in_channels=4, out_channels=4, text_dim=24, num_layers=3)
 CASES = {"flux": (FluxFamily(), FLUX), "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
-         "wan": (WanFamily(), WAN)}
-SIZES = {"wan": (3, 8, 12)}  # frames, height, width of a clip
+         "wan": (WanFamily(), WAN), "unet3d": (UNet3DFamily(), dict(UNET3D_PRESETS["digits"], in_channels=4,
+                                                                          out_channels=4, cross_attention_dim=24))}
+SIZES = {"wan": (3, 8, 12), "unet3d": (3, 8, 12)}  # frames, height, width of a clip
 
 
 def _fed(family, model, size=(8, 12), batch=3):  # noqa: C901
@@ -54,7 +56,7 @@ def test_units_in_order_and_as_stages_equal_diffusers_forward(name):
         staged = run_stages(build_stage_modules(backbone, stage_specs(backbone, [1, 3, len(backbone.units) - 1])),
                             feed.pack(latents), conditions)
     assert torch.equal(staged, units) and torch.equal(units, expected)
-    if name != "flux":  # SD3's and Wan's forward unpatchify: the prediction as latents is exactly diffusers' output
+    if name in ("sd3", "sd3.5-style", "wan"):  # SD3's and Wan's forward unpatchify: the prediction as latents is exactly diffusers' output
         pooled = {k: conditions[k] for k in ("pooled_projections",) if k in conditions}
         plain = model(hidden_states=latents, timestep=conditions["timestep"], return_dict=False,
                       encoder_hidden_states=conditions["encoder_hidden_states"], **pooled)[0]

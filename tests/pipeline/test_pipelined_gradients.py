@@ -59,6 +59,7 @@ from diffpipe.models.flux import FLUX_PRESETS
 from diffpipe.models.presets import UNET_PRESETS
 from diffpipe.models.registry import family_for
 from diffpipe.models.sd3 import SD3_PRESETS
+from diffpipe.models.unet3d import UNET3D_PRESETS
 from diffpipe.models.wan import WAN_PRESETS
 from diffpipe.train.optim import lr_factor
 
@@ -76,7 +77,8 @@ FP16_SCALE = 2.0 ** 16  # the trainer's LossScaler starts here and does not chan
 MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d", SDXL_STYLE),
           "flux": ("flux", FLUX_PRESETS["digits"]), "sd3": ("sd3", SD3_PRESETS["digits"]),
           "toy-tied": ("tests.models.toy_family:ToyFamily", {}),  # a norm tied between the first and last units
-          "wan": ("wan", WAN_PRESETS["digits"])}  # clips of moving digits
+          "wan": ("wan", WAN_PRESETS["digits"]),  # clips of moving digits
+          "unet3d": ("unet3d", UNET3D_PRESETS["digits"])}
 
 
 def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4,
@@ -87,8 +89,9 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
     return {
         "adapter": {"type": "lora", "rank": 4, "alpha": 8.0} if lora else {"type": "none"},
         "model": {"path": model, "architecture": MODELS[model][0]},  # path: the folder of `model_folders`
-        "data": {"dataset": "moving_digits" if model == "wan" else "digits" if digits else "synthetic"},
+        "data": {"dataset": "moving_digits" if model in ("wan", "unet3d") else "digits" if digits else "synthetic"},
         "train": {"max_steps": steps, "batch_size": micro_size * dp * microbatches, "learning_rate": 1e-3,
+                  "dropout": False,  # the spatio-temporal UNet drops 10 %: masks drawn per process cannot match
                   "warmup_steps": 1, "adam_eps": 1e-6, "max_grad_norm": clip, "seed": 3,
                   "timestep_sampling": "uniform", "precision": precision},
         "pipeline": {"stages": stages, "schedule": schedule, "virtual_stages": virtual, "data_parallel": dp,
@@ -115,6 +118,8 @@ TWO = {
     "wan-gpipe-2": _config(2, "gpipe", model="wan"),
     "wan-1f1b-2": _config(2, "1f1b", model="wan"),
     "wan-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="wan"),
+    "unet3d-1f1b-2": _config(2, "1f1b", model="unet3d"),
+    "unet3d-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="unet3d"),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),
@@ -135,6 +140,8 @@ FOUR = {
     "toy-tied-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, model="toy-tied"),
     "wan-1f1b-4": _config(4, "1f1b", model="wan"),
     "wan-dp2-x-gpipe-2": _config(2, "gpipe", dp=2, model="wan"),
+    "unet3d-gpipe-4": _config(4, "gpipe", model="unet3d"),
+    "unet3d-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, model="unet3d"),
 }
 LOW_PRECISION = {
     "bf16-1f1b-2": _config(2, "1f1b", precision="bf16"),
@@ -206,6 +213,8 @@ def _reference(config, autocast: torch.dtype | None) -> dict:
     cls = meta.family.model_class  # built from its config and loaded as saved (from_pretrained's fast path needs
     model = cls.from_config(cls.load_config(config.model.path)).train()  # accelerate for Wan's fp32-kept modules)
     model.load_state_dict(load_file(str(Path(config.model.path) / "diffusion_pytorch_model.safetensors")))
+    for dropout in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)):
+        dropout.eval()  # train.dropout = false, as the pipeline
     if config.adapter.type == "lora":  # peft's own layers on the whole model, seeded as the pipeline seeds them
         add_lora(model, config.adapter, meta.family.lora_targets, config.train.seed)
     data = make_dataset(config.data.dataset, sample_shape(config, meta), config.train.seed)
