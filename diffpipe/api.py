@@ -35,11 +35,7 @@ def family_of(model: nn.Module, architecture: str | None = None) -> ModelFamily:
 
 def describe(model: nn.Module, architecture: str | None = None, granularity: str = "layers") -> Backbone:
     """`model` as units sharing its modules and weights (the unsplit forward: `backbone.forward(inputs, conditions)`)."""
-    family = family_of(model, architecture)
-    family.check_supported(model)
-    backbone = family.describe(model, granularity)
-    backbone.family = family
-    return backbone
+    return family_of(model, architecture).backbone(model, granularity)
 
 
 def feed_of(backbone: Backbone, guidance: float = 1.0) -> Feed:

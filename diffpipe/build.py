@@ -31,11 +31,9 @@ def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Bac
     family = model_family(config)
     model = build_model(config.model, family)
     try:
-        family.check_supported(model)
+        backbone = family.backbone(model, config.model.units)
     except ValueError as exc:  # options the adapter cannot train yet
         raise CheckpointError(str(exc)) from None
-    backbone = family.describe(model, config.model.units)
-    backbone.family = family
     if str(device) != "meta":
         give_weights(backbone, config, device=device)
     if config.adapter.type == "lora" and str(device) == "meta":
@@ -53,7 +51,6 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
     other units stay on the meta device. The same unit gets the same weights whatever else is built. LoRA layers
     already injected get their seeded initial adapters."""
     modules = None if units is None else _modules_holding(backbone, units)
-    before = dict(backbone.parameter_names)
     materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model, backbone.family),
                 modules, device, rename=base_module_name, buffers=backbone.family.constructor_buffers(backbone.model),
                 reset_own=backbone.family.reset_own_parameters)
@@ -64,19 +61,7 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
                 load_adapters(backbone.model, config.adapter.init_from)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
-    backbone.parameter_names = full_parameter_names(backbone.model)  # materialising made new parameter objects
-    _rebind(backbone, before)
-
-
-def _rebind(backbone: Backbone, before: dict[int, str]) -> None:
-    """Point units that hold a model's parameter directly (not through its module) at the materialised one."""
-    now = dict(backbone.model.named_parameters())
-    for unit in backbone.units:
-        for module in unit.module.modules():
-            for key, p in list(module.named_parameters(recurse=False)):
-                name = before.get(id(p))
-                if p.is_meta and name in now and not now[name].is_meta:
-                    setattr(module, key, now[name])
+    backbone.parameter_names = full_parameter_names(backbone.model)  # buffers given values are new objects
 
 
 def _modules_holding(backbone: Backbone, units: list[int]) -> set[int]:

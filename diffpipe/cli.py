@@ -150,31 +150,27 @@ def _train(args) -> None:
 
 
 def _finish(config, run_dir: Path) -> None:
-    from .data.digits import DIGIT_WORDS, digit_caption
-    from .data.moving_digits import moving_prompts
-    from .sampling import load_generator, save_grid
+    from .sampling import grid_prompts, grid_scale, load_generator, save_grid
     from .train.records import plot_loss
 
     plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
     if config.output.sample_every_end and config.output.save_weights and config.data.dataset != "synthetic":
         gen = load_generator(run_dir)
         seeds = config.sample.seeds
-        columns = {"digits": lambda: [digit_caption(d) for d in range(len(DIGIT_WORDS))], "moving_digits": moving_prompts,
-                   "folder": lambda: config.sample.prompts or _some_captions(config)}[config.data.dataset]()
+        columns = grid_prompts(config, lambda: _folder_captions(config))
         prompts = [p for _ in seeds for p in columns]
         row_seeds = [s for s in seeds for _ in columns]
         images = gen.generate(prompts, row_seeds, config.sample.steps, config.sample.guidance_scale)
-        written = save_grid(images, len(seeds), run_dir / "samples.png", scale=1 if config.data.dataset == "folder" else 4)
+        written = save_grid(images, len(seeds), run_dir / "samples.png", scale=grid_scale(config))
         print(f"samples: {written}", flush=True)
     print(f"done: {run_dir}", flush=True)
 
 
-def _some_captions(config, most: int = 4) -> list[str]:
+def _folder_captions(config) -> list[str]:
     from .data.folder import Skipped, scan_folders
     from .data.images import data_folders
 
-    captions = dict.fromkeys(item.caption for item in scan_folders(data_folders(config.data), 0, Skipped()))
-    return list(captions)[:most] or [""]
+    return [item.caption for item in scan_folders(data_folders(config.data), 0, Skipped())]
 
 
 def _sample(args) -> None:

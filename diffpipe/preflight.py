@@ -67,7 +67,7 @@ def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:
     import json
 
     from .data.images import data_folders
-    from .models.pipeline_folder import is_pipeline_folder
+    from .models.pipeline_folder import is_pipeline_folder, vae_scale_factor
 
     if not is_pipeline_folder(config.model.path):
         raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
@@ -83,7 +83,7 @@ def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:
         raise CheckpointError(f"{folder}: the VAE makes {vae.get('latent_channels')}-channel latents but the "
                               f"{family.backbone_name} takes {family.latent_channels(cfg)}; the folder mixes components "
                               "of different models")
-    factor = 2 ** (len(vae["block_out_channels"]) - 1)
+    factor = vae_scale_factor(folder)
     multiple = family.latent_multiple(cfg)
     if (config.data.bucket_step // factor) % multiple or config.data.bucket_step % factor:
         raise CheckpointError(f"data.bucket_step = {config.data.bucket_step}: the {family.backbone_name} needs latents whose "

@@ -24,7 +24,8 @@ from .models.text import CaptionEncoder, TextEncoder
 from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 
-__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "save_grid", "run_stages"]
+__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "save_grid", "run_stages", "grid_prompts",
+           "grid_scale"]
 
 
 def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: dict[str, torch.Tensor],
@@ -141,6 +142,24 @@ def images_to_pil(images: torch.Tensor) -> list[Image.Image]:
         raise ValueError(f"cannot write {images.shape[1]}-channel images as PNG (latent models need a VAE)")
     arr = _grey_levels(images).to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     return [Image.fromarray(a[..., 0] if a.shape[-1] == 1 else a) for a in arr]
+
+
+def grid_prompts(config: RunConfig, data_captions: Callable[[], list[str]]) -> list[str]:
+    """The columns of a grid of samples (at the end of training and during it): every digit, a digit in each motion,
+    else sample.prompts or up to four distinct captions of the data."""
+    from .data.digits import DIGIT_WORDS, digit_caption
+    from .data.moving_digits import moving_prompts
+
+    if config.data.dataset == "digits":
+        return [digit_caption(d) for d in range(len(DIGIT_WORDS))]
+    if config.data.dataset == "moving_digits":
+        return moving_prompts()
+    return config.sample.prompts or list(dict.fromkeys(data_captions()))[:4] or [""]
+
+
+def grid_scale(config: RunConfig) -> int:
+    """How much a grid of samples is enlarged: 8x8 digits 4x, images as they are."""
+    return 4 if config.data.dataset in ("digits", "moving_digits") else 1
 
 
 def save_grid(images: torch.Tensor, rows: int, path: str | Path, scale: int = 1) -> Path:

@@ -52,6 +52,13 @@ class ModelFamily:
     default_objective: ClassVar[str] = "flow_matching"  # when neither train.objective nor a scheduler decides
     cudnn_attention: ClassVar[bool] = True  # False: cuDNN's attention kernels fail on this family's shapes (CUDA)
 
+    def backbone(self, model: nn.Module, granularity: str) -> Backbone:
+        """`model` checked (`check_supported`) and described as units, with this family attached."""
+        self.check_supported(model)
+        backbone = self.describe(model, granularity)
+        backbone.family = self
+        return backbone
+
     def check_supported(self, model: nn.Module) -> None:
         """Raise ValueError naming a config option the adapter cannot train yet."""
 

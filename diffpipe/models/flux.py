@@ -111,8 +111,7 @@ def flux_backbone(model: FluxTransformer2DModel) -> Backbone:
     units += [Unit(f"single.{i}", _Block(b), streams, ("h", "context"))
               for i, b in enumerate(model.single_transformer_blocks)]
     units.append(Unit("out", _Out(model), ("h", "temb"), ("prediction",)))
-    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model,
-                    family=FluxFamily())
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 
 class FluxFamily(ModelFamily):
@@ -179,6 +178,6 @@ class FluxFamily(ModelFamily):
         return flux_text_widths(folder)
 
     def folder_text_length(self, folder):
-        from .dit_text import FLUX_T5_TOKENS
+        from .dit_text import FluxText
 
-        return FLUX_T5_TOKENS
+        return FluxText.max_length

@@ -50,7 +50,8 @@ def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
     come from the checkpoint when it holds them, else from `buffers` (full names: ModelFamily.constructor_buffers).
     A module without `reset_parameters` gets its random weights from `reset_own` (ModelFamily.reset_own_parameters).
 
-    Parameters are replaced by new tensors: anything keyed by parameter identity must be rebuilt after this.
+    Parameters keep their identity (filled in place), so whatever holds one sees its weights; buffers given values are
+    new objects: anything keyed by their identity must be rebuilt after this.
     """
     opened = safe_open(str(checkpoint), framework="pt") if checkpoint is not None else contextlib.nullcontext()
     with opened as reader:
@@ -77,14 +78,19 @@ def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: in
         else:
             raise ValueError(f"{type(model).__name__}.{name} ({type(module).__name__}) has a buffer {key!r} only its "
                              "constructor can fill; building it on the meta device is not supported")
-    if not any(t.is_meta for t in own):  # buffers only: its parameters (if any) already hold weights
-        for key, value in values.items():
-            persistent = key not in module._non_persistent_buffers_set
-            module.register_buffer(key, value.to(device=device, dtype=getattr(module, key).dtype), persistent=persistent)
-        return
+    if any(t.is_meta for t in own):
+        _give_parameters(model, name, module, file_name, seed, reader, device, reset_own)
+    for key, value in values.items():
+        persistent = key not in module._non_persistent_buffers_set
+        module.register_buffer(key, value.to(device=device, dtype=getattr(module, key).dtype), persistent=persistent)
+
+
+def _give_parameters(model: nn.Module, name: str, module: nn.Module, file_name: str | None, seed: int, reader, device,
+                     reset_own: Callable[[nn.Module], bool]) -> None:
+    """The module's own parameters: the checkpoint's tensors, else drawn from a generator seeded by its name."""
     from_file = reader is not None and file_name is not None
-    module.to_empty(device=device, recurse=False)
-    _fill_buffers(module, values)
+    for p in list(module.parameters(recurse=False)):  # in place: every holder of the parameter sees its weights
+        torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
     with torch.no_grad():
         if from_file:
             for key, param in module.named_parameters(recurse=False):
@@ -101,9 +107,3 @@ def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: in
                 elif not reset_own(module):
                     raise ValueError(f"{type(model).__name__}.{name} ({type(module).__name__}) has no reset_parameters "
                                      "to draw its random weights with; give model.path to load them instead")
-
-
-def _fill_buffers(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for key, value in values.items():
-            getattr(module, key).copy_(value)

@@ -71,8 +71,7 @@ def sd3_backbone(model: SD3Transformer2DModel) -> Backbone:
         writes = ("h",) if block.context_pre_only else ("h", "context")
         units.append(Unit(f"joint.{i}", _Joint(block), ("h", "context", "temb"), writes))
     units.append(Unit("out", _Out(model), ("h", "temb"), ("prediction",)))
-    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model,
-                    family=SD3Family())
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 
 class SD3Family(ModelFamily):
@@ -143,6 +142,6 @@ class SD3Family(ModelFamily):
         return sd3_text_widths(folder)
 
     def folder_text_length(self, folder):
-        from .dit_text import SD3_T5_TOKENS
+        from .dit_text import SD3Text
 
-        return 77 + SD3_T5_TOKENS
+        return SD3Text.max_length

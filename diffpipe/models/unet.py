@@ -168,8 +168,7 @@ def unet_backbone(unet: UNet2DConditionModel, granularity: str = "layers") -> Ba
             units.append(Unit(f"up.{i}", _Up(block, h_name, taken, next_skip), reads, ("h",)))
         h_name = "h"
     units.append(Unit("out", _Out(unet), ("h",), ("prediction",)))
-    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=unet,
-                    family=UNet2DFamily())
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=unet)
 
 
 def _pooled_width(cfg) -> int:

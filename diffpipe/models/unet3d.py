@@ -133,8 +133,7 @@ def unet3d_backbone(unet: UNet3DConditionModel) -> Backbone:
         units.append(Unit(f"up.{i}", _Up(block, h_name, taken, next_skip), reads, ("h",)))
         h_name = "h"
     units.append(Unit("out", _Out(unet), ("h", "timestep"), ("prediction",)))
-    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=unet,
-                    family=UNet3DFamily())
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=unet)
 
 
 class UNet3DFamily(ModelFamily):
@@ -167,9 +166,6 @@ class UNet3DFamily(ModelFamily):
 
     def conditions(self, cfg, text: TextBatch):
         return {"encoder_hidden_states": text.hidden}
-
-    def pack_prediction(self, cfg, latents):
-        return latents
 
     def diffusers_forward(self, model, sample, conditions):
         return model(sample, conditions["timestep"], encoder_hidden_states=conditions["encoder_hidden_states"]).sample

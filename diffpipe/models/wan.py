@@ -59,7 +59,7 @@ class _Block(nn.Module):
 class _Out(nn.Module):
     def __init__(self, model: WanTransformer3DModel):
         super().__init__()
-        # the model's own parameter, held directly (build.give_weights points it at the materialised one)
+        # the model's own parameter, held directly (materialise fills parameters in place, so it gets the weights)
         self.norm_out, self.proj_out, self.scale_shift_table = model.norm_out, model.proj_out, model.scale_shift_table
 
     def forward(self, h, temb):
@@ -74,8 +74,7 @@ def wan_backbone(model: WanTransformer3DModel) -> Backbone:
     units = [Unit("embed", _Embed(model), ("sample",) + conditions, streams)]
     units += [Unit(f"block.{i}", _Block(b), ("h", "context", "tproj", "rope"), ("h",)) for i, b in enumerate(model.blocks)]
     units.append(Unit("out", _Out(model), ("h", "temb"), ("prediction",)))
-    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model,
-                    family=WanFamily())
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 
 class WanFamily(ModelFamily):

@@ -9,6 +9,7 @@ so its gradient there already sums both.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +47,8 @@ def tied_parameters(backbone: Backbone, specs: list[StageSpec]) -> list[TiedPara
 class TiedGradients:
     """Sums tied parameters' gradient shares over the pipeline (see the module's docstring).
 
-    held: this process's copies by name (those of its stages); owned_here: the names whose gradient norm this
-    process counts (its lowest stage holds them)."""
+    held: this process's copies by name (those of its stages); not_counted_here: the copies whose share of the
+    gradient norm another process counts (the one holding their lowest stage)."""
 
     def __init__(self, tied: list[TiedParameter], held: dict[str, torch.nn.Parameter], my_stages: list[int],
                  group: dist.ProcessGroup | None, device: torch.device):
@@ -60,13 +61,13 @@ class TiedGradients:
         parts = []
         for t in self.tied:
             p = self.held.get(t.name)
-            grad = p.grad if p is not None and p.grad is not None else None
-            parts.append(grad.reshape(-1) if grad is not None else torch.zeros(_numel(t.shape), device=self.device))
+            held = p is not None and p.grad is not None
+            parts.append(p.grad.reshape(-1) if held else torch.zeros(math.prod(t.shape), device=self.device))
         flat = torch.cat(parts)
         dist.all_reduce(flat, group=self.group)
         offset = 0
         for t in self.tied:
-            n = _numel(t.shape)
+            n = math.prod(t.shape)
             p = self.held.get(t.name)
             if p is not None and p.requires_grad:
                 p.grad = flat[offset:offset + n].view(t.shape).to(p.dtype).clone()
@@ -76,9 +77,3 @@ class TiedGradients:
         """`params` less the tied copies another process counts in the gradient norm."""
         return [p for p in params if id(p) not in self.not_counted_here]
 
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

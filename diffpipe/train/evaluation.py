@@ -13,9 +13,9 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..data.batches import TensorImages, fixed_batches
 from ..diffusion.timesteps import timestep_quantiles
-from ..sampling import Generator, save_grid
+from ..sampling import Generator, grid_prompts, grid_scale, save_grid
 
-__all__ = ["evaluate", "held_out_data", "write_samples", "sample_prompts"]
+__all__ = ["evaluate", "held_out_data", "write_samples"]
 
 
 def held_out_data(config: RunConfig, data):
@@ -71,21 +71,10 @@ def _pipeline_forward(trainer):
     return forward
 
 
-def sample_prompts(trainer) -> list[str]:
-    from ..data.digits import DIGIT_WORDS, digit_caption
-    from ..data.moving_digits import moving_prompts
-
-    if trainer.config.data.dataset == "digits":
-        return [digit_caption(d) for d in range(len(DIGIT_WORDS))]
-    if trainer.config.data.dataset == "moving_digits":
-        return moving_prompts()
-    return trainer.config.sample.prompts or list(dict.fromkeys(trainer.data.captions))[:4]
-
-
 def write_samples(trainer, step: int) -> None:
     """RUN_DIR/samples/step-N.png (rows: sample.seeds; columns: the prompts) and the same grid in TensorBoard."""
     cfg, topo = trainer.config, trainer.topo
-    prompts = sample_prompts(trainer)
+    prompts = grid_prompts(cfg, lambda: trainer.data.captions)
     generator = Generator(cfg, _pipeline_forward(trainer), trainer.text, trainer.feed, trainer.sample_shape,
                           trainer.vae)
     seeds = cfg.sample.seeds
@@ -95,5 +84,5 @@ def write_samples(trainer, step: int) -> None:
         folder = trainer.run_dir / "samples"
         folder.mkdir(exist_ok=True)
         path = folder / f"step-{step + 1:06d}.png"
-        path = save_grid(images, len(seeds), path, scale=4 if cfg.data.dataset in ("digits", "moving_digits") else 1)
+        path = save_grid(images, len(seeds), path, scale=grid_scale(cfg))
         trainer.writers.add_image("samples", path, step)

@@ -93,7 +93,7 @@ class ToyFamily(ModelFamily):
         units += [Unit(f"block.{i}", _BlockUnit(b), ("h", "temb", "encoder_hidden_states"), ("h",))
                   for i, b in enumerate(model.blocks)]
         units.append(Unit("out", _Out(model), ("h",), ("prediction",)))
-        return Backbone(units, ("sample",), ("timestep", "encoder_hidden_states"), "prediction", model, family=self)
+        return Backbone(units, ("sample",), ("timestep", "encoder_hidden_states"), "prediction", model)
 
     def latent_channels(self, cfg):
         return cfg.channels
