@@ -86,8 +86,10 @@ def _spawned_entry(index: int, world_size: int, port: int, fn: Callable, args: t
     except BaseException as exc:
         # the launcher reads these to name the first real failure (torch's join names whichever it sees first)
         line = f"{type(exc).__name__}: {exc}".strip().splitlines()
-        with open(os.path.join(errors, f"rank-{index}.txt"), "w") as f:
+        path = os.path.join(errors, f"rank-{index}.txt")
+        with open(path + ".part", "w") as f:  # renamed when whole: a process stopped mid-write leaves no .txt
             f.write(f"{time.time()}\n{line[-1] if line else type(exc).__name__}")
+        os.replace(path + ".part", path)
         raise
     finally:
         # a process group left to the interpreter's exit can abort in gloo's threads ("terminate called
@@ -130,7 +132,7 @@ def _first_failure(errors: str) -> str | None:
     """The earliest error written by a process that is not a knock-on of another's failure; None when there is
     none (a process killed from outside writes nothing: torch's own message names it)."""
     found = []
-    for name in sorted(os.listdir(errors)):
+    for name in sorted(n for n in os.listdir(errors) if n.endswith(".txt")):
         with open(os.path.join(errors, name)) as f:
             stamp, _, line = f.read().partition("\n")
         found.append((float(stamp), line, name.removesuffix(".txt").replace("-", " ")))
