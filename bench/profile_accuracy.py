@@ -24,6 +24,7 @@ from diffpipe.build import build_backbone, example_inputs  # noqa: E402
 from diffpipe.config import build_config  # noqa: E402
 from diffpipe.pipeline.split import balanced_by_parameters, stage_specs  # noqa: E402
 from diffpipe.pipeline.stage import build_stage_modules  # noqa: E402
+from diffpipe.pipeline.schedules import ScheduleChoice
 from diffpipe.planner.costs import count_unit_costs, profile_unit_costs  # noqa: E402
 from diffpipe.planner.partition import Hardware, estimate_stages, partition  # noqa: E402
 from diffpipe.planner.plan import boundary_bytes  # noqa: E402
@@ -71,8 +72,8 @@ def main() -> None:
     profile_unit_costs(real, costs, inputs, conditions, torch.device("cpu"), None)
     bounds = boundary_bytes(meta, costs, example_inputs(config, meta, args.micro)[0])
     hw = Hardware(link_gbps=1e6)  # stages measured alone: no sends
-    splits = {"planned": partition(costs, bounds, 2, 4, "1f1b", hw),
-              "parameters": estimate_stages(costs, bounds, balanced_by_parameters(real, 2), 4, "1f1b", hw)}
+    splits = {"planned": partition(costs, bounds, 2, 4, ScheduleChoice.named("1f1b"), hw),
+              "parameters": estimate_stages(costs, bounds, balanced_by_parameters(real, 2), 4, ScheduleChoice.named("1f1b"), hw)}
     slowest = {}
     for name, part in splits.items():
         measured = _measure_stages(real, part.starts, inputs, conditions)

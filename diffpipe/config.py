@@ -13,6 +13,8 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .pipeline.schedules import SCHEDULES
+
 __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "AdapterConfig", "PipelineConfig",
     "PlanConfig", "ObserveConfig", "CheckpointConfig", "OutputConfig", "SampleConfig", "load_config", "save_config",
@@ -134,9 +136,10 @@ class AdapterConfig(_Section):
 
 class PipelineConfig(_Section):
     stages: int = Field(2, ge=1, description="Pipeline-parallel degree: processes per model replica.")
-    virtual_stages: int = Field(1, ge=1, description="Model chunks per process (interleaved_1f1b needs 2 or more).")
+    virtual_stages: int = Field(1, ge=1, description="Stages per process (interleaved_1f1b and zb1p need 2 or more; zbv and dualpipev exactly 2).")
     data_parallel: int = Field(1, ge=1, description="Data-parallel replicas of the pipeline; processes = stages x data_parallel.")
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field("1f1b", description="Pipeline schedule.")
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev"] = Field(
+        "1f1b", description="Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved_1f1b (pipeline.virtual_stages >= 2 per process), or the zero-bubble ones, which split each backward into input and weight gradients: zb1p (interleaved, virtual_stages >= 2), zbv and dualpipev (V-shaped: virtual_stages = 2).")
     microbatches: int = Field(4, ge=1, description="Micro-batches per step and replica.")
     split: list[int] | Literal["auto", "parameters"] = Field(
         "auto", description="Unit indices where stages 2.. begin; auto (the cost-model planner) or parameters (balanced by parameter count).")
@@ -210,22 +213,14 @@ class RunConfig(_Section):
                 f"train.batch_size={t.batch_size} is not divisible by pipeline.microbatches ({p.microbatches}) x "
                 f"pipeline.data_parallel ({p.data_parallel}) = {per_micro}; nearest valid batch sizes: "
                 f"{' or '.join(map(str, nearest))}")
-        if p.schedule == "1f1b" and p.microbatches < p.stages:
-            raise ValueError(
-                f"pipeline.schedule='1f1b' needs pipeline.microbatches >= pipeline.stages ({p.stages}), got "
-                f"{p.microbatches}; set pipeline.microbatches to {p.stages} or more (and train.batch_size to a multiple)")
-        if p.schedule == "interleaved_1f1b" and p.virtual_stages < 2:
-            raise ValueError("pipeline.schedule='interleaved_1f1b' needs pipeline.virtual_stages >= 2; "
-                             "set it to 2, or use schedule 1f1b")
-        if p.schedule != "interleaved_1f1b" and p.virtual_stages > 1:
-            raise ValueError(f"pipeline.virtual_stages={p.virtual_stages} needs schedule 'interleaved_1f1b'; "
-                             "set pipeline.schedule or pipeline.virtual_stages = 1")
-        if p.schedule == "interleaved_1f1b":
-            rounds = max(1, p.microbatches // p.stages)
-            if p.microbatches % rounds:
-                raise ValueError(
-                    f"pipeline.schedule='interleaved_1f1b' with {p.stages} stages needs pipeline.microbatches to be "
-                    f"a multiple of {p.stages} (or fewer than it); got {p.microbatches}")
+        problem = SCHEDULES[p.schedule].problem(p.stages, p.virtual_stages, p.microbatches)
+        if problem:
+            raise ValueError(problem)
+        if SCHEDULES[p.schedule].zero_bubble and p.compile:
+            # the split backward starts its weight pass at autograd's nodes inside the stage; a compiled graph is one
+            # node, which neither torch's split nor diffpipe's check of it (pipeline/zero_bubble.py) sees into
+            raise ValueError(f"pipeline.schedule = {p.schedule!r} (zero bubble) with pipeline.compile = {p.compile!r} "
+                             "is not supported; set pipeline.compile = false, or use schedule 1f1b / interleaved_1f1b")
         if isinstance(p.split, list):
             if len(p.split) != p.stages * p.virtual_stages - 1:
                 raise ValueError(

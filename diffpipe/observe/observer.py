@@ -21,20 +21,14 @@ import torch.distributed as dist
 
 from ..config import RunConfig
 from ..distributed import Topology
+from ..pipeline.schedules import choice_of
 from .monitor import PipelineMonitor
 from .timeline import chrome_trace, draw_timeline
 from .timing import StepTimes
 
-__all__ = ["PipelineObserver", "probe_link", "ideal_bubble_fraction", "memory_pressure_warnings"]
+__all__ = ["PipelineObserver", "probe_link", "memory_pressure_warnings"]
 
 GIB = 2**30
-
-
-def ideal_bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
-    """(S - 1) / (m + S - 1) for GPipe and 1F1B; interleaving divides the fill by the chunks per rank."""
-    if schedule == "interleaved_1f1b":
-        return (stages - 1) / (virtual * microbatches + stages - 1)
-    return (stages - 1) / (microbatches + stages - 1)
 
 
 def probe_link(topo: Topology, nbytes: int = 4 * 2**20, repeats: int = 3) -> float:
@@ -96,7 +90,8 @@ class PipelineObserver:
         self.monitor = PipelineMonitor(factor=obs.anomaly_factor, warmup=obs.anomaly_warmup)
         self.writer = writer
         p = config.pipeline
-        self.ideal = ideal_bubble_fraction(p.schedule, p.stages, p.microbatches, p.virtual_stages)
+        choice = choice_of(p)  # the schedule's own bubble with equal stages (pipeline/schedules.py)
+        self.ideal = choice.bubble(p.stages * choice.per_rank, p.microbatches)
         self._retries_seen = _allocator_retries(topo.device)
 
     def _summary(self, times: StepTimes) -> dict:

@@ -10,22 +10,13 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage
 
 from ..observe.timing import Mark, StageClock, StepTimes
+from .schedules import schedule_named
 from .stage import StageModule
 
-__all__ = ["PipelineRunner", "SCHEDULES", "stage_indices_for_rank"]
-
-# Zero-bubble schedules are left out: docs/pipelining-facts.md, pitfall 3 (silently wrong gradients when a stage's
-# parameters are not reached through an input that requires grad, as conv_in on a later stage).
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-_MULTI_STAGE = {"interleaved_1f1b"}
-
-
-def stage_indices_for_rank(pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
-    """Looped placement: rank r holds stages r, r + pp_size, r + 2 pp_size, ..."""
-    return [pp_rank + k * pp_size for k in range(virtual_stages)]
+__all__ = ["PipelineRunner"]
 
 
 class PipelineRunner:
@@ -34,11 +25,12 @@ class PipelineRunner:
     def __init__(self, modules: list[StageModule], stage_indices: list[int], num_stages: int,
                  group: dist.ProcessGroup, device: torch.device, schedule: str, microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], timeable: bool = True):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"pipeline.schedule={schedule!r}: choose one of {sorted(SCHEDULES)}")
+        self.schedule = schedule_named(schedule)
         self.modules, self.stage_indices = modules, stage_indices
         self.num_stages, self.group, self.device = num_stages, group, device
-        self.schedule_name, self.microbatches, self.loss_fn = schedule, microbatches, loss_fn
+        self.microbatches, self.loss_fn = microbatches, loss_fn
+        for module in modules:  # the split backward's needs: pipeline/zero_bubble.py
+            module.split_backward = schedule if self.schedule.zero_bubble else None
         self._schedules: dict[tuple, object] = {}
         # clocks (and their gradient hooks) only when steps may be timed; each step then chooses
         self.clocks = [StageClock(i, device) for i in stage_indices] if timeable else []
@@ -54,12 +46,16 @@ class PipelineRunner:
     def holds_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stage_indices
 
+    def last_stage_rank(self) -> int:
+        """The process of this pipeline (its rank in the pipeline's group) holding the last stage."""
+        return self.schedule.rank_of(self.num_stages - 1, dist.get_world_size(self.group))
+
     def _schedule_for(self, shape_key: tuple):
         if shape_key not in self._schedules:
             stages = [PipelineStage(m, i, self.num_stages, self.device, group=self.group)
                       for m, i in zip(self.modules, self.stage_indices)]
-            cls = SCHEDULES[self.schedule_name]
-            arg = stages if self.schedule_name in _MULTI_STAGE else stages[0]
+            cls = self.schedule.torch_type
+            arg = stages if self.schedule.multi_stage else stages[0]
             # scale_grads=False: the micro-batches' gradients stay summed, and the trainer divides them by the
             # micro-batch count inside the optimizer step, instead of a division of every gradient here
             self._schedules[shape_key] = cls(arg, n_microbatches=self.microbatches, loss_fn=self.loss_fn,
@@ -111,8 +107,56 @@ class PipelineRunner:
         kwargs = dict(conditions)
         if self.holds_last_stage:  # the schedule computes its loss on the last stage: a target is always needed
             kwargs.update(target=target, losses=losses)
-        output = schedule.eval(*args, **kwargs)
+        if self.schedule.placement == "v":
+            output, losses = self._forward_in_stage_order(sample, conditions, target)
+        else:
+            output = schedule.eval(*args, **kwargs)
         if not self.holds_last_stage:
             return None, None
         loss = torch.stack([loss.float() for loss in losses]).mean() if with_loss else None
         return output, loss
+
+    def _forward_in_stage_order(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor],
+                                target: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Forward without gradients for V-shaped placement, whose torch schedules run only with a backward
+        (docs/pipelining-facts.md, pitfall 7): each micro-batch through the stages in order, handed between
+        processes by plain sends (shapes first). Micro-batches split as the schedules split them."""
+        ranks, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        mine = dict(zip(self.stage_indices, self.modules))
+        split = self.microbatches
+        samples, targets = torch.tensor_split(sample, split), torch.tensor_split(target, split)
+        parts = {k: torch.tensor_split(v, split) for k, v in conditions.items()}
+        outputs, losses = [], []
+        for i in range(split):
+            x = (samples[i],)
+            for stage in range(self.num_stages):
+                if self.schedule.rank_of(stage, ranks) != me:
+                    continue
+                before = self.schedule.rank_of(stage - 1, ranks) if stage > 0 else me
+                if before != me:
+                    x = self._receive(before)
+                out = mine[stage](*x, **{k: v[i] for k, v in parts.items()})
+                x = out if isinstance(out, tuple) else (out,)
+                after = self.schedule.rank_of(stage + 1, ranks) if stage + 1 < self.num_stages else me
+                if after != me:
+                    self._send(x, after)
+            if self.holds_last_stage:
+                outputs.append(x[0])
+                losses.append(self.loss_fn(x[0], targets[i]))
+        return (torch.cat(outputs) if outputs else None), losses
+
+    def _send(self, tensors: tuple[torch.Tensor, ...], to: int) -> None:
+        peer = dist.get_global_rank(self.group, to)
+        dist.send_object_list([[(tuple(t.shape), t.dtype) for t in tensors]], dst=peer, group=self.group,
+                              device=self.device)
+        for t in tensors:
+            dist.send(t.contiguous(), dst=peer, group=self.group)
+
+    def _receive(self, source: int) -> tuple[torch.Tensor, ...]:
+        peer = dist.get_global_rank(self.group, source)
+        meta = [None]
+        dist.recv_object_list(meta, src=peer, group=self.group, device=self.device)
+        tensors = tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta[0])
+        for t in tensors:
+            dist.recv(t, src=peer, group=self.group)
+        return tensors

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ConfigError
 from ..models.units import Backbone, Unit
 from .split import StageSpec
+from .zero_bubble import missed_parameters
 
 __all__ = ["StageModule", "build_stage_modules", "repeated_blocks"]
 
@@ -42,6 +43,10 @@ class StageModule(nn.Module):
         self.spec = spec
         self.checkpointed = checkpointed
         self.clock = None  # a StageClock while the runtime times this stage
+        # set by the runtime for zero-bubble schedules: outputs cloned (the schedule detaches them in place) and the
+        # first forward with gradients checked for parameters the split backward would miss (zero_bubble.py)
+        self.split_backward: str | None = None
+        self._split_backward_checked = False
         self.unit_list = units
         self.units = nn.ModuleList(u.module for u in units)  # registers the parameters
         self.autocast_dtype = autocast_dtype
@@ -71,10 +76,28 @@ class StageModule(nn.Module):
         eager = torch.compiler.set_stance("force_eager") if not torch.is_grad_enabled() else contextlib.nullcontext()
         with autocast, eager:
             out = self._compute(named)
+        if self.split_backward is not None and torch.is_grad_enabled() and not self._split_backward_checked:
+            self._check_split_backward(out, received)
         if self.clock is not None:
             self.clock.forward_ended()
             out = self.clock.watch_outputs(out)
+        if self.split_backward is not None:  # no views, nothing saved by an op: the schedule detaches them in place
+            out = tuple(t.clone() for t in out)
         return out[0] if len(out) == 1 else out
+
+    def _check_split_backward(self, out: tuple[torch.Tensor, ...], received: tuple[torch.Tensor, ...]) -> None:
+        self._split_backward_checked = True
+        if self.spec.index == 0:  # torch runs the first stage's backward whole
+            return
+        missed = missed_parameters(out, received, self.full_named_parameters())
+        if missed:
+            units = f"{self.unit_list[0].name}..{self.unit_list[-1].name}"
+            raise ConfigError(
+                f"pipeline.schedule = {self.split_backward!r} would compute wrong gradients for stage {self.spec.index} "
+                f"(units {units}): {len(missed)} parameter(s), e.g. {', '.join(missed[:3])}, reach the stage's outputs "
+                "without passing through a received tensor that requires a gradient, and torch's zero-bubble weight "
+                "pass starts only from those (docs/pipelining-facts.md, pitfall 3). Use schedule 1f1b or "
+                "interleaved_1f1b, or move pipeline.split so that this stage starts after these units")
 
     def _compute_units(self, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if self.checkpointed and torch.is_grad_enabled():

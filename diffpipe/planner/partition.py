@@ -1,20 +1,23 @@
 """Optimal contiguous partition of the units into stages, by dynamic programming.
 
-The pipeline's step time for GPipe and 1F1B is (micro-batches + stages - 1) x the slowest stage's time per
-micro-batch (forward + backward + sending its boundary tensors and receiving their gradients), so the
-partition minimises the slowest stage subject to every stage fitting its device's memory: weights, gradients,
-AdamW state, and the activations of the micro-batches in flight (all of them under GPipe; stages - s for
-stage s under 1F1B). Checkpointing a stage keeps only its inputs per micro-batch and pays one more forward.
+The pipeline's step time is the slowest stage's time per micro-batch (forward + backward + sending its boundary
+tensors and receiving their gradients) x the micro-batches each process runs, over 1 - the schedule's ideal
+bubble (pipeline/schedules.py; for GPipe and 1F1B that is (micro-batches + stages - 1) x the slowest stage). So
+the partition minimises the slowest stage subject to every stage fitting its device's memory: weights,
+gradients, AdamW state, and the activations of the micro-batches its schedule keeps in flight (all of them
+under GPipe; stages - s for stage s under 1F1B; counted from the schedule's order of actions). Checkpointing a
+stage keeps only its inputs per micro-batch and pays one more forward.
 The DP over (stages, units) is exact for this objective: tests compare it with brute force.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..pipeline.schedules import ScheduleChoice
 from .costs import UnitCost
 
 __all__ = ["Hardware", "StageEstimate", "Partition", "Infeasible", "partition", "estimate_stages",
-           "in_flight", "unit_times", "BYTES_PER_TRAINABLE", "BYTES_PER_WEIGHT"]
+           "unit_times", "BYTES_PER_TRAINABLE", "BYTES_PER_WEIGHT"]
 
 BYTES_PER_WEIGHT = 4  # fp32 master weights (autocast computes in bf16/fp16)
 BYTES_PER_TRAINABLE = 4 + 8  # fp32 gradient + AdamW's two moments
@@ -47,6 +50,7 @@ class StageEstimate:
 class Partition:
     stages: tuple[StageEstimate, ...]
     microbatches: int
+    schedule: ScheduleChoice
 
     @property
     def slowest_s(self) -> float:
@@ -54,13 +58,15 @@ class Partition:
 
     @property
     def step_s(self) -> float:
-        return (self.microbatches + len(self.stages) - 1) * self.slowest_s
+        stages = len(self.stages)
+        per_process = self.microbatches * self.schedule.per_rank * self.slowest_s
+        return per_process / (1 - self.schedule.bubble(stages, self.microbatches))
 
     @property
     def bubble_fraction(self) -> float:
         """Share of device time idle: 1 - (work done) / (devices x step time)."""
         work = self.microbatches * sum(s.busy_s for s in self.stages)
-        return 1 - work / (len(self.stages) * self.step_s)
+        return 1 - work / (self.schedule.ranks(len(self.stages)) * self.step_s)
 
     @property
     def starts(self) -> list[int]:
@@ -78,13 +84,6 @@ def unit_times(cost: UnitCost, hw: Hardware) -> tuple[float, float]:
     return cost.forward_flops / rate, cost.backward_flops / rate
 
 
-def in_flight(schedule: str, stage: int, stages: int, microbatches: int) -> int:
-    """Micro-batches whose activations a stage holds at its peak."""
-    if schedule == "gpipe":
-        return microbatches
-    return min(microbatches, stages - stage)  # 1F1B; interleaved approximated the same way
-
-
 def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, schedule, hw, checkpointed):
     times = [unit_times(c, hw) for c in costs[first:last]]
     forward = sum(t[0] for t in times)
@@ -94,7 +93,7 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     send = 2 * sent / (hw.link_gbps * 1e9)  # activations forward, their gradients back
     static = sum(c.params * BYTES_PER_WEIGHT + c.trainable_params * BYTES_PER_TRAINABLE for c in costs[first:last])
     acts = sum(c.activation_bytes for c in costs[first:last])
-    held = in_flight(schedule, index, stages, microbatches)
+    held = schedule.in_flight(index, stages, microbatches)
     dynamic = held * received + (acts if checkpointed else held * acts)
     return StageEstimate(index, first, last, forward, backward, send, static + dynamic, checkpointed)
 
@@ -122,7 +121,7 @@ def _best_stage(costs, boundary_bytes, first, last, index, stages, m, schedule, 
     return None
 
 
-def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int, schedule: str, hw: Hardware,
+def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int, schedule: ScheduleChoice, hw: Hardware,
                     checkpointing="none") -> Partition:
     """Figures for a given split (no memory check), e.g. the parameter-count split."""
     bounds = [0, *starts, len(costs)]
@@ -134,7 +133,7 @@ def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int,
         if est is None:  # nothing fits: report the most frugal option allowed, whose memory is the one to beat
             est = _stage(*args, _options(checkpointing, i)[-1])
         out.append(est)
-    return Partition(tuple(out), microbatches)
+    return Partition(tuple(out), microbatches, schedule)
 
 
 def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, microbatches: int, schedule: str,
@@ -164,4 +163,4 @@ def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, mic
         est = choice[s][i]
         out.append(est)
         i = est.first
-    return Partition(tuple(reversed(out)), microbatches)
+    return Partition(tuple(reversed(out)), microbatches, schedule)

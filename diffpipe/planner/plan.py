@@ -16,6 +16,7 @@ from ..models.materialise import is_meta
 from ..models.units import Backbone
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
 from .costs import UnitCost, count_unit_costs, load_profile
+from ..pipeline.schedules import choice_of
 from .partition import Hardware, Infeasible, Partition, estimate_stages, partition
 
 __all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
@@ -114,7 +115,7 @@ def hardware(config: RunConfig) -> Hardware:
 def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Hardware) -> str:
     """Why nothing fits, and which single change would make it fit."""
     p = config.pipeline
-    loose = estimate_stages(costs, bounds_bytes, balanced_partition([c.params for c in costs], stages), m, p.schedule,
+    loose = estimate_stages(costs, bounds_bytes, balanced_partition([c.params for c in costs], stages), m, choice_of(p),
                             hw, p.checkpointing)
     worst = max(loose.stages, key=lambda s: s.memory_bytes)
     lines = [f"no split into {stages} stages fits {hw.memory_bytes / 2**30:.1f} GiB per device: stage {worst.index} "
@@ -123,20 +124,20 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
     fixes = []
     if stages < len(costs):
         try:
-            partition(costs, bounds_bytes, stages + 1, m, p.schedule, hw, p.checkpointing)
+            partition(costs, bounds_bytes, stages + 1, m, choice_of(p), hw, p.checkpointing)
             fixes.append(f"more stages (pipeline.stages = {stages + 1} fits)")
         except Infeasible:
             fixes.append("more stages")
     if p.checkpointing != "all":
         try:
-            partition(costs, bounds_bytes, stages, m, p.schedule, hw, "auto")
+            partition(costs, bounds_bytes, stages, m, choice_of(p), hw, "auto")
             fixes.append("activation checkpointing (pipeline.checkpointing = \"auto\" fits)")
         except Infeasible:
             fixes.append("activation checkpointing (not enough alone)")
     micro = config.micro_batch_size
     if micro > 1:  # costs scale linearly with the micro-batch; one sample cannot be halved
         try:
-            partition(scaled(costs, (micro // 2) / micro), bounds_bytes, stages, m, p.schedule, hw, p.checkpointing)
+            partition(scaled(costs, (micro // 2) / micro), bounds_bytes, stages, m, choice_of(p), hw, p.checkpointing)
             fixes.append(f"a smaller micro-batch ({micro // 2} instead of {micro} fits: lower train.batch_size or "
                          "raise pipeline.microbatches)")
         except Infeasible:
@@ -154,10 +155,10 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
     bb = boundary_bytes(meta, costs, example_inputs(config, meta, micro)[0])
     p = config.pipeline
     try:
-        planned = partition(costs, bb, stages, microbatches, p.schedule, hw, p.checkpointing)
+        planned = partition(costs, bb, stages, microbatches, choice_of(p), hw, p.checkpointing)
     except Infeasible:
         raise Infeasible(_explain(config, costs, bb, stages, microbatches, hw)) from None
-    params = estimate_stages(costs, bb, balanced_by_parameters(meta, stages), microbatches, p.schedule, hw,
+    params = estimate_stages(costs, bb, balanced_by_parameters(meta, stages), microbatches, choice_of(p), hw,
                              p.checkpointing)
     return Plan(stages, data_parallel, microbatches, micro, planned, params,
                 [c.trainable_params for c in costs], hw.link_gbps)
@@ -166,12 +167,14 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
 def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardware) -> list[Plan]:
     """Every (stages, data parallel, micro-batches) with stages x dp = world size that fits, fastest first."""
     plans, per_sample = [], unit_costs(config, meta, 1)
-    for stages in range(1, min(world_size, len(meta.units)) + 1):
-        if world_size % stages:
+    choice = choice_of(config.pipeline)
+    for ranks in range(1, world_size + 1):
+        stages = ranks * choice.per_rank
+        if world_size % ranks or stages > len(meta.units):
             continue
-        dp = world_size // stages
+        dp = world_size // ranks
         for m in range(1, config.train.batch_size // dp + 1):
-            if config.train.batch_size % (m * dp) or (config.pipeline.schedule == "1f1b" and m < stages):
+            if config.train.batch_size % (m * dp) or choice.schedule.problem(ranks, choice.virtual_stages, m):
                 continue
             try:
                 plans.append(make_plan(config, meta, stages, dp, m, hw, per_sample))
@@ -205,7 +208,7 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
     stage_specs(backbone, starts)  # validates
     if p.checkpointing == "auto":
         costs = unit_costs(config, meta, config.micro_batch_size)
-        est = estimate_stages(costs, boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0]), starts, p.microbatches, p.schedule, hw, "auto")
+        est = estimate_stages(costs, boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0]), starts, p.microbatches, choice_of(p), hw, "auto")
         return starts, [s.index for s in est.stages if s.checkpointed]
     if p.checkpointing == "all":
         return starts, list(range(stages))

@@ -20,7 +20,6 @@ from ..pipeline.split import stage_specs
 from ..pipeline.stage import StageModule, build_stage_modules
 from ..pipeline.traffic import trace_shapes
 from .costs import sync
-from .partition import in_flight
 from .plan import Plan
 
 __all__ = ["probe_stage", "probe_plan", "format_probe"]
@@ -94,7 +93,7 @@ def probe_plan(config: RunConfig, meta: Backbone, plan: Plan, device: torch.devi
         received = [torch.randn(inputs[n].shape if n in inputs else shapes[n], device=device,
                                 dtype=torch.float32 if n in inputs else boundary_dtype)
                     for n in module.spec.receives]
-        held = in_flight(p.schedule, module.spec.index, plan.stages, plan.microbatches)
+        held = plan.planned.schedule.in_flight(module.spec.index, plan.stages, plan.microbatches)
         seconds, peak = probe_stage(module, received, conditions, device, held, repeats, optimizer)
         planned_s = predicted.forward_s + predicted.backward_s
         row = {"stage": module.spec.index, "units": f"{module.unit_list[0].name}..{module.unit_list[-1].name}",

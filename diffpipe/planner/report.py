@@ -110,7 +110,8 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
         if not as_json:
             print(f"best layouts of {world_size} devices for a global batch of {config.train.batch_size}:")
             for pl in plans[:5]:
-                print(f"  {pl.stages} stages x {pl.data_parallel} dp, {pl.microbatches} micro-batches: "
+                ranks = pl.planned.schedule.ranks(pl.stages)
+                print(f"  {ranks} stages x {pl.data_parallel} dp, {pl.microbatches} micro-batches: "
                       f"{pl.samples_per_s:.2f} samples/s, bubble {pl.planned.bubble_fraction:.1%}, split {pl.planned.starts}")
             print()
         plan = plans[0]

@@ -64,8 +64,7 @@ def _pipeline_forward(trainer):
         out, _ = trainer.runner.forward_only(x[rows], {k: v[rows] for k, v in conditions.items()}, like[rows],
                                             with_loss=False)
         out = out.float().contiguous() if out is not None else torch.empty(like[rows].shape, device=x.device)
-        last_stage_rank = topo.dp_rank * topo.pp_size + topo.pp_size - 1
-        dist.broadcast(out, src=last_stage_rank, group=topo.pp_group)
+        dist.broadcast(out, group_src=trainer.runner.last_stage_rank(), group=topo.pp_group)
         return out[:n]
 
     return forward

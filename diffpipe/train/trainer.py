@@ -29,7 +29,8 @@ from ..distributed import Topology, init_topology
 from ..observe.observer import PipelineObserver, probe_link
 from ..observe.timing import Mark, StepTimes
 from ..observe.writers import ScalarWriters, make_writers
-from ..pipeline.runtime import PipelineRunner, stage_indices_for_rank
+from ..pipeline.runtime import PipelineRunner
+from ..pipeline.schedules import schedule_named
 from ..pipeline.traffic import Crossing
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
@@ -71,7 +72,7 @@ class Trainer:
         if not isinstance(p.split, list) or not isinstance(p.checkpointing, list):
             p.split, p.checkpointing = resolve_stages(config, backbone)
         specs = stage_specs(backbone, p.split)
-        mine = stage_indices_for_rank(topo.pp_rank, p.stages, p.virtual_stages)
+        mine = schedule_named(p.schedule).stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
         # weights for this process's stages only: the others' stay on the meta device, costing nothing
         give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)])
         all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
@@ -105,7 +106,8 @@ class Trainer:
             held = f"; {len(self.held_out.items)} held out for the eval loss" if self.held_out is not None else ""
             print(f"{len(self.data.items)} images in {len(counts)} bucket(s): "
                   + ", ".join(f"{b} {n}" for b, n in counts) + held, flush=True)
-        moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches)
+        moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches,
+                             lambda s: schedule_named(p.schedule).rank_of(s, p.stages))
         self.writers = make_writers(config, run_dir) if topo.is_main else ScalarWriters([])
         self.observer = PipelineObserver(config, topo, run_dir, moved, probe_link(topo), self.writers)
         self.bad_streak, self.skipped_steps = 0, 0  # steps skipped for non-finite values: in a row, in all
@@ -379,12 +381,16 @@ def read_record(record: dict) -> dict:
     return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items() if k != _END}
 
 
-def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int) -> int:
-    """Bytes this rank sends and receives in a step: activations forward, their gradients back."""
+def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int, rank_of) -> int:
+    """Bytes this rank sends and receives in a step: activations forward, their gradients back (none between two
+    stages of this process: V-shaped schedules put neighbouring stages on one)."""
     per_boundary = {c.after_stage: c.bytes for c in crossings}
     total = 0
     for s in mine:
-        total += per_boundary.get(s - 1, 0) + (per_boundary.get(s, 0) if s < stages - 1 else 0)
+        if s > 0 and rank_of(s - 1) != rank_of(s):
+            total += per_boundary.get(s - 1, 0)
+        if s < stages - 1 and rank_of(s + 1) != rank_of(s):
+            total += per_boundary.get(s, 0)
     return 2 * microbatches * total
 
 

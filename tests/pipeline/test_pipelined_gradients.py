@@ -120,6 +120,16 @@ TWO = {
     "wan-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="wan"),
     "unet3d-1f1b-2": _config(2, "1f1b", model="unet3d"),
     "unet3d-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="unet3d"),
+    # zero-bubble schedules: 4 stages on 2 processes (V-shaped for zbv and dualpipev)
+    "zb1p-2x2": _config(2, "zb1p", virtual=2),
+    "zbv-2x2": _config(2, "zbv", virtual=2),
+    "dualpipev-2x2-checkpointed": _config(2, "dualpipev", virtual=2, checkpointing="all"),
+    "flux-zbv-2x2": _config(2, "zbv", virtual=2, model="flux"),
+    "sd3-zb1p-2x2": _config(2, "zb1p", virtual=2, model="sd3"),
+    "wan-dualpipev-2x2": _config(2, "dualpipev", virtual=2, model="wan"),
+    "unet3d-zbv-2x2": _config(2, "zbv", virtual=2, model="unet3d"),
+    "toy-tied-zbv-2x2": _config(2, "zbv", virtual=2, model="toy-tied"),  # the tied weight's stages on one process
+    "lora-zb1p-2x2": _config(2, "zb1p", virtual=2, lora=True),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),
@@ -142,6 +152,10 @@ FOUR = {
     "wan-dp2-x-gpipe-2": _config(2, "gpipe", dp=2, model="wan"),
     "unet3d-gpipe-4": _config(4, "gpipe", model="unet3d"),
     "unet3d-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, model="unet3d"),
+    "zbv-4x2": _config(4, "zbv", virtual=2, microbatches=8),
+    "dualpipev-4x2": _config(4, "dualpipev", virtual=2, microbatches=8),
+    "flux-zb1p-4x2": _config(4, "zb1p", virtual=2, model="flux"),
+    "sdxl-style-dp2-x-zbv-2x2": _config(2, "zbv", virtual=2, dp=2, model="sdxl-style"),
 }
 LOW_PRECISION = {
     "bf16-1f1b-2": _config(2, "1f1b", precision="bf16"),

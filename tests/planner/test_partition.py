@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from diffpipe.pipeline.schedules import ScheduleChoice
 from diffpipe.planner.costs import UnitCost
 from diffpipe.planner.partition import Hardware, Infeasible, _stage, partition
 
@@ -42,7 +43,7 @@ def test_dp_equals_brute_force_on_random_instances(seed):
     n = rng.randint(2, 7)
     costs, boundary = _random_costs(rng, n)
     stages = rng.randint(1, min(4, n))
-    schedule = rng.choice(["gpipe", "1f1b"])
+    schedule = ScheduleChoice.named(rng.choice(["gpipe", "1f1b"]))
     mode = rng.choice(["none", "auto"])
     m = rng.randint(stages, 8)
     total = sum(c.params * 16 + c.activation_bytes * m for c in costs)
@@ -64,19 +65,19 @@ def test_gpipe_holds_all_micro_batches_and_1f1b_fewer():
     rng = random.Random(1)
     costs, boundary = _random_costs(rng, 4)
     hw = Hardware()
-    gpipe = partition(costs, boundary, 2, 8, "gpipe", hw)
-    one_f_one_b = partition(costs, boundary, 2, 8, "1f1b", hw)
+    gpipe = partition(costs, boundary, 2, 8, ScheduleChoice.named("gpipe"), hw)
+    one_f_one_b = partition(costs, boundary, 2, 8, ScheduleChoice.named("1f1b"), hw)
     assert max(s.memory_bytes for s in one_f_one_b.stages) < max(s.memory_bytes for s in gpipe.stages)
 
 
 def test_checkpointing_trades_time_for_memory():
     costs, boundary = _random_costs(random.Random(2), 3)
-    plain = _stage(costs, boundary, 0, 3, 0, 1, 4, "gpipe", Hardware(), False)
-    ckpt = _stage(costs, boundary, 0, 3, 0, 1, 4, "gpipe", Hardware(), True)
+    plain = _stage(costs, boundary, 0, 3, 0, 1, 4, ScheduleChoice.named("gpipe"), Hardware(), False)
+    ckpt = _stage(costs, boundary, 0, 3, 0, 1, 4, ScheduleChoice.named("gpipe"), Hardware(), True)
     assert ckpt.memory_bytes < plain.memory_bytes and ckpt.busy_s > plain.busy_s
 
 
 def test_bubble_fraction_of_a_balanced_pipeline_is_the_textbook_figure():
     costs = [UnitCost(f"u{i}", 1, 1, 10**12, 2 * 10**12, 0, {}) for i in range(4)]
-    part = partition(costs, [0, 0, 0, 0], 4, 12, "1f1b", Hardware(tflops=1.0))
+    part = partition(costs, [0, 0, 0, 0], 4, 12, ScheduleChoice.named("1f1b"), Hardware(tflops=1.0))
     assert part.bubble_fraction == pytest.approx(3 / (12 + 3))

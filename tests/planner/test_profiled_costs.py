@@ -9,6 +9,7 @@ import torch
 
 from diffpipe.build import build_backbone, example_inputs
 from diffpipe.config import build_config
+from diffpipe.pipeline.schedules import ScheduleChoice
 from diffpipe.planner.costs import count_unit_costs, profile_unit_costs
 from diffpipe.planner.partition import Hardware, partition
 from diffpipe.planner.plan import boundary_bytes
@@ -31,6 +32,6 @@ def test_every_unit_is_timed_and_the_plan_follows_the_times():
     # the same measured times everywhere but one unit a hundred times slower: it must stand alone at the end
     even = [dataclasses.replace(c, forward_s=1e-3, backward_s=2e-3) for c in costs]
     slow_last = even[:-1] + [dataclasses.replace(even[-1], forward_s=0.1, backward_s=0.2)]
-    assert partition(slow_last, bounds, 2, 4, "1f1b", hw).starts == [len(costs) - 1]
+    assert partition(slow_last, bounds, 2, 4, ScheduleChoice.named("1f1b"), hw).starts == [len(costs) - 1]
     slow_first = [dataclasses.replace(even[0], forward_s=0.1, backward_s=0.2)] + even[1:]
-    assert partition(slow_first, bounds, 2, 4, "1f1b", hw).starts == [1]
+    assert partition(slow_first, bounds, 2, 4, ScheduleChoice.named("1f1b"), hw).starts == [1]
