@@ -4,6 +4,7 @@ counts, pipeline x data parallel, and the parameter-count split against the plan
     python bench/scaling.py --gpus 4 --profile                              # SDXL UNet, 1024x1024, bf16
     python bench/scaling.py --gpus 8 --config examples/sdxl_wide_unet.toml --only pipeline --stages 4,8 --profile
     python bench/scaling.py --gpus 2 --config examples/digits.toml --device cpu --batch 32 --steps 2   # gloo dry run
+    python bench/scaling.py --gpus 2 --only pipeline --schedules 1f1b,interleaved_1f1b,zb1p,zbv,dualpipev --profile
 
 On GPUs the planner is given the GPU's memory (`plan.memory_gib`, unless --set gives it) and, with --profile,
 unit times measured on this GPU (`diffpipe plan --profile`, once, before the runs) instead of FLOP counts: on
@@ -40,9 +41,12 @@ def configurations(gpus: int, batch: int, micro: int, microbatch_counts: list[in
                                                       "pipeline.microbatches": max(1, batch // (micro * gpus))}))
     for stages in stage_counts:
         if "pipeline" in only:
-            for m in microbatch_counts:
-                out.append(("pipeline", f"pipeline {stages}, 1F1B, {m} micro-batches",
-                            {"pipeline.stages": stages, "pipeline.data_parallel": 1, "pipeline.microbatches": m}))
+            for schedule in schedules:
+                virtual = 1 if schedule in ("gpipe", "1f1b") else 2  # the others: 2 stages per GPU
+                for m in microbatch_counts:
+                    out.append(("pipeline", f"pipeline {stages}, {schedule}, {m} micro-batches",
+                                {"pipeline.stages": stages, "pipeline.data_parallel": 1, "pipeline.microbatches": m,
+                                 "pipeline.schedule": f'"{schedule}"', "pipeline.virtual_stages": virtual}))
         if "parameters" in only:
             m = batch // micro
             out.append(("parameters", f"pipeline {stages}, parameter-count split, {m} micro-batches",
@@ -128,6 +132,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="global batch, the same in every configuration")
     parser.add_argument("--micro", type=int, default=8, help="micro-batch of the data-parallel and baseline runs")
     parser.add_argument("--microbatches", default="4,8,16", help="micro-batch counts of the pipeline runs")
+    parser.add_argument("--schedules", default="1f1b", help="pipeline.schedule of the pipeline runs, comma-separated")
     parser.add_argument("--stages", default="", help="pipeline stage counts (default: --gpus)")
     parser.add_argument("--only", default="single,data,pipeline,parameters,hybrid")
     parser.add_argument("--steps", type=int, default=8, help="measured steps (after 3 warm-up steps)")
@@ -148,7 +153,7 @@ def main() -> None:
     rows, baseline = [], None
     for index, (kind, name, overrides) in enumerate(configurations(
             args.gpus, args.batch, args.micro, [int(m) for m in args.microbatches.split(",") if m], stage_counts,
-            set(args.only.split(",")))):
+            set(args.only.split(",")), tuple(args.schedules.split(",")))):
         row = run(args.config, name, overrides, common, args.set, Path(args.out) / f"{index:02d}-{kind}")
         devices = overrides["pipeline.stages"] * overrides["pipeline.data_parallel"]
         if kind == "single" and "error" not in row:

@@ -34,6 +34,9 @@ class Topology:
     device: torch.device
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
+    # the pipeline's own group for its sends and receives: on the collectives' group NCCL serialises unbatched P2P
+    # with every other operation (its start-up warning); torch's pipelining docs advise a group of its own
+    send_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -196,6 +199,11 @@ def init_topology(pp_size: int, dp_size: int, device_kind: str) -> Topology:
         dist.init_process_group(backend, rank=rank, world_size=world_size, store=_store_of_this_attempt(world_size),
                                 device_id=device if device_kind == "cuda" else None)
     mesh = init_device_mesh(device_kind, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+    send_group = None
+    for replica in range(dp_size if pp_size > 1 else 0):  # every process takes part in creating every group
+        group = dist.new_group([replica * pp_size + i for i in range(pp_size)])
+        if replica == rank // pp_size:
+            send_group = group
     return Topology(rank=rank, world_size=world_size, pp_rank=mesh.get_local_rank("pp"), pp_size=pp_size,
                     dp_rank=mesh.get_local_rank("dp"), dp_size=dp_size, device=device,
-                    pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"))
+                    pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), send_group=send_group)

@@ -22,8 +22,8 @@ def test_scaling_script_reports_every_configuration(tmp_path):
     profile = Path(json.loads(planner["plan.profile"]))  # --profile: every run planned from these unit times
     assert profile.is_file() and json.loads(profile.read_text())["key"]["device"] == "cpu"
     assert str(profile) in (tmp_path / "01-pipeline" / "config.toml").read_text()  # the run's resolved config
-    assert [r["configuration"] for r in rows] == ["1 GPU", "pipeline 2, 1F1B, 2 micro-batches",
-                                                  "pipeline 64, 1F1B, 2 micro-batches"]
+    assert [r["configuration"] for r in rows] == ["1 GPU", "pipeline 2, 1f1b, 2 micro-batches",
+                                                  "pipeline 64, 1f1b, 2 micro-batches"]
     single, pipeline, impossible = rows
     assert "error" not in single and "error" not in pipeline, (single.get("error"), pipeline.get("error"))
     assert single["efficiency"] == 1.0 and single["samples_per_s"] > 0
@@ -32,4 +32,4 @@ def test_scaling_script_reports_every_configuration(tmp_path):
     assert 0 <= pipeline["bubble"] < 1 and abs(pipeline["ideal_bubble"] - 1 / 3) < 1e-3  # (S-1)/(m+S-1)
     assert Path(pipeline["timeline"]).is_file()
     assert "stages" in impossible["error"]  # the preflight's message, not a crash of the script
-    assert "| pipeline 2, 1F1B, 2 micro-batches |" in result.stdout
+    assert "| pipeline 2, 1f1b, 2 micro-batches |" in result.stdout

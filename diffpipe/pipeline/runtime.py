@@ -24,10 +24,14 @@ class PipelineRunner:
 
     def __init__(self, modules: list[StageModule], stage_indices: list[int], num_stages: int,
                  group: dist.ProcessGroup, device: torch.device, schedule: str, microbatches: int,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], timeable: bool = True):
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], timeable: bool = True,
+                 send_group: dist.ProcessGroup | None = None):
+        """`group`: the pipeline's processes (barriers); `send_group`: the same processes for the stages' sends
+        (default `group`)."""
         self.schedule = schedule_named(schedule)
         self.modules, self.stage_indices = modules, stage_indices
         self.num_stages, self.group, self.device = num_stages, group, device
+        self.send_group = send_group if send_group is not None else group
         self.microbatches, self.loss_fn = microbatches, loss_fn
         for module in modules:  # the split backward's needs: pipeline/zero_bubble.py
             module.split_backward = schedule if self.schedule.zero_bubble else None
@@ -52,7 +56,7 @@ class PipelineRunner:
 
     def _schedule_for(self, shape_key: tuple):
         if shape_key not in self._schedules:
-            stages = [PipelineStage(m, i, self.num_stages, self.device, group=self.group)
+            stages = [PipelineStage(m, i, self.num_stages, self.device, group=self.send_group)
                       for m, i in zip(self.modules, self.stage_indices)]
             cls = self.schedule.torch_type
             arg = stages if self.schedule.multi_stage else stages[0]
@@ -121,7 +125,7 @@ class PipelineRunner:
         """Forward without gradients for V-shaped placement, whose torch schedules run only with a backward
         (docs/pipelining-facts.md, pitfall 7): each micro-batch through the stages in order, handed between
         processes by plain sends (shapes first). Micro-batches split as the schedules split them."""
-        ranks, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        ranks, me = dist.get_world_size(self.send_group), dist.get_rank(self.send_group)
         mine = dict(zip(self.stage_indices, self.modules))
         split = self.microbatches
         samples, targets = torch.tensor_split(sample, split), torch.tensor_split(target, split)
@@ -146,17 +150,17 @@ class PipelineRunner:
         return (torch.cat(outputs) if outputs else None), losses
 
     def _send(self, tensors: tuple[torch.Tensor, ...], to: int) -> None:
-        peer = dist.get_global_rank(self.group, to)
-        dist.send_object_list([[(tuple(t.shape), t.dtype) for t in tensors]], dst=peer, group=self.group,
+        peer = dist.get_global_rank(self.send_group, to)
+        dist.send_object_list([[(tuple(t.shape), t.dtype) for t in tensors]], dst=peer, group=self.send_group,
                               device=self.device)
         for t in tensors:
-            dist.send(t.contiguous(), dst=peer, group=self.group)
+            dist.send(t.contiguous(), dst=peer, group=self.send_group)
 
     def _receive(self, source: int) -> tuple[torch.Tensor, ...]:
-        peer = dist.get_global_rank(self.group, source)
+        peer = dist.get_global_rank(self.send_group, source)
         meta = [None]
-        dist.recv_object_list(meta, src=peer, group=self.group, device=self.device)
+        dist.recv_object_list(meta, src=peer, group=self.send_group, device=self.device)
         tensors = tuple(torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in meta[0])
         for t in tensors:
-            dist.recv(t, src=peer, group=self.group)
+            dist.recv(t, src=peer, group=self.send_group)
         return tensors

@@ -7,6 +7,7 @@ writes model.safetensors (train/weights.py); every process writes its part of ea
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import signal
 import time
@@ -90,7 +91,8 @@ class Trainer:
         self.tied = TiedGradients(tied_parameters(backbone, specs), held, mine, topo.pp_group, topo.device)
         self.scaler = LossScaler(config.train.precision == "fp16")
         self.runner = PipelineRunner(self.modules, mine, len(specs), topo.pp_group, topo.device, p.schedule,
-                                     p.microbatches, _ScaledMSE(self.scaler), timeable=config.observe.enabled)
+                                     p.microbatches, _ScaledMSE(self.scaler), timeable=config.observe.enabled,
+                                     send_group=topo.send_group)
         self.optimizer, self.lr_schedule = make_optimizer(groups, config.train)
         self.text = build_text_encoder(config, backbone).to(topo.device)
         self.data = build_dataset(config, backbone, self.text, topo.device, topo.rank, topo.world_size, dist.barrier)
@@ -402,6 +404,7 @@ def train_worker(config_data: dict, run_dir: str, resume: bool = False) -> None:
     from ..distributed import resolve_device_kind
 
     transformers_logging.disable_progress_bar()  # the text encoder's save would print a bar per file
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung run: `kill -USR1 PID` prints where each thread is
 
     config = build_config(config_data)
     topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel,
