@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
-__all__ = ["Topology", "WorkerFailed", "launch", "init_topology", "single_process_topology", "under_torchrun", "resolve_device_kind"]
+__all__ = ["Topology", "WorkerFailed", "launch", "end_process_group", "init_topology", "single_process_topology", "under_torchrun", "resolve_device_kind"]
 
 
 @dataclass
@@ -93,12 +93,18 @@ def _spawned_entry(index: int, world_size: int, port: int, fn: Callable, args: t
         with open(path + ".part", "w") as f:  # renamed when whole: a process stopped mid-write leaves no .txt
             f.write(f"{time.time()}\n{line[-1] if line else type(exc).__name__}")
         os.replace(path + ".part", path)
-        raise
-    finally:
-        # a process group left to the interpreter's exit can abort in gloo's threads ("terminate called
-        # without an active exception") after the work itself succeeded
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        raise  # without destroying the process group: see end_process_group
+    end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the process group after this process's work succeeded. A process that failed leaves it to its exit,
+    which aborts the communicators: NCCL's destroy waits for the peers' pending operations, and a peer blocked on
+    this process's next send never finishes them (two H200s hung there, issue 15). Destroying it after success
+    matters for gloo, whose threads could abort the interpreter's exit ("terminate called without an active
+    exception") after the work itself succeeded."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def launch(fn: Callable[..., Any], args: tuple, world_size: int) -> None:
@@ -113,11 +119,8 @@ def launch(fn: Callable[..., Any], args: tuple, world_size: int) -> None:
     port = _free_port()
     if world_size == 1:
         _set_place(0, 1, port)
-        try:
-            fn(*args)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        fn(*args)
+        end_process_group()
         return
     with tempfile.TemporaryDirectory(prefix="diffpipe-errors-") as errors:
         context = mp.start_processes(_spawned_entry, args=(world_size, port, fn, args, errors), nprocs=world_size,

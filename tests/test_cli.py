@@ -84,7 +84,7 @@ def test_reduced_precision_trains_on_two_stages(tmp_path, precision):
     ("train.max_steps=\"many\"", "train.max_steps: Input should be a valid integer"),
     ("train.batch_size=30", "nearest valid batch sizes: 28 or 32"),
     ("pipeline.stages=14 pipeline.schedule=\"gpipe\"", "the model has only 13 units"),
-    ("pipeline.microbatches=1", "needs pipeline.microbatches >= pipeline.stages"),
+    ("pipeline.microbatches=1", "needs pipeline.microbatches >= its 2 stages"),
     ("pipeline.split=[3,2] pipeline.stages=3", "strictly increasing"),
     ("train.precision=\"fp8\"", "train.precision: Input should be 'fp32', 'bf16' or 'fp16'"),
 ])

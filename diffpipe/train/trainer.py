@@ -26,7 +26,7 @@ from ..data.prefetch import BatchPrefetcher
 from ..models.loading import CheckpointError
 from ..models.lora import lora_metadata, lora_scale, lora_weights, merge_lora
 from ..models.text import TextEncoder
-from ..distributed import Topology, init_topology
+from ..distributed import Topology, end_process_group, init_topology
 from ..observe.observer import PipelineObserver, probe_link
 from ..observe.timing import Mark, StepTimes
 from ..observe.writers import ScalarWriters, make_writers
@@ -409,10 +409,8 @@ def train_worker(config_data: dict, run_dir: str, resume: bool = False) -> None:
     config = build_config(config_data)
     topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel,
                          resolve_device_kind(config.train.device))
-    try:
-        _train(Trainer(config, topo, Path(run_dir)), resume)
-    finally:
-        dist.destroy_process_group()
+    _train(Trainer(config, topo, Path(run_dir)), resume)
+    end_process_group()  # only after success: distributed.end_process_group says why
 
 
 def _train(trainer: Trainer, resume: bool) -> None:
