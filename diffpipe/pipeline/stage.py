@@ -35,6 +35,21 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor with the standard strides of its shape, as a stage sends it. `contiguous()` alone keeps the stride
+    of a dimension of size 1: a Flux single block's image tokens, a view of its text + image tokens, kept the
+    text + image stride at micro-batch 1, and torch 2.11's PipelineStage refused the step ("stride mismatch",
+    PipeliningShapeError) when the timed step's output came back with the standard one (two H200s, issue 15)."""
+    tensor = tensor.contiguous()
+    standard, step = [], 1
+    for size in reversed(tensor.shape):
+        standard.append(step)
+        step *= size
+    if tensor.stride() != tuple(reversed(standard)):
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
 class StageModule(nn.Module):
     def __init__(self, spec: StageSpec, units: list[Unit], parameter_names: dict[int, str],
                  autocast_dtype: torch.dtype | None = None, checkpointed: bool = False,
@@ -109,7 +124,7 @@ class StageModule(nn.Module):
         named = dict(named)
         for unit in self.unit_list:
             named.update(unit(named))
-        return tuple(named[name].contiguous() for name in self.spec.sends)
+        return tuple(_dense(named[name]) for name in self.spec.sends)
 
     def full_named_parameters(self):
         """(name in the whole model, parameter) pairs, as diffusers names them."""
