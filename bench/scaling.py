@@ -30,7 +30,7 @@ WARMUP = 3
 
 
 def configurations(gpus: int, batch: int, micro: int, microbatch_counts: list[int], stage_counts: list[int],
-                   only: set[str]) -> list[tuple[str, str, dict]]:
+                   only: set[str], schedules: tuple[str, ...] = ("1f1b",)) -> list[tuple[str, str, dict]]:
     """(kind, name, overrides) of every configuration asked for, the one-GPU baseline first."""
     out = []
     if "single" in only:
