@@ -71,7 +71,7 @@ def run(config: str, name: str, overrides: dict, common: dict, extra: list[str],
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     row = {"configuration": name, "overrides": overrides, "wall_s": round(time.perf_counter() - started, 1)}
     if result.returncode != 0:
-        lines = [line for line in (result.stderr + result.stdout).splitlines() if line.strip()]
+        lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]  # the error last
         return {**row, "error": " ".join(lines[-3:])[-600:]}
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     steady = rows[WARMUP:] or rows[-1:]
