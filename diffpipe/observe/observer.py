@@ -42,14 +42,15 @@ def probe_link(topo: Topology, nbytes: int = 4 * 2**20, repeats: int = 3) -> flo
         if lower < 0 or lower + 1 >= topo.pp_size or topo.pp_rank not in (lower, lower + 1):
             continue
         partner = topo.rank + (1 if topo.pp_rank == lower else -1)
+        group = topo.send_group  # the link the stages' sends take (unbatched P2P on the default group serialises)
         for _ in range(repeats + 1):
             start = time.perf_counter()
             if topo.pp_rank == lower:
-                dist.send(buf, partner)
-                dist.recv(buf, partner)
+                dist.send(buf, partner, group=group)
+                dist.recv(buf, partner, group=group)
             else:
-                dist.recv(buf, partner)
-                dist.send(buf, partner)
+                dist.recv(buf, partner, group=group)
+                dist.send(buf, partner, group=group)
             if topo.device.type == "cuda":
                 torch.cuda.synchronize(topo.device)
             measured.append((time.perf_counter() - start) / (2 * nbytes))
