@@ -50,6 +50,7 @@ def plan_split(model: nn.Module, stages: int, sample: torch.Tensor, conditions: 
     """Stage starts (unit indices) that minimise the slowest stage under `memory_gib` per device, from FLOPs and
     bytes counted on a copy of `model` on the meta device (`sample` and `conditions`: one micro-batch, any device)."""
     from .planner.costs import count_unit_costs
+    from .pipeline.schedules import ScheduleChoice
     from .planner.partition import Hardware, partition
     from .planner.plan import boundary_bytes
 
@@ -60,7 +61,7 @@ def plan_split(model: nn.Module, stages: int, sample: torch.Tensor, conditions: 
     costs = count_unit_costs(meta, inputs, conditions)
     hw = Hardware(tflops=tflops, link_gbps=link_gbps, memory_bytes=memory_gib * 2**30 if memory_gib else None)
     bounds = boundary_bytes(meta, costs, {k: v.to("meta") for k, v in inputs.items()})
-    found = partition(costs, bounds, stages, microbatches or stages, schedule, hw)
+    found = partition(costs, bounds, stages, microbatches or stages, ScheduleChoice.named(schedule), hw)
     return [s.first for s in found.stages[1:]]
 
 
