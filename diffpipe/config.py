@@ -119,6 +119,7 @@ class TrainConfig(_Section):
     dropout: bool = Field(True, description="Keep the model's own dropout layers in training (the spatio-temporal UNet's temporal convolutions drop 10 %); false: off, so a step is a deterministic function of the batch.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA with NCCL when available, else CPU with gloo.")
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
+    collective_timeout_minutes: float = Field(30.0, gt=0, description="How long a process waits in a send, receive or collective for the others before it fails with an error instead of hanging (another process died or hangs on another machine). It must exceed the longest wait of a healthy run: the slowest process's share of a cache build, a checkpoint's save.")
     max_bad_steps: int = Field(10, ge=1, description="Stop the run after this many steps in a row skipped for a non-finite loss or gradients (fp16 overflows included).")
     eval_every: int = Field(0, ge=0, description="Eval loss every N steps and at the end (eval_loss and eval_loss_tQ per quantile in metrics.jsonl and TensorBoard) on the held-out data: data.eval_fraction / data.eval_path for folders, the held-out digits for digits; 0: never.")
     eval_quantiles: list[float] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="Quantiles of the training timestep density the eval loss is measured at (the same timesteps and noise every time).")

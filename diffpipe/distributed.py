@@ -11,12 +11,12 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["Topology", "WorkerFailed", "launch", "end_process_group", "init_topology", "single_process_topology", "under_torchrun", "resolve_device_kind"]
 
@@ -34,9 +34,7 @@ class Topology:
     device: torch.device
     pp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
-    # the pipeline's own group for its sends and receives: on the collectives' group NCCL serialises unbatched P2P
-    # with every other operation (its start-up warning); torch's pipelining docs advise a group of its own
-    send_group: dist.ProcessGroup | None = None
+    send_group: dist.ProcessGroup | None = None  # the pipeline's processes again, for its sends alone
 
     @property
     def is_main(self) -> bool:
@@ -186,7 +184,11 @@ def _store_of_this_attempt(world_size: int) -> dist.Store | None:
     return dist.PrefixStore(f"diffpipe/attempt-{attempt}", store)
 
 
-def init_topology(pp_size: int, dp_size: int, device_kind: str) -> Topology:
+def init_topology(pp_size: int, dp_size: int, device_kind: str, timeout_minutes: float | None = None) -> Topology:
+    """This process's place in a (data parallel x pipeline) grid of processes, and the process groups of its
+    pipeline, of its stage's replicas and of its pipeline's sends. `timeout_minutes`: how long any collective or
+    send may wait for the other processes before it fails (torch's default, 10 minutes for NCCL and 30 for gloo,
+    when None)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if device_kind == "cuda":
@@ -198,15 +200,25 @@ def init_topology(pp_size: int, dp_size: int, device_kind: str) -> Topology:
         backend = "gloo"
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    timeout = timedelta(minutes=timeout_minutes) if timeout_minutes else None
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world_size, store=_store_of_this_attempt(world_size),
-                                device_id=device if device_kind == "cuda" else None)
-    mesh = init_device_mesh(device_kind, (dp_size, pp_size), mesh_dim_names=("dp", "pp"))
-    send_group = None
-    for replica in range(dp_size if pp_size > 1 else 0):  # every process takes part in creating every group
-        group = dist.new_group([replica * pp_size + i for i in range(pp_size)])
-        if replica == rank // pp_size:
-            send_group = group
-    return Topology(rank=rank, world_size=world_size, pp_rank=mesh.get_local_rank("pp"), pp_size=pp_size,
-                    dp_rank=mesh.get_local_rank("dp"), dp_size=dp_size, device=device,
-                    pp_group=mesh.get_group("pp"), dp_group=mesh.get_group("dp"), send_group=send_group)
+                                device_id=device if device_kind == "cuda" else None, timeout=timeout)
+    pp_rank, dp_rank = rank % pp_size, rank // pp_size
+
+    def groups(member_lists: list[list[int]]) -> dist.ProcessGroup:
+        mine = None
+        for members in member_lists:  # every process takes part in creating every group
+            group = dist.new_group(members, timeout=timeout)
+            if rank in members:
+                mine = group
+        return mine
+
+    pipelines = [[replica * pp_size + i for i in range(pp_size)] for replica in range(dp_size)]
+    pp_group = groups(pipelines)
+    dp_group = groups([[replica * pp_size + i for replica in range(dp_size)] for i in range(pp_size)])
+    # the pipeline's own group for its sends and receives: on the collectives' group NCCL serialises unbatched P2P
+    # with every other operation (its start-up warning); torch's pipelining docs advise a group of its own
+    send_group = groups(pipelines) if pp_size > 1 else None
+    return Topology(rank=rank, world_size=world_size, pp_rank=pp_rank, pp_size=pp_size, dp_rank=dp_rank,
+                    dp_size=dp_size, device=device, pp_group=pp_group, dp_group=dp_group, send_group=send_group)

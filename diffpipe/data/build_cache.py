@@ -27,7 +27,7 @@ def cache_worker(config_data: dict) -> None:
     transformers_logging.disable_progress_bar()
     config = build_config(config_data)
     world = int(os.environ["WORLD_SIZE"])
-    topo = init_topology(1, world, resolve_device_kind(config.train.device))
+    topo = init_topology(1, world, resolve_device_kind(config.train.device), config.train.collective_timeout_minutes)
     backbone = build_backbone(config, "meta")
     text = build_text_encoder(config, backbone).to(topo.device)
     data = build_dataset(config, backbone, text, topo.device, topo.rank, topo.world_size, dist.barrier)

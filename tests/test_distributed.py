@@ -1,0 +1,45 @@
+"""Process groups: a process waiting for another that never comes fails after `train.collective_timeout_minutes`
+instead of hanging, in collectives and in the pipeline's sends alike."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from diffpipe.distributed import init_topology
+
+from .helpers import run_workers
+
+TIMEOUT_S = 3.0
+
+
+def _wait_for_a_peer_that_never_comes(out_dir: str, timeout_minutes: float) -> None:
+    topo = init_topology(2, 1, "cpu", timeout_minutes)
+    if topo.rank == 1:  # alive but never joining: a process hung elsewhere
+        time.sleep(15)
+        return
+    waits = []
+    for wait in (lambda: dist.all_reduce(torch.ones(1), group=topo.pp_group),
+                 lambda: dist.recv(torch.ones(1), src=1, group=topo.send_group)):
+        start = time.monotonic()
+        try:
+            wait()
+            waits.append("returned")
+        except RuntimeError:
+            waits.append(f"{time.monotonic() - start:.1f}")
+    Path(out_dir, "waits.txt").write_text(" ".join(waits))
+
+
+def test_a_missing_peer_fails_a_collective_and_a_receive_after_the_timeout(tmp_path):
+    run_workers(_wait_for_a_peer_that_never_comes, (str(tmp_path), TIMEOUT_S / 60), 2)
+    waits = (tmp_path / "waits.txt").read_text().split()
+    print("seconds waited:", waits)
+    assert len(waits) == 2 and all(w != "returned" and float(w) < 2.5 * TIMEOUT_S for w in waits), waits
+
+
+if __name__ == "__main__":  # the planted error: torch's default timeout, under which rank 0 waits for rank 1's exit
+    run_workers(_wait_for_a_peer_that_never_comes, (sys.argv[1], None), 2)
+    print(Path(sys.argv[1], "waits.txt").read_text())
