@@ -1,4 +1,4 @@
-"""Process launch and the 2-D (data parallel x pipeline) device mesh.
+"""Process launch and the (data parallel x pipeline) grid of processes with its process groups.
 
 `launch` runs a worker in `world_size` processes: directly when already under `torchrun` (which sets
 RANK/WORLD_SIZE), in this process when one is enough, and otherwise by spawning them on this machine.
