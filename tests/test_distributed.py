@@ -13,13 +13,13 @@ from diffpipe.distributed import init_topology
 
 from .helpers import run_workers
 
-TIMEOUT_S = 3.0
+TIMEOUT_S = 2.0
 
 
 def _wait_for_a_peer_that_never_comes(out_dir: str, timeout_minutes: float) -> None:
     topo = init_topology(2, 1, "cpu", timeout_minutes)
     if topo.rank == 1:  # alive but never joining: a process hung elsewhere
-        time.sleep(15)
+        time.sleep(9)
         return
     waits = []
     for wait in (lambda: dist.all_reduce(torch.ones(1), group=topo.pp_group),

@@ -54,13 +54,14 @@ def draw_timeline(record: dict, out: str | Path) -> None:
             forward = iv["kind"] == "forward"
             ax.broken_barh([(iv["start_s"] * 1e3, (iv["end_s"] - iv["start_s"]) * 1e3)], (row - 0.4, 0.8),
                            facecolors=colour, alpha=0.45 if forward else 0.95, edgecolor="black", linewidth=0.4)
-            ax.text((iv["start_s"] + iv["end_s"]) / 2 * 1e3, row, f"{'F' if forward else 'B'}{iv['microbatch']}",
+            letter = {"forward": "F", "backward": "B", "weight": "W"}[iv["kind"]]
+            ax.text((iv["start_s"] + iv["end_s"]) / 2 * 1e3, row, f"{letter}{iv['microbatch']}",
                     ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(ranks)), [f"rank {r['rank']}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step began")
     ax.set_title(f"step {record['step']}: {record.get('schedule', '')}, bubble {record.get('bubble_fraction', 0):.1%} "
-                 f"(ideal {record.get('ideal_bubble_fraction', 0):.1%}); F light = forward, B dark = backward",
+                 f"(ideal {record.get('ideal_bubble_fraction', 0):.1%}); F light = forward, B dark = backward, W = weight gradients",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

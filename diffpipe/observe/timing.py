@@ -2,8 +2,11 @@
 
 Forward is timed inside `StageModule.forward`. Backward starts when the gradient of the stage's outputs
 arrives (an identity autograd function on the outputs) and ends with the last gradient the stage produces
-(a hook after each parameter's gradient accumulation, and the identity on its inputs). On CUDA the marks are
-CUDA events read after the step's synchronisation; on CPU they are wall-clock readings.
+(a hook on each parameter, which runs when its gradient is computed). Zero-bubble schedules compute the weight
+gradients later, in a pass of their own (`torch.autograd.grad` to the parameters, which runs those hooks too, but
+no others): there a stage's backward ends with the gradient of its received tensors (a hook on each), and
+parameter gradients after it are that pass, a "weight" interval from its first gradient to its last. On CUDA the marks are CUDA events read after the step's synchronisation; on CPU they
+are wall-clock readings.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ __all__ = ["StageClock", "Interval", "StepTimes", "Mark"]
 @dataclass(frozen=True)
 class Interval:
     stage: int
-    kind: str  # "forward" or "backward"
+    kind: str  # "forward", "backward", or "weight" (zero-bubble schedules' weight-gradient pass)
     microbatch: int
     start_s: float  # seconds since the step began
     end_s: float
@@ -79,6 +82,7 @@ class StageClock:
 
     stage: int
     device: torch.device
+    split_backward: bool = False  # a zero-bubble schedule: weight gradients in a pass of their own
     _marks: list[tuple[str, _Mark]] = field(default_factory=list)
     _origin: Mark | None = None
 
@@ -108,6 +112,20 @@ class StageClock:
         if self._origin is not None:
             self._marks.append(("gradient", Mark(self.device)))
 
+    def _gradient_hook(self, grad: torch.Tensor) -> None:
+        self.gradient_produced()  # returns None: the gradient is left as it is
+
+    def _input_gradient_hook(self, grad: torch.Tensor) -> None:
+        if self._origin is not None:
+            self._marks.append(("input_gradient", Mark(self.device)))
+
+    def watch_inputs(self, received: tuple[torch.Tensor, ...]) -> None:
+        """Mark when the gradients of this forward's received tensors are computed (a zero-bubble backward's end)."""
+        if self._origin is not None and self.split_backward and torch.is_grad_enabled():
+            for tensor in received:
+                if tensor.requires_grad:
+                    tensor.register_hook(self._input_gradient_hook)
+
     def watch_outputs(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if self._origin is None or not torch.is_grad_enabled():
             return outputs
@@ -115,15 +133,16 @@ class StageClock:
 
     def watch_parameters(self, module: torch.nn.Module) -> None:
         for p in module.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self.gradient_produced)
+            if p.requires_grad:  # a tensor hook: unlike a post-accumulation hook, it runs in a weight pass too
+                p.register_hook(self._gradient_hook)
 
     def intervals(self) -> list[Interval]:
         """Forward and backward intervals of this step, numbered per kind in the order they ran."""
         origin = self._origin
         if origin is None:
             return []
-        out, counts, open_kind, open_at, last_gradient = [], {"forward": 0, "backward": 0}, None, None, None
+        out, counts = [], {"forward": 0, "backward": 0, "weight": 0}
+        open_kind, open_at, last_gradient, inputs_done = None, None, None, False
 
         def close(end: float) -> None:
             nonlocal open_kind
@@ -135,13 +154,19 @@ class StageClock:
         for kind, mark in self._marks:
             t = mark.seconds_since(origin)
             if kind in ("forward_start", "backward_start"):
-                if open_kind == "backward":
+                if open_kind in ("backward", "weight"):
                     close(last_gradient if last_gradient is not None else t)
-                open_kind, open_at, last_gradient = kind.split("_")[0], t, None
+                open_kind, open_at, last_gradient, inputs_done = kind.split("_")[0], t, None, False
             elif kind == "forward_end":
                 close(t)
+            elif kind == "input_gradient":
+                last_gradient, inputs_done = t, True
             else:
+                if open_kind == "backward" and inputs_done:  # the input gradients ended it: a weight pass follows
+                    close(last_gradient)
+                if open_kind is None:  # parameter gradients with nothing open: a zero-bubble weight pass
+                    open_kind, open_at = "weight", t
                 last_gradient = t
-        if open_kind == "backward":
+        if open_kind in ("backward", "weight"):
             close(last_gradient if last_gradient is not None else open_at)
         return out

@@ -37,7 +37,7 @@ class PipelineRunner:
             module.split_backward = schedule if self.schedule.zero_bubble else None
         self._schedules: dict[tuple, object] = {}
         # clocks (and their gradient hooks) only when steps may be timed; each step then chooses
-        self.clocks = [StageClock(i, device) for i in stage_indices] if timeable else []
+        self.clocks = [StageClock(i, device, self.schedule.zero_bubble) for i in stage_indices] if timeable else []
         for module, clock in zip(modules, self.clocks):
             module.clock = clock
             clock.watch_parameters(module)

@@ -80,6 +80,7 @@ class StageModule(nn.Module):
     def forward(self, *received: torch.Tensor, **conditions: torch.Tensor):
         if self.clock is not None:
             self.clock.forward_started()
+            self.clock.watch_inputs(received)
         named = dict(conditions)
         for name, tensor in zip(self.spec.receives, received, strict=True):
             named[name] = _ContiguousGrad.apply(tensor) if tensor.requires_grad else tensor

@@ -153,7 +153,6 @@ FOUR = {
     "unet3d-gpipe-4": _config(4, "gpipe", model="unet3d"),
     "unet3d-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, model="unet3d"),
     "zbv-4x2": _config(4, "zbv", virtual=2, microbatches=8),
-    "dualpipev-4x2": _config(4, "dualpipev", virtual=2, microbatches=8),
     "flux-zb1p-4x2": _config(4, "zb1p", virtual=2, model="flux"),
     "sdxl-style-dp2-x-zbv-2x2": _config(2, "zbv", virtual=2, dp=2, model="sdxl-style"),
 }
