@@ -59,7 +59,8 @@ class Partition:
     @property
     def step_s(self) -> float:
         stages = len(self.stages)
-        per_process = self.microbatches * self.schedule.per_rank * self.slowest_s
+        ranks = self.schedule.ranks(stages)
+        per_process = self.microbatches * (stages / ranks) * self.slowest_s
         return per_process / (1 - self.schedule.bubble(stages, self.microbatches))
 
     @property

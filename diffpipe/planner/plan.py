@@ -169,7 +169,7 @@ def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardw
     plans, per_sample = [], unit_costs(config, meta, 1)
     choice = choice_of(config.pipeline)
     for ranks in range(1, world_size + 1):
-        stages = ranks * choice.per_rank
+        stages = ranks * choice.per_rank if ranks > 1 else 1  # a lone process runs the model as one stage
         if world_size % ranks or stages > len(meta.units):
             continue
         dp = world_size // ranks

@@ -59,8 +59,10 @@ def plan_as_dict(plan: Plan, meta: Backbone) -> dict:
 
 def format_plan(plan: Plan, meta: Backbone) -> str:
     d = plan_as_dict(plan, meta)
-    lines = [f"{d['stages']} stages x {d['data_parallel']} data parallel, {d['microbatches']} micro-batches of "
-             f"{d['micro_batch_size']}"]
+    ranks = plan.planned.schedule.ranks(plan.stages)
+    per_process = f" ({plan.stages // ranks} stages per process)" if plan.stages > ranks else ""
+    lines = [f"{ranks} pipeline processes{per_process} x {d['data_parallel']} data parallel, {d['microbatches']} "
+             f"micro-batches of {d['micro_batch_size']}"]
     for title, key in (("planned split", "planned"), ("parameter-count split", "by_parameters")):
         part = d[key]
         lines.append(f"\n{title} {part['split']}:")
@@ -111,7 +113,7 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
             print(f"best layouts of {world_size} devices for a global batch of {config.train.batch_size}:")
             for pl in plans[:5]:
                 ranks = pl.planned.schedule.ranks(pl.stages)
-                print(f"  {ranks} stages x {pl.data_parallel} dp, {pl.microbatches} micro-batches: "
+                print(f"  {ranks} pipeline processes x {pl.data_parallel} dp, {pl.microbatches} micro-batches: "
                       f"{pl.samples_per_s:.2f} samples/s, bubble {pl.planned.bubble_fraction:.1%}, split {pl.planned.starts}")
             print()
         plan = plans[0]
