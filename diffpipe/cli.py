@@ -311,12 +311,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)  # before the heavy imports: `diffpipe --help` answers at once
+    try:
+        return _main(args)
+    except KeyboardInterrupt:  # Ctrl-C before any process started (imports, checks): nothing to save
+        print(f"diffpipe {args.command}: interrupted before training began; nothing was saved", file=sys.stderr)
+        return 130
+
+
+def _main(args) -> int:
     from transformers.utils import logging as transformers_logging
 
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
     from .config import ConfigError
-    from .distributed import WorkerFailed
+    from .distributed import Interrupted, WorkerFailed
     from .models.loading import CheckpointError
     from .pipeline.split import SplitError
     from .planner.partition import Infeasible
@@ -328,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ConfigError, CheckpointError, SplitError, Infeasible, FileNotFoundError) as exc:
         print(f"diffpipe {args.command}: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        print(f"diffpipe {args.command}: {exc}", file=sys.stderr)
+        return 130
     except TrainingStopped as exc:  # under torchrun: this process's own
         print(f"diffpipe {args.command}: training stopped: {exc}", file=sys.stderr)
         return 1

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["Topology", "WorkerFailed", "launch", "end_process_group", "init_topology", "single_process_topology", "under_torchrun", "resolve_device_kind"]
+__all__ = ["Topology", "WorkerFailed", "Interrupted", "launch", "end_process_group", "init_topology", "single_process_topology", "under_torchrun", "resolve_device_kind"]
 
 
 @dataclass
@@ -75,6 +75,10 @@ class WorkerFailed(RuntimeError):
     """A spawned process failed; the message is the first failure's own error, not the others' lost connections."""
 
 
+class Interrupted(RuntimeError):
+    """Ctrl-C or SIGTERM reached the launcher before training began: the processes were stopped, nothing was saved."""
+
+
 # errors that a process meets because another one failed first: never the cause worth naming
 _KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
              "Socket Timeout", "Connection refused")
@@ -123,10 +127,14 @@ def launch(fn: Callable[..., Any], args: tuple, world_size: int) -> None:
     with tempfile.TemporaryDirectory(prefix="diffpipe-errors-") as errors:
         context = mp.start_processes(_spawned_entry, args=(world_size, port, fn, args, errors), nprocs=world_size,
                                      start_method="spawn", join=False)
+        interrupted = []
         try:
-            _join_passing_on_signals(context)
+            _join_passing_on_signals(context, interrupted)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             cause = _first_failure(errors)
+            if cause is None and interrupted:  # stopped while building: a process in training writes why it stopped
+                raise Interrupted("interrupted before training began; nothing was saved. Run the same command "
+                                  "to start again") from exc
             if cause is None:
                 raise
             raise WorkerFailed(cause) from exc
@@ -149,10 +157,11 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _join_passing_on_signals(context, grace_s: float = 300.0) -> None:
+def _join_passing_on_signals(context, interrupted: list, grace_s: float = 300.0) -> None:
     """Wait for the spawned processes. Ctrl-C or SIGTERM to this launcher is passed on to each as SIGTERM (a
-    training process then checkpoints the step it is at and exits); any still running `grace_s` later are killed.
-    If one process fails, torch's join ends the others and raises, naming it."""
+    training process then checkpoints the step it is at and exits; one still building just ends) and noted in
+    `interrupted`; any still running `grace_s` later are killed. If one process fails, torch's join ends the others
+    and raises, naming it."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
     deadline = None
     try:
@@ -164,6 +173,7 @@ def _join_passing_on_signals(context, grace_s: float = 300.0) -> None:
                     for process in context.processes:
                         process.kill()
             except KeyboardInterrupt:
+                interrupted.append(True)
                 if deadline is None:
                     for process in context.processes:
                         if process.is_alive():

@@ -84,3 +84,19 @@ def test_a_killed_training_process_ends_the_run_within_a_minute(tmp_path):
     assert "a training process failed" in err and "SIGKILL" in err
     assert "Traceback" not in err
     assert _group_gone(proc.pid)
+
+
+def test_ctrl_c_while_the_processes_build_the_model_stops_them_with_one_line(tmp_path):
+    proc = _start(tmp_path / "run")
+    for line in proc.stdout:  # printed just before the training processes start, which then build for seconds
+        if line.startswith("training "):
+            break
+    deadline = time.monotonic() + 60
+    while not (launched := _workers(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step yet: they are still building
+    os.kill(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted before training began; nothing was saved" in err and "Traceback" not in err, err[-2000:]
+    assert launched and not any(Path(f"/proc/{pid}").exists() for pid in launched)
