@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["Topology", "WorkerFailed", "Interrupted", "launch", "end_process_group", "init_topology", "single_process_topology", "under_torchrun", "resolve_device_kind"]
+__all__ = ["Topology", "WorkerFailed", "Interrupted", "launch", "end_process_group", "init_topology",
+           "single_process_topology", "under_torchrun", "resolve_device_kind"]
 
 
 @dataclass

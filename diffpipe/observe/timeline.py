@@ -61,8 +61,8 @@ def draw_timeline(record: dict, out: str | Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step began")
     ax.set_title(f"step {record['step']}: {record.get('schedule', '')}, bubble {record.get('bubble_fraction', 0):.1%} "
-                 f"(ideal {record.get('ideal_bubble_fraction', 0):.1%}); F light = forward, B dark = backward, W = weight gradients",
-                 fontsize=10)
+                 f"(ideal {record.get('ideal_bubble_fraction', 0):.1%}); F light = forward, B dark = backward, "
+                 "W = weight gradients", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

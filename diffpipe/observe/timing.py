@@ -5,8 +5,8 @@ arrives (an identity autograd function on the outputs) and ends with the last gr
 (a hook on each parameter, which runs when its gradient is computed). Zero-bubble schedules compute the weight
 gradients later, in a pass of their own (`torch.autograd.grad` to the parameters, which runs those hooks too, but
 no others): there a stage's backward ends with the gradient of its received tensors (a hook on each), and
-parameter gradients after it are that pass, a "weight" interval from its first gradient to its last. On CUDA the marks are CUDA events read after the step's synchronisation; on CPU they
-are wall-clock readings.
+parameter gradients after it are that pass, a "weight" interval from its first gradient to its last. On CUDA
+the marks are CUDA events read after the step's synchronisation; on CPU they are wall-clock readings.
 """
 from __future__ import annotations
 

@@ -132,7 +132,8 @@ class Action:
 
 
 @lru_cache(maxsize=64)
-def rank_actions(name: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> tuple[tuple[tuple[Action, ...], ...], int]:
+def rank_actions(name: str, ranks: int, microbatches: int,
+                 virtual_stages: int = 1) -> tuple[tuple[tuple[Action, ...], ...], int]:
     """Each rank's compute actions in the order it runs them, and the stage count."""
     schedule = schedule_named(name)
     per_rank = schedule.stages_per_rank(virtual_stages)

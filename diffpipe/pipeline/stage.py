@@ -109,8 +109,9 @@ class StageModule(nn.Module):
         if missed:
             units = f"{self.unit_list[0].name}..{self.unit_list[-1].name}"
             raise ConfigError(
-                f"pipeline.schedule = {self.split_backward!r} would compute wrong gradients for stage {self.spec.index} "
-                f"(units {units}): {len(missed)} parameter(s), e.g. {', '.join(missed[:3])}, reach the stage's outputs "
+                f"pipeline.schedule = {self.split_backward!r} would compute wrong gradients for stage "
+                f"{self.spec.index} (units {units}): {len(missed)} parameter(s), e.g. {', '.join(missed[:3])}, "
+                "reach the stage's outputs "
                 "without passing through a received tensor that requires a gradient, and torch's zero-bubble weight "
                 "pass starts only from those (docs/pipelining-facts.md, pitfall 3). Use schedule 1f1b or "
                 "interleaved_1f1b, or move pipeline.split so that this stage starts after these units")

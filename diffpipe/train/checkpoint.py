@@ -34,9 +34,9 @@ CHECKPOINTS = "checkpoints"
 _COMPLETE = "complete.json"
 _ADAM = ("exp_avg", "exp_avg_sq", "step")
 # what a resumed run may change: its length, logging, outputs and the layout (a checkpoint reshards by name)
-_SAFE_TO_CHANGE = ("train.max_steps", "train.learning_rate", "train.log_every", "train.device", "train.collective_timeout_minutes",
-                   "pipeline.", "plan.",
-                   "observe.", "checkpoint.", "output.", "sample.", "data.text_cache_gib")
+_SAFE_TO_CHANGE = ("train.max_steps", "train.learning_rate", "train.log_every", "train.device",
+                   "train.collective_timeout_minutes", "pipeline.", "plan.", "observe.", "checkpoint.", "output.",
+                   "sample.", "data.text_cache_gib")
 
 
 def model_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
