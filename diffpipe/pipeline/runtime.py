@@ -103,18 +103,17 @@ class PipelineRunner:
         stage, the output (micro-batches merged) and, `with_loss`, the mean loss against `target` (without: any tensor
         of the output's shape); (None, None) elsewhere. Nothing is timed and no gradient is touched, so it may run
         between a step's backward and its optimizer step."""
-        schedule = self._schedule_for(tuple(sample.shape))
         for clock in self.clocks:
             clock.start_step(None)
-        losses: list[torch.Tensor] = []
-        args = (sample,) if self.holds_first_stage else ()
-        kwargs = dict(conditions)
-        if self.holds_last_stage:  # the schedule computes its loss on the last stage: a target is always needed
-            kwargs.update(target=target, losses=losses)
         if self.schedule.placement == "v":
             output, losses = self._forward_in_stage_order(sample, conditions, target)
         else:
-            output = schedule.eval(*args, **kwargs)
+            losses: list[torch.Tensor] = []
+            args = (sample,) if self.holds_first_stage else ()
+            kwargs = dict(conditions)
+            if self.holds_last_stage:  # the schedule computes its loss on the last stage: a target is always needed
+                kwargs.update(target=target, losses=losses)
+            output = self._schedule_for(tuple(sample.shape)).eval(*args, **kwargs)
         if not self.holds_last_stage:
             return None, None
         loss = torch.stack([loss.float() for loss in losses]).mean() if with_loss else None
