@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..config import RunConfig
 from ..distributed import Topology
-from ..pipeline.schedules import choice_of
+from ..pipeline.schedules import ideal_bubble
 from .monitor import PipelineMonitor
 from .timeline import chrome_trace, draw_timeline
 from .timing import StepTimes
@@ -91,8 +91,7 @@ class PipelineObserver:
         self.monitor = PipelineMonitor(factor=obs.anomaly_factor, warmup=obs.anomaly_warmup)
         self.writer = writer
         p = config.pipeline
-        choice = choice_of(p)  # the schedule's own bubble with equal stages (pipeline/schedules.py)
-        self.ideal = choice.bubble(p.stages * choice.per_rank, p.microbatches)
+        self.ideal = ideal_bubble(p.schedule, p.stages, p.microbatches, p.virtual_stages)  # with equal stages
         self._retries_seen = _allocator_retries(topo.device)
 
     def _summary(self, times: StepTimes) -> dict:

@@ -28,7 +28,7 @@ class Schedule:
     placement: str  # "loop": rank r holds stages r, r + ranks, ...; "v": r and 2 ranks - 1 - r
     virtual: str  # stages per rank: "one", "two" (V-shaped) or "chosen" (pipeline.virtual_stages >= 2)
     zero_bubble: bool  # splits each backward into input and weight gradients
-    min_microbatches: str = "none"  # "stages": at least the stage count (per rank for loop placement)
+    min_microbatches: str = "none"  # "stages": at least as many micro-batches as stages in all
 
     @property
     def torch_type(self):
@@ -167,8 +167,8 @@ def _single_stage_order(name: str, rank: int, ranks: int, microbatches: int) -> 
     return tuple(order)
 
 
-def _finish_times(orders, stages: int) -> dict[Action, float]:
-    """When each action ends, each rank running its actions in order as soon as their inputs exist."""
+def _step_length(orders, stages: int) -> float:
+    """When the last action ends, each rank running its actions in order as soon as their inputs exist."""
     done: dict[tuple[str, int, int], float] = {}
     position, clock = [0] * len(orders), [0.0] * len(orders)
 
@@ -183,7 +183,6 @@ def _finish_times(orders, stages: int) -> dict[Action, float]:
         times = [done.get(n) for n in needs]
         return None if any(t is None for t in times) else max(times, default=0.0)
 
-    finished: dict[Action, float] = {}
     while any(p < len(o) for p, o in zip(position, orders)):
         moved = False
         for r, order in enumerate(orders):
@@ -193,14 +192,14 @@ def _finish_times(orders, stages: int) -> dict[Action, float]:
                 if ready is None:
                     break
                 clock[r] = max(clock[r], ready) + _COST[a.kind]
-                finished[a] = done[(a.kind, a.stage, a.microbatch)] = clock[r]
+                done[(a.kind, a.stage, a.microbatch)] = clock[r]
                 if a.kind in ("B", "I"):
                     done[("grad", a.stage, a.microbatch)] = clock[r]
                 position[r] += 1
                 moved = True
         if not moved:
             raise RuntimeError("the schedule's actions wait on each other (no action can run)")
-    return finished
+    return max(clock)
 
 
 def ideal_bubble(name: str, ranks: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -208,8 +207,7 @@ def ideal_bubble(name: str, ranks: int, microbatches: int, virtual_stages: int =
     if ranks <= 1:
         return 0.0
     orders, stages = rank_actions(name, ranks, microbatches, virtual_stages)
-    finished = _finish_times(orders, stages)
-    step = max(finished.values())
+    step = _step_length(orders, stages)
     busy = sum(_COST[a.kind] for order in orders for a in order)
     return 1.0 - busy / (ranks * step)
 

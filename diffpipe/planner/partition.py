@@ -122,8 +122,8 @@ def _best_stage(costs, boundary_bytes, first, last, index, stages, m, schedule, 
     return None
 
 
-def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int, schedule: ScheduleChoice, hw: Hardware,
-                    checkpointing="none") -> Partition:
+def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int, schedule: ScheduleChoice,
+                    hw: Hardware, checkpointing="none") -> Partition:
     """Figures for a given split (no memory check), e.g. the parameter-count split."""
     bounds = [0, *starts, len(costs)]
     stages = len(bounds) - 1
@@ -137,8 +137,8 @@ def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int,
     return Partition(tuple(out), microbatches, schedule)
 
 
-def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, microbatches: int, schedule: str,
-              hw: Hardware, checkpointing="none") -> Partition:
+def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, microbatches: int,
+              schedule: ScheduleChoice, hw: Hardware, checkpointing="none") -> Partition:
     """The partition into `stages` that minimises the slowest stage while every stage fits memory."""
     n = len(costs)
     if stages > n:

@@ -15,8 +15,8 @@ from ..config import RunConfig
 from ..models.materialise import is_meta
 from ..models.units import Backbone
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
-from .costs import UnitCost, count_unit_costs, load_profile
 from ..pipeline.schedules import choice_of
+from .costs import UnitCost, count_unit_costs, load_profile
 from .partition import Hardware, Infeasible, Partition, estimate_stages, partition
 
 __all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
@@ -115,7 +115,8 @@ def hardware(config: RunConfig) -> Hardware:
 def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Hardware) -> str:
     """Why nothing fits, and which single change would make it fit."""
     p = config.pipeline
-    loose = estimate_stages(costs, bounds_bytes, balanced_partition([c.params for c in costs], stages), m, choice_of(p),
+    schedule = choice_of(p)
+    loose = estimate_stages(costs, bounds_bytes, balanced_partition([c.params for c in costs], stages), m, schedule,
                             hw, p.checkpointing)
     worst = max(loose.stages, key=lambda s: s.memory_bytes)
     lines = [f"no split into {stages} stages fits {hw.memory_bytes / 2**30:.1f} GiB per device: stage {worst.index} "
@@ -124,20 +125,20 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
     fixes = []
     if stages < len(costs):
         try:
-            partition(costs, bounds_bytes, stages + 1, m, choice_of(p), hw, p.checkpointing)
+            partition(costs, bounds_bytes, stages + 1, m, schedule, hw, p.checkpointing)
             fixes.append(f"more stages (pipeline.stages = {stages + 1} fits)")
         except Infeasible:
             fixes.append("more stages")
     if p.checkpointing != "all":
         try:
-            partition(costs, bounds_bytes, stages, m, choice_of(p), hw, "auto")
+            partition(costs, bounds_bytes, stages, m, schedule, hw, "auto")
             fixes.append("activation checkpointing (pipeline.checkpointing = \"auto\" fits)")
         except Infeasible:
             fixes.append("activation checkpointing (not enough alone)")
     micro = config.micro_batch_size
     if micro > 1:  # costs scale linearly with the micro-batch; one sample cannot be halved
         try:
-            partition(scaled(costs, (micro // 2) / micro), bounds_bytes, stages, m, choice_of(p), hw, p.checkpointing)
+            partition(scaled(costs, (micro // 2) / micro), bounds_bytes, stages, m, schedule, hw, p.checkpointing)
             fixes.append(f"a smaller micro-batch ({micro // 2} instead of {micro} fits: lower train.batch_size or "
                          "raise pipeline.microbatches)")
         except Infeasible:
@@ -154,11 +155,12 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
     costs = scaled(per_sample if per_sample is not None else unit_costs(config, meta, 1), micro)
     bb = boundary_bytes(meta, costs, example_inputs(config, meta, micro)[0])
     p = config.pipeline
+    schedule = choice_of(p)
     try:
-        planned = partition(costs, bb, stages, microbatches, choice_of(p), hw, p.checkpointing)
+        planned = partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing)
     except Infeasible:
         raise Infeasible(_explain(config, costs, bb, stages, microbatches, hw)) from None
-    params = estimate_stages(costs, bb, balanced_by_parameters(meta, stages), microbatches, choice_of(p), hw,
+    params = estimate_stages(costs, bb, balanced_by_parameters(meta, stages), microbatches, schedule, hw,
                              p.checkpointing)
     return Plan(stages, data_parallel, microbatches, micro, planned, params,
                 [c.trainable_params for c in costs], hw.link_gbps)
@@ -208,7 +210,8 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
     stage_specs(backbone, starts)  # validates
     if p.checkpointing == "auto":
         costs = unit_costs(config, meta, config.micro_batch_size)
-        est = estimate_stages(costs, boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0]), starts, p.microbatches, choice_of(p), hw, "auto")
+        bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
+        est = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, "auto")
         return starts, [s.index for s in est.stages if s.checkpointed]
     if p.checkpointing == "all":
         return starts, list(range(stages))

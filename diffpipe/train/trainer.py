@@ -73,7 +73,8 @@ class Trainer:
         if not isinstance(p.split, list) or not isinstance(p.checkpointing, list):
             p.split, p.checkpointing = resolve_stages(config, backbone)
         specs = stage_specs(backbone, p.split)
-        mine = schedule_named(p.schedule).stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
+        schedule = schedule_named(p.schedule)
+        mine = schedule.stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
         # weights for this process's stages only: the others' stay on the meta device, costing nothing
         give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)])
         all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
@@ -109,7 +110,7 @@ class Trainer:
             print(f"{len(self.data.items)} images in {len(counts)} bucket(s): "
                   + ", ".join(f"{b} {n}" for b, n in counts) + held, flush=True)
         moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches,
-                             lambda s: schedule_named(p.schedule).rank_of(s, p.stages))
+                             lambda s: schedule.rank_of(s, p.stages))
         self.writers = make_writers(config, run_dir) if topo.is_main else ScalarWriters([])
         self.observer = PipelineObserver(config, topo, run_dir, moved, probe_link(topo), self.writers)
         self.bad_streak, self.skipped_steps = 0, 0  # steps skipped for non-finite values: in a row, in all
