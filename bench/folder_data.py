@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from diffpipe.config import build_config  # noqa: E402
 from diffpipe.data.images import prepare_folder_images  # noqa: E402
-from diffpipe.models.pipeline_folder import PipelineText, load_vae  # noqa: E402
+from diffpipe.models.pipeline_folder import PipelineText  # noqa: E402
+from diffpipe.models.vae import load_vae  # noqa: E402
 
 _SHAPES = {"real": [(1024, 1024), (1216, 832), (832, 1216)], "tiny": [(128, 128), (160, 96), (96, 160)]}
 

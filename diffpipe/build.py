@@ -11,7 +11,8 @@ from .models.family import Feed, ModelFamily
 from .models.lora import add_lora, base_module_name, load_adapters, seed_lora
 from .models.loading import CheckpointError, build_model, checked_weights
 from .models.materialise import is_meta, materialise
-from .models.pipeline_folder import is_pipeline_folder, load_vae, vae_scale_factor
+from .models.pipeline_folder import is_pipeline_folder
+from .models.vae import latent_frames, load_vae, vae_frame_factor, vae_scale_factor
 from .models.registry import ArchitectureError, family_for
 from .models.text import CaptionEncoder, TextEncoder
 from .models.units import Backbone, full_parameter_names
@@ -88,16 +89,20 @@ def feed(config: RunConfig, backbone: Backbone) -> Feed:
 def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, ...]:
     """(channels, height, width) of the latents the backbone denoises (before any packing), (channels, frames, height,
     width) for a video family: for image folders, the latents of a data.resolution square (every bucket has about
-    its area), else the family's default size."""
+    its area) and of the longest frame bucket, else data.latent_size or the family's default size."""
     family, cfg = backbone.family, backbone.model.config
     if config.data.dataset == "folder" and is_pipeline_folder(config.model.path):
-        side = config.data.resolution // vae_scale_factor(Path(config.model.path))
+        size = (config.data.resolution // vae_scale_factor(Path(config.model.path)),) * 2
+    elif config.data.latent_size is not None:
+        size = tuple(config.data.latent_size)
     else:
-        side = family.default_latent_size(cfg)
+        size = (family.default_latent_size(cfg),) * 2
     frames = family.latent_frames(cfg)
-    if frames is not None and config.data.frames is not None:
+    if frames is not None and config.data.dataset == "folder" and is_pipeline_folder(config.model.path):
+        frames = latent_frames(max(config.data.frame_buckets), vae_frame_factor(Path(config.model.path)))
+    elif frames is not None and config.data.frames is not None:
         frames = config.data.frames
-    return (family.latent_channels(cfg),) + ((frames,) if frames is not None else ()) + (side, side)
+    return (family.latent_channels(cfg),) + ((frames,) if frames is not None else ()) + size
 
 
 def text_length(config: RunConfig) -> int:
@@ -154,4 +159,6 @@ def build_dataset(config: RunConfig, backbone: Backbone, text: CaptionEncoder, d
         raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
                               "model_index.json and vae/), whose VAE turns the images into latents")
     vae = load_vae(Path(config.model.path)).to(device)
-    return prepare_folder_images(config.data, Path(config.model.path), vae, text, rank, world, barrier)
+    video = backbone.family.latent_frames(backbone.model.config) is not None
+    return prepare_folder_images(config.data, Path(config.model.path), vae, text, rank, world, barrier,
+                                 frame_buckets=sorted(set(config.data.frame_buckets)) if video else None)

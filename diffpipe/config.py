@@ -74,7 +74,9 @@ class DataConfig(_Section):
     cache_dir: str | None = Field(None, description="Where the caches live; unset: .diffpipe_cache inside the first data folder (shared by runs on the same data).")
     eval_fraction: float = Field(0.0, ge=0.0, lt=0.5, description="data.dataset = folder: share of the image files held out of training for the eval loss (every k-th file in name order).")
     eval_path: str | list[str] | None = Field(None, description="data.dataset = folder: folder(s) of images with captions for the eval loss instead of data.eval_fraction.")
+    frame_buckets: list[int] = Field([1, 33], min_length=1, description="Video families on folders: clip lengths in video frames. Each video trains as its first F frames, F the longest bucket it fills (shorter videos are skipped and counted); still images as clips of 1 frame when 1 is listed. Wan's VAE needs 1 + 4k frames (1, 33, 81).")
     frames: int | None = Field(None, ge=1, description="Video families on moving_digits or synthetic clips: latent frames per clip; unset: the family's default (digits clips 4; Wan 21, i.e. 81 video frames through its VAE).")
+    latent_size: list[int] | None = Field(None, min_length=2, max_length=2, description="digits, moving_digits and synthetic data, and plans: [height, width] of the latents trained on (for a real-width model, pixels / 8: [60, 104] is 480x832); unset: the family's default (a 1024 square for image models, 480x480 for Wan). Folders: set by data.resolution and the buckets.")
     caption_dropout: float = Field(0.1, ge=0.0, le=1.0, description="Fraction of captions replaced by the empty caption (enables guidance).")
     text_cache_gib: float = Field(1.0, ge=0, description="digits and synthetic: encode each distinct caption once and keep the text encoder's outputs on its device when they all fit in this many GiB; 0: encode every step's captions.")
 
@@ -88,6 +90,8 @@ class DataConfig(_Section):
         if isinstance(self.repeats, list) and len(self.repeats) != len(paths):
             raise ValueError(f"data.repeats lists {len(self.repeats)} numbers for {len(paths)} folders in data.path; "
                              "give one per folder, or a single number")
+        if any(f < 1 for f in self.frame_buckets):
+            raise ValueError(f"data.frame_buckets={self.frame_buckets}: each must be 1 frame or more")
         repeats = self.repeats if isinstance(self.repeats, list) else [self.repeats]
         if any(r < 1 for r in repeats):
             raise ValueError(f"data.repeats={self.repeats}: each must be 1 or more")
@@ -298,8 +302,33 @@ def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
     except ValidationError as exc:
         lines = [_describe(e, RunConfig) for e in exc.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+    _resolve_architecture(config)
     _resolve_objective(config)
     return config
+
+
+def _resolve_architecture(config: RunConfig) -> None:
+    """A pipeline folder names its backbone's class (model_index.json): model.architecture unset, that class's family
+    is used; set to another family, the run is refused before anything loads."""
+    import json
+
+    from .models.pipeline_folder import is_pipeline_folder
+    from .models.registry import BUILTIN_FAMILIES, family_for
+
+    if not is_pipeline_folder(config.model.path):
+        return
+    index = json.loads((Path(config.model.path) / "model_index.json").read_text())
+    classes = {entry[1] for key, entry in index.items() if key in ("unet", "transformer") and isinstance(entry, list)}
+    families = {name for name in BUILTIN_FAMILIES if family_for(name).model_class.__name__ in classes}
+    if len(families) != 1 or config.model.architecture in families:
+        return
+    (found,) = families
+    if "architecture" not in config.model.model_fields_set:
+        config.model.architecture = found
+        return
+    raise ConfigError(f"model.architecture = {config.model.architecture!r} but model.path={config.model.path} is a "
+                      f"{index.get('_class_name', 'pipeline')} folder whose backbone is {' '.join(classes)} "
+                      f"(architecture {found!r}); set model.architecture = \"{found}\" or leave it out")
 
 
 def _resolve_objective(config: RunConfig) -> None:

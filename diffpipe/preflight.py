@@ -67,7 +67,8 @@ def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:
     import json
 
     from .data.images import data_folders
-    from .models.pipeline_folder import is_pipeline_folder, vae_scale_factor
+    from .models.pipeline_folder import is_pipeline_folder
+    from .models.vae import vae_frame_factor, vae_scale_factor
 
     if not is_pipeline_folder(config.model.path):
         raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
@@ -79,10 +80,21 @@ def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:
                 raise FileNotFoundError(f"{key}: {path} is not a folder")
     family, cfg = backbone.family, backbone.model.config
     vae = json.loads((folder / "vae" / "config.json").read_text())
-    if vae.get("latent_channels") != family.latent_channels(cfg):
-        raise CheckpointError(f"{folder}: the VAE makes {vae.get('latent_channels')}-channel latents but the "
+    channels = vae.get("latent_channels", vae.get("z_dim"))  # image VAEs; Wan's
+    if channels != family.latent_channels(cfg):
+        raise CheckpointError(f"{folder}: the VAE makes {channels}-channel latents but the "
                               f"{family.backbone_name} takes {family.latent_channels(cfg)}; the folder mixes components "
                               "of different models")
+    frame_factor = vae_frame_factor(folder)
+    if family.latent_frames(cfg) is not None:
+        wrong = [f for f in config.data.frame_buckets if (f - 1) % frame_factor]
+        if wrong:
+            raise CheckpointError(f"data.frame_buckets = {config.data.frame_buckets}: {folder.name}'s VAE makes a latent "
+                                  f"frame of the first frame and of every {frame_factor} after it, so a clip needs "
+                                  f"1 + {frame_factor}k frames; {wrong} are not (e.g. {1 + 8 * frame_factor})")
+    elif frame_factor > 1:
+        raise CheckpointError(f"{folder}: its VAE encodes video clips but the {family.backbone_name} is an image "
+                              "model; the folder mixes components of different models")
     factor = vae_scale_factor(folder)
     multiple = family.latent_multiple(cfg)
     if (config.data.bucket_step // factor) % multiple or config.data.bucket_step % factor:

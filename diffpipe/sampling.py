@@ -19,7 +19,8 @@ from .data.batches import BatchMaker, square_size_ids
 from .diffusion.samplers import sample
 from .models.family import Feed
 from .models.loading import CheckpointError
-from .models.pipeline_folder import is_pipeline_folder, load_vae
+from .models.pipeline_folder import is_pipeline_folder
+from .models.vae import decode_latents, load_vae, vae_scale_factor
 from .models.text import CaptionEncoder, TextEncoder
 from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
@@ -87,15 +88,12 @@ class Generator:
     @property
     def pixel_size(self) -> tuple[int, int]:
         """(height, width) of the images made, in pixels."""
-        factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
+        factor = vae_scale_factor(self.vae) if self.vae is not None else 1
         return self.shape[-2] * factor, self.shape[-1] * factor
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents scaled as in training (data/images.py, encode_latents) to RGB in [-1, 1]."""
-        cfg = self.vae.config
-        unscaled = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
-        weights = next(self.vae.parameters())
-        return self.vae.decode(unscaled.to(weights.device, weights.dtype)).sample.float().clamp(-1, 1).cpu()
+        """Latents scaled as in training (models/vae.py) to RGB in [-1, 1]: images, or clips (N, 3, F, H, W)."""
+        return decode_latents(self.vae, latents)
 
 
 def load_generator(run_dir: str | Path) -> Generator:

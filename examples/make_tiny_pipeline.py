@@ -1,17 +1,21 @@
-"""Write small diffusers pipeline folders (random weights, the exact SD 1.5, SDXL, Flux and SD3 layouts) and a folder
-of real photographs with captions, so the real-data path can be tried and tested without downloading anything.
+"""Write small diffusers pipeline folders (random weights, the exact SD 1.5, SDXL, Flux, SD3 and Wan layouts), a folder
+of real photographs with captions and a folder of short captioned videos, so the real-data path can be tried and
+tested without downloading anything.
 
-    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,flux,sd3,photos}
+    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,flux,sd3,wan,photos,clips}
     python examples/make_tiny_pipeline.py --out DIR        # somewhere else
     diffpipe train examples/photos.toml                    # then fine-tune the tiny SDXL-layout pipeline on the photos
     diffpipe train examples/flux_tiny.toml                 # or the tiny Flux-layout one (sd3_tiny.toml: SD3)
+    diffpipe train examples/wan_clips.toml                 # a tiny Wan-layout video model on the clips
 
 Each pipeline is built from diffusers' and transformers' own classes (UNet2DConditionModel, AutoencoderKL, CLIP text
 models and a real CLIP BPE tokenizer over a small vocabulary) and written by the pipeline's `save_pretrained`, so
 the folders are laid out as on the Hub: model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/ (and
 text_encoder_2/, tokenizer_2/ for SDXL; transformer/, a CLIP and a T5 encoder with a real T5 unigram tokenizer for
-Flux; three text encoders for SD3). The photos are scikit-learn's two sample photographs (china.jpg,
+Flux; three text encoders for SD3; for Wan its video VAE and a umT5 encoder). The photos are scikit-learn's two sample photographs (china.jpg,
 flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption.
+The clips are coloured shapes sliding over a gradient, written as mp4 (H.264) and webm (VP9) by PyAV, captioned with
+the shape, its colour and its motion.
 """
 from __future__ import annotations
 
@@ -19,13 +23,15 @@ import argparse
 from pathlib import Path
 
 import torch
-from diffusers import (AutoencoderKL, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline,
-                       FluxTransformer2DModel, PNDMScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline,
-                       StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel)
+from diffusers import (AutoencoderKL, AutoencoderKLWan, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler,
+                       FluxPipeline, FluxTransformer2DModel, PNDMScheduler, SD3Transformer2DModel,
+                       StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline,
+                       UNet2DConditionModel, WanPipeline, WanTransformer3DModel)
 from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config,
-                          T5EncoderModel, T5Tokenizer)
+                          T5EncoderModel, T5Tokenizer, UMT5Config, UMT5EncoderModel)
 
-__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_photos", "fitted_vae", "CAPTION_WORDS"]
+__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_wan", "write_photos", "write_clips",
+           "write_video", "fitted_vae", "CAPTION_WORDS"]
 
 CAPTION_WORDS = ("a photo of the chinese temple flower pink yellow red roof tree sky close view wide "
                  "detail painting drawing").split()
@@ -184,6 +190,86 @@ def write_sd3(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Pat
     return out / "sd3"
 
 
+def write_wan(out: Path, seed: int = 0) -> Path:
+    """Wan layout: a umT5 encoder (32 wide, 512 tokens, real T5 unigram tokenizer), Wan's video VAE (4 latent channels,
+    8x smaller sides, a latent frame per 4 video frames; random weights, latents scaled to spread 1) and a
+    two-block WanTransformer3DModel."""
+    torch.manual_seed(seed)
+    tokenizer = tiny_t5_tokenizer()
+    text_encoder = UMT5EncoderModel(UMT5Config(
+        vocab_size=len(tokenizer), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    with torch.no_grad():  # the spread of its latents of a random clip, as diffusers' configs record Wan's
+        z = vae.encode(torch.rand(1, 3, 9, 64, 64, generator=torch.Generator().manual_seed(seed)) * 2 - 1).latent_dist.mean
+    vae.register_to_config(latents_mean=z.mean(dim=(0, 2, 3, 4)).tolist(), latents_std=z.std(dim=(0, 2, 3, 4)).tolist())
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32,
+        freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+        rope_max_seq_len=64)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae.eval(), transformer=transformer,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    pipe.save_pretrained(out / "wan", safe_serialization=True)
+    return out / "wan"
+
+
+def write_video(path: Path, frames: list, fps: int = 8) -> Path:
+    """RGB frames (uint8 arrays, height x width x 3, even sides) as a video: H.264 in .mp4, VP9 in .webm."""
+    import av
+
+    codec = {".mp4": "libx264", ".webm": "libvpx-vp9"}[path.suffix]
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "yuv420p"
+        for pixels in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())  # flush
+    return path
+
+
+_COLOURS = {"red": (220, 40, 40), "blue": (40, 70, 220), "yellow": (230, 200, 30)}
+_MOTIONS = {"left": (0, -2), "right": (0, 2), "up": (-2, 0), "down": (2, 0)}  # (rows, columns) a frame
+
+
+def _shape_frames(shape: str, colour: str, motion: str, frames: int, size: tuple[int, int]) -> list:
+    import numpy as np
+
+    height, width = size
+    rows, cols = np.mgrid[0:height, 0:width]
+    background = np.stack([40 + 120 * rows / height, 90 + 60 * cols / width, 160 + 0 * rows], -1)
+    (dy, dx), side = _MOTIONS[motion], min(height, width) // 4
+    clip = []
+    for f in range(frames):
+        top, left = (height // 2 + dy * (f - frames // 2)) % height, (width // 2 + dx * (f - frames // 2)) % width
+        if shape == "square":
+            inside = (abs(rows - top) <= side // 2) & (abs(cols - left) <= side // 2)
+        else:
+            inside = (rows - top) ** 2 + (cols - left) ** 2 <= (side // 2) ** 2
+        clip.append(np.where(inside[..., None], _COLOURS[colour], background).astype(np.uint8))
+    return clip
+
+
+def write_clips(out: Path) -> Path:
+    """Twelve captioned videos of a square or disc sliding left, right, up or down (landscape 64x48 and portrait
+    48x64, 24 to 40 frames; eleven mp4, one webm) and one still image."""
+    from PIL import Image
+
+    folder = out / "clips"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(12):
+        shape, colour, motion = ("square", "disc")[i % 2], list(_COLOURS)[i % 3], list(_MOTIONS)[i % 4]
+        size = (48, 64) if i % 3 else (64, 48)
+        frames = _shape_frames(shape, colour, motion, 24 + 4 * (i % 5), size)
+        name = f"{colour}_{shape}_{motion}_{i}"
+        write_video(folder / f"{name}{'.webm' if i == 5 else '.mp4'}", frames)
+        (folder / f"{name}.txt").write_text(f"a {colour} {shape} moving {motion}\n")
+    Image.fromarray(_shape_frames("disc", "blue", "left", 1, (48, 64))[0]).save(folder / "still_blue_disc.png")
+    (folder / "still_blue_disc.txt").write_text("a blue disc\n")
+    return folder
+
+
 # (photo, caption, crops as (left, top, width, height) in the 640x427 photo): landscape, portrait and square crops
 _CROPS = {
     "china": ("a photo of the chinese temple", [
@@ -220,7 +306,7 @@ def main() -> None:
     out = Path(args.out)
     vae = fitted_vae()  # one VAE for every layout: they differ in the backbone and text encoders
     for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_sd3(out, vae),
-                 write_photos(out)):
+                 write_wan(out), write_photos(out), write_clips(out)):
         print(f"wrote {path}")
 
 

@@ -30,3 +30,14 @@ def tiny(tmp_path_factory) -> Path:
     script.write_sd3(out, vae)
     script.write_photos(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_video(tmp_path_factory) -> Path:
+    """A folder with wan/ (a WanPipeline folder: umT5, Wan's video VAE, a two-block transformer) and clips/ (twelve
+    captioned mp4/webm videos and a still image); treat it as read-only (copy clips/ before changing it)."""
+    out = tmp_path_factory.mktemp("tiny_video")
+    script = load_tiny_pipeline_script()
+    script.write_wan(out)
+    script.write_clips(out)
+    return out

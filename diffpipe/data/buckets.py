@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["Bucket", "Placement", "make_buckets", "place", "to_pixels"]
+__all__ = ["Bucket", "Placement", "make_buckets", "place", "to_pixels", "clip_to_pixels"]
 
 
 @dataclass(frozen=True, order=True)
@@ -28,12 +28,19 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where an image goes: its bucket, the size it is resized to, and the crop's top-left in that size."""
+    """Where an image goes: its bucket, the size it is resized to, and the crop's top-left in that size; for a video
+    family also its clip length in frames (its frame bucket; an image is a clip of 1)."""
 
     bucket: Bucket
     resized: tuple[int, int]  # (width, height)
     top: int
     left: int
+    frames: int = 0  # 0: an image model's image
+
+    @property
+    def name(self) -> str:
+        """The batch shape in the user's words: 832x480, or 832x480x33f for clips of 33 frames."""
+        return f"{self.bucket}x{self.frames}f" if self.frames else str(self.bucket)
 
 
 def make_buckets(resolution: int, step: int, max_aspect: float) -> list[Bucket]:
@@ -50,13 +57,13 @@ def make_buckets(resolution: int, step: int, max_aspect: float) -> list[Bucket]:
     return sorted(buckets, key=lambda b: b.width / b.height)
 
 
-def place(width: int, height: int, buckets: list[Bucket]) -> Placement:
+def place(width: int, height: int, buckets: list[Bucket], frames: int = 0) -> Placement:
     """The bucket nearest the image's aspect ratio (in log ratio), the cover resize and the centred crop."""
     ratio = math.log(width / height)
     bucket = min(buckets, key=lambda b: (abs(math.log(b.width / b.height) - ratio), b))
     scale = max(bucket.width / width, bucket.height / height)
     resized = (max(bucket.width, round(width * scale)), max(bucket.height, round(height * scale)))
-    return Placement(bucket, resized, (resized[1] - bucket.height) // 2, (resized[0] - bucket.width) // 2)
+    return Placement(bucket, resized, (resized[1] - bucket.height) // 2, (resized[0] - bucket.width) // 2, frames)
 
 
 def to_pixels(image: Image.Image, placement: Placement) -> torch.Tensor:
@@ -66,3 +73,8 @@ def to_pixels(image: Image.Image, placement: Placement) -> torch.Tensor:
     crop = resized.crop((placement.left, placement.top, placement.left + b.width, placement.top + b.height))
     pixels = torch.from_numpy(np.asarray(crop, dtype=np.float32).copy()).permute(2, 0, 1)
     return pixels / 127.5 - 1
+
+
+def clip_to_pixels(frames: list[Image.Image], placement: Placement) -> torch.Tensor:
+    """Frames resized and cropped alike into their bucket: (3, frames, height, width) in [-1, 1]."""
+    return torch.stack([to_pixels(frame, placement) for frame in frames], dim=1)

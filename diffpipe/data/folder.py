@@ -4,7 +4,8 @@ A caption comes from `metadata.jsonl` (one JSON object per line with `file_name`
 folder has one, else from a same-named `.txt` beside the image (`cat.jpg` and `cat.txt`); an image without either
 gets the empty caption. jpg, png and webp; EXIF orientation applied; grey, palette, RGBA (on white), CMYK and 16-bit
 images converted to 8-bit RGB. Files that cannot be used (zero bytes, not an image, truncated, too small) are
-skipped and reported by `Skipped`, never trained on and never a crash mid-run.
+skipped and reported by `Skipped`, never trained on and never a crash mid-run. For video families the folders'
+videos are listed too (data/videos.py).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ class ImageItem:
     caption: str
     width: int  # as seen, EXIF orientation applied
     height: int
+    frames: int = 0  # a video's frames; 0: a still image
 
 
 @dataclass
@@ -48,7 +50,7 @@ class Skipped:
         """One line counting the skipped files and naming a few."""
         named = "; ".join(f"{p.name}: {why}" for p, why in self.files[:3])
         more = f"; and {len(self.files) - 3} more" if len(self.files) > 3 else ""
-        return f"warning: skipped {len(self.files)} image file(s) that cannot be trained on ({named}{more})"
+        return f"warning: skipped {len(self.files)} file(s) that cannot be trained on ({named}{more})"
 
 
 def _metadata_captions(folder: Path) -> dict[str, str]:
@@ -82,30 +84,38 @@ def _oriented_size(image: Image.Image) -> tuple[int, int]:
     return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
 
 
-def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skipped) -> list[ImageItem]:
-    """Every usable image of the folders (subfolders included), each listed `repeats` times, in a stable order.
-    Reads only the headers: truncated files are caught by `read_rgb` when the image is decoded."""
+def _probe_image(path: Path) -> tuple[int, int, int]:
+    try:
+        with Image.open(path) as image:
+            return (*_oriented_size(image), 0)
+    except (UnidentifiedImageError, OSError) as exc:
+        raise BadImage(f"not a readable image ({type(exc).__name__})") from None
+
+
+def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skipped,
+                 videos: bool = False) -> list[ImageItem]:
+    """Every usable image (and with `videos`, video) of the folders (subfolders included), each listed `repeats`
+    times, in a stable order. Reads only the headers: truncated files are caught when they are decoded."""
+    from .videos import VIDEO_SUFFIXES, probe_video
+
+    probes = dict.fromkeys(IMAGE_SUFFIXES, _probe_image) | (dict.fromkeys(VIDEO_SUFFIXES, probe_video) if videos else {})
     items = []
     for folder, repeats in folders:
         if not folder.is_dir():
             raise FileNotFoundError(f"data.path: {folder} is not a folder")
         metadata = _metadata_captions(folder)
-        for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()):
+        for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in probes and p.is_file()):
             try:
                 if path.stat().st_size == 0:
                     raise BadImage("empty file (0 bytes)")
-                with Image.open(path) as image:
-                    width, height = _oriented_size(image)
-            except (UnidentifiedImageError, OSError) as exc:
-                skipped.add(path, f"not a readable image ({type(exc).__name__})")
-                continue
+                width, height, frames = probes[path.suffix.lower()](path)
             except BadImage as exc:
                 skipped.add(path, str(exc))
                 continue
             if min(width, height) < min_side:
                 skipped.add(path, f"{width}x{height} is too small (shorter side under {min_side} pixels)")
                 continue
-            items += [ImageItem(path, _caption(path, metadata, folder), width, height)] * repeats
+            items += [ImageItem(path, _caption(path, metadata, folder), width, height, frames)] * repeats
     return items
 
 

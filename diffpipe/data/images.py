@@ -1,4 +1,8 @@
-"""A folder dataset ready to train on: images scanned and bucketed, VAE latents and text-encoder outputs cached.
+"""A folder dataset ready to train on: images (and for video families, videos) scanned and bucketed, VAE latents and
+text-encoder outputs cached.
+
+For a video family every item is a clip (3, F, H, W): a video's first F frames, F its frame bucket, or a still
+image as a clip of one frame; a batch holds one aspect-ratio bucket and one frame bucket.
 
 Cache keys (data/cache.py) are fingerprints: a latent's of the image file's bytes, its bucket, crop and flip, in a
 store named by the VAE weights' fingerprint; a caption's of its text, in a store named by the text encoders' and
@@ -19,13 +23,15 @@ from rich.progress import track
 
 from ..config import DataConfig
 from ..models.pipeline_folder import PipelineText, component_weights, fingerprint_files
-from .buckets import Bucket, Placement, make_buckets, place, to_pixels
+from ..models.vae import encode_latents
+from .buckets import Bucket, Placement, clip_to_pixels, make_buckets, place, to_pixels
 from .cache import ShardStore, fill_store
 from .folder import BadImage, ImageItem, Skipped, read_rgb, scan_folders
+from .videos import clip_frames, read_clip
 
-__all__ = ["FolderImages", "prepare_folder_images", "data_buckets", "cache_folder", "encode_latents"]
+__all__ = ["FolderImages", "prepare_folder_images", "data_buckets", "cache_folder", "read_pixels"]
 
-_CHUNK = 8  # images per VAE call
+_CHUNK = 8  # images per VAE call (clips: one per call)
 
 
 def data_buckets(data: DataConfig) -> list[Bucket]:
@@ -57,6 +63,8 @@ def _file_hash(path: Path) -> str:
 def latent_key(content: str, placement: Placement, flip: bool = False) -> str:
     p = placement
     text = f"{content}/{p.bucket}/{p.resized[0]}x{p.resized[1]}/{p.left},{p.top}/flip={int(flip)}"
+    if p.frames:  # (images of image models keep the keys they had before clips existed)
+        text += f"/frames={p.frames}"
     return hashlib.sha256(text.encode()).hexdigest()[:40]
 
 
@@ -64,14 +72,12 @@ def caption_key(caption: str) -> str:
     return hashlib.sha256(caption.encode()).hexdigest()[:40]
 
 
-@torch.no_grad()
-def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
-    """Scaled latents of pixels in [-1, 1] (N, 3, H, W): the mean of the VAE's posterior, as diffusers' training
-    scripts scale it ((z - shift) x scaling_factor)."""
-    device = next(vae.parameters()).device
-    mean = vae.encode(pixels.to(device, next(vae.parameters()).dtype)).latent_dist.mean.float()
-    shift = vae.config.shift_factor or 0.0
-    return (mean - shift) * vae.config.scaling_factor
+def read_pixels(item: ImageItem, placement: Placement) -> torch.Tensor:
+    """What the VAE encodes of an item: (3, H, W) for an image model, (3, F, H, W) for a video family's clip."""
+    if not placement.frames:
+        return to_pixels(read_rgb(item.path), placement)
+    frames = [read_rgb(item.path)] if item.frames == 0 else read_clip(item.path, placement.frames)
+    return clip_to_pixels(frames, placement)
 
 
 @dataclass
@@ -90,13 +96,13 @@ class FolderImages:
         return [item.caption for item in self.items]
 
     def bucket_counts(self) -> Counter:
-        return Counter(p.bucket for p in self.placements)
+        return Counter(p.name for p in self.placements)
 
     def groups(self) -> list[list[int]]:
-        """Indices of the items of each bucket: what may share a batch."""
-        groups: dict[Bucket, list[int]] = {}
+        """Indices of the items of each bucket (and frame bucket): what may share a batch."""
+        groups: dict[tuple[Bucket, int], list[int]] = {}
         for i, p in enumerate(self.placements):
-            groups.setdefault(p.bucket, []).append(i)
+            groups.setdefault((p.bucket, p.frames), []).append(i)
         return [groups[b] for b in sorted(groups)]
 
     def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
@@ -120,7 +126,7 @@ class FolderImages:
     def x0(self, indices: list[int]) -> torch.Tensor:
         if self.latents is not None:
             return torch.stack([self.latents[i] for i in indices])
-        pixels = torch.stack([to_pixels(read_rgb(self.items[i].path), self.placements[i]) for i in indices])
+        pixels = torch.stack([read_pixels(self.items[i], self.placements[i]) for i in indices])
         return encode_latents(self.vae, pixels).cpu()
 
     def size_ids(self, indices: list[int]) -> torch.Tensor:
@@ -141,19 +147,22 @@ def _by_shape(ready: list[tuple[str, torch.Tensor]]):
 
 
 def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: PipelineText, rank: int = 0, world: int = 1,
-                          barrier: Callable[[], None] = lambda: None, show: bool = True) -> FolderImages:
+                          barrier: Callable[[], None] = lambda: None, show: bool = True,
+                          frame_buckets: list[int] | None = None) -> FolderImages:
     """Scan, bucket and (with data.cache) cache latents and text outputs, this process computing its share of what is
-    missing; every process returns the same dataset. Skipped files are printed once (by rank 0) and counted."""
+    missing; every process returns the same dataset. Skipped files are printed once (by rank 0) and counted.
+    `frame_buckets` (video families): clip lengths in frames; videos are then read too."""
     buckets = data_buckets(data)
     skipped = Skipped()
     min_side = min(min(b.width, b.height) for b in buckets) // 2
-    items = scan_folders(data_folders(data), min_side, skipped)
+    videos = frame_buckets is not None
+    items = scan_folders(data_folders(data), min_side, skipped, videos)
     if data.eval_path:
-        eval_items = scan_folders(data_folders(data, eval_split=True), min_side, skipped)
+        eval_items = scan_folders(data_folders(data, eval_split=True), min_side, skipped, videos)
     else:
         items, eval_items = _hold_out(items, data.eval_fraction)
-    dataset = _placed(items, buckets, skipped, vae)
-    held = _placed(eval_items, buckets, skipped, vae) if eval_items else None
+    dataset = _placed(items, buckets, skipped, vae, frame_buckets)
+    held = _placed(eval_items, buckets, skipped, vae, frame_buckets) if eval_items else None
     if data.cache:  # the models' fingerprints (a read of their weight files) once for both splits
         vae_fingerprint = fingerprint_files(component_weights(model_path, "vae"))
         latent_store = ShardStore(cache_folder(data) / f"latents-{vae_fingerprint[:16]}")
@@ -167,13 +176,28 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
     if rank == 0 and skipped.files:
         print(skipped.warning(), flush=True)
     if not dataset.items:
-        raise FileNotFoundError(f"data.path: no usable images in {', '.join(str(f) for f, _ in data_folders(data))}")
+        what = "images or videos" if videos else "images"
+        raise FileNotFoundError(f"data.path: no usable {what} in {', '.join(str(f) for f, _ in data_folders(data))}")
     dataset.held_out = held if held is not None and held.items else None
     return dataset
 
 
-def _placed(items: list[ImageItem], buckets: list[Bucket], skipped: Skipped, vae) -> FolderImages:
-    return FolderImages(items, [place(i.width, i.height, buckets) for i in items], skipped, vae=vae)
+def _placed(items: list[ImageItem], buckets: list[Bucket], skipped: Skipped, vae,
+            frame_buckets: list[int] | None) -> FolderImages:
+    if frame_buckets is None:
+        return FolderImages(items, [place(i.width, i.height, buckets) for i in items], skipped, vae=vae)
+    kept, placements = [], []
+    for item in items:
+        frames = clip_frames(item.frames, frame_buckets)
+        if frames is None:
+            if not any(path == item.path for path, _ in skipped.files):  # once, not once per repeat
+                skipped.add(item.path, f"a still image, and data.frame_buckets {frame_buckets} has no 1" if not item.frames
+                            else f"too short: {item.frames} frames, and the shortest clip of data.frame_buckets "
+                                 f"{frame_buckets} is {min(b for b in frame_buckets if b > 1)}")
+            continue
+        kept.append(item)
+        placements.append(place(item.width, item.height, buckets, frames))
+    return FolderImages(kept, placements, skipped, vae=vae)
 
 
 def _hold_out(items: list[ImageItem], fraction: float) -> tuple[list[ImageItem], list[ImageItem]]:
@@ -191,7 +215,7 @@ def _check_decodes(dataset: FolderImages) -> None:
     """Uncached, every image is decoded once now: a broken one never fails a step."""
     for i in reversed(range(len(dataset.items))):
         try:
-            read_rgb(dataset.items[i].path)
+            read_pixels(dataset.items[i], dataset.placements[i])
         except BadImage as exc:
             dataset.skipped.add(dataset.items[i].path, str(exc))
             del dataset.items[i], dataset.placements[i]
@@ -207,12 +231,13 @@ def _cache_latents(dataset: FolderImages, store: ShardStore, vae, rank, world, b
     def compute(wanted: list[str]):
         entries, failed = {}, {}
         todo = sorted(((k, first_index[k]) for k in wanted), key=lambda ki: dataset.placements[ki[1]].bucket)
-        chunks = [todo[s:s + _CHUNK] for s in range(0, len(todo), _CHUNK)]
+        size = 1 if any(p.frames > 1 for p in dataset.placements) else _CHUNK
+        chunks = [todo[s:s + size] for s in range(0, len(todo), size)]
         for chunk in track(chunks, description="caching VAE latents", disable=not (show and rank == 0)):
             ready = []
             for key, i in chunk:
                 try:
-                    ready.append((key, to_pixels(read_rgb(dataset.items[i].path), dataset.placements[i])))
+                    ready.append((key, read_pixels(dataset.items[i], dataset.placements[i])))
                 except BadImage as exc:
                     failed[key] = str(exc)
             for chunk_keys, pixels in _by_shape(ready):

@@ -5,7 +5,9 @@ states of T5 (text_encoder_2/, 512 tokens). SD3 / SD3.5 (StableDiffusion3Pipelin
 hidden states of two CLIP models with projection (text_encoder/, text_encoder_2/) concatenated and zero-padded to
 T5's width, followed along the sequence by T5's (text_encoder_3/, 256 tokens); the pooled text is both CLIPs'
 projections concatenated. Both are tested equal to the pipelines' `encode_prompt` on folders their
-`save_pretrained` wrote. Weights are read from safetensors files only.
+`save_pretrained` wrote. Wan (WanPipeline's `_get_t5_prompt_embeds`): umT5's last hidden states over 512 tokens (the
+pipeline's default), the caption cleaned as the pipeline cleans it, every position past the caption's tokens zero;
+no pooled text. Weights are read from safetensors files only.
 """
 from __future__ import annotations
 
@@ -13,16 +15,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel
+from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel, UMT5EncoderModel
 
 from .loading import CheckpointError
 from .pipeline_folder import component_weights, fingerprint_files, text_encoder_configs
 from .text import CaptionEncoder
 
-__all__ = ["FluxText", "SD3Text", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "flux_text_widths", "sd3_text_widths"]
+__all__ = ["FluxText", "SD3Text", "WanText", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "WAN_T5_TOKENS", "flux_text_widths",
+           "sd3_text_widths"]
 
 FLUX_T5_TOKENS = 512  # FluxPipeline's max_sequence_length
 SD3_T5_TOKENS = 256  # StableDiffusion3Pipeline's max_sequence_length
+WAN_T5_TOKENS = 512  # WanPipeline's max_sequence_length
 _CLIP_TOKENS = 77
 
 
@@ -116,6 +120,35 @@ class SD3Text(_FolderText):
         clip = torch.cat(hidden, dim=-1)
         clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
         return torch.cat([clip, t5], dim=-2), torch.cat(pooled, dim=-1)
+
+
+class WanText(_FolderText):
+    suffixes = ("",)
+    max_length = WAN_T5_TOKENS
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "WanText":
+        tokenizer, model = _load(folder, "1", UMT5EncoderModel)
+        return cls([tokenizer], [model], folder)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.models[0].config.d_model
+
+    @property
+    def pooled_size(self) -> int:
+        return 0
+
+    @torch.no_grad()
+    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        tokens = self.tokenizers[0]([prompt_clean(c) for c in captions], padding="max_length", max_length=WAN_T5_TOKENS,
+                                    truncation=True, add_special_tokens=True, return_attention_mask=True,
+                                    return_tensors="pt")
+        mask = tokens.attention_mask.to(self.device)
+        hidden = self.models[0](tokens.input_ids.to(self.device), mask).last_hidden_state
+        return hidden * mask.unsqueeze(-1).to(hidden.dtype), torch.zeros(len(captions), 0, device=self.device)
 
 
 def flux_text_widths(folder: Path) -> tuple[int, int]:

@@ -14,13 +14,12 @@ import json
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL
 from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection
 
 from .loading import PICKLE_SUFFIXES, CheckpointError
 from .text import CaptionEncoder
 
-__all__ = ["is_pipeline_folder", "component_weights", "scheduler_objective", "load_vae", "vae_scale_factor",
+__all__ = ["is_pipeline_folder", "component_weights", "scheduler_objective",
            "PipelineText", "fingerprint_files", "caption_tokens", "text_encoder_configs"]
 
 _INDEX = "model_index.json"
@@ -73,19 +72,6 @@ def scheduler_objective(folder: Path) -> str:
                               "steps, the only one diffpipe trains with; set train.objective = \"flow_matching\" to "
                               "train on another path")
     return objective
-
-
-def load_vae(folder: Path) -> AutoencoderKL:
-    component_weights(folder, "vae")  # refuses pickles before from_pretrained could read one
-    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae", use_safetensors=True, local_files_only=True,
-                                        low_cpu_mem_usage=False)  # (True would need accelerate)
-    return vae.eval().requires_grad_(False)
-
-
-def vae_scale_factor(folder: Path) -> int:
-    """Pixels per latent along a side: 2 per VAE level after the first (8 for SD's VAE)."""
-    cfg = json.loads((folder / "vae" / "config.json").read_text())
-    return 2 ** (len(cfg["block_out_channels"]) - 1)
 
 
 def text_encoder_configs(folder: Path, names: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3")

@@ -14,6 +14,7 @@ from diffusers import UNet3DConditionModel
 from torch import nn
 
 from .family import ModelFamily, TextBatch
+from .unet import UNet2DFamily
 from .units import Backbone, Unit
 
 __all__ = ["UNet3DFamily", "unet3d_backbone", "UNET3D_PRESETS"]
@@ -144,6 +145,12 @@ class UNet3DFamily(ModelFamily):
     component = "unet"
     backbone_name = "UNet"
     presets = UNET3D_PRESETS
+
+    # a text-to-video pipeline folder (TextToVideoSDPipeline: ModelScope, Zeroscope) holds SD's text encoder, image
+    # VAE (frames encoded one by one) and scheduler
+    folder_text_encoder = UNet2DFamily.folder_text_encoder
+    folder_text_widths = UNet2DFamily.folder_text_widths
+    objective_of_folder = UNet2DFamily.objective_of_folder
 
     def check_supported(self, model):
         if model.config.time_cond_proj_dim is not None:

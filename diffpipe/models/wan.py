@@ -78,8 +78,8 @@ def wan_backbone(model: WanTransformer3DModel) -> Backbone:
 
 
 class WanFamily(ModelFamily):
-    """Wan 2.1 text-to-video: umT5's hidden states (a tiny stand-in encoder of its width without a folder); flow
-    matching. Latents are clips (B, C, F, H, W)."""
+    """Wan 2.1 text-to-video: umT5's hidden states (from a WanPipeline folder; a tiny stand-in encoder of its width
+    without one); flow matching. Latents are clips (B, C, F, H, W)."""
 
     name = "wan"
     model_class = WanTransformer3DModel
@@ -112,6 +112,21 @@ class WanFamily(ModelFamily):
 
     def conditions(self, cfg, text: TextBatch):
         return {"encoder_hidden_states": text.hidden}
+
+    def folder_text_encoder(self, folder):
+        from .dit_text import WanText
+
+        return WanText.from_folder(folder)
+
+    def folder_text_widths(self, folder):
+        from .pipeline_folder import text_encoder_configs
+
+        return text_encoder_configs(folder)[0]["d_model"], 0
+
+    def folder_text_length(self, folder):
+        from .dit_text import WAN_T5_TOKENS
+
+        return WAN_T5_TOKENS
 
     def pack_prediction(self, cfg, latents):
         """(B, C, F, H, W) -> (B, F/pt * H/ph * W/pw, pt * ph * pw * C): the model's tokens before it unpatchifies."""

@@ -1,8 +1,11 @@
 """What each unit costs at a given micro-batch: FLOPs, time, parameter and activation memory, output bytes.
 
 Counted mode runs the real units on the meta device (no memory, no compute): FLOPs from
-`torch.utils.flop_counter`, activation bytes from the tensors autograd saves for backward (an upper bound:
-on the meta device attention saves its full probability matrix, which flash attention does not). Profiled
+`torch.utils.flop_counter`, activation bytes from the tensors autograd saves for backward. On the meta device
+torch decomposes attention into matrix products that save the whole (tokens x tokens) probability matrix, which no
+fused kernel holds (at 32,760 video tokens that alone is 86 GB per Wan 14B block); attention without a mask is
+therefore counted as the fused (memory-efficient) kernel runs it, saving queries, keys, values, output and the
+log-sum-exp, with that kernel's FLOPs (its backward recomputes the scores). Profiled
 mode runs them on the real device and times forward and backward, and on CUDA also measures the memory a
 forward leaves alive; its result is saved as JSON that later plans reuse (`diffpipe plan --profile`).
 """
@@ -14,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..models.units import Backbone
@@ -34,6 +38,22 @@ class UnitCost:
     output_bytes: dict[str, int]  # bytes of each tensor the unit writes, per micro-batch
     forward_s: float | None = None
     backward_s: float | None = None
+
+
+class _FusedAttention(TorchFunctionMode):
+    """`scaled_dot_product_attention` without a mask as the fused memory-efficient kernel (its meta kernel), so
+    counting sees what that kernel saves for backward, not the decomposition's probability matrix."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args), **kwargs)
+        if named.get("attn_mask") is not None or named.get("enable_gqa", False):
+            return func(*args, **kwargs)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            named["query"], named["key"], named["value"], None, True, named.get("dropout_p", 0.0),
+            named.get("is_causal", False), scale=named.get("scale"))[0]
 
 
 def _needs_grad(backbone: Backbone) -> set[str]:
@@ -70,7 +90,8 @@ def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor],
             return t
 
         args = _unit_inputs(named, unit.reads, grad_names)
-        with FlopCounterMode(display=False) as forward, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with FlopCounterMode(display=False) as forward, _FusedAttention(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = unit(args)
         grads_needed = [o for o in out.values() if o.requires_grad]
         with FlopCounterMode(display=False) as backward:

@@ -107,7 +107,8 @@ class Trainer:
         if topo.is_main and hasattr(self.data, "bucket_counts"):
             counts = sorted(self.data.bucket_counts().items())
             held = f"; {len(self.held_out.items)} held out for the eval loss" if self.held_out is not None else ""
-            print(f"{len(self.data.items)} images in {len(counts)} bucket(s): "
+            what = "clips" if self.data.placements[0].frames else "images"
+            print(f"{len(self.data.items)} {what} in {len(counts)} bucket(s): "
                   + ", ".join(f"{b} {n}" for b, n in counts) + held, flush=True)
         moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches,
                              lambda s: schedule.rank_of(s, p.stages))
@@ -293,7 +294,7 @@ class Trainer:
         if self.skipped_images is not None:  # image folders
             record["skipped_images"] = self.skipped_images
             indices = self.data.batch_indices(step, self.config.train.batch_size, self.config.train.seed)
-            record["bucket"] = str(self.data.placements[indices[0]].bucket)
+            record["bucket"] = self.data.placements[indices[0]].name
         if self._due(step, self.config.train.eval_every):  # its time counts in the next step's
             record.update(evaluate(self))
         if self._due(step, self.config.sample.every):

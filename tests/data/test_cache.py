@@ -16,8 +16,9 @@ from diffpipe.data.batches import BatchMaker
 from diffpipe.data.buckets import to_pixels
 from diffpipe.data.cache import ShardStore, fill_store
 from diffpipe.data.folder import read_rgb
-from diffpipe.data.images import cache_folder, encode_latents, prepare_folder_images
-from diffpipe.models.pipeline_folder import PipelineText, load_vae
+from diffpipe.data.images import cache_folder, prepare_folder_images
+from diffpipe.models.pipeline_folder import PipelineText
+from diffpipe.models.vae import encode_latents, load_vae
 
 
 def _config(tiny: Path, photos: Path, **data):

@@ -12,7 +12,8 @@ from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from diffpipe.build import build_backbone, build_text_encoder, example_inputs, sample_shape
 from diffpipe.config import ConfigError, build_config
 from diffpipe.models.loading import CheckpointError
-from diffpipe.models.pipeline_folder import PipelineText, load_vae, scheduler_objective, vae_scale_factor
+from diffpipe.models.pipeline_folder import PipelineText, scheduler_objective
+from diffpipe.models.vae import load_vae, vae_scale_factor
 
 CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]
 

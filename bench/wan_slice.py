@@ -1,0 +1,133 @@
+"""A Wan-width video slice on one GPU: diffpipe (one stage) against a plain `WanTransformer3DModel` training loop on
+the same slice; frames/s, model TFLOP/s and peak memory. Wan 2.1 14B's width (5120, 40 heads of 128, ffn 13824, umT5
+width 4096) with fewer blocks (or the whole 1.3B model: `--preset t2v-1.3b --blocks 30`), random weights, 832x480
+clips of 33 or 81 video frames (9 or 21 latent frames through Wan's VAE: 14,040 or 32,760 tokens), 512 text tokens,
+fp32 weights, bf16 autocast, fused AdamW, the whole batch as one micro-batch.
+
+    python bench/wan_slice.py [--preset t2v-14b] [--blocks 4] [--frames 21] [--batch 1] [--steps 6]
+
+Prints one JSON line per measurement: median step after the first two, video frames/s (latent frames x 4 - 3 per
+clip), TFLOP/s (the FLOPs of one forward counted by torch's FlopCounterMode on the meta device, times 3, over the
+median step) and the peak allocated memory.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from diffpipe.config import build_config  # noqa: E402
+from diffpipe.distributed import single_process_topology  # noqa: E402
+from diffpipe.models.wan import WAN_PRESETS  # noqa: E402
+from diffpipe.train.trainer import Trainer  # noqa: E402
+
+TOKENS, HEIGHT, WIDTH = 512, 60, 104  # text tokens; latent rows and columns of an 832x480 clip
+
+
+def _slice(args) -> dict:
+    return dict(WAN_PRESETS[args.preset], num_layers=args.blocks)
+
+
+def _inputs(args, device: str = "cuda") -> dict:
+    on = dict(device=device)
+    return dict(hidden_states=torch.randn(args.batch, 16, args.frames, HEIGHT, WIDTH, **on),
+                timestep=torch.rand(args.batch, **on) * 1000,
+                encoder_hidden_states=torch.randn(args.batch, TOKENS, 4096, **on))
+
+
+def step_flops(args) -> float:
+    """One training step's FLOPs: the forward's, counted on the meta device (no memory, no time), times 3."""
+    from diffusers import WanTransformer3DModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = WanTransformer3DModel(**_slice(args))
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(**_inputs(args, "meta"), return_dict=False)
+    return 3.0 * counter.get_total_flops()
+
+
+def _report(what: str, args, steps: list[float], flops: float, **extra) -> None:
+    median = statistics.median(steps[2:])
+    video_frames = args.batch * (4 * args.frames - 3)
+    print(json.dumps({"what": what, "preset": args.preset, "blocks": args.blocks, "latent_frames": args.frames,
+                      "video_frames": 4 * args.frames - 3, "batch": args.batch, "median_step_s": round(median, 4),
+                      "video_frames_per_s": round(video_frames / median, 2),
+                      "tflops": round(flops / median / 1e12, 1),
+                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), **extra}), flush=True)
+
+
+def plain_loop(args, flops: float) -> None:
+    """diffusers' model, its own forward, AdamW: the loop a user writes."""
+    from diffusers import WanTransformer3DModel
+
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**_slice(args)).to("cuda").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    inputs = _inputs(args)
+    target = torch.randn_like(inputs["hidden_states"])
+
+    times = []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(**inputs, return_dict=False)[0]
+        torch.nn.functional.mse_loss(out.float(), target).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    params = sum(p.numel() for p in model.parameters())
+    _report("plain WanTransformer3DModel loop", args, times, flops, params_B=round(params / 1e9, 2))
+
+
+def diffpipe_run(args, flops: float) -> None:
+    torch.cuda.reset_peak_memory_stats()
+    config = build_config({
+        "model": {"architecture": "wan", "config": _slice(args), "text_max_length": TOKENS},
+        "data": {"dataset": "synthetic", "frames": args.frames, "latent_size": [HEIGHT, WIDTH]},
+        "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
+                  "objective": "flow_matching", "device": "cuda"},
+        "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "none"},
+        "observe": {"every": 1000, "timeline_step": 0, "log_every": 0},
+        "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0}})
+    run_dir = Path(tempfile.mkdtemp())
+    Trainer(config, single_process_topology("cuda"), run_dir).fit()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _report("diffpipe, one stage", args, [r["step_time_s"] for r in rows], flops)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=["t2v-1.3b", "t2v-14b"], default="t2v-14b")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--frames", type=int, default=21, help="latent frames (21: 81 video frames; 9: 33)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--only", choices=["plain", "diffpipe"], default=None)
+    args = parser.parse_args()
+    torch.backends.cuda.enable_cudnn_sdp(False)  # as bench/flux_slice.py: cuDNN's attention backward failed on H200
+    flops = step_flops(args)
+    if args.only != "diffpipe":
+        plain_loop(args, flops)
+    gc.collect()
+    torch.cuda.empty_cache()
+    if args.only != "plain":
+        diffpipe_run(args, flops)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The frozen VAE of a pipeline folder, and latents scaled as training sees them: images through an image VAE
+(`AutoencoderKL`: SD, SDXL, Flux, SD3, and the spatio-temporal UNet's text-to-video pipelines, frame by frame) and
+clips through Wan's video VAE (`AutoencoderKLWan`: 8x smaller sides, 1 + (F - 1) / 4 latent frames of F frames).
+
+Scaling follows diffusers' own training scripts and pipelines: (z - shift_factor) x scaling_factor for image VAEs;
+per channel (z - latents_mean) / latents_std for Wan's (WanPipeline decodes with the inverse). Weights are read from
+safetensors files only.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, AutoencoderKLWan
+
+from .pipeline_folder import component_weights
+
+__all__ = ["load_vae", "vae_scale_factor", "vae_frame_factor", "latent_frames", "encode_latents", "decode_latents"]
+
+_VIDEO_VAES = {"AutoencoderKLWan": AutoencoderKLWan}
+
+
+def _vae_config(folder: Path) -> dict:
+    return json.loads((folder / "vae" / "config.json").read_text())
+
+
+def load_vae(folder: Path) -> AutoencoderKL | AutoencoderKLWan:
+    component_weights(folder, "vae")  # refuses pickles before from_pretrained could read one
+    vae_class = _VIDEO_VAES.get(_vae_config(folder).get("_class_name"), AutoencoderKL)
+    vae = vae_class.from_pretrained(folder, subfolder="vae", use_safetensors=True, local_files_only=True,
+                                    low_cpu_mem_usage=False)  # (True would need accelerate)
+    return vae.eval().requires_grad_(False)
+
+
+def vae_scale_factor(source: Path | torch.nn.Module) -> int:
+    """Pixels per latent along a side, of a pipeline folder's VAE or a loaded one: 2 per VAE level after the first
+    (8 for SD's and Wan's VAEs)."""
+    cfg = _vae_config(source) if isinstance(source, Path) else source.config
+    return 2 ** (len(cfg.get("block_out_channels") or cfg.get("dim_mult")) - 1)
+
+
+def vae_frame_factor(folder: Path) -> int:
+    """Video frames per latent frame after the first: 4 for Wan's VAE; 1 for an image VAE (every frame encoded)."""
+    return 2 ** sum(_vae_config(folder).get("temperal_downsample", []))
+
+
+def latent_frames(video_frames: int, frame_factor: int) -> int:
+    """Latent frames of a clip: the first frame alone, then one per `frame_factor` frames."""
+    return 1 + (video_frames - 1) // frame_factor
+
+
+def _is_video_vae(vae) -> bool:
+    return isinstance(vae, AutoencoderKLWan)
+
+
+@torch.no_grad()
+def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """Scaled latents of pixels in [-1, 1]: images (N, 3, H, W) or clips (N, 3, F, H, W); the mean of the VAE's
+    posterior. An image VAE encodes a clip frame by frame."""
+    weights = next(vae.parameters())
+    pixels = pixels.to(weights.device, weights.dtype)
+    cfg = vae.config
+    if _is_video_vae(vae):
+        mean = vae.encode(pixels).latent_dist.mean.float()
+        channel = (1, -1, 1, 1, 1)
+        return (mean - torch.tensor(cfg.latents_mean, device=mean.device).view(channel)) / \
+            torch.tensor(cfg.latents_std, device=mean.device).view(channel)
+    if pixels.dim() == 5:
+        n, c, f, h, w = pixels.shape
+        folded = encode_latents(vae, pixels.transpose(1, 2).reshape(n * f, c, h, w))
+        return folded.reshape(n, f, *folded.shape[1:]).transpose(1, 2)
+    mean = vae.encode(pixels).latent_dist.mean.float()
+    return (mean - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
+
+
+@torch.no_grad()
+def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """RGB in [-1, 1] on the CPU of latents scaled as `encode_latents` scales them (images or clips)."""
+    weights = next(vae.parameters())
+    latents = latents.to(weights.device, torch.float32)
+    cfg = vae.config
+    if _is_video_vae(vae):
+        channel = (1, -1, 1, 1, 1)
+        z = latents * torch.tensor(cfg.latents_std, device=latents.device).view(channel) + \
+            torch.tensor(cfg.latents_mean, device=latents.device).view(channel)
+        return vae.decode(z.to(weights.dtype)).sample.float().clamp(-1, 1).cpu()
+    if latents.dim() == 5:
+        n, c, f, h, w = latents.shape
+        folded = decode_latents(vae, latents.transpose(1, 2).reshape(n * f, c, h, w))
+        return folded.reshape(n, f, *folded.shape[1:]).transpose(1, 2)
+    z = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+    return vae.decode(z.to(weights.dtype)).sample.float().clamp(-1, 1).cpu()
