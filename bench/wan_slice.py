@@ -4,7 +4,10 @@ width 4096) with fewer blocks (or the whole 1.3B model: `--preset t2v-1.3b --blo
 clips of 33 or 81 video frames (9 or 21 latent frames through Wan's VAE: 14,040 or 32,760 tokens), 512 text tokens,
 fp32 weights, bf16 autocast, fused AdamW, the whole batch as one micro-batch.
 
-    python bench/wan_slice.py [--preset t2v-14b] [--blocks 4] [--frames 21] [--batch 1] [--steps 6]
+    python bench/wan_slice.py [--preset t2v-14b] [--blocks 4] [--frames 21] [--batch 1] [--steps 6] [--checkpointing]
+
+--checkpointing recomputes every block's activations in backward: diffusers' `enable_gradient_checkpointing()` in
+the plain loop, `pipeline.checkpointing = "all"` in diffpipe (the whole 1.3B model at 81 frames needs it on 141 GB).
 
 Prints one JSON line per measurement: median step after the first two, video frames/s (latent frames x 4 - 3 per
 clip), TFLOP/s (the FLOPs of one forward counted by torch's FlopCounterMode on the meta device, times 3, over the
@@ -61,7 +64,8 @@ def step_flops(args) -> float:
 def _report(what: str, args, steps: list[float], flops: float, **extra) -> None:
     median = statistics.median(steps[2:])
     video_frames = args.batch * (4 * args.frames - 3)
-    print(json.dumps({"what": what, "preset": args.preset, "blocks": args.blocks, "latent_frames": args.frames,
+    print(json.dumps({"what": what, "preset": args.preset, "blocks": args.blocks, "checkpointing": args.checkpointing,
+                      "latent_frames": args.frames,
                       "video_frames": 4 * args.frames - 3, "batch": args.batch, "median_step_s": round(median, 4),
                       "video_frames_per_s": round(video_frames / median, 2),
                       "tflops": round(flops / median / 1e12, 1),
@@ -75,6 +79,8 @@ def plain_loop(args, flops: float) -> None:
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     model = WanTransformer3DModel(**_slice(args)).to("cuda").train()
+    if args.checkpointing:
+        model.enable_gradient_checkpointing()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     inputs = _inputs(args)
     target = torch.randn_like(inputs["hidden_states"])
@@ -101,7 +107,7 @@ def diffpipe_run(args, flops: float) -> None:
         "data": {"dataset": "synthetic", "frames": args.frames, "latent_size": [HEIGHT, WIDTH]},
         "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
                   "objective": "flow_matching", "device": "cuda"},
-        "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "none"},
+        "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "all" if args.checkpointing else "none"},
         "observe": {"every": 1000, "timeline_step": 0, "log_every": 0},
         "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0}})
     run_dir = Path(tempfile.mkdtemp())
@@ -117,6 +123,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=21, help="latent frames (21: 81 video frames; 9: 33)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--only", choices=["plain", "diffpipe"], default=None)
     args = parser.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # as bench/flux_slice.py: cuDNN's attention backward failed on H200

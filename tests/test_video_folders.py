@@ -37,8 +37,8 @@ def test_one_and_two_stages_train_the_video_folder_to_the_same_losses(tiny_video
         runs[stages] = tmp_path / f"stages{stages}"
         result = _train(tiny_video, clips, runs[stages], *quick, "--set", f"pipeline.stages={stages}")
         assert result.returncode == 0, result.stderr[-3000:]
-        assert "13 clips in 5 bucket(s): 48x80x17f 2, 48x80x33f 2, 80x48x17f 6, 80x48x1f 1, 80x48x33f 2" in result.stdout
-        assert "skipped 2 file(s)" in result.stdout and "too short: 10 frames" in result.stdout
+        assert "13 clips in 5 bucket(s): 48x80x17f 2, 48x80x33f 2, 80x48x1f 1, 80x48x17f 6, 80x48x33f 2" in result.stdout
+        assert "skipped 2 image or video file(s)" in result.stdout and "too short: 10 frames" in result.stdout
     one, two = ([json.loads(line) for line in (runs[s] / "metrics.jsonl").read_text().splitlines()] for s in (1, 2))
     assert [r["loss"] for r in one] == pytest.approx([r["loss"] for r in two], rel=1e-5)
     assert all(r["skipped_images"] == 2 for r in two) and {r["bucket"] for r in two} <= {

@@ -32,5 +32,5 @@ def cache_worker(config_data: dict) -> None:
     text = build_text_encoder(config, backbone).to(topo.device)
     data = build_dataset(config, backbone, text, topo.device, topo.rank, topo.world_size, dist.barrier)
     if topo.is_main:
-        counts = ", ".join(f"{b} {n}" for b, n in sorted(data.bucket_counts().items()))
+        counts = ", ".join(f"{b} {n}" for b, n in data.bucket_counts().items())
         print(f"cached {len(data.items)} {'clips' if data.placements[0].frames else 'images'} ({counts}) and {len(set(data.captions))} captions", flush=True)

@@ -39,6 +39,7 @@ class Skipped:
     """Files left out, with the reason for each."""
 
     files: list[tuple[Path, str]] = field(default_factory=list)
+    kind: str = "image"  # what the files were meant to be, in the warning
 
     def add(self, path: Path, reason: str) -> None:
         self.files.append((path, reason))
@@ -50,7 +51,7 @@ class Skipped:
         """One line counting the skipped files and naming a few."""
         named = "; ".join(f"{p.name}: {why}" for p, why in self.files[:3])
         more = f"; and {len(self.files) - 3} more" if len(self.files) > 3 else ""
-        return f"warning: skipped {len(self.files)} file(s) that cannot be trained on ({named}{more})"
+        return f"warning: skipped {len(self.files)} {self.kind} file(s) that cannot be trained on ({named}{more})"
 
 
 def _metadata_captions(folder: Path) -> dict[str, str]:

@@ -95,8 +95,11 @@ class FolderImages:
     def captions(self) -> list[str]:
         return [item.caption for item in self.items]
 
-    def bucket_counts(self) -> Counter:
-        return Counter(p.name for p in self.placements)
+    def bucket_counts(self) -> dict[str, int]:
+        """Items per bucket (and frame bucket), by name, narrowest bucket first."""
+        counts = Counter((p.bucket, p.frames) for p in self.placements)
+        names = {(p.bucket, p.frames): p.name for p in self.placements}
+        return {names[key]: counts[key] for key in sorted(counts)}
 
     def groups(self) -> list[list[int]]:
         """Indices of the items of each bucket (and frame bucket): what may share a batch."""
@@ -153,9 +156,9 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
     missing; every process returns the same dataset. Skipped files are printed once (by rank 0) and counted.
     `frame_buckets` (video families): clip lengths in frames; videos are then read too."""
     buckets = data_buckets(data)
-    skipped = Skipped()
-    min_side = min(min(b.width, b.height) for b in buckets) // 2
     videos = frame_buckets is not None
+    skipped = Skipped(kind="image or video" if videos else "image")
+    min_side = min(min(b.width, b.height) for b in buckets) // 2
     items = scan_folders(data_folders(data), min_side, skipped, videos)
     if data.eval_path:
         eval_items = scan_folders(data_folders(data, eval_split=True), min_side, skipped, videos)

@@ -105,7 +105,7 @@ class Trainer:
         skipped = getattr(self.data, "skipped", None)  # image folders: files left out, counted in every metrics line
         self.skipped_images = len(skipped) if skipped is not None else None
         if topo.is_main and hasattr(self.data, "bucket_counts"):
-            counts = sorted(self.data.bucket_counts().items())
+            counts = list(self.data.bucket_counts().items())
             held = f"; {len(self.held_out.items)} held out for the eval loss" if self.held_out is not None else ""
             what = "clips" if self.data.placements[0].frames else "images"
             print(f"{len(self.data.items)} {what} in {len(counts)} bucket(s): "

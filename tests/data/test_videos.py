@@ -127,7 +127,7 @@ def test_a_video_folder_is_bucketed_cached_and_broken_files_counted(tiny_video, 
     reasons = {path.name: why for path, why in data.skipped.files}
     assert set(reasons) == {"short.mp4", "noise.webm", "empty.mp4", "cut.mp4"}, reasons
     assert "too short: 10 frames" in reasons["short.mp4"] and "17" in reasons["short.mp4"]
-    assert "skipped 4 file(s)" in capsys.readouterr().out
+    assert "skipped 4 image or video file(s)" in capsys.readouterr().out
     assert len(data.items) == 13  # twelve clips and the still image
     counts = data.bucket_counts()
     assert counts == {"48x80x17f": 2, "48x80x33f": 2, "80x48x17f": 6, "80x48x33f": 2, "80x48x1f": 1}, counts

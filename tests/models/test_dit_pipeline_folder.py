@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from diffpipe.build import build_backbone, build_text_encoder, example_inputs, sample_shape
-from diffpipe.config import build_config
+from diffpipe.config import ConfigError, build_config
 from diffpipe.models.dit_text import FluxText, SD3Text
 from diffpipe.models.loading import CheckpointError
 from diffpipe.preflight import check_before_launch
@@ -76,8 +76,13 @@ def test_folders_that_mix_components_are_refused_before_launch(tiny, tmp_path):
         check_before_launch(_config(mixed, "flux", path=str(tiny / "photos")))
     with pytest.raises(CheckpointError, match="sides are multiples of 2 .16 pixels through this VAE.; use a multiple of 16"):
         check_before_launch(_config(tiny / "sd3", "sd3", path=str(tiny / "photos"), bucket_step=8))
+    with pytest.raises(ConfigError, match="model.architecture = 'flux' but .* StableDiffusionPipeline folder whose "
+                                          "backbone is UNet2DConditionModel .architecture 'unet2d'."):
+        _config(tiny / "sd15", "flux", path=str(tiny / "photos"))  # a UNet folder as Flux: refused as the config loads
+    unet_only = tmp_path / "unet_only"  # a folder that is no pipeline (no model_index.json) reaches the loader
+    shutil.copytree(tiny / "sd15" / "unet", unet_only / "unet")
     with pytest.raises(CheckpointError, match="no config.json there .nor in its transformer/ subfolder"):
-        build_backbone(_config(tiny / "sd15", "flux", path=str(tiny / "photos")), "meta")  # a UNet folder as Flux
+        build_backbone(_config(unet_only, "flux", path=str(tiny / "photos")), "meta")
 
 
 def _train(example: str, tiny: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:

@@ -61,7 +61,7 @@ def test_auto_checkpointing_only_where_a_stage_would_not_fit():
     from diffpipe.config import load_config
     from diffpipe.planner.plan import resolve_stages
 
-    for memory, expect in ((80, "none"), (60, "some")):
+    for memory, expect in ((80, "none"), (40, "some")):  # stage 0 needs ~53 GiB without
         config = load_config(EXAMPLES / "sdxl_unet.toml", ["pipeline.stages=2", "pipeline.microbatches=8",
                                                            "train.batch_size=32", f"plan.memory_gib={memory}"])
         _, checkpointed = resolve_stages(config, build_backbone(config, "meta"))
