@@ -8,6 +8,10 @@ same names and DCP writes one copy. Loading asks DCP for the names this process 
 stages resumes on 1, 3 or 4 stages or another data-parallel degree. The batches need no state: every step's data,
 noise and timesteps are drawn from (seed, step) (data/batches.py).
 
+Each process's part is cut into files of about 1 GiB (a parameter with its AdamW moments stays in one file): DCP's
+safetensors writer builds a whole file in memory before writing it, so one file per process held a second copy of
+everything (and a background save a third: an SDXL UNet's 28.7 GiB ran a 125 GiB host out of memory).
+
 RUN_DIR/checkpoints/step-00000100/ holds the shards and, written last, `complete.json` (step, each model tensor's
 shape, each file's size and sha256). A save goes to a hidden folder renamed into place once complete, and a
 checkpoint is verified file by file before anything in it is read.
@@ -18,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -33,6 +38,7 @@ __all__ = ["CHECKPOINTS", "PendingCheckpoint", "model_shapes", "save_checkpoint"
 CHECKPOINTS = "checkpoints"
 _COMPLETE = "complete.json"
 _ADAM = ("exp_avg", "exp_avg_sq", "step")
+_FILE_BYTES = 1 << 30  # a checkpoint file's size, about
 # what a resumed run may change: its length, logging, outputs and the layout (a checkpoint reshards by name)
 _SAFE_TO_CHANGE = ("train.max_steps", "train.learning_rate", "train.log_every", "train.device",
                    "train.collective_timeout_minutes", "pipeline.", "plan.", "observe.", "checkpoint.", "output.",
@@ -78,6 +84,24 @@ def _state(trainer, next_step: int) -> dict[str, torch.Tensor]:
     return state
 
 
+def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """The file (1, 2, ...) each checkpoint tensor goes to: parameters in order, with their AdamW moments, about
+    `_FILE_BYTES` a file (fp32 counted). The same on every process (rank 0's decides for all); a name it lacks (the
+    second name of a tied weight) goes to file 0."""
+    files: dict[str, int] = defaultdict(int)
+    index, size = 1, 0
+    for name, shape in model_shapes.items():
+        nbytes = 3 * 4 * int(torch.Size(shape).numel())
+        if size and size + nbytes > _FILE_BYTES:
+            index, size = index + 1, 0
+        size += nbytes
+        files[f"model.{name}"] = index
+        files.update({f"optim.{name}.{key}": index for key in _ADAM})
+    for key in ("next_step", "lr_schedule_steps", "loss_scale", "loss_scale_good_steps"):
+        files[f"progress.{key}"] = 1
+    return files
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -112,7 +136,8 @@ def save_checkpoint(trainer, next_step: int, keep: int, background_group: dist.P
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    writer = HuggingFaceStorageWriter(str(partial), save_distributed=True)
+    writer = HuggingFaceStorageWriter(str(partial), save_distributed=True,
+                                      fqn_to_index_mapping=file_of_each_tensor(trainer.model_shapes))
     if background_group is not None:
         future = dcp.async_save(_state(trainer, next_step), storage_writer=writer, process_group=background_group)
         return PendingCheckpoint(trainer, next_step, future, partial, final, keep)

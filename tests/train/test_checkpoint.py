@@ -180,3 +180,49 @@ def test_a_lora_run_checkpoints_its_adapters_alone_and_resumes_on_another_layout
     result = _train("--resume", str(run), *lora, "--set", "pipeline.stages=1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert _losses(run) == pytest.approx(_losses(full), rel=1e-5, abs=1e-7)
+
+
+_SPLIT_SAVE = """
+import sys, torch
+from pathlib import Path
+import diffpipe.train.checkpoint as checkpoint
+from diffpipe.config import load_config
+from diffpipe.distributed import single_process_topology
+from diffpipe.train.trainer import Trainer
+
+checkpoint._FILE_BYTES = 64 * 1024  # a 0.13 M-parameter model in several files
+config = load_config(sys.argv[1], ["pipeline.stages=1", "train.batch_size=8", "output.sample_every_end=false",
+                                   "observe.enabled=false"])
+trainer = Trainer(config, single_process_topology("cpu"), Path(sys.argv[2]))
+trainer._step(0)
+path = checkpoint.save_checkpoint(trainer, 1, keep=1)
+saved = {k: v.clone() for k, v in checkpoint._state(trainer, 1).items()}
+for p in trainer.params:
+    p.data.zero_()
+checkpoint.verify_checkpoint(path, trainer.model_shapes)
+assert checkpoint.load_checkpoint(trainer, path) == 1
+loaded = checkpoint._state(trainer, 1)
+assert all(torch.equal(saved[k], loaded[k]) for k in saved), "a tensor differs after loading"
+print(len(list(path.glob("*.safetensors"))), "files")
+"""
+
+
+def test_a_checkpoint_is_cut_into_files_of_about_a_gib_and_reads_back_whole(tmp_path):
+    """DCP's safetensors writer builds each file in memory: one file per process doubled a save's memory (and
+    tripled a background one's), so files are cut at about 1 GiB; every tensor reads back from the pieces."""
+    from diffpipe.build import build_backbone
+    from diffpipe.config import load_config
+    from diffpipe.train.checkpoint import file_of_each_tensor, model_shapes
+
+    sdxl = model_shapes(build_backbone(load_config(EXAMPLE.parent / "sdxl_unet.toml"), "meta").model)
+    files = file_of_each_tensor(sdxl)
+    sizes: dict[int, int] = {}
+    for name, shape in sdxl.items():
+        assert files[f"model.{name}"] == files[f"optim.{name}.exp_avg"] == files[f"optim.{name}.exp_avg_sq"]
+        sizes[files[f"model.{name}"]] = sizes.get(files[f"model.{name}"], 0) + 12 * torch.Size(shape).numel()
+    assert 28 <= len(sizes) <= 31 and max(sizes.values()) <= 2**30  # 28.7 GiB of weights and moments
+    assert files["a second name of a tied weight"] == 0
+    result = subprocess.run([sys.executable, "-c", _SPLIT_SAVE, str(EXAMPLE), str(tmp_path / "run")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert int(result.stdout.split()[-2]) >= 10, result.stdout
