@@ -117,15 +117,17 @@ class StageModule(nn.Module):
                 "interleaved_1f1b, or move pipeline.split so that this stage starts after these units")
 
     def _compute_units(self, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        if self.checkpointed and torch.is_grad_enabled():
-            # keep only the stage's inputs per micro-batch; recompute the units in backward
-            return checkpoint(self._run_units, named, use_reentrant=False)
-        return self._run_units(named)
-
-    def _run_units(self, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The units in order. Checkpointed, each unit keeps only its inputs and is recomputed alone in backward
+        (as diffusers' gradient checkpointing does per block), so backward never holds more than one unit's
+        activations; checkpointing the stage whole kept one micro-batch's activations of every unit at once while
+        it was recomputed (a one-stage Wan 1.3B at 81 frames ran out of memory that way)."""
+        checkpointed = self.checkpointed and torch.is_grad_enabled()
         named = dict(named)
         for unit in self.unit_list:
-            named.update(unit(named))
+            if checkpointed:  # its own dict of its inputs: `named` changes after, and backward recomputes from these
+                named.update(checkpoint(unit, {name: named[name] for name in unit.reads}, use_reentrant=False))
+            else:
+                named.update(unit(named))
         return tuple(_dense(named[name]) for name in self.spec.sends)
 
     def full_named_parameters(self):

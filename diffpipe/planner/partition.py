@@ -93,9 +93,13 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     sent = boundary_bytes[last - 1] if last < len(costs) else 0
     send = 2 * sent / (hw.link_gbps * 1e9)  # activations forward, their gradients back
     static = sum(c.params * BYTES_PER_WEIGHT + c.trainable_params * BYTES_PER_TRAINABLE for c in costs[first:last])
-    acts = sum(c.activation_bytes for c in costs[first:last])
     held = schedule.in_flight(index, stages, microbatches)
-    dynamic = held * received + (acts if checkpointed else held * acts)
+    if checkpointed:  # per micro-batch in flight: the stage's inputs and every unit's outputs (the next units'
+        # inputs); in backward one unit's activations, recomputed
+        kept = received + sum(sum(c.output_bytes.values()) for c in costs[first:last])
+        dynamic = held * kept + max(c.activation_bytes for c in costs[first:last])
+    else:
+        dynamic = held * (received + sum(c.activation_bytes for c in costs[first:last]))
     return StageEstimate(index, first, last, forward, backward, send, static + dynamic, checkpointed)
 
 

@@ -117,6 +117,7 @@ TWO = {
     "toy-tied-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="toy-tied"),
     "wan-gpipe-2": _config(2, "gpipe", model="wan"),
     "wan-1f1b-2": _config(2, "1f1b", model="wan"),
+    "wan-1f1b-2-checkpointed": _config(2, "1f1b", model="wan", checkpointing="all"),
     "wan-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="wan"),
     "unet3d-1f1b-2": _config(2, "1f1b", model="unet3d"),
     "unet3d-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="unet3d"),
