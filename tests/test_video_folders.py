@@ -67,3 +67,24 @@ def test_frame_buckets_the_video_vae_cannot_make_are_one_line(tiny_video, tiny, 
     assert main(["train", str(ROOT / "examples" / "photos.toml"), "--output-dir", str(tmp_path / "b"),
                  "--set", f"model.path=\"{mixed}\"", "--set", f"data.path=\"{tiny / 'photos'}\""]) == 2
     assert "its VAE encodes video clips but the UNet is an image model" in capsys.readouterr().err
+
+
+def test_a_text_to_video_unet_folder_trains_on_clips_frame_by_frame_through_its_image_vae(tiny, tiny_video, tmp_path):
+    """A TextToVideoSDPipeline folder (ModelScope / Zeroscope layout): UNet3DConditionModel, SD's image VAE (each
+    frame encoded alone: any clip length) and CLIP; its family, text encoder and objective come from the folder."""
+    from diffusers import StableDiffusionPipeline, TextToVideoSDPipeline, UNet3DConditionModel
+
+    from diffpipe.models.unet3d import UNET3D_PRESETS
+
+    sd15 = StableDiffusionPipeline.from_pretrained(tiny / "sd15", local_files_only=True)
+    unet = UNet3DConditionModel(**dict(UNET3D_PRESETS["digits"], in_channels=4, out_channels=4, sample_size=8))
+    TextToVideoSDPipeline(vae=sd15.vae, text_encoder=sd15.text_encoder, tokenizer=sd15.tokenizer, unet=unet,
+                          scheduler=sd15.scheduler).save_pretrained(tmp_path / "t2v", safe_serialization=True)
+    run = tmp_path / "run"
+    result = _train(tmp_path, tiny_video / "clips", run, "--set", f"model.path=\"{tmp_path / 't2v'}\"",
+                    "--set", "data.frame_buckets=[1, 6]", "--set", "train.max_steps=2", "--set", "sample.steps=2",
+                    "--set", "checkpoint.every=0", "--set", "train.dropout=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "training unet3d" in result.stdout and "80x48x6f" in result.stdout
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 1
+    assert Image.open(run / "samples.gif").n_frames == 6
