@@ -57,7 +57,12 @@ def cache_folder(data: DataConfig) -> Path:
 
 
 def _file_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """sha256 of the file's bytes, read in blocks (videos may be large)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def latent_key(content: str, placement: Placement, flip: bool = False) -> str:
@@ -194,9 +199,9 @@ def _placed(items: list[ImageItem], buckets: list[Bucket], skipped: Skipped, vae
         frames = clip_frames(item.frames, frame_buckets)
         if frames is None:
             if not any(path == item.path for path, _ in skipped.files):  # once, not once per repeat
-                skipped.add(item.path, f"a still image, and data.frame_buckets {frame_buckets} has no 1" if not item.frames
-                            else f"too short: {item.frames} frames, and the shortest clip of data.frame_buckets "
-                                 f"{frame_buckets} is {min(b for b in frame_buckets if b > 1)}")
+                skipped.add(item.path, f"a still image, and data.frame_buckets {frame_buckets} has no 1"
+                            if not item.frames else f"too short: {item.frames} frames, and the shortest clip of "
+                            f"data.frame_buckets {frame_buckets} is {min(b for b in frame_buckets if b > 1)}")
             continue
         kept.append(item)
         placements.append(place(item.width, item.height, buckets, frames))

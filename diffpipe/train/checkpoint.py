@@ -13,8 +13,10 @@ safetensors writer builds a whole file in memory before writing it, so one file 
 everything (and a background save a third: an SDXL UNet's 28.7 GiB ran a 125 GiB host out of memory).
 
 RUN_DIR/checkpoints/step-00000100/ holds the shards and, written last, `complete.json` (step, each model tensor's
-shape, each file's size and sha256). A save goes to a hidden folder renamed into place once complete, and a
-checkpoint is verified file by file before anything in it is read.
+shape, each file's size, sha256 and writing process). A save goes to a hidden folder renamed into place once
+complete, and a checkpoint is verified file by file before anything in it is read. Each process hashes the files it
+wrote; the lowest process that sees a run folder seals it, so machines that share no disk each seal their own part
+(listing every machine's files: resuming needs them copied into one folder, and says so).
 """
 from __future__ import annotations
 
@@ -132,9 +134,15 @@ def save_checkpoint(trainer, next_step: int, keep: int, background_group: dist.P
     root = trainer.run_dir / CHECKPOINTS
     final = root / f"step-{next_step:08d}"
     partial = root / f".{final.name}.partial"
+    rank = dist.get_rank()
     if trainer.topo.is_main:
         shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
+    dist.barrier()
+    partial.mkdir(parents=True, exist_ok=True)  # each machine's own, where no disk is shared
+    for stale in _written_by(partial, rank):  # from a save this process was stopped in, on an unshared disk
+        stale.unlink()
+    for marker in partial.glob(".process-*"):  # (markers are made only after the barrier below)
+        marker.unlink(missing_ok=True)
     dist.barrier()
     writer = HuggingFaceStorageWriter(str(partial), save_distributed=True,
                                       fqn_to_index_mapping=file_of_each_tensor(trainer.model_shapes))
@@ -145,17 +153,35 @@ def save_checkpoint(trainer, next_step: int, keep: int, background_group: dist.P
     return _seal(trainer, partial, final, next_step, keep)
 
 
+def _written_by(folder: Path, rank: int) -> list[Path]:
+    """The files process `rank` writes into a checkpoint: DCP names them by its place in the save's plan (shard-00001
+    for process 0)."""
+    return sorted(folder.glob(f"shard-{rank + 1:05d}-*.safetensors"))
+
+
 def _seal(trainer, partial: Path, final: Path, next_step: int, keep: int) -> Path:
-    dist.barrier()
-    if trainer.topo.is_main:
-        files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(partial.iterdir())}
+    """Every process hashes what it wrote and says so; the lowest process that sees this run folder writes the seal
+    (every file of every process) and moves the checkpoint into place. Collective."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f), "process": rank}
+            for f in _written_by(partial, rank)}
+    (partial / f".process-{rank}").touch()  # who shares this folder
+    everyone: list[dict] = [{} for _ in range(world)]
+    dist.all_gather_object(everyone, mine)  # also a barrier: every marker is in place
+    if rank == min(int(p.name.split("-")[1]) for p in partial.glob(".process-*")):
+        files = {name: info for part in everyone for name, info in sorted(part.items())}
         shapes = {name: list(shape) for name, shape in trainer.model_shapes.items()}
         (partial / _COMPLETE).write_text(json.dumps({"next_step": next_step, "model": shapes, "files": files},
                                                     indent=1))
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step from before a resume
+        dist.barrier()  # the others have read the markers
+        for marker in partial.glob(".process-*"):
+            marker.unlink()
         os.replace(partial, final)
         for old in sorted(p for p in final.parent.glob("step-*") if (p / _COMPLETE).is_file())[:-keep]:
             shutil.rmtree(old)
+    else:
+        dist.barrier()
     dist.barrier()
     return final
 
@@ -177,8 +203,10 @@ def verify_checkpoint(path: Path, model_shapes: dict[str, tuple[int, ...]]) -> i
     for name, expected in record["files"].items():
         f = path / name
         if not f.is_file():
-            raise CheckpointError(f"checkpoint {path}: {name} is missing; resume from an older checkpoint "
-                                  "(delete this folder) or start a new run")
+            writer = f" (written by process {expected['process']})" if "process" in expected else ""
+            raise CheckpointError(f"checkpoint {path}: {name}{writer} is missing. If the run's machines share no "
+                                  f"disk, copy every machine's {path.parent.name}/{path.name} into this one; else "
+                                  "resume from an older checkpoint (delete this folder) or start a new run")
         if f.stat().st_size != expected["bytes"] or _sha256(f) != expected["sha256"]:
             raise CheckpointError(f"checkpoint {path}: {name} is damaged (size or sha256 differs from when it was "
                                   "written); resume from an older checkpoint (delete this folder) or start a new run")
