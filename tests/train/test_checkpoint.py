@@ -84,7 +84,7 @@ def test_a_damaged_checkpoint_is_refused_and_left_in_place(full_run, tmp_path, c
     err = _refused(run, capsys=capsys)
     assert "damaged" in err and shard.name in err and shard.exists()
     shard.unlink()
-    assert f"{shard.name} is missing" in _refused(run, capsys=capsys)
+    assert f"{shard.name} (written by process 0) is missing" in _refused(run, capsys=capsys)
 
 
 def test_an_incompatible_config_or_model_is_refused(full_run, tmp_path, capsys):
