@@ -170,6 +170,10 @@ def _seal(trainer, partial: Path, final: Path, next_step: int, keep: int) -> Pat
     dist.all_gather_object(everyone, mine)  # also a barrier: every marker is in place
     if rank == min(int(p.name.split("-")[1]) for p in partial.glob(".process-*")):
         files = {name: info for part in everyone for name, info in sorted(part.items())}
+        unknown = sorted({f.name for f in partial.glob("*.safetensors")} - set(files))
+        if unknown:  # a seal must cover every file a load would read
+            raise RuntimeError(f"checkpoint {partial}: files no process says it wrote ({', '.join(unknown[:3])}): "
+                               "has torch.distributed.checkpoint changed how it names files? (see _written_by)")
         shapes = {name: list(shape) for name, shape in trainer.model_shapes.items()}
         (partial / _COMPLETE).write_text(json.dumps({"next_step": next_step, "model": shapes, "files": files},
                                                     indent=1))
