@@ -206,6 +206,12 @@ def init_topology(pp_size: int, dp_size: int, device_kind: str, timeout_minutes:
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         backend = "nccl"
+        if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") in ("0", "2") and rank == 0:
+            # torch's default (3) ends a process whose NCCL operation failed or timed out, which the launcher then
+            # reports; 0 ignores the error and 2 only aborts the communicator, so the others would wait on
+            print("warning: TORCH_NCCL_ASYNC_ERROR_HANDLING="
+                  f"{os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING']}: a failed or timed-out NCCL operation will not "
+                  "end its process, so a fault can hang the run; unset it (torch's default, 3)", flush=True)
     else:
         device = torch.device("cpu")
         backend = "gloo"
