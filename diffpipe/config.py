@@ -310,14 +310,12 @@ def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
 def _resolve_architecture(config: RunConfig) -> None:
     """A pipeline folder names its backbone's class (model_index.json): model.architecture unset, that class's family
     is used; set to another family, the run is refused before anything loads."""
-    import json
-
-    from .models.pipeline_folder import is_pipeline_folder
+    from .models.pipeline_folder import is_pipeline_folder, pipeline_index
     from .models.registry import BUILTIN_FAMILIES, family_for
 
     if not is_pipeline_folder(config.model.path):
         return
-    index = json.loads((Path(config.model.path) / "model_index.json").read_text())
+    index = pipeline_index(Path(config.model.path))
     classes = {entry[1] for key, entry in index.items() if key in ("unet", "transformer") and isinstance(entry, list)}
     families = {name for name in BUILTIN_FAMILIES if family_for(name).model_class.__name__ in classes}
     if len(families) != 1 or config.model.architecture in families:

@@ -64,11 +64,9 @@ def _check_first_stage_trains(backbone: Backbone, split: list[int]) -> None:
 
 def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:
     """Image folders need a pipeline folder whose VAE and text encoders fit the UNet, and folders that exist."""
-    import json
-
     from .data.images import data_folders
     from .models.pipeline_folder import is_pipeline_folder
-    from .models.vae import vae_frame_factor, vae_scale_factor
+    from .models.vae import vae_frame_factor, vae_latent_channels, vae_scale_factor
 
     if not is_pipeline_folder(config.model.path):
         raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
@@ -79,8 +77,7 @@ def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:
             if not path.is_dir():
                 raise FileNotFoundError(f"{key}: {path} is not a folder")
     family, cfg = backbone.family, backbone.model.config
-    vae = json.loads((folder / "vae" / "config.json").read_text())
-    channels = vae.get("latent_channels", vae.get("z_dim"))  # image VAEs; Wan's
+    channels = vae_latent_channels(folder)
     if channels != family.latent_channels(cfg):
         raise CheckpointError(f"{folder}: the VAE makes {channels}-channel latents but the "
                               f"{family.backbone_name} takes {family.latent_channels(cfg)}; the folder mixes components "

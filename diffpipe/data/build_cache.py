@@ -33,4 +33,4 @@ def cache_worker(config_data: dict) -> None:
     data = build_dataset(config, backbone, text, topo.device, topo.rank, topo.world_size, dist.barrier)
     if topo.is_main:
         counts = ", ".join(f"{b} {n}" for b, n in data.bucket_counts().items())
-        print(f"cached {len(data.items)} {'clips' if data.placements[0].frames else 'images'} ({counts}) and {len(set(data.captions))} captions", flush=True)
+        print(f"cached {len(data.items)} {data.kind} ({counts}) and {len(set(data.captions))} captions", flush=True)

@@ -97,6 +97,11 @@ class FolderImages:
     held_out: "FolderImages | None" = None  # the eval split (data.eval_fraction / data.eval_path), if any
 
     @property
+    def kind(self) -> str:
+        """What the items are, in the user's words: clips (a video family's) or images."""
+        return "clips" if any(p.frames for p in self.placements) else "images"
+
+    @property
     def captions(self) -> list[str]:
         return [item.caption for item in self.items]
 

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjecti
 from .loading import PICKLE_SUFFIXES, CheckpointError
 from .text import CaptionEncoder
 
-__all__ = ["is_pipeline_folder", "component_weights", "scheduler_objective",
+__all__ = ["is_pipeline_folder", "pipeline_index", "component_weights", "scheduler_objective",
            "PipelineText", "fingerprint_files", "caption_tokens", "text_encoder_configs"]
 
 _INDEX = "model_index.json"
@@ -29,12 +29,13 @@ def is_pipeline_folder(path: str | Path | None) -> bool:
     return path is not None and (Path(path) / _INDEX).is_file()
 
 
-def _index(folder: Path) -> dict:
+def pipeline_index(folder: Path) -> dict:
+    """The folder's model_index.json: the pipeline's class and each component's (library, class)."""
     return json.loads((folder / _INDEX).read_text())
 
 
 def _has(folder: Path, component: str) -> bool:
-    entry = _index(folder).get(component)
+    entry = pipeline_index(folder).get(component)
     return isinstance(entry, list) and entry[0] is not None and (folder / component).is_dir()
 
 

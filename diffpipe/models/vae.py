@@ -16,7 +16,8 @@ from diffusers import AutoencoderKL, AutoencoderKLWan
 
 from .pipeline_folder import component_weights
 
-__all__ = ["load_vae", "vae_scale_factor", "vae_frame_factor", "latent_frames", "encode_latents", "decode_latents"]
+__all__ = ["load_vae", "vae_scale_factor", "vae_frame_factor", "vae_latent_channels", "latent_frames", "encode_latents",
+           "decode_latents"]
 
 _VIDEO_VAES = {"AutoencoderKLWan": AutoencoderKLWan}
 
@@ -40,6 +41,12 @@ def vae_scale_factor(source: Path | torch.nn.Module) -> int:
     return 2 ** (len(cfg.get("block_out_channels") or cfg.get("dim_mult")) - 1)
 
 
+def vae_latent_channels(folder: Path) -> int | None:
+    """Channels of the latents a pipeline folder's VAE makes (an image VAE's latent_channels, Wan's z_dim)."""
+    cfg = _vae_config(folder)
+    return cfg.get("latent_channels", cfg.get("z_dim"))
+
+
 def vae_frame_factor(folder: Path) -> int:
     """Video frames per latent frame after the first: 4 for Wan's VAE; 1 for an image VAE (every frame encoded)."""
     return 2 ** sum(_vae_config(folder).get("temperal_downsample", []))
@@ -50,8 +57,18 @@ def latent_frames(video_frames: int, frame_factor: int) -> int:
     return 1 + (video_frames - 1) // frame_factor
 
 
-def _is_video_vae(vae) -> bool:
-    return isinstance(vae, AutoencoderKLWan)
+def _wan_statistics(vae: AutoencoderKLWan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wan's per-channel latent mean and spread, shaped to broadcast over (N, C, F, H, W)."""
+    channel = (1, -1, 1, 1, 1)
+    return (torch.tensor(vae.config.latents_mean, device=device).view(channel),
+            torch.tensor(vae.config.latents_std, device=device).view(channel))
+
+
+def _frame_by_frame(fn, clips: torch.Tensor) -> torch.Tensor:
+    """`fn` of images (N, C, H, W) applied to every frame of clips (N, C, F, H, W), frames folded into the batch."""
+    n, c, f, h, w = clips.shape
+    folded = fn(clips.transpose(1, 2).reshape(n * f, c, h, w))
+    return folded.reshape(n, f, *folded.shape[1:]).transpose(1, 2)
 
 
 @torch.no_grad()
@@ -60,18 +77,13 @@ def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
     posterior. An image VAE encodes a clip frame by frame."""
     weights = next(vae.parameters())
     pixels = pixels.to(weights.device, weights.dtype)
-    cfg = vae.config
-    if _is_video_vae(vae):
-        mean = vae.encode(pixels).latent_dist.mean.float()
-        channel = (1, -1, 1, 1, 1)
-        return (mean - torch.tensor(cfg.latents_mean, device=mean.device).view(channel)) / \
-            torch.tensor(cfg.latents_std, device=mean.device).view(channel)
+    if isinstance(vae, AutoencoderKLWan):
+        mean, std = _wan_statistics(vae, weights.device)
+        return (vae.encode(pixels).latent_dist.mean.float() - mean) / std
     if pixels.dim() == 5:
-        n, c, f, h, w = pixels.shape
-        folded = encode_latents(vae, pixels.transpose(1, 2).reshape(n * f, c, h, w))
-        return folded.reshape(n, f, *folded.shape[1:]).transpose(1, 2)
-    mean = vae.encode(pixels).latent_dist.mean.float()
-    return (mean - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
+        return _frame_by_frame(lambda images: encode_latents(vae, images), pixels)
+    cfg = vae.config
+    return (vae.encode(pixels).latent_dist.mean.float() - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
 
 
 @torch.no_grad()
@@ -79,15 +91,11 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """RGB in [-1, 1] on the CPU of latents scaled as `encode_latents` scales them (images or clips)."""
     weights = next(vae.parameters())
     latents = latents.to(weights.device, torch.float32)
-    cfg = vae.config
-    if _is_video_vae(vae):
-        channel = (1, -1, 1, 1, 1)
-        z = latents * torch.tensor(cfg.latents_std, device=latents.device).view(channel) + \
-            torch.tensor(cfg.latents_mean, device=latents.device).view(channel)
-        return vae.decode(z.to(weights.dtype)).sample.float().clamp(-1, 1).cpu()
-    if latents.dim() == 5:
-        n, c, f, h, w = latents.shape
-        folded = decode_latents(vae, latents.transpose(1, 2).reshape(n * f, c, h, w))
-        return folded.reshape(n, f, *folded.shape[1:]).transpose(1, 2)
-    z = latents / cfg.scaling_factor + (cfg.shift_factor or 0.0)
+    if isinstance(vae, AutoencoderKLWan):
+        mean, std = _wan_statistics(vae, weights.device)
+        z = latents * std + mean
+    elif latents.dim() == 5:
+        return _frame_by_frame(lambda images: decode_latents(vae, images), latents)
+    else:
+        z = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
     return vae.decode(z.to(weights.dtype)).sample.float().clamp(-1, 1).cpu()

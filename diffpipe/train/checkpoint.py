@@ -88,8 +88,8 @@ def _state(trainer, next_step: int) -> dict[str, torch.Tensor]:
 
 def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
     """The file (1, 2, ...) each checkpoint tensor goes to: parameters in order, with their AdamW moments, about
-    `_FILE_BYTES` a file (fp32 counted). The same on every process (rank 0's decides for all); a name it lacks (the
-    second name of a tied weight) goes to file 0."""
+    `_FILE_BYTES` a file (fp32 counted), the run's progress in the first. The same on every process (rank 0's decides
+    for all); a name it lacks (the second name of a tied weight) goes to file 0."""
     files: dict[str, int] = defaultdict(int)
     index, size = 1, 0
     for name, shape in model_shapes.items():
@@ -99,7 +99,7 @@ def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]]) -> dict[str, i
         size += nbytes
         files[f"model.{name}"] = index
         files.update({f"optim.{name}.{key}": index for key in _ADAM})
-    for key in ("next_step", "lr_schedule_steps", "loss_scale", "loss_scale_good_steps"):
+    for key in ("next_step", "lr_schedule_steps", "loss_scale", "loss_scale_good_steps"):  # as `_state` names them
         files[f"progress.{key}"] = 1
     return files
 
@@ -168,7 +168,9 @@ def _seal(trainer, partial: Path, final: Path, next_step: int, keep: int) -> Pat
     (partial / f".process-{rank}").touch()  # who shares this folder
     everyone: list[dict] = [{} for _ in range(world)]
     dist.all_gather_object(everyone, mine)  # also a barrier: every marker is in place
-    if rank == min(int(p.name.split("-")[1]) for p in partial.glob(".process-*")):
+    leader = rank == min(int(p.name.split("-")[1]) for p in partial.glob(".process-*"))
+    dist.barrier()  # every process has read the markers
+    if leader:
         files = {name: info for part in everyone for name, info in sorted(part.items())}
         unknown = sorted({f.name for f in partial.glob("*.safetensors")} - set(files))
         if unknown:  # a seal must cover every file a load would read
@@ -178,14 +180,11 @@ def _seal(trainer, partial: Path, final: Path, next_step: int, keep: int) -> Pat
         (partial / _COMPLETE).write_text(json.dumps({"next_step": next_step, "model": shapes, "files": files},
                                                     indent=1))
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step from before a resume
-        dist.barrier()  # the others have read the markers
         for marker in partial.glob(".process-*"):
             marker.unlink()
         os.replace(partial, final)
         for old in sorted(p for p in final.parent.glob("step-*") if (p / _COMPLETE).is_file())[:-keep]:
             shutil.rmtree(old)
-    else:
-        dist.barrier()
     dist.barrier()
     return final
 

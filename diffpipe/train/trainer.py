@@ -107,8 +107,7 @@ class Trainer:
         if topo.is_main and hasattr(self.data, "bucket_counts"):
             counts = list(self.data.bucket_counts().items())
             held = f"; {len(self.held_out.items)} held out for the eval loss" if self.held_out is not None else ""
-            what = "clips" if self.data.placements[0].frames else "images"
-            print(f"{len(self.data.items)} {what} in {len(counts)} bucket(s): "
+            print(f"{len(self.data.items)} {self.data.kind} in {len(counts)} bucket(s): "
                   + ", ".join(f"{b} {n}" for b, n in counts) + held, flush=True)
         moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches,
                              lambda s: schedule.rank_of(s, p.stages))
