@@ -143,6 +143,7 @@ class PipelineConfig(_Section):
     stages: int = Field(2, ge=1, description="Pipeline-parallel degree: processes per model replica.")
     virtual_stages: int = Field(1, ge=1, description="Stages per process (interleaved_1f1b and zb1p need 2 or more; zbv and dualpipev exactly 2).")
     data_parallel: int = Field(1, ge=1, description="Data-parallel replicas of the pipeline; processes = stages x data_parallel.")
+    data_parallel_shard: bool = Field(False, description="With data_parallel > 1: cut each stage's weights, gradients and AdamW state across its replicas (torch's FSDP2 fully_shard: about 1/data_parallel of the 16 bytes per trained parameter each, for an all-gather of the weights per step); false: every replica holds them whole (torch's replicate: gradients all-reduced).")
     schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev"] = Field(
         "1f1b", description="Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved_1f1b (pipeline.virtual_stages >= 2 per process), or the zero-bubble ones, which split each backward into input and weight gradients: zb1p (interleaved, virtual_stages >= 2), zbv and dualpipev (V-shaped: virtual_stages = 2).")
     microbatches: int = Field(4, ge=1, description="Micro-batches per step and replica.")

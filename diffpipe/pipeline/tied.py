@@ -9,13 +9,14 @@ so its gradient there already sums both.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..distributed import Topology
 from ..models.units import Backbone
+from .data_parallel import local, local_numel
 from .split import StageSpec
 
 __all__ = ["TiedParameter", "tied_parameters", "TiedGradients"]
@@ -51,26 +52,31 @@ class TiedGradients:
     gradient norm another process counts (the one holding their lowest stage)."""
 
     def __init__(self, tied: list[TiedParameter], held: dict[str, torch.nn.Parameter], my_stages: list[int],
-                 group: dist.ProcessGroup | None, device: torch.device):
-        self.tied, self.held, self.group, self.device = tied, held, group, device
+                 topo: Topology, shard: bool = False):
+        self.tied, self.held, self.group, self.device = tied, held, topo.pp_group, topo.device
+        # the elements of each this process holds: a stage's replicas may cut it (pipeline/data_parallel.py), each
+        # replica's part summed over its own pipeline, where every process holds the same part of it
+        self.sizes = [local_numel(held.get(t.name), t.shape, topo, shard) for t in tied]
         self.not_counted_here = {id(held[t.name]) for t in tied if t.name in held and min(t.stages) not in my_stages}
 
     def sum_(self) -> None:
         if not self.tied:
             return
         parts = []
-        for t in self.tied:
+        for t, n in zip(self.tied, self.sizes):
             p = self.held.get(t.name)
             held = p is not None and p.grad is not None
-            parts.append(p.grad.reshape(-1) if held else torch.zeros(math.prod(t.shape), device=self.device))
+            parts.append(local(p.grad).reshape(-1).float() if held else torch.zeros(n, device=self.device))
         flat = torch.cat(parts)
         dist.all_reduce(flat, group=self.group)
         offset = 0
-        for t in self.tied:
-            n = math.prod(t.shape)
+        for t, n in zip(self.tied, self.sizes):
             p = self.held.get(t.name)
             if p is not None and p.requires_grad:
-                p.grad = flat[offset:offset + n].view(t.shape).to(p.dtype).clone()
+                if p.grad is None:  # a copy whose stages here left it no share: the others' make its gradient
+                    p.grad = torch.zeros_like(p)
+                grad = local(p.grad)
+                grad.copy_(flat[offset:offset + n].view(grad.shape))
             offset += n
 
     def for_norm(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:

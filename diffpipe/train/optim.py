@@ -1,5 +1,5 @@
-"""AdamW with warm-up and a cosine or constant schedule; gradient averaging, clipping and fp16 loss scaling
-across the processes of a pipeline.
+"""AdamW with warm-up and a cosine or constant schedule; gradient clipping and fp16 loss scaling across the
+processes of a pipeline (the replicas' gradients are averaged by torch's data parallelism: pipeline/data_parallel.py).
 
 Each pipeline rank holds different parameters, so the global gradient norm is the square root of the sum of
 every rank's squared norms (all-reduced over the pipeline group). The norm is also the overflow test of the
@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
+from ..pipeline.data_parallel import full
 
-__all__ = ["make_optimizer", "lr_factor", "LossScaler", "average_gradients", "global_grad_norm", "clip_gradients",
+__all__ = ["make_optimizer", "lr_factor", "LossScaler", "global_grad_norm", "clip_gradients",
            "step_optimizer"]
 
 
@@ -63,25 +64,12 @@ def _grads(params) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
-def average_gradients(params, group: dist.ProcessGroup, size: int) -> None:
-    """Average gradients over data-parallel replicas of the same stages (one flattened all-reduce)."""
-    grads = _grads(params)
-    if size == 1 or not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= size
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def global_grad_norm(params, pp_group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
     """L2 norm of all gradients of all stages, as a 0-d tensor on `device` (one fused norm here, one all-reduce
     of its square); reading it on the host is the caller's choice, so the step need not wait for the device."""
     grads = _grads(params)
-    local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
+    # of DTensor gradients (replicas on torch's data parallelism): the norm over the replicas' parts, made whole
+    local = full(torch.nn.utils.get_total_norm(grads)) if grads else torch.zeros((), device=device)
     sq = local.double().pow(2).to(device)
     dist.all_reduce(sq, group=pp_group)
     return sq.sqrt()

@@ -30,6 +30,7 @@ from ..distributed import Topology, end_process_group, init_topology
 from ..observe.observer import PipelineObserver, probe_link
 from ..observe.timing import Mark, StepTimes
 from ..observe.writers import ScalarWriters, make_writers
+from ..pipeline.data_parallel import full, spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
 from ..pipeline.traffic import Crossing
@@ -37,7 +38,7 @@ from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
 from ..pipeline.tied import TiedGradients, tied_parameters
 from ..planner.plan import resolve_stages
-from .optim import (LossScaler, average_gradients, clip_gradients, global_grad_norm, make_optimizer,
+from .optim import (LossScaler, clip_gradients, global_grad_norm, make_optimizer,
                     step_optimizer)
 from .checkpoint import PendingCheckpoint, latest_checkpoint, load_checkpoint, model_shapes, save_checkpoint
 from .evaluation import evaluate, held_out_data, write_samples
@@ -83,13 +84,15 @@ class Trainer:
         if not config.train.dropout:
             for dropout in (m for module in self.modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
                 dropout.eval()
+        tied = tied_parameters(backbone, specs)  # by the backbone's parameter objects, which wrapping replaces:
+        spread_over_replicas(self.modules, topo, p.data_parallel_shard)  # before anything keeps the parameters
         lr_scale = config.train.stage_lr_scale or [1.0] * len(specs)
         seen: set[int] = set()  # a weight tied between two stages of this process is one parameter, trained once
         groups = [([q for q in m.parameters() if q.requires_grad and not (id(q) in seen or seen.add(id(q)))],
                    lr_scale[i]) for m, i in zip(self.modules, mine)]
         self.params = [q for params, _ in groups for q in params]
         held = {name: q for m in self.modules for name, q in m.full_named_parameters()}
-        self.tied = TiedGradients(tied_parameters(backbone, specs), held, mine, topo.pp_group, topo.device)
+        self.tied = TiedGradients(tied, held, mine, topo, p.data_parallel_shard)
         self.scaler = LossScaler(config.train.precision == "fp16")
         self.runner = PipelineRunner(self.modules, mine, len(specs), topo.pp_group, topo.device, p.schedule,
                                      p.microbatches, _ScaledMSE(self.scaler), timeable=config.observe.enabled,
@@ -134,21 +137,22 @@ class Trainer:
 
     def forward_backward(self, step: int, batch: StepBatch | None = None) -> tuple[torch.Tensor | None, StepTimes | None]:
         """Gradients of the step's batch on this process's stages (summed over micro-batches, averaged over
-        replicas): the mean loss where the last stage lives,
+        replicas by the schedule's data-parallel reduction: pipeline/data_parallel.py): the mean loss where the
+        last stage lives,
         and this rank's compute intervals (on timed steps). On a GPU the work is queued, not waited for."""
         batch = batch if batch is not None else self.batch_for(step)
         self.optimizer.zero_grad(set_to_none=True)
         result = self.runner.step(batch.noisy, batch.conditions, batch.target, timed=self._timed(step))
         self.tied.sum_()  # weights shared by units of several stages: every copy gets the whole gradient
-        average_gradients(self.params, self.topo.dp_group, self.topo.dp_size)
         return result
 
     def batch_gradients(self) -> dict[str, torch.Tensor]:
         """Each parameter of this process's stages (by its diffusers name) with the gradient of the step's mean
         loss over every micro-batch and replica, before clipping: what `apply_gradients` hands the optimizer,
-        less the clip factor. Call it between `forward_backward` and `apply_gradients` (checks, debugging)."""
+        less the clip factor. Call it between `forward_backward` and `apply_gradients` (checks, debugging). Whole
+        tensors: with sharded replicas, every replica must call it (it gathers)."""
         unscale = self._unscale()
-        return {name: p.grad.detach() * unscale for m in self.modules for name, p in m.full_named_parameters()
+        return {name: full(p.grad.detach()) * unscale for m in self.modules for name, p in m.full_named_parameters()
                 if p.grad is not None}
 
     def _unscale(self, loss_scale: float | None = None) -> float:

@@ -58,6 +58,7 @@ from diffpipe.models.lora import add_lora
 from diffpipe.models.flux import FLUX_PRESETS
 from diffpipe.models.presets import UNET_PRESETS
 from diffpipe.models.registry import family_for
+from diffpipe.pipeline.data_parallel import full
 from diffpipe.models.sd3 import SD3_PRESETS
 from diffpipe.models.unet3d import UNET3D_PRESETS
 from diffpipe.models.wan import WAN_PRESETS
@@ -204,8 +205,8 @@ def _scenario_worker(scenarios: list[tuple[str, dict]], out_dir: str, device_kin
             got["grad_norms"].append(record["grad_norm"])
             got["skipped"].append(record.get("skipped", False))
         named = [(n, p) for m in trainer.modules for n, p in m.full_named_parameters() if p.requires_grad]
-        got["weights"] = {n: p.detach().cpu() for n, p in named}
-        got["moments"] = {f"{n}:{k}": trainer.optimizer.state[p][k].cpu() for n, p in named
+        got["weights"] = {n: full(p.detach()).cpu() for n, p in named}  # whole, when replicas cut them
+        got["moments"] = {f"{n}:{k}": full(trainer.optimizer.state[p][k]).cpu() for n, p in named
                           for k in ("exp_avg", "exp_avg_sq")}
         torch.save(got, os.path.join(out_dir, f"{name}-rank{topo.rank}.pt"))
 

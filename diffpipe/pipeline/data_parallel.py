@@ -1,0 +1,70 @@
+"""Data-parallel replicas of each stage on torch's composable data parallelism, as torchtitan composes it with
+pipelines: every stage module of a process is wrapped by `fully_shard` (FSDP2: parameters, gradients and AdamW
+state cut across the replicas, `pipeline.data_parallel_shard = true`) or by `replicate` (the same engine with every
+replica holding everything: gradients all-reduced). torch's pipeline schedules know both: they hold the gradients
+back during the micro-batches' backwards and reduce them once, after the last (`perform_reduce_grad`), averaged over
+the replicas.
+
+Either way each parameter becomes a DTensor over the replicas' mesh; `full` gives the whole tensor (a collective
+over the replicas when sharded: every replica must call it, in the same order) and `local` this process's part.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ..config import ConfigError
+from ..distributed import Topology
+
+__all__ = ["spread_over_replicas", "full", "local", "local_numel"]
+
+
+def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: bool) -> None:
+    """Wrap this process's stage modules for its replicas (nothing with one replica). Call it once the modules are
+    on their device and before anything keeps their parameters (optimizer, hooks, tied-weight maps): wrapping
+    replaces every Parameter by a DTensor one."""
+    if topo.dp_size == 1:
+        return
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    owners: dict[int, int] = {}
+    for index, module in enumerate(modules):
+        for p in module.parameters():
+            if owners.setdefault(id(p), index) != index:
+                raise ConfigError(
+                    "pipeline.data_parallel > 1 with a weight shared by two stages of one process (this layout of "
+                    "pipeline.schedule / pipeline.virtual_stages puts both users of a tied weight on one process): "
+                    "torch's data parallelism wraps each stage alone and cannot hold one weight in two. Use "
+                    "pipeline.schedule = \"1f1b\" or \"gpipe\", or pipeline.data_parallel = 1")
+    mesh = DeviceMesh.from_group(topo.dp_group, topo.device.type)
+    wrap = fully_shard if shard else replicate
+    for module in modules:
+        wrap(module, mesh=mesh)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (gathered from the replicas when sharded; collective then)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of the tensor (the tensor itself when not a DTensor): in-place changes reach it."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_numel(like: torch.Tensor | None, shape: tuple[int, ...], topo: Topology, shard: bool) -> int:
+    """Elements this process holds of a parameter of `shape` (from `like`, one it holds, or computed as FSDP2 cuts
+    dim 0: torch.chunk over the replicas)."""
+    if like is not None:
+        return local(like).numel()
+    if not shard or topo.dp_size == 1 or not shape:
+        return int(torch.Size(shape).numel())
+    rows = [len(part) for part in torch.empty(shape[0], device="meta").chunk(topo.dp_size)]
+    mine = rows[topo.dp_rank] if topo.dp_rank < len(rows) else 0
+    return mine * int(torch.Size(shape[1:]).numel())
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
