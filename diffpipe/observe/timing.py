@@ -68,7 +68,9 @@ class _BackwardStarts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, clock, call, x):
         ctx.clock, ctx.call = clock, call
-        return x.view_as(x)
+        # a copy, not a view: torch's data parallelism warns of views leaving a wrapped stage (an in-place change
+        # of one would skip its gradient hook); a stage's output is small beside its compute
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
@@ -85,6 +87,7 @@ class StageClock:
     split_backward: bool = False  # a zero-bubble schedule: weight gradients in a pass of their own
     _marks: list[tuple[str, _Mark]] = field(default_factory=list)
     _origin: Mark | None = None
+    _watched: set[int] = field(default_factory=set)  # ids of the parameters with a gradient hook
 
     def start_step(self, origin: "Mark | None") -> None:
         """Begin a step measured from `origin`; None leaves the step untimed (every mark is skipped)."""
@@ -132,8 +135,11 @@ class StageClock:
         return tuple(_BackwardStarts.apply(self, self._calls, o) if o.requires_grad else o for o in outputs)
 
     def watch_parameters(self, module: torch.nn.Module) -> None:
+        """Mark when each parameter's gradient is computed. Called at each forward: under torch's data parallelism
+        the module computes with whole copies of its parameters, present only then (pipeline/data_parallel.py)."""
         for p in module.parameters():
-            if p.requires_grad:  # a tensor hook: unlike a post-accumulation hook, it runs in a weight pass too
+            if p.requires_grad and id(p) not in self._watched:  # a tensor hook: it runs in a weight pass too,
+                self._watched.add(id(p))  # unlike a post-accumulation hook
                 p.register_hook(self._gradient_hook)
 
     def intervals(self) -> list[Interval]:

@@ -39,8 +39,7 @@ class PipelineRunner:
         # clocks (and their gradient hooks) only when steps may be timed; each step then chooses
         self.clocks = [StageClock(i, device, self.schedule.zero_bubble) for i in stage_indices] if timeable else []
         for module, clock in zip(modules, self.clocks):
-            module.clock = clock
-            clock.watch_parameters(module)
+            module.clock = clock  # which watches the module's parameters at each forward
 
     @property
     def holds_first_stage(self) -> bool:

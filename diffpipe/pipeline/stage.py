@@ -81,6 +81,7 @@ class StageModule(nn.Module):
         if self.clock is not None:
             self.clock.forward_started()
             self.clock.watch_inputs(received)
+            self.clock.watch_parameters(self)
         named = dict(conditions)
         for name, tensor in zip(self.spec.receives, received, strict=True):
             named[name] = _ContiguousGrad.apply(tensor) if tensor.requires_grad else tensor

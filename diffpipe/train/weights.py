@@ -10,24 +10,29 @@ import torch
 import torch.distributed as dist
 
 from ..distributed import Topology
+from ..pipeline.data_parallel import full
+from ..pipeline.data_parallel import full
 
 __all__ = ["gather_weights"]
 
 
 def gather_weights(modules, topo: Topology) -> dict[str, torch.Tensor] | None:
     """Every weight of the model under its diffusers name, on the host of rank 0; None on the other ranks.
-    Collective over replica 0's pipeline ranks (the other replicas hold the same weights and take no part)."""
+    Collective over every process: replicas that cut their stages' weights (pipeline.data_parallel_shard) make each
+    whole together, one at a time, in the same order; replica 0's pipeline ranks send them."""
+    own = {name: t for m in modules for name, t in m.full_state_dict().items()}
     if topo.dp_rank != 0:
+        for t in own.values():
+            full(t)  # this replica's part in making each whole
         return None
-    own = {name: t.contiguous() for m in modules for name, t in m.full_state_dict().items()}
     listing = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in own.items()]
     listings = [None] * topo.pp_size if topo.pp_rank == 0 else None
     dist.gather_object(listing, listings, dst=0, group=topo.pp_group)  # replica 0's pipeline rank r is rank r
     if topo.pp_rank != 0:
         for name, _, _ in listing:
-            dist.send(own[name], dst=0)
+            dist.send(full(own[name]).contiguous(), dst=0)
         return None
-    merged = {name: t.cpu() for name, t in own.items()}
+    merged = {name: full(t).cpu() for name, t in own.items()}
     for source, theirs in enumerate(listings[1:], start=1):
         for name, shape, dtype in theirs:
             buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=topo.device)

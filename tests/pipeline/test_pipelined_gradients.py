@@ -4,7 +4,8 @@ Real processes (gloo, CPU). The reference is the diffusers model's own forward (
 `FluxTransformer2DModel`, `SD3Transformer2DModel`: `ModelFamily.diffusers_forward`; train mode, autograd), in one
 process, with torch's own AdamW and `clip_grad_norm_`; its initial weights are saved with `save_pretrained` and
 the pipeline reads them through `model.path`. For every schedule offered, at 2 and 4 stages, with data parallel
-x pipeline (3 micro-batches on 2 stages), with clipping on and off, for a digits and a tiny SDXL-style UNet, for
+x pipeline (3 micro-batches on 2 stages; the replicas on torch's `replicate` and on `fully_shard`, which cuts
+weights, gradients and AdamW state across them), with clipping on and off, for a digits and a tiny SDXL-style UNet, for
 Flux and SD3 made for digits (every schedule at 2 and 4 stages, and dp2 x pp2), and
 for LoRA (peft's layers on the frozen model, the reference injecting them into its whole UNet), these must agree:
 - every step's loss, and the logged gradient norm (before clipping);
@@ -84,7 +85,7 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
 
 def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4,
             checkpointing="none", model: str = "digits", clip: float = 1.0, precision: str = "fp32",
-            steps: int = STEPS, lora: bool = False) -> dict:
+            steps: int = STEPS, lora: bool = False, shard: bool = False) -> dict:
     digits = model != "sdxl-style"  # the others are made for 1-channel 8x8 images
     micro_size = 2 if digits else 1
     return {
@@ -96,7 +97,7 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
                   "warmup_steps": 1, "adam_eps": 1e-6, "max_grad_norm": clip, "seed": 3,
                   "timestep_sampling": "uniform", "precision": precision},
         "pipeline": {"stages": stages, "schedule": schedule, "virtual_stages": virtual, "data_parallel": dp,
-                     "microbatches": microbatches, "checkpointing": checkpointing},
+                     "data_parallel_shard": shard, "microbatches": microbatches, "checkpointing": checkpointing},
     }
 
 
@@ -132,31 +133,36 @@ TWO = {
     "unet3d-zbv-2x2": _config(2, "zbv", virtual=2, model="unet3d"),
     "toy-tied-zbv-2x2": _config(2, "zbv", virtual=2, model="toy-tied"),  # the tied weight's stages on one process
     "lora-zb1p-2x2": _config(2, "zb1p", virtual=2, lora=True),
+    # data parallel alone, on torch's replicate and fully_shard
+    "dp2": _config(1, "1f1b", dp=2),
+    "dp2-sharded": _config(1, "1f1b", dp=2, shard=True),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),
     "1f1b-4": _config(4, "1f1b"),
     "interleaved-4x2": _config(4, "interleaved_1f1b", virtual=2),
     "dp2-x-1f1b-2-3-microbatches": _config(2, "1f1b", dp=2, microbatches=3, clip=0.0),
+    "dp2-sharded-x-1f1b-2-3-microbatches": _config(2, "1f1b", dp=2, microbatches=3, clip=0.0, shard=True),
     "sdxl-style-dp2-x-gpipe-2": _config(2, "gpipe", dp=2, model="sdxl-style"),
-    "lora-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, lora=True),
+    "lora-dp2-sharded-x-1f1b-2": _config(2, "1f1b", dp=2, lora=True, shard=True),
     "flux-gpipe-4": _config(4, "gpipe", model="flux"),
     "flux-1f1b-4": _config(4, "1f1b", model="flux"),
     "flux-interleaved-4x2": _config(4, "interleaved_1f1b", virtual=2, model="flux"),
-    "flux-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, model="flux"),
+    "flux-dp2-sharded-x-1f1b-2": _config(2, "1f1b", dp=2, model="flux", shard=True),
     "sd3-gpipe-4": _config(4, "gpipe", model="sd3"),
     "sd3-1f1b-4": _config(4, "1f1b", model="sd3"),
     "sd3-interleaved-4x2": _config(4, "interleaved_1f1b", virtual=2, model="sd3"),
     "sd3-dp2-x-gpipe-2": _config(2, "gpipe", dp=2, model="sd3"),
     "toy-tied-gpipe-4": _config(4, "gpipe", model="toy-tied"),
     "toy-tied-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, model="toy-tied"),
+    "toy-tied-dp2-sharded-x-1f1b-2": _config(2, "1f1b", dp=2, model="toy-tied", shard=True),
     "wan-1f1b-4": _config(4, "1f1b", model="wan"),
     "wan-dp2-x-gpipe-2": _config(2, "gpipe", dp=2, model="wan"),
     "unet3d-gpipe-4": _config(4, "gpipe", model="unet3d"),
     "unet3d-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, model="unet3d"),
     "zbv-4x2": _config(4, "zbv", virtual=2, microbatches=8),
     "flux-zb1p-4x2": _config(4, "zb1p", virtual=2, model="flux"),
-    "sdxl-style-dp2-x-zbv-2x2": _config(2, "zbv", virtual=2, dp=2, model="sdxl-style"),
+    "sdxl-style-dp2-sharded-x-zbv-2x2": _config(2, "zbv", virtual=2, dp=2, model="sdxl-style", shard=True),
 }
 LOW_PRECISION = {
     "bf16-1f1b-2": _config(2, "1f1b", precision="bf16"),
