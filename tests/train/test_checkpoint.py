@@ -57,19 +57,37 @@ def test_checkpoints_are_written_and_kept(full_run):
     assert all(f.endswith(".safetensors") for f in files if f != "complete.json")  # no pickle
 
 
-@pytest.mark.parametrize("stages", [2, 1, 4])
-def test_a_cut_short_run_resumes_to_the_same_losses(full_run, tmp_path, stages):
+# the layout resumed on: a checkpoint is read by name, into plain tensors or into replicas' parts (torch's DTensors)
+LAYOUTS = {"2 stages": ["pipeline.stages=2"], "1 stage": ["pipeline.stages=1"], "4 stages": ["pipeline.stages=4"],
+           "2 sharded replicas": ["pipeline.stages=1", "pipeline.data_parallel=2", "pipeline.data_parallel_shard=true"]}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_cut_short_run_resumes_to_the_same_losses(full_run, tmp_path, layout):
     run = _cut_short(full_run, tmp_path / "run")
-    result = _train("--resume", str(run), "--set", f"pipeline.stages={stages}")
+    result = _train("--resume", str(run), *(arg for item in LAYOUTS[layout] for arg in ("--set", item)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming" in result.stdout and "(step 3)" in result.stdout
     got, want = _losses(run), _losses(full_run)
     assert list(got) == list(range(6))  # steps 0-2 kept, 3-5 trained again once each
-    if stages == 2:
+    if layout == "2 stages":
         assert got == want  # the same layout: bit for bit
     else:
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7)  # another layout sums in another order
     assert latest_checkpoint(run).name == "step-00000006"
+
+
+def test_a_run_of_sharded_replicas_resumes_on_a_pipeline(full_run, tmp_path):
+    """Each replica writes its part of every weight and AdamW moment; a pipeline of 2 stages reads them whole."""
+    sharded = tmp_path / "sharded"
+    result = _train("--output-dir", str(sharded), "--set", "pipeline.stages=1", "--set", "pipeline.data_parallel=2",
+                    "--set", "pipeline.data_parallel_shard=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(sharded) == pytest.approx(_losses(full_run), rel=1e-5, abs=1e-7)
+    run = _cut_short(sharded, tmp_path / "run")
+    result = _train("--resume", str(run), "--set", "pipeline.stages=2", "--set", "pipeline.data_parallel=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(run) == pytest.approx(_losses(sharded), rel=1e-5, abs=1e-7)
 
 
 def _refused(run: Path, *extra: str, capsys) -> str:
