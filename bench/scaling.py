@@ -5,6 +5,7 @@ counts, pipeline x data parallel, and the parameter-count split against the plan
     python bench/scaling.py --gpus 8 --config examples/sdxl_wide_unet.toml --only pipeline --stages 4,8 --profile
     python bench/scaling.py --gpus 2 --config examples/digits.toml --device cpu --batch 32 --steps 2   # gloo dry run
     python bench/scaling.py --gpus 2 --only pipeline --schedules 1f1b,interleaved_1f1b,zb1p,zbv,dualpipev --profile
+    python bench/scaling.py --gpus 2 --only ddp,data,sharded --set observe.every=10   # against torch DDP
 
 On GPUs the planner is given the GPU's memory (`plan.memory_gib`, unless --set gives it) and, with --profile,
 unit times measured on this GPU (`diffpipe plan --profile`, once, before the runs) instead of FLOP counts: on
@@ -37,8 +38,12 @@ def configurations(gpus: int, batch: int, micro: int, microbatch_counts: list[in
         out.append(("single", "1 GPU", {"pipeline.stages": 1, "pipeline.data_parallel": 1,
                                         "pipeline.microbatches": batch // micro}))
     if "data" in only and gpus > 1:
-        out.append(("data", f"data parallel {gpus}", {"pipeline.stages": 1, "pipeline.data_parallel": gpus,
-                                                      "pipeline.microbatches": max(1, batch // (micro * gpus))}))
+        out.append(("data", f"data parallel {gpus} (replicate)", {
+            "pipeline.stages": 1, "pipeline.data_parallel": gpus, "pipeline.microbatches": max(1, batch // (micro * gpus))}))
+    if "sharded" in only and gpus > 1:
+        out.append(("sharded", f"data parallel {gpus} (fully_shard)", {
+            "pipeline.stages": 1, "pipeline.data_parallel": gpus, "pipeline.data_parallel_shard": "true",
+            "pipeline.microbatches": max(1, batch // (micro * gpus))}))
     for stages in stage_counts:
         if "pipeline" in only:
             for schedule in schedules:
@@ -84,6 +89,22 @@ def run(config: str, name: str, overrides: dict, common: dict, extra: list[str],
             "bubble": round(statistics.median(r["bubble_fraction"] for r in timed), 3) if timed else None,
             "ideal_bubble": round(timed[0]["ideal_bubble_fraction"], 3) if timed else None,
             "peak_gib_per_stage": peaks, "timeline": str(timeline) if timeline.exists() else None}
+
+
+def ddp_reference(gpus: int, batch: int, micro: int) -> dict:
+    """torch DDP on the same GPUs and global batch (bench/reference/ddp_loop_gpu.py, SDXL UNet at 1024x1024)."""
+    accumulation = max(1, batch // (micro * gpus))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
+           str(ROOT / "bench" / "reference" / "ddp_loop_gpu.py"), str(accumulation)]
+    started = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    row = {"configuration": f"torch DDP {gpus} (reference loop, {accumulation} accumulation steps of {micro})",
+           "overrides": {}, "wall_s": round(time.perf_counter() - started, 1)}
+    found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not found:
+        return {**row, "error": (result.stdout + result.stderr)[-600:]}
+    return {**row, "step_s": found[0]["step_s"], "samples_per_s": found[0]["samples_per_s"], "bubble": None,
+            "ideal_bubble": None, "peak_gib_per_stage": {"peak_gib": found[0]["peak_gib"]}, "timeline": None}
 
 
 def planner_settings(config: str, device: str, batch: int, micro: int, profile: bool, out: Path,
@@ -134,7 +155,9 @@ def main() -> None:
     parser.add_argument("--microbatches", default="4,8,16", help="micro-batch counts of the pipeline runs")
     parser.add_argument("--schedules", default="1f1b", help="pipeline.schedule of the pipeline runs, comma-separated")
     parser.add_argument("--stages", default="", help="pipeline stage counts (default: --gpus)")
-    parser.add_argument("--only", default="single,data,pipeline,parameters,hybrid")
+    parser.add_argument("--only", default="single,data,pipeline,parameters,hybrid",
+                        help="of single, ddp (torch DDP reference loop, SDXL only), data, sharded (data parallel "
+                             "on fully_shard), pipeline, parameters, hybrid")
     parser.add_argument("--steps", type=int, default=8, help="measured steps (after 3 warm-up steps)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--out", default="runs/scaling")
@@ -151,6 +174,9 @@ def main() -> None:
                                    args.set))
     print(json.dumps({"planner": common}), flush=True)
     rows, baseline = [], None
+    if "ddp" in args.only.split(",") and args.gpus > 1:
+        rows.append({**ddp_reference(args.gpus, args.batch, args.micro), "devices": args.gpus})
+        print(json.dumps(rows[-1]), flush=True)
     for index, (kind, name, overrides) in enumerate(configurations(
             args.gpus, args.batch, args.micro, [int(m) for m in args.microbatches.split(",") if m], stage_counts,
             set(args.only.split(",")), tuple(args.schedules.split(",")))):
