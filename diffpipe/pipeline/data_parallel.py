@@ -39,9 +39,27 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
                     "torch's data parallelism wraps each stage alone and cannot hold one weight in two. Use "
                     "pipeline.schedule = \"1f1b\" or \"gpipe\", or pipeline.data_parallel = 1")
     mesh = DeviceMesh.from_group(topo.dp_group, topo.device.type)
-    wrap = fully_shard if shard else replicate
+    # whole copies of the weights are kept from a step's first forward to its end (torch's schedules do the same
+    # for every wrapped module): a pipeline's micro-batches would otherwise gather them again each time
+    wrap = (lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=False)) if shard else (
+        lambda m: replicate(m, mesh=mesh))
     for module in modules:
-        wrap(module, mesh=mesh)
+        for unit in _units_wrapped_alone(module):
+            wrap(unit)
+        wrap(module)
+
+
+def _units_wrapped_alone(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The stage's units with weights, each to be wrapped on its own so that its gradients are reduced as soon as
+    its backward ends (overlapping the backward of the units before it), unless two units share a weight: a
+    weight belongs to one wrapped module, so then the stage is wrapped whole."""
+    units = [u for u in getattr(module, "units", []) if any(True for _ in u.parameters())]
+    owners: dict[int, int] = {}
+    for index, unit in enumerate(units):
+        for p in unit.parameters():
+            if owners.setdefault(id(p), index) != index:
+                return []
+    return units
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

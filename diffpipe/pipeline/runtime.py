@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from ..observe.timing import Mark, StageClock, StepTimes
@@ -72,7 +73,7 @@ class PipelineRunner:
         Returns the mean loss (on the rank holding the last stage, else None) and, when `timed`, this rank's
         compute intervals.
         """
-        schedule = self._schedule_for(tuple(sample.shape))
+        schedule = self._schedule_for(tuple(sample.shape)) if self.num_stages > 1 else None
         timed = timed and bool(self.clocks)
         if timed:
             dist.barrier(group=self.group)  # one origin for the whole pipeline: the timeline's ranks line up
@@ -80,11 +81,14 @@ class PipelineRunner:
         for clock in self.clocks:
             clock.start_step(origin)
         losses: list[torch.Tensor] = []
-        args = (sample,) if self.holds_first_stage else ()
-        kwargs = dict(conditions)
-        if self.holds_last_stage:
-            kwargs.update(target=target, losses=losses)
-        schedule.step(*args, **kwargs)
+        if self.num_stages == 1:
+            self._accumulate(sample, conditions, target, losses)
+        else:
+            args = (sample,) if self.holds_first_stage else ()
+            kwargs = dict(conditions)
+            if self.holds_last_stage:
+                kwargs.update(target=target, losses=losses)
+            schedule.step(*args, **kwargs)
         times = None
         if timed:
             end = Mark(self.device)
@@ -94,6 +98,23 @@ class PipelineRunner:
         if not self.holds_last_stage:
             return None, times
         return torch.stack([loss.detach().float() for loss in losses]).mean(), times
+
+    def _accumulate(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor], target: torch.Tensor,
+                    losses: list[torch.Tensor]) -> None:
+        """One stage: each micro-batch's forward and backward in turn (split as torch's schedules split them),
+        gradients summed. Replicas on torch's data parallelism (pipeline/data_parallel.py) reduce them during the
+        last micro-batch's backward, each wrapped unit as soon as its gradients are whole, as DDP does; torch's
+        schedules reduce only after the last backward."""
+        module, split = self.modules[0], self.microbatches
+        samples, targets = torch.tensor_split(sample, split), torch.tensor_split(target, split)
+        parts = {k: torch.tensor_split(v, split) for k, v in conditions.items()}
+        replicated = isinstance(module, FSDPModule)
+        for i in range(split):
+            if replicated:
+                module.set_requires_gradient_sync(i == split - 1)
+            loss = self.loss_fn(module(samples[i], **{k: v[i] for k, v in parts.items()}), targets[i])
+            loss.backward()
+            losses.append(loss.detach())
 
     @torch.no_grad()
     def forward_only(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor], target: torch.Tensor,

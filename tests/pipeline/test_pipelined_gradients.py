@@ -135,7 +135,7 @@ TWO = {
     "lora-zb1p-2x2": _config(2, "zb1p", virtual=2, lora=True),
     # data parallel alone, on torch's replicate and fully_shard
     "dp2": _config(1, "1f1b", dp=2),
-    "dp2-sharded": _config(1, "1f1b", dp=2, shard=True),
+    "dp2-sharded-checkpointed": _config(1, "1f1b", dp=2, shard=True, checkpointing="all"),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),
