@@ -75,6 +75,8 @@ def run(config: str, name: str, overrides: dict, common: dict, extra: list[str],
     started = time.perf_counter()
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     row = {"configuration": name, "overrides": overrides, "wall_s": round(time.perf_counter() - started, 1)}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "log.txt").write_text(result.stdout + result.stderr)  # the whole story of a failed row
     if result.returncode != 0:
         lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]  # the error last
         return {**row, "error": " ".join(lines[-3:])[-600:]}

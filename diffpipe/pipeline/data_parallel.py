@@ -44,22 +44,27 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
     wrap = (lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=False)) if shard else (
         lambda m: replicate(m, mesh=mesh))
     for module in modules:
-        for unit in _units_wrapped_alone(module):
-            wrap(unit)
+        for part in _parts_wrapped_alone(module):
+            wrap(part)
         wrap(module)
 
 
-def _units_wrapped_alone(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The stage's units with weights, each to be wrapped on its own so that its gradients are reduced as soon as
-    its backward ends (overlapping the backward of the units before it), unless two units share a weight: a
-    weight belongs to one wrapped module, so then the stage is wrapped whole."""
+def _parts_wrapped_alone(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The parts of a stage wrapped on their own, innermost first: the model's repeated blocks (a transformer block,
+    as diffusers declares them for regional compilation) and the stage's units. Each part's gradients are reduced
+    as soon as its backward ends, overlapping the backward of the parts before it. A weight belongs to one wrapped
+    part (and its enclosing ones): if two parts that do not enclose one another share a weight (a norm tied
+    between a DiT's first and last units), the stage is wrapped whole."""
+    blocks = tuple(getattr(module, "repeated_blocks", ()))
     units = [u for u in getattr(module, "units", []) if any(True for _ in u.parameters())]
-    owners: dict[int, int] = {}
-    for index, unit in enumerate(units):
-        for p in unit.parameters():
-            if owners.setdefault(id(p), index) != index:
+    parts = [m for unit in units for m in unit.modules() if type(m).__name__ in blocks and m is not unit] + units
+    owner: dict[int, torch.nn.Module] = {}  # each weight's innermost part
+    for part in parts:
+        inside = {id(m) for m in part.modules()}
+        for p in part.parameters():
+            if id(owner.setdefault(id(p), part)) not in inside:
                 return []
-    return units
+    return parts
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,7 @@ class StageModule(nn.Module):
         self.unit_list = units
         self.units = nn.ModuleList(u.module for u in units)  # registers the parameters
         self.autocast_dtype = autocast_dtype
+        self.repeated_blocks = repeated_blocks  # class names (data-parallel wrapping and compile = "blocks")
         self._full_names = {name: parameter_names[id(t)] for name, t in self._own_tensors()}
         if compiled == "blocks":  # each repeated block a graph of its own, compiled once per shape for all alike
             for module in self.units.modules():
