@@ -91,13 +91,21 @@ def _spawned_entry(index: int, world_size: int, port: int, fn: Callable, args: t
         fn(*args)
     except BaseException as exc:
         # the launcher reads these to name the first real failure (torch's join names whichever it sees first)
-        line = f"{type(exc).__name__}: {exc}".strip().splitlines()
+        line = _what_failed(exc)
         path = os.path.join(errors, f"rank-{index}.txt")
         with open(path + ".part", "w") as f:  # renamed when whole: a process stopped mid-write leaves no .txt
             f.write(f"{time.time()}\n{line[-1] if line else type(exc).__name__}")
         os.replace(path + ".part", path)
         raise  # without destroying the process group: see end_process_group
     end_process_group()
+
+
+def _what_failed(exc: BaseException) -> list[str]:
+    """The lines of the error that started it: torch's pipelining wraps a failure inside a stage (CUDA out of
+    memory, a diffpipe check) in a RuntimeError that lists the stage's inputs, and chains the cause."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}".strip().splitlines()
 
 
 def end_process_group() -> None:

@@ -50,14 +50,12 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
 
 
 def _parts_wrapped_alone(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The parts of a stage wrapped on their own, innermost first: the model's repeated blocks (a transformer block,
-    as diffusers declares them for regional compilation) and the stage's units. Each part's gradients are reduced
-    as soon as its backward ends, overlapping the backward of the parts before it. A weight belongs to one wrapped
-    part (and its enclosing ones): if two parts that do not enclose one another share a weight (a norm tied
-    between a DiT's first and last units), the stage is wrapped whole."""
-    blocks = tuple(getattr(module, "repeated_blocks", ()))
-    units = [u for u in getattr(module, "units", []) if any(True for _ in u.parameters())]
-    parts = [m for unit in units for m in unit.modules() if type(m).__name__ in blocks and m is not unit] + units
+    """The parts of a stage wrapped on their own, innermost first: its units. Each part's gradients are reduced as
+    soon as its backward ends, overlapping the backward of the parts before it. (Wrapping each transformer block
+    too, 94 parts for the SDXL UNet instead of 24, measured slower on two H200s: 26.99 samples/s against 29.43.)
+    A weight belongs to one wrapped part (and its enclosing ones): if two parts that do not enclose one another
+    share a weight (a norm tied between a DiT's first and last units), the stage is wrapped whole."""
+    parts = [u for u in getattr(module, "units", []) if any(True for _ in u.parameters())]
     owner: dict[int, torch.nn.Module] = {}  # each weight's innermost part
     for part in parts:
         inside = {id(m) for m in part.modules()}

@@ -9,6 +9,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ConfigError
@@ -65,7 +66,6 @@ class StageModule(nn.Module):
         self.unit_list = units
         self.units = nn.ModuleList(u.module for u in units)  # registers the parameters
         self.autocast_dtype = autocast_dtype
-        self.repeated_blocks = repeated_blocks  # class names (data-parallel wrapping and compile = "blocks")
         self._full_names = {name: parameter_names[id(t)] for name, t in self._own_tensors()}
         if compiled == "blocks":  # each repeated block a graph of its own, compiled once per shape for all alike
             for module in self.units.modules():
@@ -99,7 +99,9 @@ class StageModule(nn.Module):
         if self.clock is not None:
             self.clock.forward_ended()
             out = self.clock.watch_outputs(out)
-        if self.split_backward is not None:  # no views, nothing saved by an op: the schedule detaches them in place
+        # no views, nothing saved by an op: zero-bubble schedules detach outputs in place; torch's data parallelism
+        # warns of a view leaving a wrapped module (an in-place change would skip its gradient hook)
+        if self.split_backward is not None or (self.clock is not None and isinstance(self, FSDPModule)):
             out = tuple(t.clone() for t in out)
         return out[0] if len(out) == 1 else out
 
