@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..pipeline.schedules import ScheduleChoice
 from .costs import UnitCost
 
-__all__ = ["Hardware", "StageEstimate", "Partition", "Infeasible", "partition", "estimate_stages",
+__all__ = ["Hardware", "Replicas", "StageEstimate", "Partition", "Infeasible", "partition", "estimate_stages",
            "unit_times", "BYTES_PER_TRAINABLE", "BYTES_PER_WEIGHT"]
 
 BYTES_PER_WEIGHT = 4  # fp32 master weights (autocast computes in bf16/fp16)
@@ -28,6 +28,22 @@ class Hardware:
     tflops: float = 200.0  # sustained TFLOP/s, used where units are not profiled
     link_gbps: float = 50.0  # GB/s between neighbouring stages
     memory_bytes: float | None = None  # per device; None: unlimited
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """A stage's data-parallel replicas: `sharded` (pipeline.data_parallel_shard) cuts its fp32 weights, gradients
+    and AdamW moments across them, while whole copies of the weights and of the gradients being summed are held
+    from a step's first forward to its gradient reduction (torch's FSDP2 under a pipeline schedule)."""
+
+    count: int = 1
+    sharded: bool = False
+
+    def state_bytes(self, params: int, trainable: int) -> float:
+        whole = params * BYTES_PER_WEIGHT + trainable * BYTES_PER_TRAINABLE
+        if not self.sharded or self.count == 1:
+            return whole
+        return params * BYTES_PER_WEIGHT + trainable * 4 + whole / self.count
 
 
 @dataclass(frozen=True)
@@ -85,14 +101,16 @@ def unit_times(cost: UnitCost, hw: Hardware) -> tuple[float, float]:
     return cost.forward_flops / rate, cost.backward_flops / rate
 
 
-def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, schedule, hw, checkpointed):
+def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, schedule, hw, checkpointed,
+           replicas: Replicas = Replicas()):
     times = [unit_times(c, hw) for c in costs[first:last]]
     forward = sum(t[0] for t in times)
     backward = sum(t[1] for t in times) + (forward if checkpointed else 0.0)
     received = boundary_bytes[first - 1] if first > 0 else 0
     sent = boundary_bytes[last - 1] if last < len(costs) else 0
     send = 2 * sent / (hw.link_gbps * 1e9)  # activations forward, their gradients back
-    static = sum(c.params * BYTES_PER_WEIGHT + c.trainable_params * BYTES_PER_TRAINABLE for c in costs[first:last])
+    static = replicas.state_bytes(sum(c.params for c in costs[first:last]),
+                                  sum(c.trainable_params for c in costs[first:last]))
     held = schedule.in_flight(index, stages, microbatches)
     if checkpointed:  # per micro-batch in flight: the stage's inputs and every unit's outputs (the next units'
         # inputs); in backward one unit's activations, recomputed
@@ -113,36 +131,39 @@ def _options(mode, index: int) -> tuple[bool, ...]:
     return (index in mode,)
 
 
-def _fits(est: StageEstimate, hw: Hardware) -> bool:
-    return hw.memory_bytes is None or est.memory_bytes <= hw.memory_bytes
+def _fits(est: StageEstimate, hw: Hardware, stages_per_process: int) -> bool:
+    """Within the device's memory, shared equally by the stages of a process (interleaved and V-shaped schedules
+    run 2 or more on each): a stage may use its share."""
+    return hw.memory_bytes is None or est.memory_bytes <= hw.memory_bytes / stages_per_process
 
 
-def _best_stage(costs, boundary_bytes, first, last, index, stages, m, schedule, hw, mode) -> StageEstimate | None:
+def _best_stage(costs, boundary_bytes, first, last, index, stages, m, schedule, hw, mode,
+                replicas: Replicas = Replicas()) -> StageEstimate | None:
     """The stage as configured; under "auto" without checkpointing when that fits, else with it."""
     for ckpt in _options(mode, index):
-        est = _stage(costs, boundary_bytes, first, last, index, stages, m, schedule, hw, ckpt)
-        if _fits(est, hw):
+        est = _stage(costs, boundary_bytes, first, last, index, stages, m, schedule, hw, ckpt, replicas)
+        if _fits(est, hw, stages // schedule.ranks(stages)):
             return est
     return None
 
 
 def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int, schedule: ScheduleChoice,
-                    hw: Hardware, checkpointing="none") -> Partition:
+                    hw: Hardware, checkpointing="none", replicas: Replicas = Replicas()) -> Partition:
     """Figures for a given split (no memory check), e.g. the parameter-count split."""
     bounds = [0, *starts, len(costs)]
     stages = len(bounds) - 1
     out = []
     for i in range(stages):
         args = (costs, boundary_bytes, bounds[i], bounds[i + 1], i, stages, microbatches, schedule, hw)
-        est = _best_stage(*args, checkpointing)
+        est = _best_stage(*args, checkpointing, replicas)
         if est is None:  # nothing fits: report the most frugal option allowed, whose memory is the one to beat
-            est = _stage(*args, _options(checkpointing, i)[-1])
+            est = _stage(*args, _options(checkpointing, i)[-1], replicas)
         out.append(est)
     return Partition(tuple(out), microbatches, schedule)
 
 
 def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, microbatches: int,
-              schedule: ScheduleChoice, hw: Hardware, checkpointing="none") -> Partition:
+              schedule: ScheduleChoice, hw: Hardware, checkpointing="none", replicas: Replicas = Replicas()) -> Partition:
     """The partition into `stages` that minimises the slowest stage while every stage fits memory."""
     n = len(costs)
     if stages > n:
@@ -157,7 +178,7 @@ def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, mic
                 if best[s - 1][j] == inf:
                     continue
                 est = _best_stage(costs, boundary_bytes, j, i, s - 1, stages, microbatches, schedule, hw,
-                                  checkpointing)
+                                  checkpointing, replicas)
                 if est is not None and max(best[s - 1][j], est.busy_s) < best[s][i]:
                     best[s][i], choice[s][i] = max(best[s - 1][j], est.busy_s), est
     if best[stages][n] == inf:

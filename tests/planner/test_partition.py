@@ -8,7 +8,7 @@ import pytest
 
 from diffpipe.pipeline.schedules import ScheduleChoice
 from diffpipe.planner.costs import UnitCost
-from diffpipe.planner.partition import Hardware, Infeasible, _stage, partition
+from diffpipe.planner.partition import Hardware, Infeasible, Replicas, _stage, partition
 
 
 def _random_costs(rng: random.Random, n: int) -> tuple[list[UnitCost], list[int]]:
@@ -81,3 +81,25 @@ def test_bubble_fraction_of_a_balanced_pipeline_is_the_textbook_figure():
     costs = [UnitCost(f"u{i}", 1, 1, 10**12, 2 * 10**12, 0, {}) for i in range(4)]
     part = partition(costs, [0, 0, 0, 0], 4, 12, ScheduleChoice.named("1f1b"), Hardware(tflops=1.0))
     assert part.bubble_fraction == pytest.approx(3 / (12 + 3))
+
+
+def test_stages_sharing_a_process_share_its_memory():
+    """Interleaved schedules run 2 stages on each process: a split whose stages each fit the device alone, but
+    not two together, is refused (an interleaved SDXL plan that fitted stage by stage ran out of memory)."""
+    costs = [UnitCost(f"u{i}", params=10**9, trainable_params=10**9, forward_flops=10**12, backward_flops=2 * 10**12,
+                      activation_bytes=0, output_bytes={}) for i in range(4)]
+    one_stage = 16 * 10**9  # weights, gradient and AdamW moments of one unit
+    hw = Hardware(memory_bytes=1.5 * one_stage)
+    assert len(partition(costs, [0] * 4, 4, 8, ScheduleChoice.named("1f1b"), hw).stages) == 4
+    with pytest.raises(Infeasible):
+        partition(costs, [0] * 4, 4, 8, ScheduleChoice.named("interleaved_1f1b", 2), hw)
+    assert partition(costs, [0] * 4, 4, 8, ScheduleChoice.named("interleaved_1f1b", 2),
+                     Hardware(memory_bytes=2 * one_stage))
+
+
+def test_sharded_replicas_hold_whole_weights_and_gradients_and_a_share_of_the_rest():
+    params = 10**9
+    assert Replicas(4, False).state_bytes(params, params) == 16 * params  # replicate: everything whole
+    assert Replicas(1, True).state_bytes(params, params) == 16 * params
+    assert Replicas(4, True).state_bytes(params, params) == (4 + 4 + 16 / 4) * params
+    assert Replicas(4, True).state_bytes(params, 0) == (4 + 4 / 4) * params  # frozen weights: gathered too
