@@ -110,8 +110,11 @@ class PipelineRunner:
         parts = {k: torch.tensor_split(v, split) for k, v in conditions.items()}
         replicated = isinstance(module, FSDPModule)
         for i in range(split):
-            if replicated:
-                module.set_requires_gradient_sync(i == split - 1)
+            if replicated:  # the whole weights kept and the gradients summed locally until the last micro-batch
+                last = i == split - 1
+                module.set_requires_gradient_sync(last)
+                module.set_reshard_after_backward(last)
+                module.set_is_last_backward(last)
             loss = self.loss_fn(module(samples[i], **{k: v[i] for k, v in parts.items()}), targets[i])
             loss.backward()
             losses.append(loss.detach())
