@@ -1,9 +1,10 @@
 """Data-parallel replicas of each stage on torch's composable data parallelism, as torchtitan composes it with
 pipelines: every stage module of a process is wrapped by `fully_shard` (FSDP2: parameters, gradients and AdamW
 state cut across the replicas, `pipeline.data_parallel_shard = true`) or by `replicate` (the same engine with every
-replica holding everything: gradients all-reduced). torch's pipeline schedules know both: they hold the gradients
-back during the micro-batches' backwards and reduce them once, after the last (`perform_reduce_grad`), averaged over
-the replicas.
+replica holding everything: gradients all-reduced), each unit on its own. torch's pipeline schedules know both:
+they hold the gradients back during the micro-batches' backwards and reduce them once, after the last
+(`perform_reduce_grad`), averaged over the replicas; a stage alone runs its micro-batches in a loop whose last
+backward reduces each unit's gradients as soon as they are whole (runtime.PipelineRunner._accumulate), as DDP does.
 
 Either way each parameter becomes a DTensor over the replicas' mesh; `full` gives the whole tensor (a collective
 over the replicas when sharded: every replica must call it, in the same order) and `local` this process's part.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError
 from ..distributed import Topology
@@ -50,17 +51,16 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
 
 
 def _parts_wrapped_alone(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The parts of a stage wrapped on their own, innermost first: its units. Each part's gradients are reduced as
-    soon as its backward ends, overlapping the backward of the parts before it. (Wrapping each transformer block
-    too, 94 parts for the SDXL UNet instead of 24, measured slower on two H200s: 26.99 samples/s against 29.43.)
-    A weight belongs to one wrapped part (and its enclosing ones): if two parts that do not enclose one another
-    share a weight (a norm tied between a DiT's first and last units), the stage is wrapped whole."""
+    """The parts of a stage wrapped on their own: its units with weights. Each part's gradients are reduced as soon
+    as its backward ends, overlapping the backward of the units before it. (Wrapping each transformer block too, 94
+    parts for the SDXL UNet instead of 24, measured slower on two H200s: 26.99 samples/s against 29.43.) A weight
+    belongs to one wrapped part: if two units share one (a norm tied between a DiT's first and last units), the
+    stage is wrapped whole."""
     parts = [u for u in getattr(module, "units", []) if any(True for _ in u.parameters())]
-    owner: dict[int, torch.nn.Module] = {}  # each weight's innermost part
-    for part in parts:
-        inside = {id(m) for m in part.modules()}
+    owner: dict[int, int] = {}
+    for index, part in enumerate(parts):
         for p in part.parameters():
-            if id(owner.setdefault(id(p), part)) not in inside:
+            if owner.setdefault(id(p), index) != index:
                 return []
     return parts
 
@@ -85,7 +85,3 @@ def local_numel(like: torch.Tensor | None, shape: tuple[int, ...], topo: Topolog
     rows = [len(part) for part in torch.empty(shape[0], device="meta").chunk(topo.dp_size)]
     mine = rows[topo.dp_rank] if topo.dp_rank < len(rows) else 0
     return mine * int(torch.Size(shape[1:]).numel())
-
-
-def is_sharded(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
