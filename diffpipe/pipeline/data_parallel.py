@@ -3,8 +3,14 @@ pipelines: every stage module of a process is wrapped by `fully_shard` (FSDP2: p
 state cut across the replicas, `pipeline.data_parallel_shard = true`) or by `replicate` (the same engine with every
 replica holding everything: gradients all-reduced), each unit on its own. torch's pipeline schedules know both:
 they hold the gradients back during the micro-batches' backwards and reduce them once, after the last
-(`perform_reduce_grad`), averaged over the replicas; a stage alone runs its micro-batches in a loop whose last
-backward reduces each unit's gradients as soon as they are whole (runtime.PipelineRunner._accumulate), as DDP does.
+(`perform_reduce_grad`), averaged over the replicas, the whole weights gathered from the first forward to then.
+
+A stage alone (pipeline.stages = 1) runs its micro-batches in a loop (runtime.PipelineRunner._accumulate), which
+`before_backward` sets up: replicated, the last micro-batch's backward reduces each unit's gradients as soon as they
+are whole, as DDP does; sharded, each unit's whole weights exist only while it computes (gathered for its forward
+and again for its backward) and every micro-batch's gradients are reduced into the replica's part at once, so a
+replica holds its part of the model and one or two units whole, as ZeRO-3 does: a model too large for one GPU
+trains on several without a pipeline, for three collectives a micro-batch instead of two a step.
 
 Either way each parameter becomes a DTensor over the replicas' mesh; `full` gives the whole tensor (a collective
 over the replicas when sharded: every replica must call it, in the same order) and `local` this process's part.
@@ -12,13 +18,15 @@ over the replicas when sharded: every replica must call it, in the same order) a
 from __future__ import annotations
 
 import torch
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError
 from ..distributed import Topology
 
-__all__ = ["spread_over_replicas", "full", "local", "local_numel"]
+__all__ = ["spread_over_replicas", "before_backward", "full", "local", "local_numel"]
 
 
 def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: bool) -> None:
@@ -27,9 +35,6 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
     replaces every Parameter by a DTensor one."""
     if topo.dp_size == 1:
         return
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.fsdp import fully_shard
-
     owners: dict[int, int] = {}
     for index, module in enumerate(modules):
         for p in module.parameters():
@@ -40,14 +45,29 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
                     "torch's data parallelism wraps each stage alone and cannot hold one weight in two. Use "
                     "pipeline.schedule = \"1f1b\" or \"gpipe\", or pipeline.data_parallel = 1")
     mesh = DeviceMesh.from_group(topo.dp_group, topo.device.type)
-    # whole copies of the weights are kept from a step's first forward to its end (torch's schedules do the same
-    # for every wrapped module): a pipeline's micro-batches would otherwise gather them again each time
-    wrap = (lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=False)) if shard else (
-        lambda m: replicate(m, mesh=mesh))
+    # in a pipeline, whole copies of the weights are kept from a step's first forward to its end (torch's schedules
+    # do the same for every wrapped module): each micro-batch would otherwise gather them again
+    def wrap(part: torch.nn.Module, gathered_per_use: bool) -> None:
+        if shard:
+            fully_shard(part, mesh=mesh, reshard_after_forward=gathered_per_use)
+        else:
+            replicate(part, mesh=mesh)
+
     for module in modules:
         for part in _parts_wrapped_alone(module):
-            wrap(part)
-        wrap(module)
+            wrap(part, gathered_per_use=topo.pp_size == 1)
+        wrap(module, gathered_per_use=False)
+
+
+def before_backward(module: torch.nn.Module, last: bool) -> None:
+    """Set up a stage alone for the backward of a micro-batch (`last`: of the step's last), as the module's
+    docstring says; nothing for a module without replicas."""
+    if not isinstance(module, FSDPModule):
+        return
+    reduce_now = last or not isinstance(module, ReplicateModule)
+    module.set_requires_gradient_sync(reduce_now)
+    module.set_reshard_after_backward(reduce_now)
+    module.set_is_last_backward(last)
 
 
 def _parts_wrapped_alone(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -10,10 +10,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from ..observe.timing import Mark, StageClock, StepTimes
+from .data_parallel import before_backward
 from .schedules import schedule_named
 from .stage import StageModule
 
@@ -102,19 +102,13 @@ class PipelineRunner:
     def _accumulate(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor], target: torch.Tensor,
                     losses: list[torch.Tensor]) -> None:
         """One stage: each micro-batch's forward and backward in turn (split as torch's schedules split them),
-        gradients summed. Replicas on torch's data parallelism (pipeline/data_parallel.py) reduce them during the
-        last micro-batch's backward, each wrapped unit as soon as its gradients are whole, as DDP does; torch's
-        schedules reduce only after the last backward."""
+        gradients summed. Replicas reduce them during the backwards, as pipeline/data_parallel.py says (torch's
+        schedules reduce only after the last backward)."""
         module, split = self.modules[0], self.microbatches
         samples, targets = torch.tensor_split(sample, split), torch.tensor_split(target, split)
         parts = {k: torch.tensor_split(v, split) for k, v in conditions.items()}
-        replicated = isinstance(module, FSDPModule)
         for i in range(split):
-            if replicated:  # the whole weights kept and the gradients summed locally until the last micro-batch
-                last = i == split - 1
-                module.set_requires_gradient_sync(last)
-                module.set_reshard_after_backward(last)
-                module.set_is_last_backward(last)
+            before_backward(module, last=i == split - 1)
             loss = self.loss_fn(module(samples[i], **{k: v[i] for k, v in parts.items()}), targets[i])
             loss.backward()
             losses.append(loss.detach())

@@ -33,16 +33,22 @@ class Hardware:
 @dataclass(frozen=True)
 class Replicas:
     """A stage's data-parallel replicas: `sharded` (pipeline.data_parallel_shard) cuts its fp32 weights, gradients
-    and AdamW moments across them, while whole copies of the weights and of the gradients being summed are held
-    from a step's first forward to its gradient reduction (torch's FSDP2 under a pipeline schedule)."""
+    and AdamW moments across them (pipeline/data_parallel.py). In a pipeline, whole copies of the weights and of
+    the gradients being summed are held from a step's first forward to its reduction (torch's schedules); a stage
+    alone (`gathered_per_unit`) holds a unit whole only while it computes, with the next one gathered ahead."""
 
     count: int = 1
     sharded: bool = False
+    gathered_per_unit: bool = False
 
-    def state_bytes(self, params: int, trainable: int) -> float:
+    def state_bytes(self, units: list[UnitCost]) -> float:
+        """Weights, gradients and AdamW state of a stage of these units, per device."""
+        params, trainable = sum(c.params for c in units), sum(c.trainable_params for c in units)
         whole = params * BYTES_PER_WEIGHT + trainable * BYTES_PER_TRAINABLE
         if not self.sharded or self.count == 1:
             return whole
+        if self.gathered_per_unit:
+            return whole / self.count + 2 * max(c.params * BYTES_PER_WEIGHT + c.trainable_params * 4 for c in units)
         return params * BYTES_PER_WEIGHT + trainable * 4 + whole / self.count
 
 
@@ -109,8 +115,7 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     received = boundary_bytes[first - 1] if first > 0 else 0
     sent = boundary_bytes[last - 1] if last < len(costs) else 0
     send = 2 * sent / (hw.link_gbps * 1e9)  # activations forward, their gradients back
-    static = replicas.state_bytes(sum(c.params for c in costs[first:last]),
-                                  sum(c.trainable_params for c in costs[first:last]))
+    static = replicas.state_bytes(costs[first:last])
     held = schedule.in_flight(index, stages, microbatches)
     if checkpointed:  # per micro-batch in flight: the stage's inputs and every unit's outputs (the next units'
         # inputs); in backward one unit's activations, recomputed

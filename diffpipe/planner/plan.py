@@ -167,7 +167,7 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
     bb = boundary_bytes(meta, costs, example_inputs(config, meta, micro)[0])
     p = config.pipeline
     schedule = choice_of(p)
-    replicas = Replicas(data_parallel, p.data_parallel_shard)
+    replicas = Replicas(data_parallel, p.data_parallel_shard, gathered_per_unit=stages == 1)
     try:
         planned = partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
     except Infeasible:
@@ -224,7 +224,7 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
         costs = unit_costs(config, meta, config.micro_batch_size)
         bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
         est = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, "auto",
-                              Replicas(p.data_parallel, p.data_parallel_shard))
+                              Replicas(p.data_parallel, p.data_parallel_shard, gathered_per_unit=stages == 1))
         return starts, [s.index for s in est.stages if s.checkpointed]
     if p.checkpointing == "all":
         return starts, list(range(stages))

@@ -43,3 +43,48 @@ def test_a_replicas_part_of_a_parameter_it_does_not_hold_is_cut_as_fsdp_cuts_it(
         assert local_numel(None, (5, 4), _topology(2, rank), shard=True) == rows * 4
     assert local_numel(None, (5, 4), _topology(2, 1), shard=False) == 20
     assert local_numel(None, (3,), _topology(4, 3), shard=True) == 0  # chunk makes 3 parts: the 4th holds none
+
+
+class _Units(nn.Module):
+    """A stage of 3 linear units, as StageModule lists them."""
+
+    def __init__(self):
+        super().__init__()
+        self.units = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for unit in self.units:
+            x = unit(x)
+        return x
+
+
+def _whole_weights_while_the_last_unit_runs(out_dir: str, pp_size: int) -> None:
+    """Which units hold whole weights (plain tensors, not their DTensor part) while the last unit computes: in a
+    stage alone, sharded, only the one computing; in a pipeline, every unit, from the first forward on."""
+    from torch.distributed.tensor import DTensor
+
+    from diffpipe.distributed import init_topology
+    from diffpipe.pipeline.data_parallel import before_backward
+
+    topo = init_topology(1, 2, "cpu")
+    topo.pp_size = pp_size  # as a pipeline's stage wraps it (the processes here are only its replicas)
+    torch.manual_seed(0)
+    stage = _Units()
+    spread_over_replicas([stage], topo, shard=True)
+    seen = []
+    stage.units[2].register_forward_pre_hook(
+        lambda *_: seen.append([not isinstance(u.weight, DTensor) for u in stage.units]))
+    for i in range(2):
+        before_backward(stage, last=i == 1)
+        stage(torch.randn(4, 8)).square().mean().backward()
+    if topo.rank == 0:
+        torch.save(seen, f"{out_dir}/seen-{pp_size}.pt")
+
+
+@pytest.mark.parametrize("pp_size", [1, 2], ids=["stage-alone", "in-a-pipeline"])
+def test_sharded_replicas_of_a_stage_alone_gather_one_unit_at_a_time(tmp_path, pp_size):
+    from ..helpers import run_workers
+
+    run_workers(_whole_weights_while_the_last_unit_runs, (str(tmp_path), pp_size), 2)
+    seen = torch.load(tmp_path / f"seen-{pp_size}.pt")
+    assert seen == ([[False, False, True]] * 2 if pp_size == 1 else [[True, True, True]] * 2)

@@ -97,9 +97,16 @@ def test_stages_sharing_a_process_share_its_memory():
                      Hardware(memory_bytes=2 * one_stage))
 
 
-def test_sharded_replicas_hold_whole_weights_and_gradients_and_a_share_of_the_rest():
-    params = 10**9
-    assert Replicas(4, False).state_bytes(params, params) == 16 * params  # replicate: everything whole
-    assert Replicas(1, True).state_bytes(params, params) == 16 * params
-    assert Replicas(4, True).state_bytes(params, params) == (4 + 4 + 16 / 4) * params
-    assert Replicas(4, True).state_bytes(params, 0) == (4 + 4 / 4) * params  # frozen weights: gathered too
+def test_sharded_replicas_hold_a_share_and_whole_copies_while_they_compute():
+    units = [UnitCost(f"u{i}", params=10**9, trainable_params=10**9, forward_flops=1, backward_flops=2,
+                      activation_bytes=0, output_bytes={}) for i in range(4)]
+    n = 4 * 10**9
+    assert Replicas(4, False).state_bytes(units) == 16 * n  # replicate: everything whole
+    assert Replicas(1, True).state_bytes(units) == 16 * n
+    # in a pipeline: whole weights and summed gradients through the step, a share of the rest
+    assert Replicas(4, True).state_bytes(units) == (4 + 4 + 16 / 4) * n
+    # a stage alone: a share of everything, and two units whole with their gradients (the one computing, the next)
+    assert Replicas(4, True, gathered_per_unit=True).state_bytes(units) == 16 / 4 * n + 2 * 8 * 10**9
+    frozen = [UnitCost("u", params=n, trainable_params=0, forward_flops=1, backward_flops=2, activation_bytes=0,
+                       output_bytes={})]
+    assert Replicas(4, True).state_bytes(frozen) == (4 + 4 / 4) * n  # frozen weights (LoRA's base) gathered too
