@@ -59,9 +59,11 @@ def _reference_eval_loss(run: Path) -> float:
     return sum(losses) / len(losses)
 
 
-# 2 stages x 2 replicas under 1F1B; 4 stages on 2 processes under zbv, whose forward-only passes go through the
+# 2 stages x 2 replicas under 1F1B; one stage on 2 sharded replicas (each unit gathered as it computes); 4 stages
+# on 2 processes under zbv, whose forward-only passes go through the
 # stages in order with plain sends (torch's V-shaped schedules cannot run without a backward)
 LAYOUTS = {"1f1b-dp2": ["pipeline.data_parallel=2"],
+           "sharded-dp2": ["pipeline.stages=1", "pipeline.data_parallel=2", "pipeline.data_parallel_shard=true"],
            "zbv": ['pipeline.schedule="zbv"', "pipeline.virtual_stages=2"]}
 
 
