@@ -136,6 +136,7 @@ TWO = {
     # data parallel alone, on torch's replicate and fully_shard
     "dp2": _config(1, "1f1b", dp=2),
     "dp2-sharded-checkpointed": _config(1, "1f1b", dp=2, shard=True, checkpointing="all"),
+    "lora-dp2-sharded": _config(1, "1f1b", dp=2, shard=True, lora=True),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),
