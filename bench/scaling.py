@@ -5,7 +5,7 @@ counts, pipeline x data parallel, and the parameter-count split against the plan
     python bench/scaling.py --gpus 8 --config examples/sdxl_wide_unet.toml --only pipeline --stages 4,8 --profile
     python bench/scaling.py --gpus 2 --config examples/digits.toml --device cpu --batch 32 --steps 2   # gloo dry run
     python bench/scaling.py --gpus 2 --only pipeline --schedules 1f1b,interleaved_1f1b,zb1p,zbv,dualpipev --profile
-    python bench/scaling.py --gpus 2 --only ddp,data,sharded --set observe.every=10   # against torch DDP
+    python bench/scaling.py --gpus 2 --only ddp,data,sharded --set observe.every=10 --rounds 2   # against torch DDP
 
 On GPUs the planner is given the GPU's memory (`plan.memory_gib`, unless --set gives it) and, with --profile,
 unit times measured on this GPU (`diffpipe plan --profile`, once, before the runs) instead of FLOP counts: on
@@ -164,6 +164,9 @@ def main() -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--out", default="runs/scaling")
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every configuration this many times, in turn (the lent GPUs' speed drifts by 5-15 %% "
+                             "between calls and within one: compare rounds side by side)")
     parser.add_argument("--profile", action="store_true",
                         help="split by unit times measured on this device (diffpipe plan --profile), not FLOP counts")
     args = parser.parse_args()
@@ -176,21 +179,22 @@ def main() -> None:
                                    args.set))
     print(json.dumps({"planner": common}), flush=True)
     rows, baseline = [], None
-    if "ddp" in args.only.split(",") and args.gpus > 1:
-        rows.append({**ddp_reference(args.gpus, args.batch, args.micro), "devices": args.gpus})
-        print(json.dumps(rows[-1]), flush=True)
-    for index, (kind, name, overrides) in enumerate(configurations(
-            args.gpus, args.batch, args.micro, [int(m) for m in args.microbatches.split(",") if m], stage_counts,
-            set(args.only.split(",")), tuple(args.schedules.split(",")))):
-        row = run(args.config, name, overrides, common, args.set, Path(args.out) / f"{index:02d}-{kind}")
-        devices = overrides["pipeline.stages"] * overrides["pipeline.data_parallel"]
-        if kind == "single" and "error" not in row:
-            baseline = row["samples_per_s"]
-        if baseline and "error" not in row:
-            row["efficiency"] = round(row["samples_per_s"] / (devices * baseline), 3)
-        row["devices"] = devices
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    chosen = configurations(args.gpus, args.batch, args.micro, [int(m) for m in args.microbatches.split(",") if m],
+                            stage_counts, set(args.only.split(",")), tuple(args.schedules.split(",")))
+    for round_ in range(args.rounds):
+        if "ddp" in args.only.split(",") and args.gpus > 1:
+            rows.append({**ddp_reference(args.gpus, args.batch, args.micro), "devices": args.gpus, "round": round_})
+            print(json.dumps(rows[-1]), flush=True)
+        for index, (kind, name, overrides) in enumerate(chosen):
+            row = run(args.config, name, overrides, common, args.set, Path(args.out) / f"{index:02d}-{kind}")
+            devices = overrides["pipeline.stages"] * overrides["pipeline.data_parallel"]
+            if kind == "single" and "error" not in row:
+                baseline = row["samples_per_s"]
+            if baseline and "error" not in row:
+                row["efficiency"] = round(row["samples_per_s"] / (devices * baseline), 3)
+            row.update(devices=devices, round=round_)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     print(table(rows), flush=True)
 
 
