@@ -33,14 +33,18 @@ class Plan:
     by_parameters: Partition
     trainable: list[int]  # trainable parameters of each unit
     link_gbps: float
+    replicas: Replicas = Replicas()
 
     def allreduce_s(self, part: Partition) -> float:
-        """Ring all-reduce of fp32 gradients among replicas: 2 (dp - 1) / dp x the largest stage's bytes (sharded
-        replicas move as much: a reduce-scatter of the gradients and an all-gather of the weights)."""
+        """The replicas' collectives in a step, none overlapped with compute (an upper bound): a ring all-reduce of
+        the fp32 gradients moves 2 (dp - 1) / dp x the largest stage's bytes; sharded replicas move as much in a
+        pipeline (a reduce-scatter of the gradients, an all-gather of the weights), and a stage alone (ZeRO-3) half
+        as much again per micro-batch (weights gathered for its forward and its backward, gradients reduced)."""
         if self.data_parallel == 1:
             return 0.0
         largest = max(sum(self.trainable[s.first:s.last]) for s in part.stages) * 4
-        return 2 * (self.data_parallel - 1) / self.data_parallel * largest / (self.link_gbps * 1e9)
+        rounds = 1.5 * self.microbatches if self.replicas.sharded and self.replicas.gathered_per_unit else 1
+        return rounds * 2 * (self.data_parallel - 1) / self.data_parallel * largest / (self.link_gbps * 1e9)
 
     def step_s(self, part: Partition) -> float:
         return part.step_s + self.allreduce_s(part)
@@ -175,7 +179,7 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
     params = estimate_stages(costs, bb, balanced_by_parameters(meta, stages), microbatches, schedule, hw,
                              p.checkpointing, replicas)
     return Plan(stages, data_parallel, microbatches, micro, planned, params,
-                [c.trainable_params for c in costs], hw.link_gbps)
+                [c.trainable_params for c in costs], hw.link_gbps, replicas)
 
 
 def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardware) -> list[Plan]:

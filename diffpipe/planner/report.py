@@ -72,7 +72,7 @@ def format_plan(plan: Plan, meta: Backbone) -> str:
             lines.append(f"  {r['stage']:>5} {r['units']:<22} {r['trainable_params_M']:>9.2f} {r['forward_ms']:>9.3f} "
                          f"{r['backward_ms']:>9.3f} {r['send_ms']:>8.3f} {r['peak_GiB']:>9.2f}  "
                          f"{'yes' if r['checkpointed'] else 'no ':<4}  {', '.join(r['sends']) or '-'}")
-        lines.append(f"  slowest stage {part['slowest_stage_ms']:.3f} ms, data-parallel all-reduce "
+        lines.append(f"  slowest stage {part['slowest_stage_ms']:.3f} ms, data-parallel collectives "
                      f"{part['allreduce_ms']:.1f} ms, step {part['step_s']:.4f} s, bubble {part['bubble_fraction']:.1%}, "
                      f"{part['samples_per_s']:.2f} samples/s")
     return "\n".join(lines)
