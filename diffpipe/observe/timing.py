@@ -87,6 +87,11 @@ class StageClock:
     _origin: Mark | None = None
     _watched: set[int] = field(default_factory=set)  # ids of the parameters with a gradient hook
 
+    @property
+    def timing(self) -> bool:
+        """Whether this step is timed (`start_step` was given an origin)."""
+        return self._origin is not None
+
     def start_step(self, origin: "Mark | None") -> None:
         """Begin a step measured from `origin`; None leaves the step untimed (every mark is skipped)."""
         self._marks.clear()

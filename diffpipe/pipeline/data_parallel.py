@@ -35,18 +35,14 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
     replaces every Parameter by a DTensor one."""
     if topo.dp_size == 1:
         return
-    owners: dict[int, int] = {}
-    for index, module in enumerate(modules):
-        for p in module.parameters():
-            if owners.setdefault(id(p), index) != index:
-                raise ConfigError(
+    if _share_a_weight(modules):
+        raise ConfigError(
                     "pipeline.data_parallel > 1 with a weight shared by two stages of one process (this layout of "
                     "pipeline.schedule / pipeline.virtual_stages puts both users of a tied weight on one process): "
                     "torch's data parallelism wraps each stage alone and cannot hold one weight in two. Use "
                     "pipeline.schedule = \"1f1b\" or \"gpipe\", or pipeline.data_parallel = 1")
     mesh = DeviceMesh.from_group(topo.dp_group, topo.device.type)
-    # in a pipeline, whole copies of the weights are kept from a step's first forward to its end (torch's schedules
-    # do the same for every wrapped module): each micro-batch would otherwise gather them again
+
     def wrap(part: torch.nn.Module, gathered_per_use: bool) -> None:
         if shard:
             fully_shard(part, mesh=mesh, reshard_after_forward=gathered_per_use)
@@ -54,6 +50,8 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
             replicate(part, mesh=mesh)
 
     for module in modules:
+        # in a pipeline, whole copies of the weights are kept from a step's first forward to its end (torch's
+        # schedules do the same for every wrapped module): each micro-batch would otherwise gather them again
         for part in _parts_wrapped_alone(module):
             wrap(part, gathered_per_use=topo.pp_size == 1)
         wrap(module, gathered_per_use=False)
@@ -77,12 +75,14 @@ def _parts_wrapped_alone(module: torch.nn.Module) -> list[torch.nn.Module]:
     belongs to one wrapped part: if two units share one (a norm tied between a DiT's first and last units), the
     stage is wrapped whole."""
     parts = [u for u in getattr(module, "units", []) if any(True for _ in u.parameters())]
+    return [] if _share_a_weight(parts) else parts
+
+
+def _share_a_weight(modules: list[torch.nn.Module]) -> bool:
+    """Whether a parameter belongs to two of the modules (which torch's data parallelism cannot wrap apart)."""
     owner: dict[int, int] = {}
-    for index, part in enumerate(parts):
-        for p in part.parameters():
-            if owner.setdefault(id(p), index) != index:
-                return []
-    return parts
+    return any(owner.setdefault(id(p), index) != index
+               for index, module in enumerate(modules) for p in module.parameters())
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

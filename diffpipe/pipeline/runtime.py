@@ -73,7 +73,6 @@ class PipelineRunner:
         Returns the mean loss (on the rank holding the last stage, else None) and, when `timed`, this rank's
         compute intervals.
         """
-        schedule = self._schedule_for(tuple(sample.shape)) if self.num_stages > 1 else None
         timed = timed and bool(self.clocks)
         if timed:
             dist.barrier(group=self.group)  # one origin for the whole pipeline: the timeline's ranks line up
@@ -88,7 +87,7 @@ class PipelineRunner:
             kwargs = dict(conditions)
             if self.holds_last_stage:
                 kwargs.update(target=target, losses=losses)
-            schedule.step(*args, **kwargs)
+            self._schedule_for(tuple(sample.shape)).step(*args, **kwargs)
         times = None
         if timed:
             end = Mark(self.device)

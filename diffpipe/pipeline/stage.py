@@ -79,10 +79,11 @@ class StageModule(nn.Module):
         yield from self.named_buffers()
 
     def forward(self, *received: torch.Tensor, **conditions: torch.Tensor):
-        if self.clock is not None:
+        timing = self.clock is not None and self.clock.timing
+        if timing:
             self.clock.forward_started()
             self.clock.watch_inputs(received)
-            self.clock.watch_parameters(self)
+            self.clock.watch_parameters(self)  # the whole copies a wrapped module computes with exist only now
         named = dict(conditions)
         for name, tensor in zip(self.spec.receives, received, strict=True):
             named[name] = _ContiguousGrad.apply(tensor) if tensor.requires_grad else tensor
@@ -96,12 +97,12 @@ class StageModule(nn.Module):
             out = self._compute(named)
         if self.split_backward is not None and torch.is_grad_enabled() and not self._split_backward_checked:
             self._check_split_backward(out, received)
-        if self.clock is not None:
+        if timing:
             self.clock.forward_ended()
             out = self.clock.watch_outputs(out)
         # no views, nothing saved by an op: zero-bubble schedules detach outputs in place; torch's data parallelism
-        # warns of a view leaving a wrapped module (an in-place change would skip its gradient hook)
-        if self.split_backward is not None or (self.clock is not None and isinstance(self, FSDPModule)):
+        # warns of a view leaving a wrapped module (the clock's are: an in-place change would skip its gradient hook)
+        if self.split_backward is not None or (timing and isinstance(self, FSDPModule)):
             out = tuple(t.clone() for t in out)
         return out[0] if len(out) == 1 else out
 

@@ -163,6 +163,12 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
     return "\n".join(lines + ["what would help: " + "; ".join(fixes)])
 
 
+def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
+    """How the layout's replicas hold a stage's state: a stage alone gathers each unit as it computes when sharded
+    (pipeline/data_parallel.py, where the processes of a pipeline decide the same)."""
+    return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1)
+
+
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,
               hw: Hardware, per_sample: list[UnitCost] | None = None) -> Plan:
     """The plan for one layout; `per_sample` (costs at micro-batch 1) saves recounting across layouts."""
@@ -171,7 +177,7 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
     bb = boundary_bytes(meta, costs, example_inputs(config, meta, micro)[0])
     p = config.pipeline
     schedule = choice_of(p)
-    replicas = Replicas(data_parallel, p.data_parallel_shard, gathered_per_unit=stages == 1)
+    replicas = _replicas(config, stages, data_parallel)
     try:
         planned = partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
     except Infeasible:
@@ -228,7 +234,7 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
         costs = unit_costs(config, meta, config.micro_batch_size)
         bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
         est = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, "auto",
-                              Replicas(p.data_parallel, p.data_parallel_shard, gathered_per_unit=stages == 1))
+                              _replicas(config, stages, p.data_parallel))
         return starts, [s.index for s in est.stages if s.checkpointed]
     if p.checkpointing == "all":
         return starts, list(range(stages))

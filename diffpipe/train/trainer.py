@@ -137,7 +137,7 @@ class Trainer:
 
     def forward_backward(self, step: int, batch: StepBatch | None = None) -> tuple[torch.Tensor | None, StepTimes | None]:
         """Gradients of the step's batch on this process's stages (summed over micro-batches, averaged over
-        replicas by the schedule's data-parallel reduction: pipeline/data_parallel.py): the mean loss where the
+        replicas by torch's data parallelism: pipeline/data_parallel.py): the mean loss where the
         last stage lives,
         and this rank's compute intervals (on timed steps). On a GPU the work is queued, not waited for."""
         batch = batch if batch is not None else self.batch_for(step)

@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from ..distributed import Topology
 from ..pipeline.data_parallel import full
-from ..pipeline.data_parallel import full
 
 __all__ = ["gather_weights"]
 
