@@ -1,23 +1,30 @@
 """Data-parallel replicas of each stage on torch's composable data parallelism, as torchtitan composes it with
 pipelines: every stage module of a process is wrapped by `fully_shard` (FSDP2: parameters, gradients and AdamW
-state cut across the replicas, `pipeline.data_parallel_shard = true`) or by `replicate` (the same engine with every
-replica holding everything: gradients all-reduced), each unit on its own. torch's pipeline schedules know both:
-they hold the gradients back during the micro-batches' backwards and reduce them once, after the last
-(`perform_reduce_grad`), averaged over the replicas, the whole weights gathered from the first forward to then.
+state cut across the replicas, `pipeline.data_parallel_shard = true`) or by `replicate` (every replica holding
+everything: gradients all-reduced), each unit on its own. torch's pipeline schedules know both: they hold the
+gradients back during the micro-batches' backwards and reduce them once, after the last (`perform_reduce_grad`),
+averaged over the replicas, the whole weights gathered from the first forward to then.
 
 A stage alone (pipeline.stages = 1) runs its micro-batches in a loop (runtime.PipelineRunner._accumulate), which
-`before_backward` sets up: replicated, the last micro-batch's backward reduces each unit's gradients as soon as they
-are whole, as DDP does; sharded, each unit's whole weights exist only while it computes (gathered for its forward
+`before_backward` sets up. Replicated, it is wrapped by torch's DDP engine instead (composable `replicate` of
+torch.distributed._composable, torchtitan's `apply_ddp`): its parameters stay plain tensors and the last micro-
+batch's backward all-reduces the gradients in 25 MB buckets as they are made. (FSDP2's replicate measured 0.875x
+DDP here on two H200s, 26.47 against 30.24 samples/s: its parameters are DTensors, and every optimizer step,
+gradient norm and clipping went through DTensor's dispatch, the GPU idle while the host worked through it:
+bench/profile_dp.py.) Sharded, each unit's whole weights exist only while it computes (gathered for its forward
 and again for its backward) and every micro-batch's gradients are reduced into the replica's part at once, so a
 replica holds its part of the model and one or two units whole, as ZeRO-3 does: a model too large for one GPU
 trains on several without a pipeline, for three collectives a micro-batch instead of two a step.
 
-Either way each parameter becomes a DTensor over the replicas' mesh; `full` gives the whole tensor (a collective
-over the replicas when sharded: every replica must call it, in the same order) and `local` this process's part.
+With FSDP2 each parameter becomes a DTensor over the replicas' mesh; `full` gives the whole tensor (a collective
+over the replicas when sharded: every replica must call it, in the same order) and `local` this process's part;
+both give a plain tensor back as it is.
 """
 from __future__ import annotations
 
 import torch
+from torch.distributed._composable.replicate import DDP as DDPModule
+from torch.distributed._composable.replicate import replicate as replicate_with_ddp
 from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -31,8 +38,8 @@ __all__ = ["spread_over_replicas", "before_backward", "full", "local", "local_nu
 
 def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: bool) -> None:
     """Wrap this process's stage modules for its replicas (nothing with one replica). Call it once the modules are
-    on their device and before anything keeps their parameters (optimizer, hooks, tied-weight maps): wrapping
-    replaces every Parameter by a DTensor one."""
+    on their device and before anything keeps their parameters (optimizer, hooks, tied-weight maps): FSDP2's
+    wrapping replaces every Parameter by a DTensor one."""
     if topo.dp_size == 1:
         return
     if _share_a_weight(modules):
@@ -41,6 +48,10 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
                     "pipeline.schedule / pipeline.virtual_stages puts both users of a tied weight on one process): "
                     "torch's data parallelism wraps each stage alone and cannot hold one weight in two. Use "
                     "pipeline.schedule = \"1f1b\" or \"gpipe\", or pipeline.data_parallel = 1")
+    if not shard and topo.pp_size == 1 and len(modules) == 1:  # a stage alone, replicated: the module's docstring
+        replicate_with_ddp(modules[0], device_id=topo.device, process_group=topo.dp_group,
+                           gradient_as_bucket_view=True)
+        return
     mesh = DeviceMesh.from_group(topo.dp_group, topo.device.type)
 
     def wrap(part: torch.nn.Module, gathered_per_use: bool) -> None:
@@ -60,6 +71,9 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
 def before_backward(module: torch.nn.Module, last: bool) -> None:
     """Set up a stage alone for the backward of a micro-batch (`last`: of the step's last), as the module's
     docstring says; nothing for a module without replicas."""
+    if isinstance(module, DDPModule):  # read by its next forward: call this before the micro-batch's forward
+        module.set_requires_gradient_sync(last)
+        return
     if not isinstance(module, FSDPModule):
         return
     reduce_now = last or not isinstance(module, ReplicateModule)

@@ -88,3 +88,34 @@ def test_sharded_replicas_of_a_stage_alone_gather_one_unit_at_a_time(tmp_path, p
     run_workers(_whole_weights_while_the_last_unit_runs, (str(tmp_path), pp_size), 2)
     seen = torch.load(tmp_path / f"seen-{pp_size}.pt")
     assert seen == ([[False, False, True]] * 2 if pp_size == 1 else [[True, True, True]] * 2)
+
+
+def _gradients_per_micro_batch(out_dir: str) -> None:
+    """A replicated stage alone: its parameter type, and each replica's gradients after each micro-batch's backward
+    (each replica fed its own data)."""
+    from diffpipe.distributed import init_topology
+    from diffpipe.pipeline.data_parallel import before_backward
+
+    topo = init_topology(1, 2, "cpu")
+    torch.manual_seed(0)
+    stage = _Units()
+    spread_over_replicas([stage], topo, shard=False)
+    torch.manual_seed(1 + topo.rank)
+    grads = []
+    for i in range(2):
+        before_backward(stage, last=i == 1)
+        stage(torch.randn(4, 8)).square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in stage.parameters()]).clone())
+    torch.save({"plain": all(type(p) is nn.Parameter for p in stage.parameters()), "grads": grads},
+               f"{out_dir}/grads-{topo.rank}.pt")
+
+
+def test_replicas_of_a_stage_alone_keep_plain_weights_and_reduce_in_the_last_backward(tmp_path):
+    """torch's DDP engine: no DTensor dispatch on the optimizer's path, and one gradient reduction a step."""
+    from ..helpers import run_workers
+
+    run_workers(_gradients_per_micro_batch, (str(tmp_path),), 2)
+    first, second = (torch.load(tmp_path / f"grads-{rank}.pt") for rank in range(2))
+    assert first["plain"] and second["plain"]
+    assert not torch.allclose(first["grads"][0], second["grads"][0])  # micro-batch 1: each replica's own
+    torch.testing.assert_close(first["grads"][1], second["grads"][1])  # after the last: reduced, the same

@@ -133,8 +133,15 @@ TWO = {
     "unet3d-zbv-2x2": _config(2, "zbv", virtual=2, model="unet3d"),
     "toy-tied-zbv-2x2": _config(2, "zbv", virtual=2, model="toy-tied"),  # the tied weight's stages on one process
     "lora-zb1p-2x2": _config(2, "zb1p", virtual=2, lora=True),
-    # data parallel alone, on torch's replicate and fully_shard
+    # data parallel alone, on torch's DDP engine (replicated) and fully_shard; every family replicated, since DDP
+    # refuses a step where a trained parameter got no gradient
     "dp2": _config(1, "1f1b", dp=2),
+    "lora-dp2-checkpointed": _config(1, "1f1b", dp=2, lora=True, checkpointing="all"),
+    "flux-dp2": _config(1, "1f1b", dp=2, model="flux"),
+    "sd3-dp2": _config(1, "1f1b", dp=2, model="sd3"),
+    "wan-dp2": _config(1, "1f1b", dp=2, model="wan"),
+    "unet3d-dp2": _config(1, "1f1b", dp=2, model="unet3d"),
+    "sdxl-style-dp2": _config(1, "1f1b", dp=2, model="sdxl-style"),
     "dp2-sharded-checkpointed": _config(1, "1f1b", dp=2, shard=True, checkpointing="all"),
     "lora-dp2-sharded": _config(1, "1f1b", dp=2, shard=True, lora=True),
 }
