@@ -8,17 +8,19 @@ averaged over the replicas, the whole weights gathered from the first forward to
 A stage alone (pipeline.stages = 1) runs its micro-batches in a loop (runtime.PipelineRunner._accumulate), which
 `before_backward` sets up. Replicated, it is wrapped by torch's DDP engine instead (composable `replicate` of
 torch.distributed._composable, torchtitan's `apply_ddp`): its parameters stay plain tensors and the last micro-
-batch's backward all-reduces the gradients in 25 MB buckets as they are made. (FSDP2's replicate measured 0.875x
-DDP here on two H200s, 26.47 against 30.24 samples/s: its parameters are DTensors, and every optimizer step,
-gradient norm and clipping went through DTensor's dispatch, the GPU idle while the host worked through it:
-bench/profile_dp.py.) Sharded, each unit's whole weights exist only while it computes (gathered for its forward
+batch's backward all-reduces the gradients in 25 MB buckets as they are made. (FSDP2's replicate ran the SDXL UNet
+at 0.875x DDP on two H200s, 26.47 against 30.24 samples/s; under torch.profiler its GPU sat idle 0.81 s of a 2.82 s
+step against DDP's 0.49 s, its collectives taking only 35 ms: the host was behind, the longest waits before the
+optimizer step and after the gradient norm, which run on DTensors. On this engine: 0.993x and 1.016x DDP in two
+rounds of one call; bench/profile_dp.py, docs/benchmarks.md. torch's schedules cannot drive DDP across steps:
+docs/pipelining-facts.md.) Sharded, each unit's whole weights exist only while it computes (gathered for its forward
 and again for its backward) and every micro-batch's gradients are reduced into the replica's part at once, so a
 replica holds its part of the model and one or two units whole, as ZeRO-3 does: a model too large for one GPU
 trains on several without a pipeline, for three collectives a micro-batch instead of two a step.
 
 With FSDP2 each parameter becomes a DTensor over the replicas' mesh; `full` gives the whole tensor (a collective
 over the replicas when sharded: every replica must call it, in the same order) and `local` this process's part;
-both give a plain tensor back as it is.
+a plain tensor is its own whole and part.
 """
 from __future__ import annotations
 
