@@ -11,9 +11,11 @@ The DP over (stages, units) is exact for this objective: tests compare it with b
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from ..pipeline.schedules import ScheduleChoice
+from ..pipeline.split import balanced_partition
 from .costs import UnitCost
 
 __all__ = ["Hardware", "Replicas", "StageEstimate", "Partition", "Infeasible", "partition", "estimate_stages",
@@ -79,11 +81,19 @@ class Partition:
         return max(s.busy_s for s in self.stages)
 
     @property
+    def busiest_process_s(self) -> float:
+        """Work per micro-batch of the process with the most: the sum of its stages' (interleaved and V-shaped
+        schedules run several on each; GPipe and 1F1B one, and this is the slowest stage)."""
+        ranks = self.schedule.ranks(len(self.stages))
+        work = [0.0] * ranks
+        for s in self.stages:
+            work[self.schedule.schedule.rank_of(s.index, ranks)] += s.busy_s
+        return max(work)
+
+    @property
     def step_s(self) -> float:
-        stages = len(self.stages)
-        ranks = self.schedule.ranks(stages)
-        per_process = self.microbatches * (stages / ranks) * self.slowest_s
-        return per_process / (1 - self.schedule.bubble(stages, self.microbatches))
+        per_process = self.microbatches * self.busiest_process_s
+        return per_process / (1 - self.schedule.bubble(len(self.stages), self.microbatches))
 
     @property
     def bubble_fraction(self) -> float:
@@ -136,20 +146,45 @@ def _options(mode, index: int) -> tuple[bool, ...]:
     return (index in mode,)
 
 
-def _fits(est: StageEstimate, hw: Hardware, stages_per_process: int) -> bool:
-    """Within the device's memory, shared equally by the stages of a process (interleaved and V-shaped schedules
-    run 2 or more on each): a stage may use its share."""
-    return hw.memory_bytes is None or est.memory_bytes <= hw.memory_bytes / stages_per_process
+def _fits(est: StageEstimate, hw: Hardware, share: int) -> bool:
+    """Within 1/share of the device's memory."""
+    return hw.memory_bytes is None or est.memory_bytes <= hw.memory_bytes / share
 
 
 def _best_stage(costs, boundary_bytes, first, last, index, stages, m, schedule, hw, mode,
-                replicas: Replicas = Replicas()) -> StageEstimate | None:
+                replicas: Replicas = Replicas(), share: int = 1) -> StageEstimate | None:
     """The stage as configured; under "auto" without checkpointing when that fits, else with it."""
     for ckpt in _options(mode, index):
         est = _stage(costs, boundary_bytes, first, last, index, stages, m, schedule, hw, ckpt, replicas)
-        if _fits(est, hw, stages // schedule.ranks(stages)):
+        if _fits(est, hw, share):
             return est
     return None
+
+
+def _fit_processes(stages: list[StageEstimate], costs, boundary_bytes, microbatches: int, schedule: ScheduleChoice,
+                   hw: Hardware, mode, replicas: Replicas) -> list[StageEstimate] | None:
+    """For a chosen split whose processes run several stages each (interleaved and V-shaped schedules): each
+    process's stages must fit its device together (the sum of their peaks, as if all peaked at once); under
+    checkpointing "auto" the choice per stage that makes the process's work least. None if a process cannot
+    fit."""
+    ranks = schedule.ranks(len(stages))
+    if hw.memory_bytes is None or ranks == len(stages):
+        return stages
+    chosen: dict[int, StageEstimate] = {}
+    for rank in range(ranks):
+        mine = [s for s in stages if schedule.schedule.rank_of(s.index, ranks) == rank]
+        best = None
+        for flags in itertools.product(*(_options(mode, s.index) for s in mine)):
+            ests = [_stage(costs, boundary_bytes, s.first, s.last, s.index, len(stages), microbatches, schedule, hw,
+                           ckpt, replicas) for s, ckpt in zip(mine, flags)]
+            held = sum(e.memory_bytes for e in ests)
+            key = (sum(e.busy_s for e in ests), held)  # the process's work: it runs all its stages
+            if held <= hw.memory_bytes and (best is None or key < best[0]):
+                best = (key, ests)
+        if best is None:
+            return None
+        chosen.update({e.index: e for e in best[1]})
+    return [chosen[i] for i in range(len(stages))]
 
 
 def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int, schedule: ScheduleChoice,
@@ -160,19 +195,75 @@ def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int,
     out = []
     for i in range(stages):
         args = (costs, boundary_bytes, bounds[i], bounds[i + 1], i, stages, microbatches, schedule, hw)
-        est = _best_stage(*args, checkpointing, replicas)
+        est = _best_stage(*args, checkpointing, replicas, share=stages // schedule.ranks(stages))
         if est is None:  # nothing fits: report the most frugal option allowed, whose memory is the one to beat
             est = _stage(*args, _options(checkpointing, i)[-1], replicas)
         out.append(est)
-    return Partition(tuple(out), microbatches, schedule)
+    together = _fit_processes(out, costs, boundary_bytes, microbatches, schedule, hw, checkpointing, replicas)
+    return Partition(tuple(together or out), microbatches, schedule)
 
 
 def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, microbatches: int,
               schedule: ScheduleChoice, hw: Hardware, checkpointing="none", replicas: Replicas = Replicas()) -> Partition:
-    """The partition into `stages` that minimises the slowest stage while every stage fits memory."""
+    """The partition into `stages` that minimises the slowest stage while every stage fits memory: exact with one
+    stage per process. Where a process runs several stages, its time is their sum and its memory holds them all,
+    which no split minimising stage by stage captures: the splits by stage within an equal share of the device,
+    by stage within the whole device, and by parameter count are made to fit process by process
+    (`_fit_processes`), and the one with the shortest step is improved by moving one boundary by one unit at a time
+    while the step gets shorter (a local search, not exact)."""
+    if stages > len(costs):
+        raise Infeasible(f"{stages} stages but only {len(costs)} units; use at most {len(costs)} stages")
+    args = (costs, boundary_bytes, stages, microbatches, schedule, hw, checkpointing, replicas)
+    per_process = stages // schedule.ranks(stages)
+    exact = _split(*args, share=per_process)
+    if per_process == 1:
+        if exact is None:
+            raise Infeasible("no split into {} stages fits {:.1f} GiB per device".format(
+                stages, (hw.memory_bytes or 0) / 2**30))
+        return Partition(tuple(exact), microbatches, schedule)
+    roomy = _split(*args, share=1)
+    candidates = [[s.first for s in split[1:]] for split in (exact, roomy) if split is not None]
+    candidates.append(balanced_partition([c.params for c in costs], stages))
+    fitted = [part for part in (_fitted(starts, *args) for starts in candidates) if part is not None]
+    if not fitted:
+        raise Infeasible("no split into {} stages fits {:.1f} GiB per device, the stages of a process together".format(
+            stages, (hw.memory_bytes or 0) / 2**30))
+    best = min(fitted, key=lambda part: part.step_s)
+    while True:
+        moved = [_fitted(starts, *args) for starts in _neighbours(best.starts, len(costs))]
+        shorter = min((part for part in moved if part is not None), key=lambda part: part.step_s, default=None)
+        if shorter is None or shorter.step_s >= best.step_s:
+            return best
+        best = shorter
+
+
+def _neighbours(starts: list[int], units: int) -> list[list[int]]:
+    """The splits with one boundary moved by one unit, every stage keeping a unit."""
+    out = []
+    for i in range(len(starts)):
+        for delta in (-1, 1):
+            moved = starts[:i] + [starts[i] + delta] + starts[i + 1:]
+            bounds = [0, *moved, units]
+            if all(a < b for a, b in zip(bounds, bounds[1:])):
+                out.append(moved)
+    return out
+
+
+def _fitted(starts: list[int], costs, boundary_bytes, stages: int, microbatches: int, schedule: ScheduleChoice,
+            hw: Hardware, checkpointing, replicas: Replicas) -> Partition | None:
+    """The split at `starts`, checkpointed process by process to fit (`_fit_processes`); None if it cannot."""
+    bounds = [0, *starts, len(costs)]
+    ests = [_stage(costs, boundary_bytes, bounds[k], bounds[k + 1], k, stages, microbatches, schedule, hw,
+                   _options(checkpointing, k)[0], replicas) for k in range(stages)]
+    ests = _fit_processes(ests, costs, boundary_bytes, microbatches, schedule, hw, checkpointing, replicas)
+    return Partition(tuple(ests), microbatches, schedule) if ests is not None else None
+
+
+def _split(costs, boundary_bytes, stages: int, microbatches: int, schedule: ScheduleChoice, hw: Hardware,
+           checkpointing, replicas: Replicas, share: int) -> list[StageEstimate] | None:
+    """The split minimising the slowest stage, each stage within 1/share of the device; None if none fits.
+    Exact by dynamic programming (tests compare it with brute force)."""
     n = len(costs)
-    if stages > n:
-        raise Infeasible(f"{stages} stages but only {n} units; use at most {n} stages")
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(stages + 1)]
     choice: list[list[StageEstimate | None]] = [[None] * (n + 1) for _ in range(stages + 1)]
@@ -183,15 +274,14 @@ def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, mic
                 if best[s - 1][j] == inf:
                     continue
                 est = _best_stage(costs, boundary_bytes, j, i, s - 1, stages, microbatches, schedule, hw,
-                                  checkpointing, replicas)
+                                  checkpointing, replicas, share)
                 if est is not None and max(best[s - 1][j], est.busy_s) < best[s][i]:
                     best[s][i], choice[s][i] = max(best[s - 1][j], est.busy_s), est
     if best[stages][n] == inf:
-        raise Infeasible("no split into {} stages fits {:.1f} GiB per device".format(
-            stages, (hw.memory_bytes or 0) / 2**30))
+        return None
     out, i = [], n
     for s in range(stages, 0, -1):
         est = choice[s][i]
         out.append(est)
         i = est.first
-    return Partition(tuple(reversed(out)), microbatches, schedule)
+    return out[::-1]

@@ -8,7 +8,7 @@ import pytest
 
 from diffpipe.pipeline.schedules import ScheduleChoice
 from diffpipe.planner.costs import UnitCost
-from diffpipe.planner.partition import Hardware, Infeasible, Replicas, _stage, partition
+from diffpipe.planner.partition import Hardware, Infeasible, Partition, Replicas, _split, _stage, partition
 
 
 def _random_costs(rng: random.Random, n: int) -> tuple[list[UnitCost], list[int]]:
@@ -95,6 +95,47 @@ def test_stages_sharing_a_process_share_its_memory():
         partition(costs, [0] * 4, 4, 8, ScheduleChoice.named("interleaved_1f1b", 2), hw)
     assert partition(costs, [0] * 4, 4, 8, ScheduleChoice.named("interleaved_1f1b", 2),
                      Hardware(memory_bytes=2 * one_stage))
+
+
+def test_a_stage_uses_the_memory_its_process_s_other_stage_leaves():
+    """Interleaved, 2 processes x 2 stages: stage 0 needs more than half the device, stage 2 (on the same process)
+    little; together they fit, so stage 0 runs without checkpointing (the sixth session's plan checkpointed it,
+    and the H200s then held 67 and 83 of 140 GiB)."""
+    costs = [UnitCost(f"u{i}", params=10**9, trainable_params=10**9, forward_flops=10**12, backward_flops=2 * 10**12,
+                      activation_bytes=(40 * 10**9 if i == 0 else 0), output_bytes={}) for i in range(4)]
+    schedule = ScheduleChoice.named("interleaved_1f1b", 2)
+    plain = [_stage(costs, [0] * 4, i, i + 1, i, 4, 4, schedule, Hardware(), False) for i in range(4)]
+    hw = Hardware(memory_bytes=plain[0].memory_bytes + plain[2].memory_bytes)
+    assert plain[0].memory_bytes > hw.memory_bytes / 2  # over its equal share
+    part = partition(costs, [0] * 4, 4, 4, schedule, hw, "auto")
+    assert [s.checkpointed for s in part.stages] == [False] * 4
+    tighter = Hardware(memory_bytes=hw.memory_bytes * 0.99)  # now the two do not fit together: stage 0 checkpoints
+    assert [s.checkpointed for s in partition(costs, [0] * 4, 4, 4, schedule, tighter, "auto").stages][0]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_stages_of_a_process_fit_together_and_plan_no_slower_than_equal_shares(seed):
+    """Schedules with 2 stages per process: every process's stages fit its device together, and the step is never
+    longer than the split that keeps each stage within half the device (the planner's answer before)."""
+    rng = random.Random(seed)
+    n = rng.randint(4, 8)
+    costs, boundary = _random_costs(rng, n)
+    schedule = ScheduleChoice.named(rng.choice(["interleaved_1f1b", "zbv"]), 2)
+    mode = rng.choice(["none", "auto"])
+    m = rng.choice([4, 6, 8])  # interleaved 1F1B on 2 processes: an even count
+    total = sum(c.params * 16 + c.activation_bytes * m for c in costs)
+    hw = Hardware(tflops=100.0, link_gbps=rng.choice([1.0, 50.0]), memory_bytes=total / 2 * rng.uniform(0.3, 1.5))
+    equal_shares = _split(costs, boundary, 4, m, schedule, hw, mode, Replicas(), share=2)
+    try:
+        got = partition(costs, boundary, 4, m, schedule, hw, mode)
+    except Infeasible:
+        assert equal_shares is None
+        return
+    for rank in range(2):
+        held = sum(s.memory_bytes for s in got.stages if schedule.schedule.rank_of(s.index, 2) == rank)
+        assert held <= hw.memory_bytes
+    if equal_shares is not None:
+        assert got.step_s <= Partition(tuple(equal_shares), m, schedule).step_s * (1 + 1e-12)
 
 
 def test_sharded_replicas_hold_a_share_and_whole_copies_while_they_compute():
