@@ -72,8 +72,9 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
 
 def before_backward(module: torch.nn.Module, last: bool) -> None:
     """Set up a stage alone for the backward of a micro-batch (`last`: of the step's last), as the module's
-    docstring says; nothing for a module without replicas."""
-    if isinstance(module, DDPModule):  # read by its next forward: call this before the micro-batch's forward
+    docstring says; nothing for a module without replicas. Call it before the micro-batch's forward (DDP reads it
+    there)."""
+    if isinstance(module, DDPModule):
         module.set_requires_gradient_sync(last)
         return
     if not isinstance(module, FSDPModule):
