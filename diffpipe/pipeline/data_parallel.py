@@ -50,7 +50,9 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
                     "pipeline.schedule / pipeline.virtual_stages puts both users of a tied weight on one process): "
                     "torch's data parallelism wraps each stage alone and cannot hold one weight in two. Use "
                     "pipeline.schedule = \"1f1b\" or \"gpipe\", or pipeline.data_parallel = 1")
-    if not shard and topo.pp_size == 1 and len(modules) == 1:  # a stage alone, replicated: the module's docstring
+    # a stage alone (the planner's `stages == 1`): its own loop runs the micro-batches (runtime._accumulate)
+    alone = topo.pp_size == 1 and len(modules) == 1
+    if alone and not shard:  # the module's docstring says why DDP's engine
         replicate_with_ddp(modules[0], device_id=topo.device, process_group=topo.dp_group,
                            gradient_as_bucket_view=True)
         return
@@ -66,7 +68,7 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
         # in a pipeline, whole copies of the weights are kept from a step's first forward to its end (torch's
         # schedules do the same for every wrapped module): each micro-batch would otherwise gather them again
         for part in _parts_wrapped_alone(module):
-            wrap(part, gathered_per_use=topo.pp_size == 1)
+            wrap(part, gathered_per_use=alone)
         wrap(module, gathered_per_use=False)
 
 
