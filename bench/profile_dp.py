@@ -54,7 +54,8 @@ def _covered(interval: tuple[float, float], union: list[tuple[float, float]]) ->
     return sum(max(0.0, min(end, b) - max(start, a)) for a, b in union)
 
 
-def summarise(what: str, prof, top: int) -> dict[str, float]:
+def summarise(what: str, prof, top: int) -> tuple[dict, dict[str, float]]:
+    """The loop's row, and each kernel's milliseconds per step."""
     kernels = _kernels(prof)
     ends = _step_ends(kernels)[WARMUP - 1:]
     if len(ends) < 2:
@@ -87,7 +88,7 @@ def summarise(what: str, prof, top: int) -> dict[str, float]:
 
 
 def diffpipe_loop(config_path: str, sets: list[str], batch: int, steps: int, top: int):
-    world = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])  # torchrun's; the process group starts in init_topology below
     config = load_config(config_path, ["pipeline.stages=1", f"pipeline.data_parallel={world}",
                                        f"pipeline.microbatches={batch // (MICRO * world)}", f"train.batch_size={batch}",
                                        "pipeline.checkpointing=\"none\"", "plan.memory_gib=139",
@@ -101,8 +102,7 @@ def diffpipe_loop(config_path: str, sets: list[str], batch: int, steps: int, top
         trainer.fit()
         if topo.device.type == "cuda":
             torch.cuda.synchronize()
-    shard = any("data_parallel_shard=true" in s for s in sets)
-    out = summarise("diffpipe " + ("fully_shard" if shard else "replicate"), prof, top)
+    out = summarise("diffpipe " + ("fully_shard" if config.pipeline.data_parallel_shard else "replicate"), prof, top)
     del trainer, prof
     return out
 

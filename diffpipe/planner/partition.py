@@ -161,37 +161,16 @@ def _best_stage(costs, boundary_bytes, first, last, index, stages, m, schedule, 
     return None
 
 
-def _fit_processes(stages: list[StageEstimate], costs, boundary_bytes, microbatches: int, schedule: ScheduleChoice,
-                   hw: Hardware, mode, replicas: Replicas) -> list[StageEstimate] | None:
-    """For a chosen split whose processes run several stages each (interleaved and V-shaped schedules): each
-    process's stages must fit its device together (the sum of their peaks, as if all peaked at once); under
-    checkpointing "auto" the choice per stage that makes the process's work least. None if a process cannot
-    fit."""
-    ranks = schedule.ranks(len(stages))
-    if hw.memory_bytes is None or ranks == len(stages):
-        return stages
-    chosen: dict[int, StageEstimate] = {}
-    for rank in range(ranks):
-        mine = [s for s in stages if schedule.schedule.rank_of(s.index, ranks) == rank]
-        best = None
-        for flags in itertools.product(*(_options(mode, s.index) for s in mine)):
-            ests = [_stage(costs, boundary_bytes, s.first, s.last, s.index, len(stages), microbatches, schedule, hw,
-                           ckpt, replicas) for s, ckpt in zip(mine, flags)]
-            held = sum(e.memory_bytes for e in ests)
-            key = (sum(e.busy_s for e in ests), held)  # the process's work: it runs all its stages
-            if held <= hw.memory_bytes and (best is None or key < best[0]):
-                best = (key, ests)
-        if best is None:
-            return None
-        chosen.update({e.index: e for e in best[1]})
-    return [chosen[i] for i in range(len(stages))]
-
-
 def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int, schedule: ScheduleChoice,
                     hw: Hardware, checkpointing="none", replicas: Replicas = Replicas()) -> Partition:
-    """Figures for a given split (no memory check), e.g. the parameter-count split."""
+    """Figures for a given split (no memory check), e.g. the parameter-count split; where processes run several
+    stages, checkpointed process by process when they can fit (`_fitted`)."""
     bounds = [0, *starts, len(costs)]
     stages = len(bounds) - 1
+    if schedule.ranks(stages) < stages:
+        fitted = _fitted(starts, costs, boundary_bytes, stages, microbatches, schedule, hw, checkpointing, replicas)
+        if fitted is not None:
+            return fitted
     out = []
     for i in range(stages):
         args = (costs, boundary_bytes, bounds[i], bounds[i + 1], i, stages, microbatches, schedule, hw)
@@ -199,8 +178,7 @@ def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int,
         if est is None:  # nothing fits: report the most frugal option allowed, whose memory is the one to beat
             est = _stage(*args, _options(checkpointing, i)[-1], replicas)
         out.append(est)
-    together = _fit_processes(out, costs, boundary_bytes, microbatches, schedule, hw, checkpointing, replicas)
-    return Partition(tuple(together or out), microbatches, schedule)
+    return Partition(tuple(out), microbatches, schedule)
 
 
 def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, microbatches: int,
@@ -209,7 +187,7 @@ def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, mic
     stage per process. Where a process runs several stages, its time is their sum and its memory holds them all,
     which no split minimising stage by stage captures: the splits by stage within an equal share of the device,
     by stage within the whole device, and by parameter count are made to fit process by process
-    (`_fit_processes`), and the one with the shortest step is improved by moving one boundary by one unit at a time
+    (`_fitted`), and the one with the shortest step is improved by moving one boundary by one unit at a time
     while the step gets shorter (a local search, not exact)."""
     if stages > len(costs):
         raise Infeasible(f"{stages} stages but only {len(costs)} units; use at most {len(costs)} stages")
@@ -251,12 +229,34 @@ def _neighbours(starts: list[int], units: int) -> list[list[int]]:
 
 def _fitted(starts: list[int], costs, boundary_bytes, stages: int, microbatches: int, schedule: ScheduleChoice,
             hw: Hardware, checkpointing, replicas: Replicas) -> Partition | None:
-    """The split at `starts`, checkpointed process by process to fit (`_fit_processes`); None if it cannot."""
+    """The split at `starts` for processes that run several stages each (interleaved and V-shaped schedules): each
+    process's stages must fit its device together (the sum of their peaks, as if all peaked at once), and under
+    checkpointing "auto" each stage's choice is the one that makes its process's work least. None if a process
+    cannot fit."""
     bounds = [0, *starts, len(costs)]
-    ests = [_stage(costs, boundary_bytes, bounds[k], bounds[k + 1], k, stages, microbatches, schedule, hw,
-                   _options(checkpointing, k)[0], replicas) for k in range(stages)]
-    ests = _fit_processes(ests, costs, boundary_bytes, microbatches, schedule, hw, checkpointing, replicas)
-    return Partition(tuple(ests), microbatches, schedule) if ests is not None else None
+
+    def estimate(k: int, ckpt: bool) -> StageEstimate:
+        return _stage(costs, boundary_bytes, bounds[k], bounds[k + 1], k, stages, microbatches, schedule, hw, ckpt,
+                      replicas)
+
+    if hw.memory_bytes is None:
+        return Partition(tuple(estimate(k, _options(checkpointing, k)[0]) for k in range(stages)), microbatches,
+                         schedule)
+    ranks = schedule.ranks(stages)
+    chosen: dict[int, StageEstimate] = {}
+    for rank in range(ranks):
+        mine = [k for k in range(stages) if schedule.schedule.rank_of(k, ranks) == rank]
+        best = None
+        for flags in itertools.product(*(_options(checkpointing, k) for k in mine)):
+            ests = [estimate(k, ckpt) for k, ckpt in zip(mine, flags)]
+            held = sum(e.memory_bytes for e in ests)
+            key = (sum(e.busy_s for e in ests), held)  # the process's work: it runs all its stages
+            if held <= hw.memory_bytes and (best is None or key < best[0]):
+                best = (key, ests)
+        if best is None:
+            return None
+        chosen.update({e.index: e for e in best[1]})
+    return Partition(tuple(chosen[k] for k in range(stages)), microbatches, schedule)
 
 
 def _split(costs, boundary_bytes, stages: int, microbatches: int, schedule: ScheduleChoice, hw: Hardware,
