@@ -118,11 +118,14 @@ def planning_device(config: RunConfig) -> torch.device:
 
 
 def hardware(config: RunConfig) -> Hardware:
+    """What the plan may use of a device: its speed, its link, and its memory less plan.memory_headroom."""
     kind = planning_device(config).type
     tflops, link = _DEFAULTS[kind]
     memory = config.plan.memory_gib * 2**30 if config.plan.memory_gib else None
     if memory is None and kind == "cuda":
         memory = torch.cuda.get_device_properties(0).total_memory
+    if memory is not None:
+        memory *= 1 - config.plan.memory_headroom
     return Hardware(config.plan.device_tflops or tflops, config.plan.link_gbps or link, memory)
 
 
@@ -133,7 +136,9 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
     loose = estimate_stages(costs, bounds_bytes, balanced_partition([c.params for c in costs], stages), m, schedule,
                             hw, p.checkpointing, replicas)
     worst = max(loose.stages, key=lambda s: s.memory_bytes)
-    lines = [f"no split into {stages} stages fits {hw.memory_bytes / 2**30:.1f} GiB per device: stage {worst.index} "
+    headroom = config.plan.memory_headroom
+    lines = [f"no split into {stages} stages fits {hw.memory_bytes / 2**30:.1f} GiB per device ({1 - headroom:.0%} of "
+             f"its memory; plan.memory_headroom = {headroom:g} keeps the rest free): stage {worst.index} "
              f"(units {costs[worst.first].name}..{costs[worst.last - 1].name}) needs "
              f"{worst.memory_bytes / 2**30:.1f} GiB with the parameter-count split."]
     fixes = []

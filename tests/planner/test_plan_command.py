@@ -34,7 +34,7 @@ def test_nothing_fits_says_which_stage_needs_what_and_what_would_help(capsys):
                  "--set", "pipeline.checkpointing=\"none\"", "--set", "pipeline.stages=2"])
     assert code == 2
     err = capsys.readouterr().err
-    assert "no split into 2 stages fits 12.0 GiB per device: stage" in err
+    assert "no split into 2 stages fits 10.8 GiB per device (90% of its memory; plan.memory_headroom = 0.1 keeps the rest free): stage" in err
     assert "what would help:" in err
     assert "LoRA" not in err  # not offered (yet): suggesting it would send the user looking for it
     micro = "a smaller micro-batch (1 instead of 2 fits" in err or "a smaller micro-batch than 2" in err
@@ -69,3 +69,17 @@ def test_auto_checkpointing_only_where_a_stage_would_not_fit():
             assert checkpointed == []
         else:
             assert 0 < len(checkpointed) < 2, checkpointed
+
+
+def test_the_plan_leaves_the_headroom_free():
+    """Stage 0 needs ~51 GiB unchecked: 55 GiB fits it with no headroom, not with the default 10 % kept free."""
+    from diffpipe.build import build_backbone
+    from diffpipe.config import load_config
+    from diffpipe.planner.plan import resolve_stages
+
+    for headroom, expect in ((0.0, []), (0.1, [0])):
+        config = load_config(EXAMPLES / "sdxl_unet.toml", ["pipeline.stages=2", "pipeline.microbatches=8",
+                                                           "train.batch_size=32", "plan.memory_gib=55",
+                                                           f"plan.memory_headroom={headroom}"])
+        _, checkpointed = resolve_stages(config, build_backbone(config, "meta"))
+        assert checkpointed == expect, (headroom, checkpointed)
