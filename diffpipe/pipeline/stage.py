@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch._dynamo
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
@@ -51,6 +52,9 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+_COMPILED_SHAPES = 64  # graphs dynamo may compile per code object (a stage, or a class of blocks): input shapes
+
+
 class StageModule(nn.Module):
     def __init__(self, spec: StageSpec, units: list[Unit], parameter_names: dict[int, str],
                  autocast_dtype: torch.dtype | None = None, checkpointed: bool = False,
@@ -67,6 +71,7 @@ class StageModule(nn.Module):
         self.units = nn.ModuleList(u.module for u in units)  # registers the parameters
         self.autocast_dtype = autocast_dtype
         self._full_names = {name: parameter_names[id(t)] for name, t in self._own_tensors()}
+        self.compiled = bool(compiled)
         if compiled == "blocks":  # each repeated block a graph of its own, compiled once per shape for all alike
             for module in self.units.modules():
                 if type(module).__name__ in repeated_blocks:
@@ -93,7 +98,11 @@ class StageModule(nn.Module):
         # compiled code is for training; a pass without gradients (samples; torch 2.11's PipelineStage learning
         # output shapes) runs eager: compiling its own graph would cost a second compile of the whole stage
         eager = torch.compiler.set_stance("force_eager") if not torch.is_grad_enabled() else contextlib.nullcontext()
-        with autocast, eager:
+        # a graph per input shape, and dynamo keeps at most 8 per code object (all blocks of a class share one):
+        # aspect-ratio buckets give each level of a UNet a shape, and past the limit the rest would run eager
+        shapes = (torch._dynamo.config.patch(recompile_limit=_COMPILED_SHAPES) if self.compiled
+                  else contextlib.nullcontext())
+        with autocast, eager, shapes:
             out = self._compute(named)
         if self.split_backward is not None and torch.is_grad_enabled() and not self._split_backward_checked:
             self._check_split_backward(out, received)

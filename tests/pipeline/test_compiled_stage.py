@@ -10,7 +10,7 @@ import torch
 import torch._dynamo
 from diffusers import UNet2DConditionModel
 
-from diffpipe.models.unet import unet_backbone
+from diffpipe.models.unet import UNet2DFamily
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
 from diffpipe.sampling import run_stages
@@ -19,6 +19,10 @@ from ..models.test_unet_units import SDXL_STYLE, _inputs
 
 
 ROUNDING_RATIO = 8.0
+
+
+def _backbone(unet: UNet2DConditionModel):
+    return UNet2DFamily().backbone(unet, "layers")
 
 
 def _rounding_ratio(have: torch.Tensor, want: torch.Tensor, truth: torch.Tensor) -> float:
@@ -43,7 +47,7 @@ def _run_middle_stage(stage, received, conditions):
 def test_compiled_checkpointed_stage_matches_eager(compiled):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    backbone = unet_backbone(UNet2DConditionModel(**SDXL_STYLE).train())
+    backbone = _backbone(UNet2DConditionModel(**SDXL_STYLE).train())
     starts = [6, 12]
     eager_stages = build_stage_modules(backbone, stage_specs(backbone, starts))
     sample, conditions = _inputs(SDXL_STYLE)
@@ -51,7 +55,7 @@ def test_compiled_checkpointed_stage_matches_eager(compiled):
         first = eager_stages[0](sample, **conditions)
     received = first if isinstance(first, tuple) else (first,)
 
-    compiled_backbone = unet_backbone(copy.deepcopy(backbone.model))
+    compiled_backbone = _backbone(copy.deepcopy(backbone.model))
     compiled_stage = build_stage_modules(compiled_backbone, stage_specs(compiled_backbone, starts),
                                          checkpointed=frozenset({1}), compiled=compiled)[1]
     expected = _run_middle_stage(eager_stages[1], received, conditions)
@@ -85,7 +89,7 @@ def test_passes_without_gradients_run_eager(compiled):
     """Samples, and torch 2.11's shape inference of a pipeline stage, would otherwise compile a second graph."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    backbone = unet_backbone(UNet2DConditionModel(**SDXL_STYLE).train())
+    backbone = _backbone(UNet2DConditionModel(**SDXL_STYLE).train())
     eager = build_stage_modules(backbone, stage_specs(backbone, [6]))[0]
     stage = build_stage_modules(backbone, stage_specs(backbone, [6]), compiled=compiled)[0]
     sample, conditions = _inputs(SDXL_STYLE)
@@ -95,3 +99,19 @@ def test_passes_without_gradients_run_eager(compiled):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_every_bucket_runs_compiled_past_dynamos_eight_shapes():
+    """Aspect-ratio buckets give each transformer level a shape: 5 buckets x 2 levels are 10 graphs of one block
+    class, past dynamo's default 8 per code object. Each must still run compiled (none falls back to eager)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    backbone = _backbone(UNet2DConditionModel(**SDXL_STYLE).train())
+    stage = build_stage_modules(backbone, stage_specs(backbone, []), compiled="blocks")[0]
+    torch._dynamo.utils.counters.clear()
+    for size in ((16, 16), (16, 24), (24, 24), (16, 32), (24, 32)):
+        sample, conditions = _inputs(SDXL_STYLE, batch=1, size=size)
+        stage(sample.requires_grad_(), **conditions).square().mean().backward()
+    frames = torch._dynamo.utils.counters["frames"]
+    assert frames["total"] == frames["ok"], dict(frames)  # a frame past the limit is counted, not compiled
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 10
