@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 __all__ = ["Schedule", "SCHEDULES", "schedule_named", "ScheduleChoice", "choice_of", "Action", "rank_actions",
-           "ideal_bubble", "in_flight"]
+           "ideal_bubble", "in_flight", "awaiting_weights"]
 
 _COST = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}  # time units of one stage's action on one micro-batch
 
@@ -118,6 +118,9 @@ class ScheduleChoice:
     def in_flight(self, stage: int, stages: int, microbatches: int) -> int:
         return in_flight(self.schedule.name, stage, self.ranks(stages), microbatches, self.virtual_stages)
 
+    def awaiting_weights(self, stage: int, stages: int, microbatches: int) -> int:
+        return awaiting_weights(self.schedule.name, stage, self.ranks(stages), microbatches, self.virtual_stages)
+
 
 def choice_of(pipeline) -> ScheduleChoice:
     """The configured schedule of a `PipelineConfig` (or anything with `schedule` and `virtual_stages`)."""
@@ -215,15 +218,28 @@ def ideal_bubble(name: str, ranks: int, microbatches: int, virtual_stages: int =
 def in_flight(name: str, stage: int, ranks: int, microbatches: int, virtual_stages: int = 1) -> int:
     """The most micro-batches whose activations `stage` holds at once: forwarded, their backward (the weight
     gradients, for zero-bubble schedules) not yet done."""
+    return max(_most_held(name, stage, ranks, microbatches, virtual_stages, "F"), 1)
+
+
+def awaiting_weights(name: str, stage: int, ranks: int, microbatches: int, virtual_stages: int = 1) -> int:
+    """The most micro-batches of `stage` at once between their input-gradient pass (I) and their weight pass (W):
+    0 for schedules whose backward is whole. Torch keeps the gradients of every weight's op output for W, and a
+    checkpointed stage's micro-batch then holds about its whole activations, not only its inputs."""
+    return _most_held(name, stage, ranks, microbatches, virtual_stages, "I")
+
+
+def _most_held(name: str, stage: int, ranks: int, microbatches: int, virtual_stages: int, start: str) -> int:
+    """The most micro-batches of `stage` at once past action `start` ("F" or "I") and before their backward ends
+    (B, or W for a split one)."""
     orders, _ = rank_actions(name, ranks, microbatches, virtual_stages)
     held, most = set(), 0
     for order in orders:
         for a in order:
             if a.stage != stage:
                 continue
-            if a.kind == "F":
+            if a.kind == start:
                 held.add(a.microbatch)
                 most = max(most, len(held))
             elif a.kind in ("B", "W"):
                 held.discard(a.microbatch)
-    return max(most, 1)
+    return most

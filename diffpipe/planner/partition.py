@@ -6,7 +6,8 @@ bubble (pipeline/schedules.py; for GPipe and 1F1B that is (micro-batches + stage
 the partition minimises the slowest stage subject to every stage fitting its device's memory: weights,
 gradients, AdamW state, and the activations of the micro-batches its schedule keeps in flight (all of them
 under GPipe; stages - s for stage s under 1F1B; counted from the schedule's order of actions). Checkpointing a
-stage keeps only its inputs per micro-batch and pays one more forward.
+stage keeps only its inputs per micro-batch and pays one more forward (zero-bubble schedules hold about its whole
+activations between a micro-batch's input-gradient and weight passes).
 The DP over (stages, units) is exact for this objective: tests compare it with brute force.
 """
 from __future__ import annotations
@@ -127,12 +128,15 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     send = 2 * sent / (hw.link_gbps * 1e9)  # activations forward, their gradients back
     static = replicas.state_bytes(costs[first:last])
     held = schedule.in_flight(index, stages, microbatches)
+    whole = received + sum(c.activation_bytes for c in costs[first:last])
     if checkpointed:  # per micro-batch in flight: the stage's inputs and every unit's outputs (the next units'
-        # inputs); in backward one unit's activations, recomputed
+        # inputs); in backward one unit's activations, recomputed; between a split backward's input and weight
+        # passes, about the whole activations (torch holds the gradients of the weights' op outputs)
         kept = received + sum(sum(c.output_bytes.values()) for c in costs[first:last])
-        dynamic = held * kept + max(c.activation_bytes for c in costs[first:last])
+        dynamic = (held * kept + schedule.awaiting_weights(index, stages, microbatches) * whole
+                   + max(c.activation_bytes for c in costs[first:last]))
     else:
-        dynamic = held * (received + sum(c.activation_bytes for c in costs[first:last]))
+        dynamic = held * whole
     return StageEstimate(index, first, last, forward, backward, send, static + dynamic, checkpointed)
 
 

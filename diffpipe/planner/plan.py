@@ -142,10 +142,11 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
              f"(units {costs[worst.first].name}..{costs[worst.last - 1].name}) needs "
              f"{worst.memory_bytes / 2**30:.1f} GiB with the parameter-count split."]
     fixes = []
-    if stages < len(costs):
+    more = stages + schedule.per_rank  # one more process, running as many stages as each of the others
+    if more <= len(costs):
         try:
-            partition(costs, bounds_bytes, stages + 1, m, schedule, hw, p.checkpointing, replicas)
-            fixes.append(f"more stages (pipeline.stages = {stages + 1} fits)")
+            partition(costs, bounds_bytes, more, m, schedule, hw, p.checkpointing, replicas)
+            fixes.append(f"more stages (pipeline.stages = {schedule.ranks(more)} fits)")
         except Infeasible:
             fixes.append("more stages")
     if p.checkpointing != "all":

@@ -51,3 +51,11 @@ def _pipeline(**kw) -> dict:
 def test_impossible_schedule_layouts_are_refused_naming_the_setting(kw, words):
     with pytest.raises(ConfigError, match=words):
         build_config(_pipeline(**kw))
+
+
+def test_micro_batches_awaiting_their_weight_pass_follow_the_order_of_actions():
+    from diffpipe.pipeline.schedules import awaiting_weights
+    assert [awaiting_weights("1f1b", s, 2, 8) for s in range(2)] == [0, 0]  # a whole backward
+    # zbv, 4 micro-batches, rank 1 ends: I1.2 I2.3 I1.3 W1.2 W2.3 W1.3
+    assert [awaiting_weights("zbv", s, 2, 4, 2) for s in (1, 2)] == [2, 1]
+    assert all(awaiting_weights("zbv", s, 2, 4, 2) <= in_flight("zbv", s, 2, 4, 2) for s in range(4))

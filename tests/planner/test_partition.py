@@ -151,3 +151,21 @@ def test_sharded_replicas_hold_a_share_and_whole_copies_while_they_compute():
     frozen = [UnitCost("u", params=n, trainable_params=0, forward_flops=1, backward_flops=2, activation_bytes=0,
                        output_bytes={})]
     assert Replicas(4, True).state_bytes(frozen) == (4 + 4 / 4) * n  # frozen weights (LoRA's base) gathered too
+
+
+def test_a_checkpointed_stage_of_a_split_backward_holds_its_activations_until_the_weight_pass():
+    """Zero-bubble schedules keep a micro-batch's gradients for the weight pass after its input gradients: a
+    checkpointed stage then holds about its whole activations, not only its inputs (zbv with two stages
+    checkpointed ran out of memory on an H200 where the inputs alone were counted)."""
+    costs = [UnitCost(f"u{i}", params=10**6, trainable_params=10**6, forward_flops=10**9, backward_flops=2 * 10**9,
+                      activation_bytes=10**9, output_bytes={f"h{i}": 10**7}) for i in range(4)]
+    boundary = [10**7] * 3 + [0]
+    whole_activations = sum(c.activation_bytes for c in costs[0:2])
+    for name, waiting in (("interleaved_1f1b", 0), ("zbv", 2)):
+        schedule = ScheduleChoice.named(name, 2)
+        assert schedule.awaiting_weights(1, 4, 4) == waiting
+        ckpt = _stage(costs, boundary, 0, 2, 1, 4, 4, schedule, Hardware(), True)
+        static = _stage(costs, boundary, 0, 2, 1, 4, 4, schedule, Hardware(), False).memory_bytes - \
+            schedule.in_flight(1, 4, 4) * (boundary[-1] + whole_activations)
+        assert ckpt.memory_bytes - static >= waiting * whole_activations
+        assert ckpt.memory_bytes - static < (waiting + 1) * whole_activations
