@@ -135,12 +135,22 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
     schedule = choice_of(p)
     loose = estimate_stages(costs, bounds_bytes, balanced_partition([c.params for c in costs], stages), m, schedule,
                             hw, p.checkpointing, replicas)
-    worst = max(loose.stages, key=lambda s: s.memory_bytes)
+    ranks = schedule.ranks(stages)
+    held: dict[int, list] = {}  # a process's stages, which must fit its device together
+    for s in loose.stages:
+        held.setdefault(schedule.schedule.rank_of(s.index, ranks), []).append(s)
+    rank, mine = max(held.items(), key=lambda kv: sum(s.memory_bytes for s in kv[1]))
+    needs = [(f"stage {s.index} (units {costs[s.first].name}..{costs[s.last - 1].name})", s.memory_bytes / 2**30)
+             for s in mine]
+    if len(needs) == 1:
+        who = f"{needs[0][0]} needs {needs[0][1]:.1f} GiB"
+    else:
+        who = (f"process {rank} needs {sum(gib for _, gib in needs):.1f} GiB for "
+               + ", ".join(f"{words} {gib:.1f} GiB" for words, gib in needs))
     headroom = config.plan.memory_headroom
     lines = [f"no split into {stages} stages fits {hw.memory_bytes / 2**30:.1f} GiB per device ({1 - headroom:.0%} of "
-             f"its memory; plan.memory_headroom = {headroom:g} keeps the rest free): stage {worst.index} "
-             f"(units {costs[worst.first].name}..{costs[worst.last - 1].name}) needs "
-             f"{worst.memory_bytes / 2**30:.1f} GiB with the parameter-count split."]
+             f"its memory; plan.memory_headroom = {headroom:g} keeps the rest free): {who} with the parameter-count "
+             "split."]
     fixes = []
     more = stages + schedule.per_rank  # one more process, running as many stages as each of the others
     if more <= len(costs):
@@ -149,7 +159,7 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
             fixes.append(f"more stages (pipeline.stages = {schedule.ranks(more)} fits)")
         except Infeasible:
             fixes.append("more stages")
-    if p.checkpointing != "all":
+    if p.checkpointing not in ("all", "auto"):  # "auto" was tried: it checkpoints every stage that needs it
         try:
             partition(costs, bounds_bytes, stages, m, schedule, hw, "auto", replicas)
             fixes.append("activation checkpointing (pipeline.checkpointing = \"auto\" fits)")

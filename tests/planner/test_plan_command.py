@@ -93,3 +93,4 @@ def test_a_v_shaped_plan_that_fits_nowhere_is_told_how_many_processes_would_fit(
     assert code == 2
     err = capsys.readouterr().err
     assert "no split into 4 stages fits" in err and "more stages (pipeline.stages = 3 fits)" in err, err
+    assert "process 1 needs" in err and "for stage 1 (units" in err and ", stage 2 (units" in err  # its two stages
