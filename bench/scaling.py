@@ -14,7 +14,7 @@ two H200s the FLOP-counted split of the SDXL UNet gave stage 0 24 % more time pe
 Every configuration is `diffpipe train` itself (it starts its processes: NCCL on GPUs, gloo on CPU) with the
 same global batch, every step timed (`observe.every = 1`) and the timeline of step 3 drawn. Prints one JSON
 line per configuration: samples/s, scaling efficiency (samples/s over GPUs x the one-GPU samples/s), measured
-and ideal bubble, per-GPU peak memory, the timeline picture; then a markdown table of them.
+and ideal bubble, per-GPU peak memory beside the planner's, the timeline picture; then a markdown table of them.
 """
 from __future__ import annotations
 
@@ -93,6 +93,28 @@ def run(config: str, name: str, overrides: dict, common: dict, extra: list[str],
             "peak_gib_per_stage": peaks, "timeline": str(timeline) if timeline.exists() else None}
 
 
+def planned_gib_per_gpu(config: str, overrides: dict, common: dict, extra: list[str]) -> list[float] | None:
+    """The planner's peak memory for each GPU of a pipeline (its stages' sum), as the run plans it: to set beside
+    the measured peaks. None when the configuration cannot be planned (the run then says why)."""
+    from diffpipe.build import build_backbone
+    from diffpipe.config import load_config
+    from diffpipe.planner.plan import planned_figures, resolve_stages
+
+    sets = [f"{key}={value}" for key, value in {**common, **overrides}.items()] + extra
+    try:
+        cfg = load_config(ROOT / config, sets)
+        meta = build_backbone(cfg, "meta")
+        starts, checkpointed = resolve_stages(cfg, meta)
+        return [round(b / 2**30, 3) for b in planned_figures(cfg, meta, starts, checkpointed).process_memory_bytes]
+    except Exception as exc:  # noqa: BLE001 - a bench row reports the run's own error instead
+        print(f"planner: {name_of(overrides)}: {exc}", file=sys.stderr)
+        return None
+
+
+def name_of(overrides: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in overrides.items())
+
+
 def ddp_reference(gpus: int, batch: int, micro: int) -> dict:
     """torch DDP on the same GPUs and global batch (bench/reference/ddp_loop_gpu.py, SDXL UNet at 1024x1024)."""
     accumulation = max(1, batch // (micro * gpus))
@@ -135,7 +157,7 @@ def planner_settings(config: str, device: str, batch: int, micro: int, profile: 
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| configuration | samples/s | efficiency | bubble (ideal) | peak GiB per GPU (stage 0..) |",
+    lines = ["| configuration | samples/s | efficiency | bubble (ideal) | peak GiB per GPU (planned) |",
              "|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -143,7 +165,9 @@ def table(rows: list[dict]) -> str:
             continue
         bubble = "-" if r["bubble"] is None else f"{r['bubble']:.1%} ({r['ideal_bubble']:.1%})"
         eff = "-" if r.get("efficiency") is None else f"{r['efficiency']:.2f}"
-        peaks = ", ".join(f"{v:.1f}" for v in r["peak_gib_per_stage"].values())
+        planned = r.get("planned_gib_per_gpu") or []
+        peaks = ", ".join(f"{v:.1f}" + (f" ({planned[i]:.1f})" if i < len(planned) else "")
+                          for i, v in enumerate(r["peak_gib_per_stage"].values()))
         lines.append(f"| {r['configuration']} | {r['samples_per_s']:.2f} | {eff} | {bubble} | {peaks} |")
     return "\n".join(lines)
 
@@ -187,6 +211,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         for index, (kind, name, overrides) in enumerate(chosen):
             row = run(args.config, name, overrides, common, args.set, Path(args.out) / f"{index:02d}-{kind}")
+            if "error" not in row:
+                row["planned_gib_per_gpu"] = planned_gib_per_gpu(args.config, overrides, common, args.set)
             devices = overrides["pipeline.stages"] * overrides["pipeline.data_parallel"]
             if kind == "single" and "error" not in row:
                 baseline = row["samples_per_s"]

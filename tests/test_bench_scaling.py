@@ -29,6 +29,8 @@ def test_scaling_script_reports_every_configuration(tmp_path):
     assert single["efficiency"] == 1.0 and single["samples_per_s"] > 0
     assert pipeline["devices"] == 2 and pipeline["samples_per_s"] > 0 and pipeline["efficiency"] > 0
     assert set(pipeline["peak_gib_per_stage"]) == {"stage0_peak_gib", "stage1_peak_gib"}
+    assert len(pipeline["planned_gib_per_gpu"]) == 2 and all(g > 0 for g in pipeline["planned_gib_per_gpu"])
+    assert len(single["planned_gib_per_gpu"]) == 1
     assert 0 <= pipeline["bubble"] < 1 and abs(pipeline["ideal_bubble"] - 1 / 3) < 1e-3  # (S-1)/(m+S-1)
     assert Path(pipeline["timeline"]).is_file()
     assert "stages" in impossible["error"]  # the preflight's message, not a crash of the script

@@ -81,15 +81,24 @@ class Partition:
     def slowest_s(self) -> float:
         return max(s.busy_s for s in self.stages)
 
+    def by_process(self) -> list[list[StageEstimate]]:
+        """The stages each pipeline process runs (interleaved and V-shaped schedules several; GPipe and 1F1B one)."""
+        ranks = self.schedule.ranks(len(self.stages))
+        out: list[list[StageEstimate]] = [[] for _ in range(ranks)]
+        for s in self.stages:
+            out[self.schedule.schedule.rank_of(s.index, ranks)].append(s)
+        return out
+
     @property
     def busiest_process_s(self) -> float:
-        """Work per micro-batch of the process with the most: the sum of its stages' (interleaved and V-shaped
-        schedules run several on each; GPipe and 1F1B one, and this is the slowest stage)."""
-        ranks = self.schedule.ranks(len(self.stages))
-        work = [0.0] * ranks
-        for s in self.stages:
-            work[self.schedule.schedule.rank_of(s.index, ranks)] += s.busy_s
-        return max(work)
+        """Work per micro-batch of the process with the most: the sum of its stages' (for one stage per process,
+        the slowest stage)."""
+        return max(sum(s.busy_s for s in mine) for mine in self.by_process())
+
+    @property
+    def process_memory_bytes(self) -> list[float]:
+        """Each process's planned peak: the sum of its stages' (as if all peaked at once)."""
+        return [sum(s.memory_bytes for s in mine) for mine in self.by_process()]
 
     @property
     def step_s(self) -> float:

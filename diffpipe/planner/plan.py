@@ -20,7 +20,7 @@ from .costs import UnitCost, count_unit_costs, load_profile
 from .partition import Hardware, Infeasible, Partition, Replicas, estimate_stages, partition
 
 __all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
-           "search_layouts", "profile_key", "scaled"]
+           "planned_figures", "search_layouts", "profile_key", "scaled"]
 
 
 @dataclass
@@ -135,11 +135,9 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
     schedule = choice_of(p)
     loose = estimate_stages(costs, bounds_bytes, balanced_partition([c.params for c in costs], stages), m, schedule,
                             hw, p.checkpointing, replicas)
-    ranks = schedule.ranks(stages)
-    held: dict[int, list] = {}  # a process's stages, which must fit its device together
-    for s in loose.stages:
-        held.setdefault(schedule.schedule.rank_of(s.index, ranks), []).append(s)
-    rank, mine = max(held.items(), key=lambda kv: sum(s.memory_bytes for s in kv[1]))
+    peaks = loose.process_memory_bytes  # a process's stages must fit its device together
+    rank = peaks.index(max(peaks))
+    mine = loose.by_process()[rank]
     needs = [(f"stage {s.index} (units {costs[s.first].name}..{costs[s.last - 1].name})", s.memory_bytes / 2**30)
              for s in mine]
     if len(needs) == 1:
@@ -255,3 +253,14 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
     if p.checkpointing == "all":
         return starts, list(range(stages))
     return starts, list(p.checkpointing) if isinstance(p.checkpointing, list) else []
+
+
+def planned_figures(config: RunConfig, meta: Backbone, starts: list[int], checkpointed: list[int]) -> Partition:
+    """The planner's figures for the split and checkpointing a run takes (`resolve_stages`): per stage and, through
+    `Partition.process_memory_bytes`, the peak memory it expects of each pipeline process."""
+    p = config.pipeline
+    stages = len(starts) + 1
+    costs = unit_costs(config, meta, config.micro_batch_size)
+    bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
+    return estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hardware(config), checkpointed,
+                           _replicas(config, stages, p.data_parallel))
