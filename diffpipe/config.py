@@ -159,7 +159,7 @@ class PlanConfig(_Section):
     device_tflops: float | None = Field(None, gt=0, description="Sustained TFLOP/s per device for units not profiled; unset: 300 on CUDA (H200 eager bf16), 0.05 on CPU.")
     link_gbps: float | None = Field(None, gt=0, description="GB/s between neighbouring stages; unset: 100 on CUDA (NVLink), 2 on CPU (gloo, one host).")
     memory_gib: float | None = Field(None, gt=0, description="Memory per device in GiB; unset: the GPU's own, unlimited on CPU.")
-    memory_headroom: float = Field(0.1, ge=0, lt=1, description="Share of each device's memory the plan leaves free for what it does not count (the CUDA context, NCCL's buffers, the allocator's fragmentation) and for its own estimate's error (measured peaks 10 % under to 9 % over the plan on H200s).")
+    memory_headroom: float = Field(0.1, ge=0, lt=1, description="Share of each device's memory the plan leaves free for what it does not count (the CUDA context, NCCL's buffers, the allocator's fragmentation) and for its own estimate's error (measured peaks on H200s mostly within 10 % of the plan; dualpipev up to 21 % over).")
     profile: str | None = Field(None, description="JSON of measured unit times from `diffpipe plan --profile`, reused when present.")
 
 
