@@ -107,12 +107,8 @@ def planned_gib_per_gpu(config: str, overrides: dict, common: dict, extra: list[
         starts, checkpointed = resolve_stages(cfg, meta)
         return [round(b / 2**30, 3) for b in planned_figures(cfg, meta, starts, checkpointed).process_memory_bytes]
     except Exception as exc:  # noqa: BLE001 - a bench row reports the run's own error instead
-        print(f"planner: {name_of(overrides)}: {exc}", file=sys.stderr)
+        print(f"planner: {overrides}: {exc}", file=sys.stderr)
         return None
-
-
-def name_of(overrides: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in overrides.items())
 
 
 def ddp_reference(gpus: int, batch: int, micro: int) -> dict:

@@ -112,6 +112,14 @@ class ScheduleChoice:
         """Processes of one pipeline running `stages` stages in all."""
         return max(1, stages // self.per_rank)
 
+    def stages_by_process(self, stages: int) -> list[list[int]]:
+        """The stage indices each process of one pipeline runs, in order."""
+        ranks = self.ranks(stages)
+        out: list[list[int]] = [[] for _ in range(ranks)]
+        for k in range(stages):
+            out[self.schedule.rank_of(k, ranks)].append(k)
+        return out
+
     def bubble(self, stages: int, microbatches: int) -> float:
         return ideal_bubble(self.schedule.name, self.ranks(stages), microbatches, self.virtual_stages)
 

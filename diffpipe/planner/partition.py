@@ -83,11 +83,7 @@ class Partition:
 
     def by_process(self) -> list[list[StageEstimate]]:
         """The stages each pipeline process runs (interleaved and V-shaped schedules several; GPipe and 1F1B one)."""
-        ranks = self.schedule.ranks(len(self.stages))
-        out: list[list[StageEstimate]] = [[] for _ in range(ranks)]
-        for s in self.stages:
-            out[self.schedule.schedule.rank_of(s.index, ranks)].append(s)
-        return out
+        return [[self.stages[k] for k in mine] for mine in self.schedule.stages_by_process(len(self.stages))]
 
     @property
     def busiest_process_s(self) -> float:
@@ -255,10 +251,8 @@ def _fitted(starts: list[int], costs, boundary_bytes, stages: int, microbatches:
     if hw.memory_bytes is None:
         return Partition(tuple(estimate(k, _options(checkpointing, k)[0]) for k in range(stages)), microbatches,
                          schedule)
-    ranks = schedule.ranks(stages)
     chosen: dict[int, StageEstimate] = {}
-    for rank in range(ranks):
-        mine = [k for k in range(stages) if schedule.schedule.rank_of(k, ranks) == rank]
+    for mine in schedule.stages_by_process(stages):
         best = None
         for flags in itertools.product(*(_options(checkpointing, k) for k in mine)):
             ests = [estimate(k, ckpt) for k, ckpt in zip(mine, flags)]

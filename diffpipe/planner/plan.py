@@ -245,22 +245,19 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
     starts = balanced_by_parameters(backbone, stages) if p.split == "parameters" else list(p.split)
     stage_specs(backbone, starts)  # validates
     if p.checkpointing == "auto":
-        costs = unit_costs(config, meta, config.micro_batch_size)
-        bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
-        est = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, "auto",
-                              _replicas(config, stages, p.data_parallel))
-        return starts, [s.index for s in est.stages if s.checkpointed]
+        return starts, [s.index for s in planned_figures(config, meta, starts, "auto").stages if s.checkpointed]
     if p.checkpointing == "all":
         return starts, list(range(stages))
     return starts, list(p.checkpointing) if isinstance(p.checkpointing, list) else []
 
 
-def planned_figures(config: RunConfig, meta: Backbone, starts: list[int], checkpointed: list[int]) -> Partition:
-    """The planner's figures for the split and checkpointing a run takes (`resolve_stages`): per stage and, through
-    `Partition.process_memory_bytes`, the peak memory it expects of each pipeline process."""
+def planned_figures(config: RunConfig, meta: Backbone, starts: list[int], checkpointing: list[int] | str) -> Partition:
+    """The planner's figures for a split and its checkpointing (stage indices, or "auto" to choose them), as a run
+    takes them (`resolve_stages`): per stage and, through `Partition.process_memory_bytes`, the peak memory it
+    expects of each pipeline process."""
     p = config.pipeline
     stages = len(starts) + 1
     costs = unit_costs(config, meta, config.micro_batch_size)
     bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
-    return estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hardware(config), checkpointed,
+    return estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hardware(config), checkpointing,
                            _replicas(config, stages, p.data_parallel))
