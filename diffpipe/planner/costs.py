@@ -1,7 +1,9 @@
 """What each unit costs at a given micro-batch: FLOPs, time, parameter and activation memory, output bytes.
 
 Counted mode runs the real units on the meta device (no memory, no compute): FLOPs from
-`torch.utils.flop_counter`, activation bytes from the tensors autograd saves for backward. On the meta device
+`torch.utils.flop_counter`, activation bytes from the tensors autograd saves for backward, and the backward as
+torch's zero-bubble schedules split it, which tells the gradients kept for the weight pass (its FLOPs are within
+1 % of a whole backward's on the SDXL UNet: attention's backward counts a little more). On the meta device
 torch decomposes attention into matrix products that save the whole (tokens x tokens) probability matrix, which no
 fused kernel holds (at 32,760 video tokens that alone is 86 GB per Wan 14B block); attention without a mask is
 therefore counted as the fused (memory-efficient) kernel runs it, saving queries, keys, values, output and the
@@ -17,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -38,6 +41,9 @@ class UnitCost:
     output_bytes: dict[str, int]  # bytes of each tensor the unit writes, per micro-batch
     forward_s: float | None = None
     backward_s: float | None = None
+    # per micro-batch, what a split backward (zero-bubble schedules) keeps from its input-gradient pass to its
+    # weight pass: the gradients of the outputs of the ops that use a trained weight
+    weight_pass_bytes: int = 0
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -81,31 +87,52 @@ def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor],
     costs = []
     for unit in backbone.units:
         own = {id(p) for p in unit.module.parameters()}
-        saved: dict[int, int] = {}
+        saved: dict[int, torch.Tensor] = {}  # by identity; holding each keeps its identity from being reused
 
         def pack(t: torch.Tensor):
             base = t._base if t._base is not None else t
             if id(base) not in own:  # weights are counted once, as parameters
-                saved[id(base)] = base.numel() * base.element_size()
-            return t
+                saved[id(base)] = base
+            # a detached alias: the graph then holds no tensor that holds the graph (a saved output would, and the
+            # parts the split backward's input pass retains would never be freed, nor the weights they saved)
+            return t.detach()
 
         args = _unit_inputs(named, unit.reads, grad_names)
         with FlopCounterMode(display=False) as forward, _FusedAttention(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = unit(args)
-        grads_needed = [o for o in out.values() if o.requires_grad]
         with FlopCounterMode(display=False) as backward:
-            if grads_needed:
-                torch.autograd.backward(grads_needed, [torch.ones_like(o) for o in grads_needed])
+            weight_pass = _split_backward(out, args, unit.module)
         params = list(unit.module.parameters())
         costs.append(UnitCost(
             name=unit.name, params=sum(p.numel() for p in params),
             trainable_params=sum(p.numel() for p in params if p.requires_grad),
             forward_flops=forward.get_total_flops(), backward_flops=backward.get_total_flops(),
-            activation_bytes=int(sum(saved.values()) * activation_scale),
-            output_bytes={k: int(v.numel() * v.element_size() * activation_scale) for k, v in out.items()}))
+            activation_bytes=int(sum(t.numel() * t.element_size() for t in saved.values()) * activation_scale),
+            output_bytes={k: int(v.numel() * v.element_size() * activation_scale) for k, v in out.items()},
+            weight_pass_bytes=int(weight_pass * activation_scale)))
         named.update({k: v.detach() for k, v in out.items()})
     return costs
+
+
+def _split_backward(out: dict[str, torch.Tensor], args: dict[str, torch.Tensor], module: torch.nn.Module) -> int:
+    """The unit's backward as torch's zero-bubble schedules run it (`stage_backward_input`, then
+    `stage_backward_weight`); returns the bytes of the gradients the input pass keeps for the weight pass.
+    Without an input that needs a gradient torch finds no such gradients (a first stage runs its whole backward in
+    the weight pass): 0, and a plain backward."""
+    outputs = [o.clone() for o in out.values() if o.requires_grad]  # torch detaches them in place: no views
+    if not outputs:
+        return 0
+    weights = [p for p in module.parameters() if p.requires_grad]
+    inputs = [a for a in args.values() if a.requires_grad]
+    if not (weights and inputs):
+        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+        return 0
+    _, groups = stage_backward_input(outputs, [torch.ones_like(o) for o in outputs], inputs, iter(weights))
+    kept = {g.untyped_storage()._cdata: g.untyped_storage().nbytes() for group in groups  # one gradient often
+            for grads in group.get("grads") or () for g in grads if g is not None}  # reaches several ops
+    stage_backward_weight(iter(weights), groups)
+    return sum(kept.values())
 
 
 def sync(device: torch.device) -> None:

@@ -5,9 +5,10 @@ tensors and receiving their gradients) x the micro-batches each process runs, ov
 bubble (pipeline/schedules.py; for GPipe and 1F1B that is (micro-batches + stages - 1) x the slowest stage). So
 the partition minimises the slowest stage subject to every stage fitting its device's memory: weights,
 gradients, AdamW state, and the activations of the micro-batches its schedule keeps in flight (all of them
-under GPipe; stages - s for stage s under 1F1B; counted from the schedule's order of actions). Checkpointing a
-stage keeps only its inputs per micro-batch and pays one more forward (zero-bubble schedules hold about its whole
-activations between a micro-batch's input-gradient and weight passes).
+under GPipe; stages - s for stage s under 1F1B; counted from the schedule's order of actions; zero-bubble
+schedules also hold the gradients of the weights' op outputs between a micro-batch's input-gradient and weight
+passes). Checkpointing a stage keeps only its inputs per micro-batch and pays one more forward (zero-bubble
+schedules hold its whole activations again between those two passes).
 The DP over (stages, units) is exact for this objective: tests compare it with brute force.
 """
 from __future__ import annotations
@@ -134,14 +135,18 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     static = replicas.state_bytes(costs[first:last])
     held = schedule.in_flight(index, stages, microbatches)
     whole = received + sum(c.activation_bytes for c in costs[first:last])
+    # Between a split backward's input and weight passes a micro-batch also holds the gradients of its weights'
+    # op outputs. Not on the first stage: torch runs its whole backward in the weight pass (its inputs need none).
+    awaiting = schedule.awaiting_weights(index, stages, microbatches) if index > 0 else 0
+    weight_pass = sum(c.weight_pass_bytes for c in costs[first:last])
     if checkpointed:  # per micro-batch in flight: the stage's inputs and every unit's outputs (the next units'
-        # inputs); in backward one unit's activations, recomputed; between a split backward's input and weight
-        # passes, about the whole activations (torch holds the gradients of the weights' op outputs)
+        # inputs); in backward one unit's activations, recomputed, which a micro-batch awaiting its weight pass
+        # keeps whole (measured: zbv ran out of memory when they were not counted)
         kept = received + sum(sum(c.output_bytes.values()) for c in costs[first:last])
-        dynamic = (held * kept + schedule.awaiting_weights(index, stages, microbatches) * whole
+        dynamic = (held * kept + awaiting * (whole + weight_pass)
                    + max(c.activation_bytes for c in costs[first:last]))
     else:
-        dynamic = held * whole
+        dynamic = held * whole + awaiting * weight_pass
     return StageEstimate(index, first, last, forward, backward, send, static + dynamic, checkpointed)
 
 
@@ -155,13 +160,13 @@ def _options(mode, index: int) -> tuple[bool, ...]:
     return (index in mode,)
 
 
-def _fits(est: StageEstimate, hw: Hardware, share: int) -> bool:
+def _fits(est: StageEstimate, hw: Hardware, share: float) -> bool:
     """Within 1/share of the device's memory."""
     return hw.memory_bytes is None or est.memory_bytes <= hw.memory_bytes / share
 
 
 def _best_stage(costs, boundary_bytes, first, last, index, stages, m, schedule, hw, mode,
-                replicas: Replicas = Replicas(), share: int = 1) -> StageEstimate | None:
+                replicas: Replicas = Replicas(), share: float = 1) -> StageEstimate | None:
     """The stage as configured; under "auto" without checkpointing when that fits, else with it."""
     for ckpt in _options(mode, index):
         est = _stage(costs, boundary_bytes, first, last, index, stages, m, schedule, hw, ckpt, replicas)
@@ -194,8 +199,8 @@ def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, mic
               schedule: ScheduleChoice, hw: Hardware, checkpointing="none", replicas: Replicas = Replicas()) -> Partition:
     """The partition into `stages` that minimises the slowest stage while every stage fits memory: exact with one
     stage per process. Where a process runs several stages, its time is their sum and its memory holds them all,
-    which no split minimising stage by stage captures: the splits by stage within an equal share of the device,
-    by stage within the whole device, and by parameter count are made to fit process by process
+    which no split minimising stage by stage captures: the splits by stage within shares of the device from an
+    equal share to the whole device, and by parameter count, are made to fit process by process
     (`_fitted`), and the one with the shortest step is improved by moving one boundary by one unit at a time
     while the step gets shorter (a local search, not exact)."""
     if stages > len(costs):
@@ -208,8 +213,10 @@ def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, mic
             raise Infeasible("no split into {} stages fits {:.1f} GiB per device".format(
                 stages, (hw.memory_bytes or 0) / 2**30))
         return Partition(tuple(exact), microbatches, schedule)
-    roomy = _split(*args, share=1)
-    candidates = [[s.first for s in split[1:]] for split in (exact, roomy) if split is not None]
+    # between the two, stages within a part of the device: more memory must never lose a split that fits less
+    # (the roomiest split alone packs stages that fit one by one but not as processes)
+    roomier = [_split(*args, share=1 + (per_process - 1) * k / _SHARES) for k in range(_SHARES)]
+    candidates = [[s.first for s in split[1:]] for split in (exact, *roomier) if split is not None]
     candidates.append(balanced_partition([c.params for c in costs], stages))
     fitted = [part for part in (_fitted(starts, *args) for starts in candidates) if part is not None]
     if not fitted:
@@ -222,6 +229,9 @@ def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, mic
         if shorter is None or shorter.step_s >= best.step_s:
             return best
         best = shorter
+
+
+_SHARES = 8  # splits tried per process memory, from each stage within all of a device to within 1/stages per process
 
 
 def _neighbours(starts: list[int], units: int) -> list[list[int]]:
@@ -267,7 +277,7 @@ def _fitted(starts: list[int], costs, boundary_bytes, stages: int, microbatches:
 
 
 def _split(costs, boundary_bytes, stages: int, microbatches: int, schedule: ScheduleChoice, hw: Hardware,
-           checkpointing, replicas: Replicas, share: int) -> list[StageEstimate] | None:
+           checkpointing, replicas: Replicas, share: float) -> list[StageEstimate] | None:
     """The split minimising the slowest stage, each stage within 1/share of the device; None if none fits.
     Exact by dynamic programming (tests compare it with brute force)."""
     n = len(costs)

@@ -68,7 +68,7 @@ def scaled(costs: list[UnitCost], factor: float) -> list[UnitCost]:
         return None if x is None else x * factor
     return [UnitCost(c.name, c.params, c.trainable_params, int(c.forward_flops * factor), int(c.backward_flops * factor),
                      int(c.activation_bytes * factor), {k: int(v * factor) for k, v in c.output_bytes.items()},
-                     t(c.forward_s), t(c.backward_s)) for c in costs]
+                     t(c.forward_s), t(c.backward_s), int(c.weight_pass_bytes * factor)) for c in costs]
 
 
 # What a bf16/fp16 autocast step saves for backward, as a fraction of the fp32 bytes counted on the meta device
@@ -89,9 +89,10 @@ def unit_costs(config: RunConfig, meta: Backbone, micro_batch: int) -> list[Unit
         saved_batch = json.loads(Path(profile).read_text())["key"]["micro_batch"]
         device = planning_device(config).type
         measured = load_profile(profile, profile_key(config, saved_batch, device))
-        if device == "cpu":  # CPU memory is not measured per unit: keep the counted activation bytes
-            for m, c in zip(measured, counted):
-                m.activation_bytes = c.activation_bytes
+        for m, c in zip(measured, counted):  # counted for one sample; the profile is scaled from its micro-batch
+            m.weight_pass_bytes = c.weight_pass_bytes * saved_batch  # counted, never measured
+            if device == "cpu":  # CPU memory is not measured per unit: keep the counted activation bytes
+                m.activation_bytes = c.activation_bytes * saved_batch
         return scaled(measured, micro_batch / saved_batch)
     return scaled(counted, micro_batch)
 

@@ -10,9 +10,9 @@ import torch
 from diffpipe.build import build_backbone, example_inputs
 from diffpipe.config import build_config
 from diffpipe.pipeline.schedules import ScheduleChoice
-from diffpipe.planner.costs import count_unit_costs, profile_unit_costs
+from diffpipe.planner.costs import count_unit_costs, profile_unit_costs, save_profile
 from diffpipe.planner.partition import Hardware, partition
-from diffpipe.planner.plan import boundary_bytes
+from diffpipe.planner.plan import boundary_bytes, profile_key, unit_costs
 
 MICRO = 4
 
@@ -35,3 +35,20 @@ def test_every_unit_is_timed_and_the_plan_follows_the_times():
     assert partition(slow_last, bounds, 2, 4, ScheduleChoice.named("1f1b"), hw).starts == [len(costs) - 1]
     slow_first = [dataclasses.replace(even[0], forward_s=0.1, backward_s=0.2)] + even[1:]
     assert partition(slow_first, bounds, 2, 4, ScheduleChoice.named("1f1b"), hw).starts == [1]
+
+
+def test_a_cpu_profile_keeps_the_counted_memory_at_the_planned_micro_batch(tmp_path):
+    """A profile measured on the CPU gives times but no memory: the counted activation and weight-pass bytes are
+    kept, at the micro-batch planned (not at the one micro-batch they are counted for)."""
+    config = build_config({"train": {"batch_size": MICRO * 4}, "pipeline": {"microbatches": 4}})
+    meta = build_backbone(config, "meta")
+    counted = unit_costs(config, meta, 2 * MICRO)
+    measured = [dataclasses.replace(c, forward_s=1e-3, backward_s=2e-3, activation_bytes=0, weight_pass_bytes=0)
+                for c in count_unit_costs(meta, *example_inputs(config, meta, MICRO))]
+    path = tmp_path / "profile.json"
+    save_profile(measured, profile_key(config, MICRO, "cpu"), path)
+    profiled = unit_costs(config.model_copy(update={"plan": config.plan.model_copy(update={"profile": str(path)})}),
+                          meta, 2 * MICRO)
+    assert [c.forward_s for c in profiled] == [2e-3] * len(counted)  # the times, at twice the micro-batch
+    assert [c.activation_bytes for c in profiled] == [c.activation_bytes for c in counted]
+    assert [c.weight_pass_bytes for c in profiled] == [c.weight_pass_bytes for c in counted]
