@@ -31,18 +31,17 @@ def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Bac
     it is the plain model: a LoRA run's model.safetensors has the adapters merged in."""
     family = model_family(config)
     model = build_model(config.model, family)
+    if config.adapter.type == "lora" and str(device) == "meta":  # before the units take their modules: peft
+        try:  # replaces a targeted module in its parent, and a unit holding the old one would never use its adapter
+            add_lora(model, config.adapter, family.lora_targets, config.train.seed)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     try:
         backbone = family.backbone(model, config.model.units)
     except ValueError as exc:  # options the adapter cannot train yet
         raise CheckpointError(str(exc)) from None
     if str(device) != "meta":
         give_weights(backbone, config, device=device)
-    if config.adapter.type == "lora" and str(device) == "meta":
-        try:
-            add_lora(backbone.model, config.adapter, family.lora_targets, config.train.seed)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        backbone.parameter_names = full_parameter_names(backbone.model)
     return backbone
 
 

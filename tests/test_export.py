@@ -61,9 +61,12 @@ def photos(tiny, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("layout,stages", [("sdxl", 2), ("sd15", 1)])
 def test_lora_exports_load_in_diffusers_and_reproduce_the_trained_model(tiny, photos, tmp_path, layout, stages):
+    """SD 1.5 with conv_in and conv_out adapted too: modules the UNet's first and last units hold themselves."""
     sdxl = layout == "sdxl"
+    targets = [] if sdxl else ["--set", 'adapter.target_modules=["to_q", "to_k", "to_v", "to_out.0", "conv_in", '
+                               '"conv_out"]']
     run = _train(tiny, photos, tmp_path / "run", layout, "--set", "adapter.type=\"lora\"", "--set", "adapter.rank=4",
-                 "--set", "adapter.alpha=8.0", "--set", f"pipeline.stages={stages}")
+                 "--set", "adapter.alpha=8.0", "--set", f"pipeline.stages={stages}", *targets)
     want = _output(_trained(run), sdxl)  # the base with the adapters merged, as diffpipe samples with it
     pipeline_class = StableDiffusionXLPipeline if sdxl else StableDiffusionPipeline
     for fmt, out in (("diffusers", tmp_path / "lora"), ("kohya", tmp_path / "lora_kohya.safetensors")):
@@ -78,6 +81,8 @@ def test_lora_exports_load_in_diffusers_and_reproduce_the_trained_model(tiny, ph
         keys, header = list(f.keys()), f.metadata()
     prefix = "lora_unet_input_blocks_" if sdxl else "lora_unet_down_blocks_"  # kohya's own naming per family
     assert any(k.startswith(prefix) for k in keys) and all(k.startswith("lora_unet_") for k in keys)
+    if not sdxl:
+        assert {"lora_unet_conv_in.lora_down.weight", "lora_unet_conv_out.lora_up.weight"} <= set(keys)
     assert header["ss_network_dim"] == "4" and json.loads(header["diffpipe.lora"])["lora_alpha"] == 8.0
 
 

@@ -50,6 +50,7 @@ def plan_as_dict(plan: Plan, meta: Backbone) -> dict:
         return {"split": part.starts, "slowest_stage_ms": round(part.slowest_s * 1e3, 3),
                 "allreduce_ms": round(plan.allreduce_s(part) * 1e3, 3), "step_s": round(plan.step_s(part), 5),
                 "bubble_fraction": round(part.bubble_fraction, 4), "samples_per_s": round(plan.samples_per_s_of(part), 3),
+                "process_peak_GiB": [round(b / GIB, 2) for b in part.process_memory_bytes],
                 "stages": _stage_rows(part, meta, trainable)}
 
     return {"stages": plan.stages, "data_parallel": plan.data_parallel, "microbatches": plan.microbatches,
@@ -75,6 +76,8 @@ def format_plan(plan: Plan, meta: Backbone) -> str:
         lines.append(f"  slowest stage {part['slowest_stage_ms']:.3f} ms, data-parallel collectives "
                      f"{part['allreduce_ms']:.1f} ms, step {part['step_s']:.4f} s, bubble {part['bubble_fraction']:.1%}, "
                      f"{part['samples_per_s']:.2f} samples/s")
+        if per_process:  # what must fit one device: the stages a process runs, together
+            lines.append("  peak GiB by process: " + ", ".join(f"{gib:.2f}" for gib in part["process_peak_GiB"]))
     return "\n".join(lines)
 
 

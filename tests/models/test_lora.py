@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from diffpipe.build import build_backbone, give_weights
+from diffpipe.build import build_backbone, example_inputs, give_weights
 from diffpipe.config import build_config
 from diffpipe.models.lora import add_lora, lora_scale, merge_lora
 from diffpipe.models.presets import UNET_PRESETS
@@ -80,3 +80,26 @@ def test_adapters_start_from_a_lora_file_when_asked(tmp_path):
     wrong_rank = build_config({"adapter": {"type": "lora", "rank": 8, "init_from": str(tmp_path / "lora.safetensors")}})
     with pytest.raises(ConfigError, match="set adapter.rank to the file's"):
         give_weights(build_backbone(wrong_rank, "meta"), wrong_rank)
+
+
+def test_every_targeted_module_trains_its_adapter_through_the_units():
+    """peft replaces a targeted module in its parent; a unit that holds the module itself (the UNet's conv_in and
+    conv_out) must hold the adapted one, or its adapter silently never trains nor reaches the export."""
+    targets = ["to_q", "conv_in", "conv_out", "linear_1"]
+    config = build_config({"adapter": {"type": "lora", "rank": 4, "target_modules": targets}})
+    backbone = build_backbone(config, "meta")
+    give_weights(backbone, config)
+    for name, p in backbone.model.named_parameters():
+        if ".lora_B." in name:
+            torch.nn.init.normal_(p)  # B starts at zero, which would leave A without a gradient
+    inputs, conditions = example_inputs(config, backbone, 2)
+    generator = torch.Generator().manual_seed(0)
+    named = {k: torch.randn(v.shape, generator=generator) if v.is_floating_point() else v
+             for k, v in {**inputs, **conditions}.items()}  # zeros would leave some adapters without a gradient
+    for unit in backbone.units:
+        named.update(unit({k: named[k] for k in unit.reads}))
+    named["prediction"].square().mean().backward()
+    adapters = {n: p for n, p in backbone.model.named_parameters() if p.requires_grad}
+    assert {n.split(".lora_")[0] for n in adapters} >= {"conv_in", "conv_out", "time_embedding.linear_1"}
+    missed = [n for n, p in adapters.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missed == []

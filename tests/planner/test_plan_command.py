@@ -94,3 +94,16 @@ def test_a_v_shaped_plan_that_fits_nowhere_is_told_how_many_processes_would_fit(
     err = capsys.readouterr().err
     assert "no split into 4 stages fits" in err and "more stages (pipeline.stages = 3 fits)" in err, err
     assert "process 1 needs" in err and "for stage 1 (units" in err and ", stage 2 (units" in err  # its two stages
+
+
+def test_processes_running_several_stages_are_given_their_peak_together(capsys):
+    """What must fit one device is the stages a process runs, together: the plan prints it for each process."""
+    assert main(["plan", str(EXAMPLES / "sdxl_unet.toml"), "--gpu-memory", "139.8GiB", "--set", "train.batch_size=64",
+                 "--set", "pipeline.microbatches=8", "--set", "pipeline.stages=2", "--set", "pipeline.virtual_stages=2",
+                 "--set", "pipeline.schedule=\"dualpipev\"", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    for key in ("planned", "by_parameters"):
+        peaks = {s["stage"]: s["peak_GiB"] for s in plan[key]["stages"]}
+        # V-shaped: process 0 runs stages 0 and 3, process 1 stages 1 and 2
+        assert plan[key]["process_peak_GiB"] == pytest.approx([peaks[0] + peaks[3], peaks[1] + peaks[2]], abs=0.02)
+    assert max(plan["planned"]["process_peak_GiB"]) <= 139.8 * 0.9
