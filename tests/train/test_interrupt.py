@@ -18,9 +18,30 @@ LONG = ["--set", "train.max_steps=5000", "--set", "train.batch_size=16", "--set"
         "--set", "checkpoint.every=0", "--set", "output.sample_every_end=false"]
 
 
-def _start(run: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(run), *LONG, *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+def _as_from_a_terminal() -> None:
+    """Ctrl-C's default action in the launcher: a suite started as a background job of a non-interactive shell
+    (`pytest ... &`) passes on SIGINT ignored, and the launcher would never see it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def start():
+    """Starts `diffpipe train` on the long digits run; whatever a failed test leaves running is killed after it (a
+    5000-step run left behind slows every later test)."""
+    started = []
+
+    def _start(run: Path) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(run), *LONG]
+        started.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        start_new_session=True, preexec_fn=_as_from_a_terminal))
+        return started[-1]
+
+    yield _start
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _wait_for_steps(run: Path, proc: subprocess.Popen, steps: int, timeout_s: float = 300) -> None:
@@ -54,9 +75,9 @@ def _group_gone(pgid: int, timeout_s: float = 60) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
-def test_a_signal_to_the_launcher_checkpoints_and_stops_every_process(tmp_path, sig):
+def test_a_signal_to_the_launcher_checkpoints_and_stops_every_process(tmp_path, start, sig):
     run = tmp_path / "run"
-    proc = _start(run)
+    proc = start(run)
     _wait_for_steps(run, proc, 3)
     workers = _workers(proc.pid)
     assert len(workers) == 2
@@ -72,9 +93,9 @@ def test_a_signal_to_the_launcher_checkpoints_and_stops_every_process(tmp_path, 
     assert rows[-1]["step"] == step - 1  # the checkpoint is of the last step recorded
 
 
-def test_a_killed_training_process_ends_the_run_within_a_minute(tmp_path):
+def test_a_killed_training_process_ends_the_run_within_a_minute(tmp_path, start):
     run = tmp_path / "run"
-    proc = _start(run)
+    proc = start(run)
     _wait_for_steps(run, proc, 3)
     started = time.monotonic()
     os.kill(_workers(proc.pid)[-1], signal.SIGKILL)
@@ -86,8 +107,8 @@ def test_a_killed_training_process_ends_the_run_within_a_minute(tmp_path):
     assert _group_gone(proc.pid)
 
 
-def test_ctrl_c_while_the_processes_build_the_model_stops_them_with_one_line(tmp_path):
-    proc = _start(tmp_path / "run")
+def test_ctrl_c_while_the_processes_build_the_model_stops_them_with_one_line(tmp_path, start):
+    proc = start(tmp_path / "run")
     for line in proc.stdout:  # printed just before the training processes start, which then build for seconds
         if line.startswith("training "):
             break
