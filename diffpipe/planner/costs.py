@@ -25,7 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..models.units import Backbone
 
-__all__ = ["UnitCost", "count_unit_costs", "profile_unit_costs", "save_profile", "load_profile"]
+__all__ = ["UnitCost", "count_unit_costs", "kept_for_weight_pass", "profile_unit_costs", "save_profile", "load_profile"]
 
 
 @dataclass
@@ -129,9 +129,16 @@ def _split_backward(out: dict[str, torch.Tensor], args: dict[str, torch.Tensor],
         torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
         return 0
     _, groups = stage_backward_input(outputs, [torch.ones_like(o) for o in outputs], inputs, iter(weights))
-    kept = {g.untyped_storage()._cdata: g.untyped_storage().nbytes() for group in groups  # one gradient often
-            for grads in group.get("grads") or () for g in grads if g is not None}  # reaches several ops
+    kept = kept_for_weight_pass(groups)
     stage_backward_weight(iter(weights), groups)
+    return kept
+
+
+def kept_for_weight_pass(param_groups: list[dict]) -> int:
+    """Bytes of the gradients `stage_backward_input` keeps in its parameter groups for the weight pass, each
+    storage once (one gradient often reaches several ops)."""
+    kept = {g.untyped_storage()._cdata: g.untyped_storage().nbytes() for group in param_groups
+            for grads in group.get("grads") or () for g in grads if g is not None}
     return sum(kept.values())
 
 

@@ -11,7 +11,8 @@ from torch.distributed.pipelining._backward import stage_backward_input
 
 from diffpipe.build import build_backbone, example_inputs, give_weights
 from diffpipe.config import build_config, load_config
-from diffpipe.planner.costs import _FusedAttention, _needs_grad, _unit_inputs, count_unit_costs
+from diffpipe.planner.costs import (_FusedAttention, _needs_grad, _unit_inputs, count_unit_costs,
+                                    kept_for_weight_pass)
 
 MICRO = 4
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
@@ -33,8 +34,7 @@ def _kept_by_a_stage(backbone, inputs, conditions, first: int) -> int:
     weights = [p for unit in backbone.units[first:] for p in unit.module.parameters() if p.requires_grad]
     _, groups = stage_backward_input(outputs, [torch.ones_like(o) for o in outputs],
                                      [v for v in stage_inputs.values() if v.requires_grad], iter(weights))
-    return sum({g.untyped_storage()._cdata: g.untyped_storage().nbytes() for group in groups
-                for grads in group["grads"] for g in grads if g is not None}.values())
+    return kept_for_weight_pass(groups)
 
 
 def test_units_add_up_to_what_torch_keeps_for_a_whole_stage():
