@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ..torch_support import non_persistent_buffers
 from .loading import CheckpointError
 
 __all__ = ["materialise", "is_meta", "NonFiniteWeights"]
@@ -81,7 +82,7 @@ def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: in
     if any(t.is_meta for t in own):
         _give_parameters(model, name, module, file_name, seed, reader, device, reset_own)
     for key, value in values.items():
-        persistent = key not in module._non_persistent_buffers_set
+        persistent = key not in non_persistent_buffers(module)
         module.register_buffer(key, value.to(device=device, dtype=getattr(module, key).dtype), persistent=persistent)
 
 

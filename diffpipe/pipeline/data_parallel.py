@@ -25,15 +25,13 @@ a plain tensor is its own whole and part.
 from __future__ import annotations
 
 import torch
-from torch.distributed._composable.replicate import DDP as DDPModule
-from torch.distributed._composable.replicate import replicate as replicate_with_ddp
-from torch.distributed._composable.replicate_with_fsdp import ReplicateModule, replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config import ConfigError
 from ..distributed import Topology
+from ..torch_support import data_parallel_wrappers
 
 __all__ = ["spread_over_replicas", "before_backward", "full", "local", "local_numel"]
 
@@ -53,10 +51,11 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
     # a stage alone (the planner's `stages == 1`): its own loop runs the micro-batches (runtime._accumulate)
     alone = topo.pp_size == 1 and len(modules) == 1
     if alone and not shard:  # the module's docstring says why DDP's engine
-        replicate_with_ddp(modules[0], device_id=topo.device, process_group=topo.dp_group,
+        data_parallel_wrappers()["ddp_replicate"](modules[0], device_id=topo.device, process_group=topo.dp_group,
                            gradient_as_bucket_view=True)
         return
     mesh = DeviceMesh.from_group(topo.dp_group, topo.device.type)
+    replicate = data_parallel_wrappers()["fsdp_replicate"]
 
     def wrap(part: torch.nn.Module, gathered_per_use: bool) -> None:
         if shard:
@@ -76,12 +75,13 @@ def before_backward(module: torch.nn.Module, last: bool) -> None:
     """Set up a stage alone for the backward of a micro-batch (`last`: of the step's last), as the module's
     docstring says; nothing for a module without replicas. Call it before the micro-batch's forward (DDP reads it
     there)."""
-    if isinstance(module, DDPModule):
+    wrappers = data_parallel_wrappers()
+    if isinstance(module, wrappers["DDPModule"]):
         module.set_requires_gradient_sync(last)
         return
     if not isinstance(module, FSDPModule):
         return
-    reduce_now = last or not isinstance(module, ReplicateModule)
+    reduce_now = last or not isinstance(module, wrappers["ReplicateModule"])
     module.set_requires_gradient_sync(reduce_now)
     module.set_reshard_after_backward(reduce_now)
     module.set_is_last_backward(last)

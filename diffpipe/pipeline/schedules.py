@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..torch_support import schedule_actions
+
 __all__ = ["Schedule", "SCHEDULES", "schedule_named", "ScheduleChoice", "choice_of", "Action", "rank_actions",
            "ideal_bubble", "in_flight", "awaiting_weights"]
 
@@ -151,9 +153,8 @@ def rank_actions(name: str, ranks: int, microbatches: int,
     stages = ranks * per_rank
     if not schedule.multi_stage:
         return tuple(_single_stage_order(name, r, ranks, microbatches) for r in range(ranks)), stages
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops  # torch's own order
     orders = []
-    for ops in get_schedule_ops(schedule.torch_type, ranks, microbatches, per_rank):
+    for ops in schedule_actions(schedule.torch_type, ranks, microbatches, per_rank):  # torch's own order
         order = []
         for op in ops:
             for part in (op.sub_actions or (op,)) if op is not None else ():

@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch._dynamo
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ConfigError
 from ..models.units import Backbone, Unit
+from ..torch_support import recompile_limit
 from .split import StageSpec
 from .zero_bubble import missed_parameters
 
@@ -100,7 +100,7 @@ class StageModule(nn.Module):
         eager = torch.compiler.set_stance("force_eager") if not torch.is_grad_enabled() else contextlib.nullcontext()
         # a graph per input shape, and dynamo keeps at most 8 per code object (all blocks of a class share one):
         # aspect-ratio buckets give each level of a UNet a shape, and past the limit the rest would run eager
-        shapes = (torch._dynamo.config.patch(recompile_limit=_COMPILED_SHAPES) if self.compiled
+        shapes = (recompile_limit(_COMPILED_SHAPES) if self.compiled
                   else contextlib.nullcontext())
         with autocast, eager, shapes:
             out = self._compute(named)

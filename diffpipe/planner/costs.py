@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..models.units import Backbone
+from ..torch_support import (fused_attention, kept_storage_key, split_backward_input, split_backward_weight,
+                             view_base)
 
 __all__ = ["UnitCost", "count_unit_costs", "kept_for_weight_pass", "profile_unit_costs", "save_profile", "load_profile"]
 
@@ -57,9 +58,8 @@ class _FusedAttention(TorchFunctionMode):
         named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args), **kwargs)
         if named.get("attn_mask") is not None or named.get("enable_gqa", False):
             return func(*args, **kwargs)
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            named["query"], named["key"], named["value"], None, True, named.get("dropout_p", 0.0),
-            named.get("is_causal", False), scale=named.get("scale"))[0]
+        return fused_attention(named["query"], named["key"], named["value"], named.get("dropout_p", 0.0),
+                               named.get("is_causal", False), named.get("scale"))
 
 
 def _needs_grad(backbone: Backbone) -> set[str]:
@@ -90,7 +90,7 @@ def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor],
         saved: dict[int, torch.Tensor] = {}  # by identity; holding each keeps its identity from being reused
 
         def pack(t: torch.Tensor):
-            base = t._base if t._base is not None else t
+            base = view_base(t)
             if id(base) not in own:  # weights are counted once, as parameters
                 saved[id(base)] = base
             # a detached alias: the graph then holds no tensor that holds the graph (a saved output would, and the
@@ -128,16 +128,16 @@ def _split_backward(out: dict[str, torch.Tensor], args: dict[str, torch.Tensor],
     if not (weights and inputs):
         torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
         return 0
-    _, groups = stage_backward_input(outputs, [torch.ones_like(o) for o in outputs], inputs, iter(weights))
+    groups = split_backward_input(outputs, [torch.ones_like(o) for o in outputs], inputs, iter(weights))
     kept = kept_for_weight_pass(groups)
-    stage_backward_weight(iter(weights), groups)
+    split_backward_weight(iter(weights), groups)
     return kept
 
 
 def kept_for_weight_pass(param_groups: list[dict]) -> int:
     """Bytes of the gradients `stage_backward_input` keeps in its parameter groups for the weight pass, each
     storage once (one gradient often reaches several ops)."""
-    kept = {g.untyped_storage()._cdata: g.untyped_storage().nbytes() for group in param_groups
+    kept = {kept_storage_key(g): g.untyped_storage().nbytes() for group in param_groups
             for grads in group.get("grads") or () for g in grads if g is not None}
     return sum(kept.values())
 

@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 
 from ..models.loading import CheckpointError
+from ..torch_support import move_lr_schedule
 
 __all__ = ["CHECKPOINTS", "PendingCheckpoint", "model_shapes", "save_checkpoint", "latest_checkpoint", "verify_checkpoint", "load_checkpoint",
            "unsafe_changes"]
@@ -237,20 +238,10 @@ def load_checkpoint(trainer, path: Path) -> int:
         where = bad[0] if bad else "a tensor another process holds"
         raise CheckpointError(f"checkpoint {path} holds NaN or inf values ({where}); resume from an older "
                               "checkpoint (delete this folder)")
-    _move_schedule(trainer.lr_schedule, trainer.optimizer, int(state["progress.lr_schedule_steps"]))
+    move_lr_schedule(trainer.lr_schedule, trainer.optimizer, int(state["progress.lr_schedule_steps"]))
     trainer.scaler.scale = float(state["progress.loss_scale"])
     trainer.scaler.good_steps = int(state["progress.loss_scale_good_steps"])
     return int(state["progress.next_step"])
-
-
-def _move_schedule(schedule, optimizer: torch.optim.Optimizer, steps: int) -> None:
-    """The learning-rate schedule (LambdaLR) at `steps` taken, and every group's learning rate with it."""
-    lrs = [base * factor(steps) for base, factor in zip(schedule.base_lrs, schedule.lr_lambdas)]
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    state = schedule.state_dict()
-    state.update(last_epoch=steps, _last_lr=lrs)  # the keys of torch's own state dict of a scheduler
-    schedule.load_state_dict(state)
 
 
 def _flat(data: dict, prefix: str = "") -> dict:

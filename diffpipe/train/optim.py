@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..pipeline.data_parallel import full
+from ..torch_support import scale_in_place
 
 __all__ = ["make_optimizer", "lr_factor", "LossScaler", "global_grad_norm", "clip_gradients",
            "step_optimizer"]
@@ -115,5 +116,5 @@ def step_optimizer(optimizer: torch.optim.Optimizer, params, factor: torch.Tenso
     if skip is not None and bool(skip):  # other optimizers cannot skip on the device: the host reads it
         return
     if factor is not None:
-        torch._foreach_mul_(_grads(params), factor)  # one fused kernel per dtype/device
+        scale_in_place(_grads(params), factor)  # one fused kernel per dtype/device
     optimizer.step()

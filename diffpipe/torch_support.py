@@ -1,0 +1,168 @@
+"""The torch versions diffpipe is tested on, and its one door to torch's private APIs.
+
+Nothing else in diffpipe reaches into a `torch.*._name`: it calls a function here. Each one imports what it needs
+when first called and, where the installed torch lacks it, raises `TorchVersionError` with a sentence that names
+what is missing and which torch to install, never a traceback from inside torch. Where tested versions behave
+differently (torch 2.11's split backward refuses an input the outputs do not use; 2.13 tolerates it), the
+difference is handled here, once.
+
+Tested: every minor version in `TESTED` runs the whole suite (2.13, `.ci/run`) or its smoke subset
+(`tests/test_torch_versions.py`, run by `.ci/run` under each other version in a venv of its own).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Iterator
+
+import torch
+
+__all__ = ["TESTED", "TorchVersionError", "check_torch", "split_backward_input", "split_backward_weight",
+           "kept_storage_key", "view_base", "schedule_actions", "data_parallel_wrappers", "recompile_limit",
+           "scale_in_place", "fused_attention", "non_persistent_buffers", "move_lr_schedule"]
+
+TESTED = ("2.11", "2.13")  # minor versions the suite runs on; pyproject's range spans them
+_INSTALL = "pip install 'torch==2.13.0'"
+
+
+class TorchVersionError(RuntimeError):
+    """The installed torch lacks something diffpipe needs."""
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def check_torch(version: str | None = None) -> str | None:
+    """Refuse a torch older than the oldest tested one; return a warning for one newer than the newest, else None."""
+    version = version or torch.__version__
+    found, oldest, newest = _minor(version), _minor(TESTED[0]), _minor(TESTED[-1])
+    if found < oldest:
+        raise TorchVersionError(f"diffpipe needs torch {TESTED[0]} or newer (tested: {', '.join(TESTED)}); this "
+                                f"is torch {version}: {_INSTALL}")
+    if found > newest:
+        return (f"torch {version} is newer than the versions diffpipe is tested on ({', '.join(TESTED)}); if "
+                f"something fails inside torch, {_INSTALL}")
+    return None
+
+
+def _private(module: str, name: str, used_for: str):
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        raise TorchVersionError(f"torch {torch.__version__} has no {module}.{name}, which diffpipe uses for "
+                                f"{used_for}; diffpipe is tested on torch {', '.join(TESTED)}: {_INSTALL}") from None
+
+
+def _reached_by(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The inputs whose gradient the outputs' autograd graph reaches (torch 2.11 refuses the others)."""
+    edges = {}
+    for t in inputs:
+        edges[torch.autograd.graph.get_gradient_edge(t).node] = t
+    seen, todo, reached = set(), [o.grad_fn for o in outputs if o.grad_fn is not None], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node in edges:
+            reached.add(node)
+        todo.extend(child for child, _ in node.next_functions)
+    return [t for t in inputs if torch.autograd.graph.get_gradient_edge(t).node in reached]
+
+
+def split_backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor],
+                         inputs: list[torch.Tensor], weights: Iterator[torch.nn.Parameter]) -> list[dict]:
+    """The input-gradient pass of torch's zero-bubble schedules (`pipelining._backward.stage_backward_input`);
+    returns the parameter groups its weight pass needs. Inputs the outputs do not use are left out."""
+    run = _private("torch.distributed.pipelining._backward", "stage_backward_input", "the planner's count of what a "
+                   "zero-bubble schedule keeps for its weight pass")
+    used = _reached_by(outputs, [t for t in inputs if t.requires_grad])
+    _, groups = run(outputs, output_grads, used, weights)
+    return groups
+
+
+def split_backward_weight(weights: Iterator[torch.nn.Parameter], groups: list[dict]) -> None:
+    """The weight-gradient pass that follows `split_backward_input`."""
+    _private("torch.distributed.pipelining._backward", "stage_backward_weight", "the planner's count of what a "
+             "zero-bubble schedule keeps for its weight pass")(weights, groups)
+
+
+def kept_storage_key(tensor: torch.Tensor) -> int:
+    """One key per storage, also on the meta device, where every storage's data pointer is 0."""
+    return tensor.untyped_storage()._cdata
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a view was made from (itself where it is no view)."""
+    return tensor._base if tensor._base is not None else tensor
+
+
+def schedule_actions(torch_type, ranks: int, microbatches: int, stages_per_rank: int) -> list:
+    """Each rank's actions of a multi-stage schedule, as torch itself orders them."""
+    get_ops = _private("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops",
+                       "the order of a multi-stage schedule's actions")
+    return get_ops(torch_type, ranks, microbatches, stages_per_rank)
+
+
+@functools.lru_cache(maxsize=1)
+def data_parallel_wrappers() -> dict:
+    """torch's composable data parallelism: DDP (`replicate`) and replicas of FSDP2's engine
+    (`replicate_with_fsdp`), by name."""
+    used_for = "data parallelism over pipeline replicas"
+    return {"ddp_replicate": _private("torch.distributed._composable.replicate", "replicate", used_for),
+            "DDPModule": _private("torch.distributed._composable.replicate", "DDP", used_for),
+            "fsdp_replicate": _private("torch.distributed._composable.replicate_with_fsdp", "replicate", used_for),
+            "ReplicateModule": _private("torch.distributed._composable.replicate_with_fsdp", "ReplicateModule",
+                                        used_for)}
+
+
+def recompile_limit(graphs: int):
+    """A context in which dynamo keeps up to `graphs` compiled graphs per code object (its default is 8)."""
+    config = _private("torch._dynamo", "config", "compiled stages")
+    if not hasattr(config, "recompile_limit"):
+        raise TorchVersionError(f"torch {torch.__version__}'s dynamo has no recompile_limit (compiled stages); "
+                                f"diffpipe is tested on torch {', '.join(TESTED)}: {_INSTALL}")
+    return config.patch(recompile_limit=graphs)
+
+
+def scale_in_place(tensors: list[torch.Tensor], factor: float) -> None:
+    """Every tensor times `factor`, one fused kernel per dtype and device."""
+    if tensors:
+        _private("torch", "_foreach_mul_", "scaling gradients")(tensors, factor)
+
+
+def fused_attention(query, key, value, dropout_p: float, is_causal: bool, scale) -> torch.Tensor:
+    """Attention as the fused memory-efficient kernel computes it (its meta kernel saves what that kernel saves)."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
+    if op is None:
+        raise TorchVersionError(f"torch {torch.__version__} has no aten._scaled_dot_product_efficient_attention, "
+                                f"which the planner counts attention with; diffpipe is tested on torch "
+                                f"{', '.join(TESTED)}: {_INSTALL}")
+    return op(query, key, value, None, True, dropout_p, is_causal, scale=scale)[0]
+
+
+def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
+    """Names of the module's own buffers that its state dict leaves out."""
+    names = getattr(module, "_non_persistent_buffers_set", None)
+    if names is None:
+        raise TorchVersionError(f"torch {torch.__version__}'s nn.Module has no _non_persistent_buffers_set, which "
+                                f"building a model on the meta device reads; diffpipe is tested on torch "
+                                f"{', '.join(TESTED)}: {_INSTALL}")
+    return set(names)
+
+
+def move_lr_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer,
+                     steps: int) -> None:
+    """The learning-rate schedule at `steps` taken, and every group's learning rate with it."""
+    lrs = [base * factor(steps) for base, factor in zip(schedule.base_lrs, schedule.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    state = schedule.state_dict()
+    if "_last_lr" not in state or "last_epoch" not in state:
+        raise TorchVersionError(f"torch {torch.__version__}'s LR scheduler state has no last_epoch/_last_lr, "
+                                f"which resuming sets; diffpipe is tested on torch {', '.join(TESTED)}: {_INSTALL}")
+    state.update(last_epoch=steps, _last_lr=lrs)  # the keys of torch's own state dict of a scheduler
+    schedule.load_state_dict(state)
+
