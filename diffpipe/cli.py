@@ -36,6 +36,7 @@ def _prepare_run(args) -> tuple:
     from .preflight import check_before_launch
     from .pipeline.traffic import format_crossings
     from .config import load_config, save_config
+    from .run_folder import lock_run, prepare_new_run
 
     config = load_config(args.config, args.set or [])
     if _restarted_by_torchrun(args, config):
@@ -48,19 +49,26 @@ def _prepare_run(args) -> tuple:
     config.pipeline.split, config.pipeline.checkpointing = checked.split, checked.checkpointing
     run_dir = Path(config.output.dir)
     is_main = int(os.environ.get("RANK", "0")) == 0
-    if is_main:
-        if args.resume:
-            _check_resumable(config, run_dir, checked.backbone)
-        else:
-            _empty_run_folder(run_dir, args.overwrite)
+    lock = None
+    if is_main:  # every check first: a finished run is replaced only by a run that passed them all
         _check_free_space(run_dir, checked.backbone, config)
+        try:
+            if args.resume:
+                lock = lock_run(run_dir) if (run_dir / "config.toml").is_file() else None
+                _check_resumable(config, run_dir, checked.backbone)
+            else:
+                lock = prepare_new_run(run_dir, args.overwrite)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
         save_config(config, run_dir / "config.toml")
         print(f"training {config.model.describe()} on {config.world_size} process(es): "
               f"{config.pipeline.stages} stage(s) x {config.pipeline.data_parallel} replica(s), split at units "
               f"{config.pipeline.split}, schedule {config.pipeline.schedule}; run folder {run_dir}", flush=True)
         print("tensors crossing each stage boundary:\n" + format_crossings(
             boundary_traffic(config, checked.backbone, checked.split)), flush=True)
-    return config, run_dir, is_main
+    return config, run_dir, is_main, lock
 
 
 def _restarted_by_torchrun(args, config) -> bool:
@@ -77,30 +85,6 @@ def _restarted_by_torchrun(args, config) -> bool:
     return False
 
 
-def _empty_run_folder(run_dir: Path, overwrite: bool) -> None:
-    """A new run gets an empty folder: a finished run is replaced whole with --overwrite (never mixed with the new
-    one), anything else is refused rather than deleted."""
-    import shutil
-
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"{run_dir} is a file, not a folder; choose a run folder with --output-dir")
-    if run_dir.is_dir() and any(run_dir.iterdir()):
-        if not overwrite:
-            raise UserError(f"{run_dir} already holds a run; choose another folder with --output-dir, add "
-                            f"--overwrite to replace it, or continue it with --resume {run_dir}")
-        if not (run_dir / "config.toml").is_file():
-            raise UserError(f"--overwrite: {run_dir} is not a diffpipe run folder (no config.toml); it is left as "
-                            "it is: choose another folder with --output-dir")
-        shutil.rmtree(run_dir)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / ".writable").touch()
-        (run_dir / ".writable").unlink()
-    except OSError as exc:
-        raise UserError(f"cannot write the run folder {run_dir} ({exc.strerror}); choose another with "
-                        "--output-dir") from None
-
-
 def _check_free_space(run_dir: Path, backbone, config) -> None:
     """Refuse to start a run whose weights and checkpoints could not be written at its end."""
     import shutil
@@ -110,10 +94,21 @@ def _check_free_space(run_dir: Path, backbone, config) -> None:
     on = config.checkpoint.every > 0 or config.checkpoint.every_minutes > 0
     kept = config.checkpoint.keep + 1 if on else 0
     needed = 4 * params * (1 + 3 * kept) if config.output.save_weights else 0
-    free = shutil.disk_usage(run_dir).free
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:  # the folder may not exist yet
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free
     if needed > free:
-        raise UserError(f"{run_dir}: {free / 2**30:.1f} GiB free, but the weights and {kept} checkpoint(s) need "
-                        f"{needed / 2**30:.1f} GiB; free space, choose another --output-dir, or lower checkpoint.keep")
+        raise UserError(f"{run_dir}: {_readable_size(free)} free, but the weights and {kept} checkpoint(s) need "
+                        f"{_readable_size(needed)}; free space, choose another --output-dir, or lower checkpoint.keep")
+
+
+def _readable_size(nbytes: float) -> str:
+    """Bytes in the unit that reads best: 1000 B, 812.0 KiB, 3.1 MiB, 12.4 GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{int(nbytes)} B"
 
 
 def _check_resumable(config, run_dir: Path, backbone) -> None:
@@ -143,10 +138,14 @@ def _train(args) -> None:
     from .distributed import launch
     from .train.trainer import train_worker
 
-    config, run_dir, is_main = _prepare_run(args)
-    launch(train_worker, (config.model_dump(mode="json"), str(run_dir), bool(args.resume)), config.world_size)
-    if is_main:
-        _finish(config, run_dir)
+    config, run_dir, is_main, lock = _prepare_run(args)
+    try:
+        launch(train_worker, (config.model_dump(mode="json"), str(run_dir), bool(args.resume)), config.world_size)
+        if is_main:
+            _finish(config, run_dir)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _finish(config, run_dir: Path) -> None:
@@ -328,12 +327,18 @@ def _main(args) -> int:
     from .models.loading import CheckpointError
     from .pipeline.split import SplitError
     from .planner.partition import Infeasible
+    from .run_folder import RunFolderError
+    from .torch_support import TorchVersionError, check_torch
     from .train.trainer import TrainingStopped
 
     transformers_logging.disable_progress_bar()  # per-file bars of tiny local saves and loads are noise
     try:
+        untested = check_torch()
+        if untested and int(os.environ.get("RANK", "0")) == 0:
+            print(f"diffpipe {args.command}: warning: {untested}", file=sys.stderr)
         args.run(args)
-    except (UserError, ConfigError, CheckpointError, SplitError, Infeasible, FileNotFoundError) as exc:
+    except (UserError, ConfigError, CheckpointError, SplitError, Infeasible, FileNotFoundError,
+            TorchVersionError, RunFolderError) as exc:
         print(f"diffpipe {args.command}: {exc}", file=sys.stderr)
         return 2
     except Interrupted as exc:

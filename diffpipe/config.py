@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -26,7 +26,8 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are refused everywhere: `train.learning_rate = inf` trained to NaN weights and ended "done"
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -76,7 +77,7 @@ class DataConfig(_Section):
     eval_path: str | list[str] | None = Field(None, description="data.dataset = folder: folder(s) of images with captions for the eval loss instead of data.eval_fraction.")
     frame_buckets: list[int] = Field([1, 33], min_length=1, description="Video families on folders: clip lengths in video frames. Each video trains as its first F frames, F the longest bucket it fills (shorter videos are skipped and counted); still images as clips of 1 frame when 1 is listed. Wan's VAE needs 1 + 4k frames (1, 33, 81).")
     frames: int | None = Field(None, ge=1, description="Video families on moving_digits or synthetic clips: latent frames per clip; unset: the family's default (digits clips 4; Wan 21, i.e. 81 video frames through its VAE).")
-    latent_size: list[int] | None = Field(None, min_length=2, max_length=2, description="digits, moving_digits and synthetic data, and plans: [height, width] of the latents trained on (for a real-width model, pixels / 8: [60, 104] is 480x832); unset: the family's default (a 1024 square for image models, 480x480 for Wan). Folders: set by data.resolution and the buckets.")
+    latent_size: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=2, max_length=2, description="digits, moving_digits and synthetic data, and plans: [height, width] of the latents trained on (for a real-width model, pixels / 8: [60, 104] is 480x832); unset: the family's default (a 1024 square for image models, 480x480 for Wan). Folders: set by data.resolution and the buckets.")
     caption_dropout: float = Field(0.1, ge=0.0, le=1.0, description="Fraction of captions replaced by the empty caption (enables guidance).")
     text_cache_gib: float = Field(1.0, ge=0, description="digits and synthetic: encode each distinct caption once and keep the text encoder's outputs on its device when they all fit in this many GiB; 0: encode every step's captions.")
 
@@ -106,7 +107,7 @@ class TrainConfig(_Section):
     batch_size: int = Field(32, ge=1, description="Global batch: micro-batch size x pipeline.microbatches x pipeline.data_parallel.")
     learning_rate: float = Field(1e-3, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: list[float] = Field([0.9, 0.999], min_length=2, max_length=2, description="AdamW betas.")
+    betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.999], min_length=2, max_length=2, description="AdamW betas, each in [0, 1).")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon (added to the root of the second moment).")
     lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="Learning-rate schedule after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
@@ -123,11 +124,11 @@ class TrainConfig(_Section):
     dropout: bool = Field(True, description="Keep the model's own dropout layers in training (the spatio-temporal UNet's temporal convolutions drop 10 %); false: off, so a step is a deterministic function of the batch.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA with NCCL when available, else CPU with gloo.")
     log_every: int = Field(1, ge=1, description="Write metrics every N steps.")
-    collective_timeout_minutes: float = Field(30.0, gt=0, description="How long a process waits in a send, receive or collective for the others before it fails with an error instead of hanging (another process died or hangs on another machine). It must exceed the longest wait of a healthy run: the slowest process's share of a cache build, a checkpoint's save.")
+    collective_timeout_minutes: float = Field(30.0, gt=0, le=7 * 24 * 60, description="How long a process waits in a send, receive or collective for the others before it fails with an error instead of hanging (another process died or hangs on another machine). It must exceed the longest wait of a healthy run: the slowest process's share of a cache build, a checkpoint's save.")
     max_bad_steps: int = Field(10, ge=1, description="Stop the run after this many steps in a row skipped for a non-finite loss or gradients (fp16 overflows included).")
     eval_every: int = Field(0, ge=0, description="Eval loss every N steps and at the end (eval_loss and eval_loss_tQ per quantile in metrics.jsonl and TensorBoard) on the held-out data: data.eval_fraction / data.eval_path for folders, the held-out digits for digits; 0: never.")
     eval_quantiles: list[float] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="Quantiles of the training timestep density the eval loss is measured at (the same timesteps and noise every time).")
-    stage_lr_scale: list[float] | None = Field(None, description="Per-stage learning-rate multipliers (one per stage); unset: all 1.")
+    stage_lr_scale: list[Annotated[float, Field(ge=0)]] | None = Field(None, description="Per-stage learning-rate multipliers (one per stage, 0 or more); unset: all 1.")
 
 
 class AdapterConfig(_Section):

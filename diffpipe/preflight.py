@@ -6,12 +6,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .build import build_backbone, sample_shape
-from .config import RunConfig
+from .config import ConfigError, RunConfig
+from .distributed import resolve_device_kind
 from .models.loading import CheckpointError, checked_weights
 from .models.units import Backbone
+from .pipeline.schedules import schedule_named
 from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
 from .planner.plan import resolve_stages
+from .torch_support import schedule_problem
 
 __all__ = ["Checked", "check_before_launch"]
 
@@ -45,9 +48,23 @@ def check_before_launch(config: RunConfig) -> Checked:
     if config.data.dataset == "folder":
         _check_folder_data(config, backbone)
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
+    _check_schedule_runs_on_this_torch(config)
     split, checkpointing = resolve_stages(config, backbone)
     _check_first_stage_trains(backbone, split)
     return Checked(backbone, split, checkpointing)
+
+
+def _check_schedule_runs_on_this_torch(config: RunConfig) -> None:
+    if config.pipeline.stages < 2:
+        return
+    try:
+        device_kind = resolve_device_kind(config.train.device)
+    except RuntimeError as exc:  # cuda asked for where none is visible
+        raise ConfigError(str(exc)) from None
+    problem = schedule_problem(config.pipeline.schedule, schedule_named(config.pipeline.schedule).placement,
+                               device_kind)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def _check_first_stage_trains(backbone: Backbone, split: list[int]) -> None:

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["TESTED", "TorchVersionError", "check_torch", "split_backward_input", "split_backward_weight",
+__all__ = ["TESTED", "TorchVersionError", "check_torch", "schedule_problem", "split_backward_input", "split_backward_weight",
            "kept_storage_key", "view_base", "schedule_actions", "data_parallel_wrappers", "recompile_limit",
            "scale_in_place", "fused_attention", "non_persistent_buffers", "move_lr_schedule"]
 
@@ -44,6 +44,21 @@ def check_torch(version: str | None = None) -> str | None:
     if found > newest:
         return (f"torch {version} is newer than the versions diffpipe is tested on ({', '.join(TESTED)}); if "
                 f"something fails inside torch, {_INSTALL}")
+    return None
+
+
+def schedule_problem(schedule: str, stage_placement: str, device_kind: str, version: str | None = None) -> str | None:
+    """Why this torch cannot run a schedule on this device's backend, in the config's words; None when it can.
+
+    Before 2.13, torch's multi-stage schedules open their first step by sending a tensor from each stage to its
+    neighbours; a V-shaped placement puts two neighbouring stages on one process, and gloo (CPU) cannot send from a
+    process to itself ("Pair is not connected"). NCCL can (zbv and dualpipev ran on two H200s under torch 2.11).
+    """
+    version = version or torch.__version__
+    if stage_placement == "v" and device_kind == "cpu" and _minor(version) < (2, 13):
+        return (f"pipeline.schedule = {schedule!r} on CPU needs torch 2.13 or newer: torch {version}'s V-shaped "
+                "schedules send a tensor from a process to itself at their first step, which gloo cannot. Use "
+                f"\"zb1p\" or \"interleaved_1f1b\" on CPU, or {_INSTALL}")
     return None
 
 

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
+from ..config import ConfigError
 from ..observe.timing import Mark, StageClock, StepTimes
+from ..torch_support import schedule_problem
 from .data_parallel import before_backward
 from .schedules import schedule_named
 from .stage import StageModule
@@ -30,6 +32,9 @@ class PipelineRunner:
         """`group`: the pipeline's processes (barriers); `send_group`: the same processes for the stages' sends
         (default `group`)."""
         self.schedule = schedule_named(schedule)
+        problem = schedule_problem(schedule, self.schedule.placement, device.type)
+        if problem is not None:
+            raise ConfigError(problem)
         self.modules, self.stage_indices = modules, stage_indices
         self.num_stages, self.group, self.device = num_stages, group, device
         self.send_group = send_group if send_group is not None else group

@@ -310,9 +310,10 @@ class Trainer:
             path = self.checkpoint(step + 1, wait=True)
             raise TrainingStopped(f"interrupted after step {step}; checkpoint {path}. Continue with: diffpipe train "
                                   f"CONFIG --resume {self.run_dir}")
-        # no checkpoint after a skipped step: the newest one stays the last good one
+        # no checkpoint after a skipped step: the newest one stays the last good one; a warning (the monitor's
+        # "warn") never cancels a scheduled one, and "stop" gets its checkpoint after the loop
         due = overdue or self._checkpoint_due(step)
-        if self.bad_streak == 0 and (action == "checkpoint" or (action == "continue" and due)):
+        if self.bad_streak == 0 and (action == "checkpoint" or (action != "stop" and due)):
             self.checkpoint(step + 1)
         if action == "stop" and self.topo.is_main:  # the save after the loop keeps the weights
             print(f"stopped after step {step} (observe.on_anomaly = \"stop\"); weights saved", flush=True)

@@ -12,6 +12,7 @@ from diffpipe.cli import main
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 
 
+@pytest.mark.torch_smoke
 def test_sdxl_plan_for_four_stages_compares_with_the_parameter_split(capsys):
     start = time.perf_counter()
     assert main(["plan", str(EXAMPLES / "sdxl_unet.toml"), "--json"]) == 0

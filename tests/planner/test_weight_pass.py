@@ -6,14 +6,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
-from torch.distributed.pipelining._backward import stage_backward_input
 
 from diffpipe.build import build_backbone, example_inputs, give_weights
 from diffpipe.config import build_config, load_config
 from diffpipe.planner.costs import (_FusedAttention, _needs_grad, _unit_inputs, count_unit_costs,
                                     kept_for_weight_pass)
+from diffpipe.torch_support import split_backward_input
 
+pytestmark = pytest.mark.torch_smoke
 MICRO = 4
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 
@@ -32,7 +34,7 @@ def _kept_by_a_stage(backbone, inputs, conditions, first: int) -> int:
             named.update(unit({k: named[k] for k in unit.reads}))
     outputs = [named[k].clone() for k in backbone.units[-1].writes]
     weights = [p for unit in backbone.units[first:] for p in unit.module.parameters() if p.requires_grad]
-    _, groups = stage_backward_input(outputs, [torch.ones_like(o) for o in outputs],
+    groups = split_backward_input(outputs, [torch.ones_like(o) for o in outputs],
                                      [v for v in stage_inputs.values() if v.requires_grad], iter(weights))
     return kept_for_weight_pass(groups)
 

@@ -48,6 +48,7 @@ def full_run(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.mark.torch_smoke
 def test_checkpoints_are_written_and_kept(full_run):
     names = sorted(p.name for p in (full_run / "checkpoints").iterdir())
     assert names == ["step-00000003", "step-00000006"]  # every 3 steps and at the end; keep = 2
@@ -62,6 +63,7 @@ LAYOUTS = {"2 stages": ["pipeline.stages=2"], "1 stage": ["pipeline.stages=1"], 
            "2 sharded replicas": ["pipeline.stages=1", "pipeline.data_parallel=2", "pipeline.data_parallel_shard=true"]}
 
 
+@pytest.mark.torch_smoke
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_cut_short_run_resumes_to_the_same_losses(full_run, tmp_path, layout):
     run = _cut_short(full_run, tmp_path / "run")

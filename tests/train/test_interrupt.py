@@ -121,3 +121,21 @@ def test_ctrl_c_while_the_processes_build_the_model_stops_them_with_one_line(tmp
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted before training began; nothing was saved" in err and "Traceback" not in err, err[-2000:]
     assert launched and not any(Path(f"/proc/{pid}").exists() for pid in launched)
+    again = start(tmp_path / "run")  # "Run the same command to start again": it starts, in the same folder
+    for line in again.stdout:
+        if line.startswith("training "):
+            break
+    assert again.poll() is None, again.communicate()[1][-2000:]
+
+
+def test_a_second_run_of_a_folder_in_use_is_refused_naming_the_first(tmp_path, start, capsys):
+    from diffpipe.cli import main
+
+    run = tmp_path / "run"
+    proc = start(run)
+    _wait_for_steps(run, proc, 1)
+    assert main(["train", str(EXAMPLE), "--resume", str(run), *LONG]) == 2
+    assert f"in use by diffpipe process {proc.pid}" in capsys.readouterr().err
+    assert main(["train", str(EXAMPLE), "--output-dir", str(run), "--overwrite", *LONG]) == 2
+    assert f"in use by diffpipe process {proc.pid}" in capsys.readouterr().err
+    assert proc.poll() is None and (run / "metrics.jsonl").is_file()  # the first run goes on, untouched
