@@ -46,11 +46,20 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def resolve_device_kind(preference: str) -> str:
+def resolve_device_kind(preference: str, local_processes: int | None = None) -> str:
+    """"cuda" or "cpu" for `train.device`. NCCL needs a GPU per process: "auto" takes CUDA only where this machine
+    has a GPU for each of its `local_processes` (default: this launch's LOCAL_WORLD_SIZE), and "cuda" without them is
+    refused (two processes on one GPU failed inside NCCL: "Duplicate GPU detected")."""
+    local = local_processes or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if preference == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if preference == "cuda" and not torch.cuda.is_available():
+        return "cuda" if 0 < local <= gpus else "cpu"
+    if preference == "cuda" and gpus == 0:
         raise RuntimeError("train.device='cuda' but no CUDA device is visible; set train.device = \"cpu\" or \"auto\"")
+    if preference == "cuda" and local > gpus:
+        raise RuntimeError(f"train.device='cuda' with {local} processes on this machine (pipeline.stages x "
+                           f"pipeline.data_parallel) but {gpus} GPU(s): NCCL needs one GPU per process. Use at most "
+                           f"{gpus} processes here, more GPUs, or train.device = \"cpu\"")
     return preference
 
 

@@ -2,12 +2,15 @@
 architecture, checkpoint file, resolution, dataset shape, and the stage split (planned when "auto")."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .build import build_backbone, sample_shape
 from .config import ConfigError, RunConfig
-from .distributed import resolve_device_kind
+from .distributed import resolve_device_kind, under_torchrun
 from .models.loading import CheckpointError, checked_weights
 from .models.units import Backbone
 from .pipeline.schedules import schedule_named
@@ -48,19 +51,26 @@ def check_before_launch(config: RunConfig) -> Checked:
     if config.data.dataset == "folder":
         _check_folder_data(config, backbone)
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
-    _check_schedule_runs_on_this_torch(config)
+    _check_device(config)
     split, checkpointing = resolve_stages(config, backbone)
     _check_first_stage_trains(backbone, split)
     return Checked(backbone, split, checkpointing)
 
 
-def _check_schedule_runs_on_this_torch(config: RunConfig) -> None:
+def _check_device(config: RunConfig) -> None:
+    """The device the processes will use exists, and the schedule runs on its backend with this torch."""
+    local = int(os.environ["LOCAL_WORLD_SIZE"]) if under_torchrun() else config.world_size
+    try:
+        device_kind = resolve_device_kind(config.train.device, local)
+    except RuntimeError as exc:  # cuda asked for where none is visible, or too few GPUs
+        raise ConfigError(str(exc)) from None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if config.train.device == "auto" and device_kind == "cpu" and gpus and int(os.environ.get("RANK", "0")) == 0:
+        print(f"train.device = \"auto\": {local} processes on this machine but {gpus} GPU(s), and NCCL needs one GPU "
+              f"per process: training on the CPU (gloo). For the GPU, use at most {gpus} processes (pipeline.stages x "
+              "pipeline.data_parallel)", flush=True)
     if config.pipeline.stages < 2:
         return
-    try:
-        device_kind = resolve_device_kind(config.train.device)
-    except RuntimeError as exc:  # cuda asked for where none is visible
-        raise ConfigError(str(exc)) from None
     problem = schedule_problem(config.pipeline.schedule, schedule_named(config.pipeline.schedule).placement,
                                device_kind)
     if problem is not None:

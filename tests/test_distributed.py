@@ -6,6 +6,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -47,3 +48,19 @@ def test_a_missing_peer_fails_a_collective_and_a_receive_after_the_timeout(tmp_p
 if __name__ == "__main__":  # the planted error: torch's default timeout, under which rank 0 waits for rank 1's exit
     run_workers(_wait_for_a_peer_that_never_comes, (sys.argv[1], None), 2)
     print(Path(sys.argv[1], "waits.txt").read_text())
+
+
+def test_nccl_gets_a_gpu_per_process_or_auto_trains_on_the_cpu(monkeypatch):
+    """Two processes on one GPU failed inside NCCL ("Duplicate GPU detected"), "auto" included (seen on one H200)."""
+    from diffpipe.distributed import resolve_device_kind
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert resolve_device_kind("auto", 1) == "cuda"
+    assert resolve_device_kind("auto", 2) == "cpu"
+    assert resolve_device_kind("cuda", 1) == "cuda"
+    with pytest.raises(RuntimeError, match=r"2 processes on this machine .* but 1 GPU\(s\): NCCL needs one GPU per"):
+        resolve_device_kind("cuda", 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert resolve_device_kind("auto", 2) == "cpu"
