@@ -30,7 +30,7 @@ from ..distributed import Topology, end_process_group, init_topology
 from ..observe.observer import PipelineObserver, probe_link
 from ..observe.timing import Mark, StepTimes
 from ..observe.writers import ScalarWriters, make_writers
-from ..pipeline.data_parallel import full, spread_over_replicas
+from ..pipeline.data_parallel import full, local, spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
 from ..pipeline.traffic import Crossing
@@ -209,6 +209,12 @@ class Trainer:
         returned), or with `checkpoint.asynchronous` (unless `wait`) started in the background and sealed by the
         next call (None)."""
         self.finish_checkpoint()
+        if not self.weights_finite():  # every process votes alike: the newest checkpoint stays the last finite one
+            if self.topo.is_main:
+                kept = latest_checkpoint(self.run_dir)
+                print(f"warning: the weights before step {next_step} are not finite: no checkpoint written; the newest "
+                      f"is {kept.name if kept else 'none'}", flush=True)
+            return None
         background = None
         if self.config.checkpoint.asynchronous and not wait:
             if self._background_group is None:  # created once, by every process alike
@@ -222,6 +228,14 @@ class Trainer:
         if self.topo.is_main:
             print(f"checkpoint {done}", flush=True)
         return done
+
+    def weights_finite(self) -> bool:
+        """Whether every trained weight of every process is finite (a collective: every process calls it)."""
+        bad = torch.zeros((), device=self.topo.device)
+        for p in self.params:
+            bad += (~torch.isfinite(local(p.detach()))).any()
+        dist.all_reduce(bad)
+        return float(bad) == 0
 
     def finish_checkpoint(self) -> None:
         """Seal the checkpoint being written in the background, if any (waits for its writes)."""
@@ -280,11 +294,25 @@ class Trainer:
         finally:
             prefetcher.close()
         self.writers.close()
+        if self.bad_streak or not self.weights_finite():
+            self._stop_unfinished()
         self.save()
         checkpoints = self.config.checkpoint.every > 0 or self.config.checkpoint.every_minutes > 0
         if checkpoints and self.config.output.save_weights:
             self.checkpoint(self.next_step, wait=True)
         self.finish_checkpoint()
+
+    def _stop_unfinished(self) -> None:
+        """A run whose last steps were non-finite (fewer than train.max_bad_steps) or whose weights are: no weights,
+        no final checkpoint and no samples from them; the newest checkpoint stays the result, and the run fails."""
+        self.finish_checkpoint()
+        kept = latest_checkpoint(self.run_dir)
+        then = (f"; the newest checkpoint, {kept.name}, is the last good state: resume from it with --resume "
+                f"{self.run_dir} and a change" if kept is not None else "; no checkpoint was written before them")
+        what = (f"the last {self.bad_streak} step(s), up to step {self.next_step - 1}, had a non-finite loss or "
+                "gradients (skipped)" if self.bad_streak else f"the weights after step {self.next_step - 1} are not finite")
+        raise TrainingStopped(f"{what}: no model.safetensors was written. Lower train.learning_rate, check the data, "
+                              f"or use bf16 instead of fp16{then}")
 
     def _finish(self, report: StepReport, step: int, record: dict, times: StepTimes | None) -> str:
         """Read, time, judge and log a finished step; returns the action every rank takes (a checkpoint is

@@ -18,7 +18,8 @@ from diffpipe.train.checkpoint import latest_checkpoint, verify_checkpoint
 
 EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "digits.toml"
 QUICK = ["--set", "train.max_steps=6", "--set", "train.batch_size=16", "--set", "checkpoint.every=3",
-         "--set", "output.sample_every_end=false", "--set", "observe.log_every=0"]
+         "--set", "output.sample_every_end=false", "--set", "observe.log_every=0",
+         "--set", 'train.device="cpu"']  # every layout on one kind of device: a GPU's kernels round otherwise
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:

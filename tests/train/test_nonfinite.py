@@ -49,3 +49,20 @@ def test_a_diverging_run_stops_with_a_message_and_unchanged_weights(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [kept.name]
     for shard in kept.glob("*.safetensors"):
         assert all(torch.isfinite(w).all() for k, w in load_file(str(shard)).items() if k.startswith("model."))
+
+
+def test_a_run_whose_last_steps_were_not_finite_fails_and_writes_no_weights(tmp_path):
+    """Fewer non-finite steps at the end than train.max_bad_steps: the run ended "done", exit 0, with weights and
+    samples of a model that gives NaN."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(run),
+           "--set", "train.max_steps=4", "--set", "train.batch_size=16", "--set", "train.warmup_steps=0",
+           "--set", "train.learning_rate=1e6", "--set", "train.max_bad_steps=10", "--set", "observe.log_every=0",
+           "--set", "checkpoint.every=1", "--set", "sample.steps=2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "training stopped: the last 3 step(s), up to step 3, had a non-finite loss" in result.stderr
+    assert "the newest checkpoint, step-00000001, is the last good state" in result.stderr
+    assert "done" not in result.stdout
+    assert not (run / "model.safetensors").exists() and not (run / "samples.png").exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000001"]
