@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from ..config import ModelConfig
 from .family import ModelFamily
 
-__all__ = ["CheckpointError", "PICKLE_SUFFIXES", "build_model", "model_kwargs", "check_checkpoint", "weights_file",
+__all__ = ["CheckpointError", "PICKLE_SUFFIXES", "component_weights", "build_model", "model_kwargs", "check_checkpoint", "weights_file",
            "checked_weights"]
 
 
@@ -129,3 +129,20 @@ def checked_weights(model: torch.nn.Module, cfg: ModelConfig, family: ModelFamil
                                   "check that they describe the same model (sd15, sdxl)") from None
     check_checkpoint(model, path)
     return path
+
+
+def component_weights(folder: Path, component: str) -> list[Path]:
+    """The .safetensors files of a component subfolder; pickle-only components are refused unread."""
+    sub = folder / component
+    if not sub.is_dir():
+        raise CheckpointError(f"model.path={folder}: the pipeline folder has no {component}/ subfolder")
+    files = sorted(sub.glob("*.safetensors"))
+    if files:
+        plain = [f for f in files if ".fp16." not in f.name]  # a Hub 'variant' beside the full-precision files
+        return plain or files
+    pickles = sorted(p.name for p in sub.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(f"{sub}: only pickle weight files ({', '.join(pickles)}), which can run code when loaded; "
+                              "diffpipe reads only .safetensors: convert them with a trusted tool, or download the "
+                              "safetensors files of the model")
+    raise CheckpointError(f"{sub} holds no .safetensors weights")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection
 
-from .loading import PICKLE_SUFFIXES, CheckpointError
+from .loading import CheckpointError, component_weights
 from .text import CaptionEncoder
 
 __all__ = ["is_pipeline_folder", "pipeline_index", "component_weights", "scheduler_objective",
@@ -37,23 +37,6 @@ def pipeline_index(folder: Path) -> dict:
 def _has(folder: Path, component: str) -> bool:
     entry = pipeline_index(folder).get(component)
     return isinstance(entry, list) and entry[0] is not None and (folder / component).is_dir()
-
-
-def component_weights(folder: Path, component: str) -> list[Path]:
-    """The .safetensors files of a component subfolder; pickle-only components are refused unread."""
-    sub = folder / component
-    if not sub.is_dir():
-        raise CheckpointError(f"model.path={folder}: the pipeline folder has no {component}/ subfolder")
-    files = sorted(sub.glob("*.safetensors"))
-    if files:
-        plain = [f for f in files if ".fp16." not in f.name]  # a Hub 'variant' beside the full-precision files
-        return plain or files
-    pickles = sorted(p.name for p in sub.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise CheckpointError(f"{sub}: only pickle weight files ({', '.join(pickles)}), which can run code when loaded; "
-                              "diffpipe reads only .safetensors: convert them with a trusted tool, or download the "
-                              "safetensors files of the model")
-    raise CheckpointError(f"{sub} holds no .safetensors weights")
 
 
 def scheduler_objective(folder: Path) -> str:

@@ -18,6 +18,8 @@ from tokenizers.pre_tokenizers import Whitespace
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
+from .loading import component_weights
+
 __all__ = ["CaptionEncoder", "TextEncoder", "TINY_VOCABULARY"]
 
 TINY_VOCABULARY = (
@@ -129,8 +131,9 @@ class TextEncoder(CaptionEncoder):
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"text encoder folder {folder} has no config.json; give a local transformers "
                                     "CLIP folder or model.text_encoder = \"tiny-clip\"")
+        component_weights(folder.parent, folder.name)  # refuses pickles before from_pretrained could read one
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model = CLIPTextModelWithProjection.from_pretrained(folder, local_files_only=True)
+        model = CLIPTextModelWithProjection.from_pretrained(folder, use_safetensors=True, local_files_only=True)
         return cls(model, tokenizer, max_length)
 
     def save(self, folder: str | Path) -> None:

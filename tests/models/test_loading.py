@@ -133,3 +133,15 @@ def test_an_original_layout_file_of_another_architecture_is_refused(tmp_path, mo
     wider = dict(UNET_PRESETS["digits"], block_out_channels=[32, 96])
     with pytest.raises(CheckpointError, match="does not match this model's architecture|does not convert"):
         _built({"path": str(path), "config": {k: list(v) if isinstance(v, tuple) else v for k, v in wider.items()}})
+
+
+def test_a_text_encoder_folder_of_pickles_is_refused_unread(tmp_path):
+    """transformers would unpickle a `pytorch_model.bin` it finds (model.text_encoder pointing at such a folder)."""
+    from diffpipe.models.text import TextEncoder
+
+    folder = tmp_path / "clip"
+    TextEncoder.tiny(hidden_size=32, projection_dim=32, max_length=8, seed=0).save(folder)
+    TextEncoder.from_folder(folder, 8)  # the safetensors folder loads
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")  # its bytes are never read
+    with pytest.raises(CheckpointError, match=r"only pickle weight files \(pytorch_model.bin\)"):
+        TextEncoder.from_folder(folder, 8)
