@@ -208,7 +208,7 @@ def _export(args) -> None:
     from .export import ExportError, export_run
 
     try:
-        written = export_run(Path(args.run_dir), args.format, Path(args.out))
+        written = export_run(Path(args.run_dir), args.format, Path(args.out), force=args.force)
     except ExportError as exc:
         raise UserError(str(exc)) from None
     print(f"wrote {written}")
@@ -301,6 +301,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="diffusers: a pipeline folder (full) or LoRA file; kohya: LoRA for ComfyUI/A1111/kohya; "
                              "original: the UNet as one file in the original layout")
     export.add_argument("--out", required=True, help="folder (diffusers) or .safetensors file")
+    export.add_argument("--force", action="store_true", help="replace an existing --out (never the run's own files)")
     export.set_defaults(run=_export)
     config = sub.add_parser("config", help="every config key: section, type, default and what it does")
     config.add_argument("--markdown", action="store_true", help="as docs/config.md")

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 from ..build import (AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_dataset, build_text_encoder, feed,
                      give_weights, sample_shape)
@@ -44,6 +43,7 @@ from .checkpoint import PendingCheckpoint, latest_checkpoint, load_checkpoint, m
 from .evaluation import evaluate, held_out_data, write_samples
 from .records import StepReport
 from .weights import gather_weights
+from ..written_files import save_tensors
 
 __all__ = ["train_worker", "Trainer", "TrainingStopped", "read_record", "step_end"]
 
@@ -377,10 +377,10 @@ class Trainer:
         merged = gather_weights(self.modules, self.topo)
         if self.topo.is_main:
             if self.config.adapter.type == "lora":  # the adapters alone, and the base with them merged in
-                save_file(lora_weights(merged), str(self.run_dir / "lora.safetensors"),
-                          metadata=lora_metadata(self.config, self.feed.family.lora_targets))
+                save_tensors(lora_weights(merged), self.run_dir / "lora.safetensors",
+                             metadata=lora_metadata(self.config, self.feed.family.lora_targets))
                 merged = merge_lora(merged, lora_scale(self.config.adapter))
-            save_file(merged, str(self.run_dir / "model.safetensors"))
+            save_tensors(merged, self.run_dir / "model.safetensors")
             (self.run_dir / "model_config.json").write_text(json.dumps(self.model_config, indent=1, default=list))
             if isinstance(self.text, TextEncoder):  # a pipeline folder's text encoders stay in it
                 self.text.to("cpu")
