@@ -178,8 +178,8 @@ def _seal(trainer, partial: Path, final: Path, next_step: int, keep: int) -> Pat
             raise RuntimeError(f"checkpoint {partial}: files no process says it wrote ({', '.join(unknown[:3])}): "
                                "has torch.distributed.checkpoint changed how it names files? (see _written_by)")
         shapes = {name: list(shape) for name, shape in trainer.model_shapes.items()}
-        (partial / _COMPLETE).write_text(json.dumps({"next_step": next_step, "model": shapes, "files": files},
-                                                    indent=1))
+        record = {"next_step": next_step, "model": shapes, "files": files}
+        (partial / _COMPLETE).write_text(json.dumps({**record, "seal_sha256": _seal_hash(record)}, indent=1))
         shutil.rmtree(final, ignore_errors=True)  # a checkpoint of this step from before a resume
         for marker in partial.glob(".process-*"):
             marker.unlink()
@@ -199,11 +199,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 def verify_checkpoint(path: Path, model_shapes: dict[str, tuple[int, ...]]) -> int:
     """The checkpoint's next step, after checking every file against its recorded size and sha256 and the model's
     parameter names and shapes against this model's. Reads no tensor; raises CheckpointError naming the problem."""
-    try:
-        record = json.loads((path / _COMPLETE).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is not a complete diffpipe checkpoint ({exc}); resume from another one "
-                              f"or start a new run") from None
+    record = _read_seal(path)
     for name, expected in record["files"].items():
         f = path / name
         if not f.is_file():
@@ -224,6 +220,32 @@ def verify_checkpoint(path: Path, model_shapes: dict[str, tuple[int, ...]]) -> i
         raise CheckpointError(f"checkpoint {path} is of another model: {first}. Resume with the model it was "
                               "trained with, or start a new run")
     return int(record["next_step"])
+
+
+def _seal_hash(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def _read_seal(path: Path) -> dict:
+    """complete.json, checked whole: its own hash covers the step, the shapes and every file's size and hash (a
+    `next_step` edited by hand resumed elsewhere, silently). Seals from before the hash are read unchecked."""
+    def refuse(why: str) -> CheckpointError:
+        return CheckpointError(f"{path / _COMPLETE} {why}; resume from another checkpoint (delete this folder) or "
+                               "start a new run")
+
+    try:
+        record = json.loads((path / _COMPLETE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise refuse(f"cannot be read ({exc})") from None
+    shapes = {"next_step": int, "model": dict, "files": dict}
+    if not isinstance(record, dict) or any(not isinstance(record.get(k), t) for k, t in shapes.items()):
+        raise refuse("is not a diffpipe checkpoint seal (it needs next_step, model and files)")
+    if any(not isinstance(v, dict) or not {"bytes", "sha256"} <= set(v) for v in record["files"].values()):
+        raise refuse("lists files without their size and sha256")
+    written = record.pop("seal_sha256", None)
+    if written is not None and written != _seal_hash(record):
+        raise refuse("was changed after it was written (its own sha256 differs)")
+    return record
 
 
 def load_checkpoint(trainer, path: Path) -> int:

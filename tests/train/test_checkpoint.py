@@ -108,6 +108,29 @@ def test_a_damaged_checkpoint_is_refused_and_left_in_place(full_run, tmp_path, c
     assert f"{shard.name} (written by process 0) is missing" in _refused(run, capsys=capsys)
 
 
+def test_a_flipped_byte_or_an_edited_seal_is_refused(full_run, tmp_path, capsys):
+    """A byte changed inside a tensor (same size), a seal without its file list, and a seal whose next_step was
+    edited by hand (which resumed at the wrong step, silently) are each refused in one line."""
+    run = _cut_short(full_run, tmp_path / "run")
+    checkpoint = run / "checkpoints" / "step-00000003"
+    shard = sorted(checkpoint.glob("*.safetensors"))[0]
+    original = shard.read_bytes()
+    flipped = bytearray(original)
+    flipped[-5] ^= 0x01
+    shard.write_bytes(bytes(flipped))
+    assert f"{shard.name} is damaged" in _refused(run, capsys=capsys)
+    shard.write_bytes(original)
+    seal = checkpoint / "complete.json"
+    record = json.loads(seal.read_text())
+    seal.write_text(json.dumps({k: v for k, v in record.items() if k != "files"}))
+    assert "is not a diffpipe checkpoint seal (it needs next_step, model and files)" in _refused(run, capsys=capsys)
+    seal.write_text(json.dumps([record]))
+    assert "is not a diffpipe checkpoint seal" in _refused(run, capsys=capsys)
+    seal.write_text(json.dumps(dict(record, next_step=5)))
+    err = _refused(run, capsys=capsys)
+    assert "was changed after it was written" in err and "Traceback" not in err
+
+
 def test_an_incompatible_config_or_model_is_refused(full_run, tmp_path, capsys):
     run = _cut_short(full_run, tmp_path / "run")
     assert "train.seed: 0 -> 5" in _refused(run, "--set", "train.seed=5", capsys=capsys)
