@@ -29,6 +29,13 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _well_formed(seal) -> bool:
+    """A seal as `write` makes it: a JSON object with a list of keys and a map of failures."""
+    return (isinstance(seal, dict) and isinstance(seal.get("keys", []), list)
+            and all(isinstance(k, str) for k in seal.get("keys", []))
+            and isinstance(seal.get("failed", {}), dict) and isinstance(seal.get("sha256"), (str, type(None))))
+
+
 class ShardStore:
     def __init__(self, folder: Path):
         self.folder = folder
@@ -37,9 +44,12 @@ class ShardStore:
         seals = {}
         for path in sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []:
             try:
-                seals[path] = json.loads(path.read_text())
+                seal = json.loads(path.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError, OSError):
-                seals[path] = {"keys": [], "failed": {}, "sha256": None}  # a damaged seal: its shard is rebuilt
+                seal = None
+            if not _well_formed(seal):  # a damaged seal (or one of another shape): its shard is rebuilt
+                seal = {"keys": [], "failed": {}, "sha256": None}
+            seals[path] = seal
         return seals
 
     def known(self) -> tuple[set[str], dict[str, str]]:

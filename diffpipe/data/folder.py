@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-__all__ = ["ImageItem", "Skipped", "scan_folders", "read_rgb", "BadImage", "IMAGE_SUFFIXES"]
+__all__ = ["ImageItem", "Skipped", "scan_folders", "read_rgb", "BadImage", "IMAGE_SUFFIXES", "uncaptioned_note"]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 
@@ -59,7 +59,11 @@ def _metadata_captions(folder: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     captions = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -118,6 +122,16 @@ def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skippe
                 continue
             items += [ImageItem(path, _caption(path, metadata, folder), width, height, frames)] * repeats
     return items
+
+
+def uncaptioned_note(items: list[ImageItem]) -> str | None:
+    """One line counting the files trained with the empty caption (no .txt beside them, not in metadata.jsonl)."""
+    empty = sorted({item.path for item in items if not item.caption})
+    if not empty:
+        return None
+    named = ", ".join(p.name for p in empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+    return (f"note: {len(empty)} of {len({item.path for item in items})} file(s) have no caption ({named}): "
+            "trained with the empty caption; add NAME.txt beside each or a metadata.jsonl line")
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -26,7 +26,7 @@ from ..models.pipeline_folder import PipelineText, component_weights, fingerprin
 from ..models.vae import encode_latents
 from .buckets import Bucket, Placement, clip_to_pixels, make_buckets, place, to_pixels
 from .cache import ShardStore, fill_store
-from .folder import BadImage, ImageItem, Skipped, read_rgb, scan_folders
+from .folder import BadImage, ImageItem, Skipped, read_rgb, scan_folders, uncaptioned_note
 from .videos import clip_frames, read_clip
 
 __all__ = ["FolderImages", "prepare_folder_images", "data_buckets", "cache_folder", "read_pixels"]
@@ -188,6 +188,8 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
             _check_decodes(part)
     if rank == 0 and skipped.files:
         print(skipped.warning(), flush=True)
+    if rank == 0 and (note := uncaptioned_note(dataset.items)):
+        print(note, flush=True)
     if not dataset.items:
         what = "images or videos" if videos else "images"
         raise FileNotFoundError(f"data.path: no usable {what} in {', '.join(str(f) for f, _ in data_folders(data))}")

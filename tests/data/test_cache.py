@@ -182,3 +182,14 @@ def test_eval_splits_hold_out_whole_files_or_take_another_folder(tiny, photos, t
     assert len(data.items) == 16 and len(data.held_out.items) == 2
     assert data.held_out.captions == ["a painting of a flower"] * 2
     assert "a painting of a flower" in text._kept  # its text cached too
+
+
+@pytest.mark.parametrize("seal", ['[1, 2]', '"keys"', '{"keys": 5}', '{"keys": ["a"], "failed": []}', 'null'])
+def test_a_seal_of_the_wrong_json_shape_rebuilds_its_shard_instead_of_failing_every_run(tmp_path, seal):
+    store = ShardStore(tmp_path)
+    entries, failed = fill_store(store, ["a", "b"], lambda keys: ({k: {"x": torch.ones(2)} for k in keys}, {}))
+    (written,) = tmp_path.glob("*.json")
+    written.write_text(seal)
+    assert store.known() == (set(), {})
+    entries, failed = fill_store(store, ["a", "b"], lambda keys: ({k: {"x": torch.ones(2)} for k in keys}, {}))
+    assert set(entries) == {"a", "b"} and not failed

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from diffpipe.data.buckets import Bucket, make_buckets, place, to_pixels
-from diffpipe.data.folder import BadImage, Skipped, read_rgb, scan_folders
+from diffpipe.data.folder import BadImage, Skipped, read_rgb, scan_folders, uncaptioned_note
 
 
 def _photo(path: Path, size=(96, 64), mode="RGB", **save) -> Path:
@@ -38,6 +38,8 @@ def test_captions_from_txt_files_and_from_metadata_jsonl(tmp_path):
     assert captions == [("cat.jpg", "a cat on a mat"), ("dog.png", ""), ("a.webp", "a red house"),
                         ("a.webp", "a red house"), ("b.jpg", "a blue boat"), ("b.jpg", "a blue boat")]  # repeats 2
     assert len(skipped) == 0
+    note = uncaptioned_note(items)  # dog.png: counted once, whatever its repeats
+    assert note.startswith("note: 1 of 4 file(s) have no caption (dog.png): trained with the empty caption")
 
 
 def test_every_kind_of_bad_file_is_skipped_counted_and_named(tmp_path):
@@ -111,3 +113,11 @@ def test_pixels_are_the_crop_of_the_resized_image(tmp_path):
     assert pixels.shape == (3, 64, 64) and pixels.min() >= -1 and pixels.max() <= 1
     # the crop starts 16 px in: the white half ends at 48 - 16 = 32
     assert pixels[:, :, 28].mean() > 0.9 and pixels[:, :, 36].mean() < -0.9
+
+
+def test_a_metadata_jsonl_that_is_not_utf8_is_named(tmp_path):
+    _photo(tmp_path / "a.jpg")
+    (tmp_path / "metadata.jsonl").write_bytes(json.dumps({"file_name": "a.jpg", "text": "caf"}).encode()
+                                              .replace(b"caf", b"caf\xe9"))  # Latin-1
+    with pytest.raises(ValueError, match=r"metadata.jsonl is not UTF-8 text \(byte \d+"):
+        scan_folders([(tmp_path, 1)], min_side=16, skipped=Skipped())
