@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel, UMT5EncoderModel
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel, UMT5EncoderModel
 
-from .loading import CheckpointError
+from .loading import CheckpointError, load_tokenizer
 from .pipeline_folder import component_weights, fingerprint_files, text_encoder_configs
 from .text import CaptionEncoder
 
@@ -35,7 +35,7 @@ def _load(folder: Path, index: str, model_class) -> tuple:
     if not (folder / f"text_encoder{suffix}").is_dir():
         raise CheckpointError(f"model.path={folder}: the pipeline folder has no text_encoder{suffix}/ subfolder")
     component_weights(folder, f"text_encoder{suffix}")  # refuses pickles before from_pretrained could read one
-    tokenizer = AutoTokenizer.from_pretrained(folder, subfolder=f"tokenizer{suffix}", local_files_only=True)
+    tokenizer = load_tokenizer(folder, f"tokenizer{suffix}")
     model = model_class.from_pretrained(folder, subfolder=f"text_encoder{suffix}", use_safetensors=True,
                                         local_files_only=True)
     return tokenizer, model.eval().requires_grad_(False)

@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from ..config import ModelConfig
 from .family import ModelFamily
 
-__all__ = ["CheckpointError", "PICKLE_SUFFIXES", "component_weights", "build_model", "model_kwargs", "check_checkpoint", "weights_file",
+__all__ = ["CheckpointError", "PICKLE_SUFFIXES", "component_weights", "load_tokenizer", "build_model", "model_kwargs", "check_checkpoint", "weights_file",
            "checked_weights"]
 
 
@@ -146,3 +146,16 @@ def component_weights(folder: Path, component: str) -> list[Path]:
                               "diffpipe reads only .safetensors: convert them with a trusted tool, or download the "
                               "safetensors files of the model")
     raise CheckpointError(f"{sub} holds no .safetensors weights")
+
+
+def load_tokenizer(folder: Path, subfolder: str):
+    """A pipeline folder's tokenizer: a missing or empty subfolder is named (transformers would fall back to
+    another tokenizer class and ask to install sentencepiece)."""
+    from transformers import AutoTokenizer
+
+    sub = Path(folder) / subfolder
+    if not sub.is_dir() or not any(sub.iterdir()):
+        raise CheckpointError(f"model.path={folder}: the pipeline folder has no {subfolder}/ (or it is empty), which "
+                              f"its text_encoder{subfolder.removeprefix('tokenizer')}/ needs; copy it from the model's "
+                              "release")
+    return AutoTokenizer.from_pretrained(folder, subfolder=subfolder, local_files_only=True)

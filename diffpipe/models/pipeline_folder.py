@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection
+from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-from .loading import CheckpointError, component_weights
+from .loading import CheckpointError, component_weights, load_tokenizer
 from .text import CaptionEncoder
 
 __all__ = ["is_pipeline_folder", "pipeline_index", "component_weights", "scheduler_objective",
@@ -101,7 +101,7 @@ class PipelineText(CaptionEncoder):
             if suffix and not _has(folder, f"text_encoder{suffix}"):
                 break
             component_weights(folder, f"text_encoder{suffix}")
-            tokenizers.append(AutoTokenizer.from_pretrained(folder, subfolder=f"tokenizer{suffix}", local_files_only=True))
+            tokenizers.append(load_tokenizer(folder, f"tokenizer{suffix}"))
             model_class = CLIPTextModelWithProjection if suffix else CLIPTextModel
             models.append(model_class.from_pretrained(folder, subfolder=f"text_encoder{suffix}", use_safetensors=True,
                                                       local_files_only=True))

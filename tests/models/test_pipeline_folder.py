@@ -90,3 +90,15 @@ def test_pickle_weights_in_a_pipeline_folder_are_refused_unread(tiny, tmp_path):
     encoder_file.rename(folder / "text_encoder_2" / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="text_encoder_2: only pickle weight files"):
         PipelineText.from_folder(folder)
+
+
+@pytest.mark.parametrize("layout,missing", [("sdxl", "tokenizer_2"), ("flux", "tokenizer_2"), ("sd3", "tokenizer_3")])
+def test_a_pipeline_folder_without_a_tokenizer_names_it(tiny, tmp_path, layout, missing):
+    """SDXL without tokenizer_2/ said "install sentencepiece" (transformers' fallback to another tokenizer)."""
+    folder = tmp_path / layout
+    shutil.copytree(tiny / layout, folder)
+    shutil.rmtree(folder / missing)
+    with pytest.raises(CheckpointError, match=f"the pipeline folder has no {missing}/ .*which its "
+                                              f"text_encoder_{missing[-1]}/ needs"):
+        config = _config(folder)
+        build_text_encoder(config, build_backbone(config, "meta"))
