@@ -35,10 +35,10 @@ def _prepare_run(args) -> tuple:
     from .build import boundary_traffic
     from .preflight import check_before_launch
     from .pipeline.traffic import format_crossings
-    from .config import load_config, save_config
+    from .config import load_config, make_paths_absolute, save_config
     from .run_folder import lock_run, prepare_new_run
 
-    config = load_config(args.config, args.set or [])
+    config = make_paths_absolute(load_config(args.config, args.set or []))
     if _restarted_by_torchrun(args, config):
         args.resume = args.output_dir or config.output.dir
     if args.resume:
@@ -113,7 +113,7 @@ def _readable_size(nbytes: float) -> str:
 
 def _check_resumable(config, run_dir: Path, backbone) -> None:
     """Refuse, before any process starts, a resume whose run folder, checkpoint or config does not fit."""
-    from .config import load_config
+    from .config import load_config, make_paths_absolute
     from .train.checkpoint import latest_checkpoint, model_shapes, unsafe_changes, verify_checkpoint
 
     if not (run_dir / "config.toml").is_file():
@@ -123,7 +123,7 @@ def _check_resumable(config, run_dir: Path, backbone) -> None:
         raise UserError(f"--resume {run_dir}: the run has no complete checkpoint (checkpoint.every was 0, or it "
                         "stopped before the first one); start it again instead")
     step = verify_checkpoint(path, model_shapes(backbone.model))
-    saved = load_config(run_dir / "config.toml").model_dump(mode="json")
+    saved = make_paths_absolute(load_config(run_dir / "config.toml")).model_dump(mode="json")  # older runs: relative
     changed = unsafe_changes(saved, config.model_dump(mode="json"))
     if changed:
         raise UserError(f"--resume {run_dir}: the config differs from the run's in what a resumed run must keep: "
@@ -178,6 +178,7 @@ def _sample(args) -> None:
     for name, value in (("--num", args.num), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise UserError(f"{name} {value}: give 1 or more")
+    _check_image_path(Path(args.out))  # before minutes of sampling, not after
     gen = load_generator(args.run_dir)
     steps = gen.config.sample.steps if args.steps is None else args.steps
     guidance = gen.config.sample.guidance_scale if args.guidance is None else args.guidance
@@ -187,6 +188,16 @@ def _sample(args) -> None:
     scale = -(-_MIN_SIDE_PX // images.shape[-2])  # tiny images (8x8 digits) enlarged to be seen when opened
     written = save_grid(images, 1, args.out, scale=scale)
     print(f"wrote {args.num} image(s) to {written}" + (f", each enlarged {scale}x" if scale > 1 else ""))
+
+
+def _check_image_path(out: Path) -> None:
+    from PIL import Image
+
+    writable = {ext for ext, name in Image.registered_extensions().items() if name in Image.SAVE}
+    if out.suffix.lower() not in writable:
+        raise UserError(f"--out {out}: give an image file name (.png, .jpg, .webp; clips are written as .gif)")
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; give an image file name such as {out / 'samples.png'}")
 
 
 def _cache(args) -> None:

@@ -18,6 +18,7 @@ from .pipeline.schedules import SCHEDULES
 __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "AdapterConfig", "PipelineConfig",
     "PlanConfig", "ObserveConfig", "CheckpointConfig", "OutputConfig", "SampleConfig", "load_config", "save_config",
+    "make_paths_absolute",
 ]
 
 
@@ -362,6 +363,22 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a text file; give a TOML config such as examples/digits.toml") from None
     return build_config(data, overrides)
+
+
+def make_paths_absolute(config: RunConfig) -> RunConfig:
+    """model.path, the text encoder folder and the data folders as absolute paths (from the working directory), so
+    that the run folder's config.toml serves `sample`, `export` and `--resume` from any directory."""
+    def absolute(value):
+        if isinstance(value, list):
+            return [absolute(v) for v in value]
+        return str(Path(value).expanduser().absolute()) if value else value
+
+    m, d = config.model, config.data
+    m.path = absolute(m.path)
+    if m.text_encoder != "tiny-clip":
+        m.text_encoder = absolute(m.text_encoder)
+    d.path, d.eval_path, d.cache_dir = absolute(d.path), absolute(d.eval_path), absolute(d.cache_dir)
+    return config
 
 
 def save_config(config: RunConfig, path: str | Path) -> None:

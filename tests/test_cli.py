@@ -113,6 +113,18 @@ def test_existing_run_folder_is_not_overwritten(tmp_path, capsys):
     assert (out / "model.safetensors").read_text() == "precious"
 
 
+def test_sample_to_a_file_it_cannot_write_is_refused_before_sampling(tmp_path, capsys, monkeypatch):
+    import diffpipe.sampling
+
+    def never(*args):
+        raise AssertionError("sampled before checking --out")
+
+    monkeypatch.setattr(diffpipe.sampling, "load_generator", never)
+    assert main(["sample", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "x.txt")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'x.txt'}: give an image file name" in err
+
+
 def test_sample_from_an_unfinished_run_says_what_is_missing(tmp_path, capsys):
     assert main(["sample", str(tmp_path), "--prompt", "x", "--out", str(tmp_path / "a.png")]) == 2
     assert "config.toml is missing" in capsys.readouterr().err

@@ -67,3 +67,20 @@ def test_docs_config_md_is_the_generated_reference():
     for section in ("[model]", "[data]", "[train]", "[pipeline]", "[plan]", "[observe]", "[output]", "[sample]"):
         assert section in text
     assert "max_grad_norm = 1.0" in text and "schedule = \"1f1b\"" in text
+
+
+def test_a_saved_config_names_its_folders_absolutely(tmp_path, monkeypatch):
+    """`diffpipe sample RUN` from another directory read model.path and data paths relative to the new one."""
+    from diffpipe.config import build_config, load_config, make_paths_absolute, save_config
+
+    monkeypatch.chdir(tmp_path)
+    config = make_paths_absolute(build_config({
+        "model": {"path": "models/sdxl", "text_encoder": "clip"},
+        "data": {"dataset": "folder", "path": ["photos", "more"], "eval_path": "held", "cache_dir": "~/cache"}}))
+    save_config(config, tmp_path / "config.toml")
+    monkeypatch.chdir("/")
+    saved = load_config(tmp_path / "config.toml")
+    assert saved.model.path == str(tmp_path / "models" / "sdxl") and saved.model.text_encoder == str(tmp_path / "clip")
+    assert saved.data.path == [str(tmp_path / "photos"), str(tmp_path / "more")]
+    assert saved.data.eval_path == str(tmp_path / "held") and not saved.data.cache_dir.startswith("~")
+    assert make_paths_absolute(build_config({})).model.text_encoder == "tiny-clip"

@@ -13,6 +13,7 @@ diffusers' converter is tested to give back every tensor.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -48,7 +49,10 @@ def converted_unet_file(path: Path, config: dict) -> Path:
     """The diffusers-named UNet weights of an original-layout file, converted on first use."""
     from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 
-    target = _cache_root() / f"{path.stem}-{_file_identity(path)}.safetensors"
+    # keyed by the file and the architecture it is read as: a conversion for a wrong config is never reused for the
+    # right one (the UNet config decides which original keys become which diffusers names)
+    architecture = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    target = _cache_root() / f"{path.stem}-{_file_identity(path)}-{architecture}.safetensors"
     if target.is_file():
         return target
     checkpoint = {k: v for k, v in load_file(str(path)).items() if k.startswith(ORIGINAL_PREFIX)}
