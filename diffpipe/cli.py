@@ -49,8 +49,10 @@ def _prepare_run(args) -> tuple:
     config.pipeline.split, config.pipeline.checkpointing = checked.split, checked.checkpointing
     run_dir = Path(config.output.dir)
     is_main = int(os.environ.get("RANK", "0")) == 0
+    # each machine's first process prepares that machine's run folder (machines may share no disk)
+    prepares_folder = int(os.environ.get("LOCAL_RANK", "0")) == 0
     lock = None
-    if is_main:  # every check first: a finished run is replaced only by a run that passed them all
+    if prepares_folder:  # every check first: a finished run is replaced only by a run that passed them all
         _check_free_space(run_dir, checked.backbone, config)
         try:
             if args.resume:
@@ -63,6 +65,7 @@ def _prepare_run(args) -> tuple:
                 lock.release()
             raise
         save_config(config, run_dir / "config.toml")
+    if is_main:
         print(f"training {config.model.describe()} on {config.world_size} process(es): "
               f"{config.pipeline.stages} stage(s) x {config.pipeline.data_parallel} replica(s), split at units "
               f"{config.pipeline.split}, schedule {config.pipeline.schedule}; run folder {run_dir}", flush=True)
@@ -122,7 +125,8 @@ def _check_resumable(config, run_dir: Path, backbone) -> None:
     if path is None:
         raise UserError(f"--resume {run_dir}: the run has no complete checkpoint (checkpoint.every was 0, or it "
                         "stopped before the first one); start it again instead")
-    step = verify_checkpoint(path, model_shapes(backbone.model))
+    several_machines = int(os.environ.get("WORLD_SIZE", "1")) > int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    step = verify_checkpoint(path, model_shapes(backbone.model), elsewhere_ok=several_machines)
     saved = make_paths_absolute(load_config(run_dir / "config.toml")).model_dump(mode="json")  # older runs: relative
     changed = unsafe_changes(saved, config.model_dump(mode="json"))
     if changed:

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from ..models.loading import CheckpointError
 from ..torch_support import move_lr_schedule
 
-__all__ = ["CHECKPOINTS", "PendingCheckpoint", "model_shapes", "save_checkpoint", "latest_checkpoint", "verify_checkpoint", "load_checkpoint",
+__all__ = ["CHECKPOINTS", "read_seal", "sha256_of", "PendingCheckpoint", "model_shapes", "save_checkpoint", "latest_checkpoint", "verify_checkpoint", "load_checkpoint",
            "unsafe_changes"]
 
 CHECKPOINTS = "checkpoints"
@@ -105,7 +105,7 @@ def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]]) -> dict[str, i
     return files
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -164,7 +164,7 @@ def _seal(trainer, partial: Path, final: Path, next_step: int, keep: int) -> Pat
     """Every process hashes what it wrote and says so; the lowest process that sees this run folder writes the seal
     (every file of every process) and moves the checkpoint into place. Collective."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f), "process": rank}
+    mine = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_of(f), "process": rank}
             for f in _written_by(partial, rank)}
     (partial / f".process-{rank}").touch()  # who shares this folder
     everyone: list[dict] = [{} for _ in range(world)]
@@ -196,18 +196,21 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def verify_checkpoint(path: Path, model_shapes: dict[str, tuple[int, ...]]) -> int:
+def verify_checkpoint(path: Path, model_shapes: dict[str, tuple[int, ...]], elsewhere_ok: bool = False) -> int:
     """The checkpoint's next step, after checking every file against its recorded size and sha256 and the model's
-    parameter names and shapes against this model's. Reads no tensor; raises CheckpointError naming the problem."""
-    record = _read_seal(path)
+    parameter names and shapes against this model's. Reads no tensor; raises CheckpointError naming the problem.
+    `elsewhere_ok`: files this folder lacks may be on another machine (train/machines.py fetches them)."""
+    record = read_seal(path)
     for name, expected in record["files"].items():
         f = path / name
+        if not f.is_file() and elsewhere_ok:
+            continue
         if not f.is_file():
             writer = f" (written by process {expected['process']})" if "process" in expected else ""
             raise CheckpointError(f"checkpoint {path}: {name}{writer} is missing. If the run's machines share no "
                                   f"disk, copy every machine's {path.parent.name}/{path.name} into this one; else "
                                   "resume from an older checkpoint (delete this folder) or start a new run")
-        if f.stat().st_size != expected["bytes"] or _sha256(f) != expected["sha256"]:
+        if f.stat().st_size != expected["bytes"] or sha256_of(f) != expected["sha256"]:
             raise CheckpointError(f"checkpoint {path}: {name} is damaged (size or sha256 differs from when it was "
                                   "written); resume from an older checkpoint (delete this folder) or start a new run")
     theirs = {k: tuple(v) for k, v in record["model"].items()}
@@ -226,7 +229,7 @@ def _seal_hash(record: dict) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
-def _read_seal(path: Path) -> dict:
+def read_seal(path: Path) -> dict:
     """complete.json, checked whole: its own hash covers the step, the shapes and every file's size and hash (a
     `next_step` edited by hand resumed elsewhere, silently). Seals from before the hash are read unchecked."""
     def refuse(why: str) -> CheckpointError:

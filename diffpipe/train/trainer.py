@@ -22,7 +22,6 @@ from ..build import (AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_da
 from ..config import RunConfig
 from ..data.batches import BatchMaker, StepBatch
 from ..data.prefetch import BatchPrefetcher
-from ..models.loading import CheckpointError
 from ..models.lora import lora_metadata, lora_scale, lora_weights, merge_lora
 from ..models.text import TextEncoder
 from ..distributed import Topology, end_process_group, init_topology
@@ -41,6 +40,7 @@ from .optim import (LossScaler, clip_gradients, global_grad_norm, make_optimizer
                     step_optimizer)
 from .checkpoint import PendingCheckpoint, latest_checkpoint, load_checkpoint, model_shapes, save_checkpoint
 from .evaluation import evaluate, held_out_data, write_samples
+from .machines import agreed_checkpoint, complete_checkpoint
 from .records import StepReport
 from .weights import gather_weights
 from ..written_files import save_tensors
@@ -246,9 +246,10 @@ class Trainer:
 
     def resume(self) -> int:
         """Weights, AdamW state and progress from the run folder's newest checkpoint; the step to run next."""
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
-            raise CheckpointError(f"{self.run_dir} holds no complete checkpoint to resume from")
+        path = agreed_checkpoint(self.run_dir)  # machines without a shared disk: each folder holds its own parts
+        received = complete_checkpoint(path)
+        if received and self.topo.is_main:
+            print(f"resuming: received {received / 2**20:.1f} MiB of {path.name} from the other machines", flush=True)
         return load_checkpoint(self, path)
 
     def _checkpoint_overdue(self) -> bool:

@@ -172,7 +172,9 @@ def test_a_checkpoint_holding_nan_weights_is_never_resumed(full_run, tmp_path):
     tensors[name] = torch.full_like(tensors[name], float("nan"))
     save_file(tensors, str(shard))
     record = json.loads((checkpoint / "complete.json").read_text())
+    record.pop("seal_sha256")
     record["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+    record["seal_sha256"] = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()  # sealed anew
     (checkpoint / "complete.json").write_text(json.dumps(record))
     result = _train("--resume", str(run))
     assert result.returncode == 1
