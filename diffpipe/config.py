@@ -17,7 +17,7 @@ from .pipeline.schedules import SCHEDULES
 
 __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "AdapterConfig", "PipelineConfig",
-    "PlanConfig", "ObserveConfig", "CheckpointConfig", "OutputConfig", "SampleConfig", "load_config", "save_config",
+    "PlanConfig", "ObserveConfig", "CheckpointConfig", "OutputConfig", "SampleConfig", "MemoryConfig", "load_config", "save_config",
     "make_paths_absolute",
 ]
 
@@ -191,6 +191,10 @@ class OutputConfig(_Section):
     save_weights: bool = Field(True, description="Write model.safetensors at the end (off for benchmarks of large models).")
 
 
+class MemoryConfig(_Section):
+    base_dtype: Literal["auto", "fp32", "bf16"] = Field("auto", description="How frozen weights (a LoRA run's base) are stored: fp32, or bf16 (half the memory; computed under train.precision's autocast as before, which rounds weights to bf16/fp16 per op anyway). auto: bf16 for LoRA runs on CUDA with bf16/fp16 precision, else fp32.")
+
+
 class SampleConfig(_Section):
     steps: int = Field(30, ge=1, description="Sampler steps (Euler for flow matching, DDIM otherwise).")
     guidance_scale: float = Field(3.0, ge=0, description="Classifier-free guidance scale; 1 turns guidance off.")
@@ -210,6 +214,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints to resume from, on any layout.")
     output: OutputConfig = Field(default_factory=OutputConfig, description="Where results go.")
     sample: SampleConfig = Field(default_factory=SampleConfig, description="Sampling during and after training.")
+    memory: MemoryConfig = Field(default_factory=MemoryConfig, description="How weights are held: the levers that fit a model on a smaller GPU.")
 
     @model_validator(mode="after")
     def _check_batch_arithmetic(self) -> "RunConfig":
@@ -249,6 +254,9 @@ class RunConfig(_Section):
         if self.train.stage_lr_scale is not None and len(self.train.stage_lr_scale) != chunks:
             raise ValueError(f"train.stage_lr_scale lists {len(self.train.stage_lr_scale)} multipliers for {chunks} "
                              "stages; give one per stage or leave it unset")
+        if self.memory.base_dtype == "bf16" and t.precision == "fp32":
+            raise ValueError("memory.base_dtype = \"bf16\" stores frozen weights in bf16, which fp32 compute cannot "
+                             "use: set train.precision = \"bf16\" (or \"fp16\"), or memory.base_dtype = \"fp32\"")
         if isinstance(p.checkpointing, list) and any(not 0 <= i < chunks for i in p.checkpointing):
             raise ValueError(f"pipeline.checkpointing={p.checkpointing} names stages outside 0..{chunks - 1}")
         return self

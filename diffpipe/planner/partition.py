@@ -44,16 +44,22 @@ class Replicas:
     count: int = 1
     sharded: bool = False
     gathered_per_unit: bool = False
+    frozen_weight_bytes: int = BYTES_PER_WEIGHT  # bytes of a frozen weight as stored (memory.base_dtype)
+
+    def weight_bytes(self, unit: UnitCost) -> float:
+        """A unit's weights as held: trained ones in fp32, frozen ones as memory.base_dtype stores them."""
+        frozen = unit.params - unit.trainable_params
+        return unit.trainable_params * BYTES_PER_WEIGHT + frozen * self.frozen_weight_bytes
 
     def state_bytes(self, units: list[UnitCost]) -> float:
         """Weights, gradients and AdamW state of a stage of these units, per device."""
-        params, trainable = sum(c.params for c in units), sum(c.trainable_params for c in units)
-        whole = params * BYTES_PER_WEIGHT + trainable * BYTES_PER_TRAINABLE
+        weights, trainable = sum(self.weight_bytes(c) for c in units), sum(c.trainable_params for c in units)
+        whole = weights + trainable * BYTES_PER_TRAINABLE
         if not self.sharded or self.count == 1:
             return whole
         if self.gathered_per_unit:
-            return whole / self.count + 2 * max(c.params * BYTES_PER_WEIGHT + c.trainable_params * 4 for c in units)
-        return params * BYTES_PER_WEIGHT + trainable * 4 + whole / self.count
+            return whole / self.count + 2 * max(self.weight_bytes(c) + c.trainable_params * 4 for c in units)
+        return weights + trainable * 4 + whole / self.count
 
 
 @dataclass(frozen=True)

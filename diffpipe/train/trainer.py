@@ -32,6 +32,7 @@ from ..pipeline.data_parallel import full, local, spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
 from ..pipeline.traffic import Crossing
+from ..precision import frozen_weight_dtype
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
 from ..pipeline.tied import TiedGradients, tied_parameters
@@ -80,7 +81,8 @@ class Trainer:
         give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)])
         all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
                                           frozenset(p.checkpointing), p.compile)
-        self.modules = [all_modules[i].to(topo.device).train() for i in mine]
+        frozen_dtype = frozen_weight_dtype(config, topo.device.type)
+        self.modules = [_store_frozen(all_modules[i], frozen_dtype).to(topo.device).train() for i in mine]
         if not config.train.dropout:
             for dropout in (m for module in self.modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
                 dropout.eval()
@@ -380,6 +382,8 @@ class Trainer:
             if self.config.adapter.type == "lora":  # the adapters alone, and the base with them merged in
                 save_tensors(lora_weights(merged), self.run_dir / "lora.safetensors",
                              metadata=lora_metadata(self.config, self.feed.family.lora_targets))
+                # merged in fp32 whatever memory.base_dtype stored the base in: a bf16 sum would round the update away
+                merged = {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
                 merged = merge_lora(merged, lora_scale(self.config.adapter))
             save_tensors(merged, self.run_dir / "model.safetensors")
             (self.run_dir / "model_config.json").write_text(json.dumps(self.model_config, indent=1, default=list))
@@ -416,6 +420,15 @@ def read_record(record: dict) -> dict:
     if _END in record:
         record[_END].wait()
     return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items() if k != _END}
+
+
+def _store_frozen(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The module with its frozen floating-point weights stored in `dtype` (memory.base_dtype), cast on the host
+    before they reach the device."""
+    for parameter in module.parameters():
+        if not parameter.requires_grad and parameter.is_floating_point() and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
+    return module
 
 
 def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int, rank_of) -> int:
