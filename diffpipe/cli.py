@@ -91,6 +91,7 @@ def _restarted_by_torchrun(args, config) -> bool:
 def _check_free_space(run_dir: Path, backbone, config) -> None:
     """Refuse to start a run whose weights and checkpoints could not be written at its end."""
     import shutil
+    import tempfile
 
     params = sum(p.numel() for p in backbone.model.parameters())
     # fp32 weights in model.safetensors, and in each checkpoint kept beside AdamW's two moments
@@ -100,6 +101,13 @@ def _check_free_space(run_dir: Path, backbone, config) -> None:
     existing = run_dir
     while not existing.exists() and existing != existing.parent:  # the folder may not exist yet
         existing = existing.parent
+    if existing.is_dir():
+        try:  # root passes os.access everywhere, and /sys refuses anyway: only a write tells
+            with tempfile.TemporaryFile(dir=existing):
+                pass
+        except OSError as exc:
+            raise UserError(f"cannot write the run folder {run_dir} ({exc.strerror}); choose another with "
+                            "--output-dir") from None
     free = shutil.disk_usage(existing).free
     if needed > free:
         raise UserError(f"{run_dir}: {_readable_size(free)} free, but the weights and {kept} checkpoint(s) need "

@@ -198,12 +198,15 @@ def test_a_run_that_could_not_save_its_weights_does_not_start(tmp_path, monkeypa
 
 
 def test_a_monitor_warning_never_cancels_a_scheduled_checkpoint(tmp_path):
-    """A hair-trigger monitor that warns on most steps: every scheduled checkpoint is still written (24 of 103 were
-    missing in one run where the monitor only warned)."""
+    """The monitor warns on every step (its verdict planted: real latencies warn only now and then): every
+    scheduled checkpoint is still written (24 of 103 were missing in one run where the monitor only warned)."""
     run = tmp_path / "run"
-    result = _train(run, "--set", "train.max_steps=12", "--set", "observe.anomaly_factor=1.0001",
-                    "--set", "observe.anomaly_warmup=2", "--set", "observe.on_anomaly=warn",
-                    "--set", "checkpoint.every=2", "--set", "checkpoint.keep=20", "--set", "output.sample_every_end=false")
+    code = ("import sys\nfrom diffpipe.observe.observer import PipelineObserver\n"
+            "PipelineObserver.after_step = lambda self, step, record, times: 'warn'\n"
+            "from diffpipe.cli import main\nsys.exit(main(sys.argv[1:]))")
+    cmd = [sys.executable, "-c", code, "train", str(EXAMPLE), "--output-dir", str(run), *QUICK,
+           "--set", "pipeline.stages=1", "--set", "train.max_steps=12", "--set", "checkpoint.every=2",
+           "--set", "checkpoint.keep=20", "--set", "output.sample_every_end=false"]  # one process: the plant applies
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("action: warn") >= 2
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-{s:08d}" for s in range(2, 13, 2)]
