@@ -58,12 +58,18 @@ def plan_as_dict(plan: Plan, meta: Backbone) -> dict:
             "by_parameters": summary(plan.by_parameters)}
 
 
+def _params(meta: Backbone) -> int:
+    return sum(p.numel() for p in meta.model.parameters())
+
+
 def format_plan(plan: Plan, meta: Backbone) -> str:
     d = plan_as_dict(plan, meta)
     ranks = plan.planned.schedule.ranks(plan.stages)
     per_process = f" ({plan.stages // ranks} stages per process)" if plan.stages > ranks else ""
+    frozen = {2: "bf16", 4: "fp32"}.get(plan.replicas.frozen_weight_bytes, f"{plan.replicas.frozen_weight_bytes} bytes")
     lines = [f"{ranks} pipeline processes{per_process} x {d['data_parallel']} data parallel, {d['microbatches']} "
-             f"micro-batches of {d['micro_batch_size']}"]
+             f"micro-batches of {d['micro_batch_size']}"
+             + (f"; frozen weights held in {frozen} (memory.base_dtype)" if sum(plan.trainable) < _params(meta) else "")]
     for title, key in (("planned split", "planned"), ("parameter-count split", "by_parameters")):
         part = d[key]
         lines.append(f"\n{title} {part['split']}:")
