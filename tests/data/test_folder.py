@@ -121,3 +121,22 @@ def test_a_metadata_jsonl_that_is_not_utf8_is_named(tmp_path):
                                               .replace(b"caf", b"caf\xe9"))  # Latin-1
     with pytest.raises(ValueError, match=r"metadata.jsonl is not UTF-8 text \(byte \d+"):
         scan_folders([(tmp_path, 1)], min_side=16, skipped=Skipped())
+
+
+def test_captions_of_images_in_subfolders_by_both_conventions(tmp_path):
+    """metadata.jsonl names files by their path inside the folder (as Hugging Face's imagefolder does), and a .txt
+    lies beside its image in any subfolder: two images of one name in two subfolders get their own captions."""
+    hf, kohya = tmp_path / "hf", tmp_path / "kohya"
+    for root in (hf, kohya):
+        (root / "cats").mkdir(parents=True)
+        (root / "dogs").mkdir()
+        _photo(root / "cats" / "01.jpg")
+        _photo(root / "dogs" / "01.jpg")
+    (hf / "metadata.jsonl").write_text(json.dumps({"file_name": "cats/01.jpg", "text": "a cat"}) + "\n"
+                                       + json.dumps({"file_name": "dogs/01.jpg", "text": "a dog"}) + "\n")
+    (kohya / "cats" / "01.txt").write_text("a kitten")
+    (kohya / "dogs" / "01.txt").write_text("a puppy")
+    items = scan_folders([(hf, 1), (kohya, 1)], min_side=16, skipped=Skipped())
+    assert [(i.path.relative_to(tmp_path).as_posix(), i.caption) for i in items] == [
+        ("hf/cats/01.jpg", "a cat"), ("hf/dogs/01.jpg", "a dog"),
+        ("kohya/cats/01.jpg", "a kitten"), ("kohya/dogs/01.jpg", "a puppy")]
