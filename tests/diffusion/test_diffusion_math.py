@@ -175,3 +175,22 @@ def _one_step():
     ddim = _sd_scheduler(DDIMScheduler, prediction_type="epsilon", timestep_spacing="trailing", clip_sample=False)
     ddim.set_timesteps(1)
     return ddim
+
+
+def test_flow_matching_input_and_target_match_diffusers_and_the_path():
+    """The noisy input is diffusers' `FlowMatchEulerDiscreteScheduler.scale_noise` at sigma = t, the model timestep is
+    sigma x 1000 (as diffusers' Flux and SD3 training scripts feed it), and the target is the path's velocity
+    d x_t / dt (checked by finite differences, independently of any sign convention: `x0 - noise` fails here, where the
+    rest of the suite passed)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+    x0, noise = torch.randn(3, 1, 2, 2, generator=_gen(8)), torch.randn(3, 1, 2, 2, generator=_gen(9))
+    picked = torch.tensor([100, 500, 850])  # schedule positions: timesteps 900, 500, 150
+    timesteps, sigmas = scheduler.timesteps[picked], scheduler.sigmas[picked]
+    out = make_targets("flow_matching", x0, noise, sigmas)
+    torch.testing.assert_close(out.noisy, scheduler.scale_noise(x0, timesteps, noise), rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.model_timestep, timesteps, rtol=0, atol=1e-3)
+    h = 1e-3
+    ahead = make_targets("flow_matching", x0, noise, sigmas + h).noisy
+    torch.testing.assert_close(out.target, (ahead - out.noisy) / h, rtol=0, atol=1e-3)
