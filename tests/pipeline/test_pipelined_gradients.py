@@ -87,7 +87,8 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
 
 def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4,
             checkpointing="none", model: str = "digits", clip: float = 1.0, precision: str = "fp32",
-            steps: int = STEPS, lora: bool = False, shard: bool = False) -> dict:
+            steps: int = STEPS, lora: bool = False, shard: bool = False, weight_decay: float = 0.0,
+            timesteps: str = "uniform") -> dict:
     digits = model != "sdxl-style"  # the others are made for 1-channel 8x8 images
     micro_size = 2 if digits else 1
     return {
@@ -97,7 +98,7 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
         "train": {"max_steps": steps, "batch_size": micro_size * dp * microbatches, "learning_rate": 1e-3,
                   "dropout": False,  # the spatio-temporal UNet drops 10 %: masks drawn per process cannot match
                   "warmup_steps": 1, "adam_eps": 1e-6, "max_grad_norm": clip, "seed": 3,
-                  "timestep_sampling": "uniform", "precision": precision},
+                  "timestep_sampling": timesteps, "precision": precision, "weight_decay": weight_decay},
         "pipeline": {"stages": stages, "schedule": schedule, "virtual_stages": virtual, "data_parallel": dp,
                      "data_parallel_shard": shard, "microbatches": microbatches, "checkpointing": checkpointing},
     }
@@ -107,6 +108,9 @@ TWO = {
     "gpipe-2": _config(2, "gpipe"),
     "1f1b-2": _config(2, "1f1b"),
     "1f1b-2-no-clipping": _config(2, "1f1b", clip=0.0),
+    # AdamW's decoupled weight decay (torch's default 0.01 slipping in was caught only by chance) and a non-uniform
+    # timestep density, both against torch's AdamW in the reference
+    "1f1b-2-weight-decay-logit-normal": _config(2, "1f1b", weight_decay=0.1, timesteps="logit_normal"),
     "interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2),
     "1f1b-2-checkpointed": _config(2, "1f1b", checkpointing="all"),
     "sdxl-style-1f1b-2": _config(2, "1f1b", model="sdxl-style"),
