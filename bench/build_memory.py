@@ -2,8 +2,11 @@
 the unsplit reference) against each stage of the planned split built alone, as each pipeline process does.
 
     python bench/build_memory.py examples/sdxl_unet.toml [--stages 4] [--no-whole] [--set KEY=VALUE ...]
+    python bench/build_memory.py examples/sdxl_unet.toml --stages 1 --set adapter.type='"lora"' [--device cpu]
 
 --no-whole skips the whole model, for one larger than this machine's memory (examples/sdxl_wide_unet.toml: 36 GiB).
+--device: the device kind the processes would train on, which decides how frozen weights are stored
+(memory.base_dtype = "auto": bf16 for LoRA on cuda under autocast); they are cast module by module as built.
 
 Each build runs in a fresh process; prints one JSON line per build: the units it holds, the seconds it took and
 the process's peak resident memory above what it held after the imports.
@@ -29,15 +32,16 @@ def _peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def _build(config_path: str, sets: list[str], units: list[int] | None) -> dict:
+def _build(config_path: str, sets: list[str], units: list[int] | None, device_kind: str) -> dict:
     from diffpipe.build import build_backbone, give_weights
     from diffpipe.config import load_config
+    from diffpipe.precision import frozen_weight_dtype
 
     config = load_config(config_path, sets)
     before = _peak_bytes()
     start = time.perf_counter()
     backbone = build_backbone(config, "meta")
-    give_weights(backbone, config, units)
+    give_weights(backbone, config, units, frozen_dtype=frozen_weight_dtype(config, device_kind))
     held = sum(p.numel() * p.element_size() for p in backbone.model.parameters() if not p.is_meta)
     return {"seconds": round(time.perf_counter() - start, 1), "weights_gib": round(held / GIB, 2),
             "peak_rss_gib_above_imports": round((_peak_bytes() - before) / GIB, 2)}
@@ -55,6 +59,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--no-whole", action="store_true", help="build only the stages, not the whole model")
     parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the device kind trained on")
     args = parser.parse_args()
     from diffpipe.build import build_backbone
     from diffpipe.config import load_config
@@ -66,11 +71,11 @@ def main() -> None:
     meta = build_backbone(config, "meta")
     split, _ = resolve_stages(config, meta)
     if not args.no_whole:
-        print(json.dumps({"what": "whole model", **_in_fresh_process(args.config, sets, None)}), flush=True)
+        print(json.dumps({"what": "whole model", **_in_fresh_process(args.config, sets, None, args.device)}), flush=True)
     for spec in stage_specs(meta, split):
         units = list(range(spec.first, spec.last))
         print(json.dumps({"what": f"stage {spec.index}", "units": f"{meta.units[spec.first].name}.."
-                          f"{meta.units[spec.last - 1].name}", **_in_fresh_process(args.config, sets, units)}),
+                          f"{meta.units[spec.last - 1].name}", **_in_fresh_process(args.config, sets, units, args.device)}),
               flush=True)
 
 

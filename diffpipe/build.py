@@ -46,14 +46,14 @@ def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Bac
 
 
 def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None = None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", frozen_dtype: torch.dtype | None = None) -> None:
     """Weights (model.path's, else seeded random) for the given units of a meta backbone, all when None; the
     other units stay on the meta device. The same unit gets the same weights whatever else is built. LoRA layers
-    already injected get their seeded initial adapters."""
+    already injected get their seeded initial adapters. `frozen_dtype`: how frozen weights are stored (precision.py)."""
     modules = None if units is None else _modules_holding(backbone, units)
     materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model, backbone.family),
                 modules, device, rename=base_module_name, buffers=backbone.family.constructor_buffers(backbone.model),
-                reset_own=backbone.family.reset_own_parameters)
+                reset_own=backbone.family.reset_own_parameters, frozen_dtype=frozen_dtype)
     if config.adapter.type == "lora":
         seed_lora(backbone.model, config.train.seed)
         if config.adapter.init_from:

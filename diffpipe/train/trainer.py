@@ -77,12 +77,14 @@ class Trainer:
         specs = stage_specs(backbone, p.split)
         schedule = schedule_named(p.schedule)
         mine = schedule.stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
-        # weights for this process's stages only: the others' stay on the meta device, costing nothing
-        give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)])
+        # weights for this process's stages only: the others' stay on the meta device, costing nothing; frozen ones
+        # stored as memory.base_dtype says module by module (the host never holds a bf16 base whole in fp32)
+        frozen_dtype = frozen_weight_dtype(config, topo.device.type)
+        give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)],
+                     frozen_dtype=frozen_dtype)
         all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
                                           frozenset(p.checkpointing), p.compile)
-        frozen_dtype = frozen_weight_dtype(config, topo.device.type)
-        self.modules = [_store_frozen(all_modules[i], frozen_dtype).to(topo.device).train() for i in mine]
+        self.modules = [all_modules[i].to(topo.device).train() for i in mine]
         if not config.train.dropout:
             for dropout in (m for module in self.modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
                 dropout.eval()
@@ -420,15 +422,6 @@ def read_record(record: dict) -> dict:
     if _END in record:
         record[_END].wait()
     return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items() if k != _END}
-
-
-def _store_frozen(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """The module with its frozen floating-point weights stored in `dtype` (memory.base_dtype), cast on the host
-    before they reach the device."""
-    for parameter in module.parameters():
-        if not parameter.requires_grad and parameter.is_floating_point() and parameter.dtype != dtype:
-            parameter.data = parameter.data.to(dtype)
-    return module
 
 
 def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int, rank_of) -> int:

@@ -17,7 +17,6 @@ from diffpipe.config import ConfigError, build_config, load_config
 from diffpipe.planner.partition import Replicas
 from diffpipe.planner.plan import _replicas
 from diffpipe.precision import frozen_weight_dtype
-from diffpipe.train.trainer import _store_frozen
 
 EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "digits_lora.toml"
 QUICK = ["--set", "train.max_steps=5", "--set", "train.batch_size=32", "--set", 'train.precision="bf16"',
@@ -35,8 +34,8 @@ def _train(run: Path, base: str) -> list[float]:
 def test_frozen_weights_are_stored_in_bf16_and_adapters_stay_fp32():
     config = load_config(EXAMPLE)
     backbone = build_backbone(config, "meta")  # with its LoRA layers (added on the meta device only)
-    give_weights(backbone, config)
-    module = _store_frozen(backbone.model, torch.bfloat16)
+    give_weights(backbone, config, frozen_dtype=torch.bfloat16)  # module by module, as the trainer gives them
+    module = backbone.model
     frozen = {p.dtype for p in module.parameters() if not p.requires_grad}
     trained = {p.dtype for p in module.parameters() if p.requires_grad}
     assert frozen == {torch.bfloat16} and trained == {torch.float32}
