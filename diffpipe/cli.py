@@ -36,7 +36,7 @@ def _prepare_run(args) -> tuple:
     from .preflight import check_before_launch
     from .pipeline.traffic import format_crossings
     from .config import load_config, make_paths_absolute, save_config
-    from .run_folder import lock_run, prepare_new_run
+    from .run_folder import RunLock, prepare_new_run
 
     config = make_paths_absolute(load_config(args.config, args.set or []))
     if _restarted_by_torchrun(args, config):
@@ -56,7 +56,7 @@ def _prepare_run(args) -> tuple:
         _check_free_space(run_dir, checked.backbone, config)
         try:
             if args.resume:
-                lock = lock_run(run_dir) if (run_dir / "config.toml").is_file() else None
+                lock = RunLock(run_dir) if (run_dir / "config.toml").is_file() else None
                 _check_resumable(config, run_dir, checked.backbone)
             else:
                 lock = prepare_new_run(run_dir, args.overwrite)

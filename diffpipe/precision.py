@@ -11,7 +11,7 @@ import torch
 
 from .config import RunConfig
 
-__all__ = ["frozen_weight_dtype", "element_bytes"]
+__all__ = ["frozen_weight_dtype", "element_bytes", "stored_name"]
 
 _STORED = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -28,3 +28,8 @@ def frozen_weight_dtype(config: RunConfig, device_kind: str) -> torch.dtype:
 
 def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def stored_name(dtype: torch.dtype) -> str:
+    """The config's name of a storage dtype ("bf16"), as memory.base_dtype spells it."""
+    return next(name for name, stored in _STORED.items() if stored == dtype)

@@ -15,7 +15,7 @@ import shutil
 import time
 from pathlib import Path
 
-__all__ = ["RunFolderError", "RunLock", "MARK", "WRITTEN", "prepare_new_run", "lock_run", "is_marked",
+__all__ = ["RunFolderError", "RunLock", "MARK", "WRITTEN", "prepare_new_run", "is_marked",
            "has_started"]
 
 MARK = ".diffpipe-run"
@@ -65,11 +65,6 @@ def has_started(run_dir: Path) -> bool:
     checkpoints = run_dir / "checkpoints"
     return ((metrics.is_file() and metrics.stat().st_size > 0) or (run_dir / "model.safetensors").exists()
             or (checkpoints.is_dir() and any(checkpoints.iterdir())))
-
-
-def lock_run(run_dir: Path) -> RunLock:
-    """The lock of an existing run folder (for --resume)."""
-    return RunLock(run_dir)
 
 
 def prepare_new_run(run_dir: Path, overwrite: bool) -> RunLock:

@@ -62,29 +62,28 @@ def schedule_problem(schedule: str, stage_placement: str, device_kind: str, vers
     return None
 
 
+def _missing(what: str, used_for: str) -> TorchVersionError:
+    return TorchVersionError(f"torch {torch.__version__} has no {what}, which diffpipe uses for {used_for}; "
+                             f"diffpipe is tested on torch {', '.join(TESTED)}: {_INSTALL}")
+
+
 def _private(module: str, name: str, used_for: str):
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
-        raise TorchVersionError(f"torch {torch.__version__} has no {module}.{name}, which diffpipe uses for "
-                                f"{used_for}; diffpipe is tested on torch {', '.join(TESTED)}: {_INSTALL}") from None
+        raise _missing(f"{module}.{name}", used_for) from None
 
 
 def _reached_by(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The inputs whose gradient the outputs' autograd graph reaches (torch 2.11 refuses the others)."""
-    edges = {}
-    for t in inputs:
-        edges[torch.autograd.graph.get_gradient_edge(t).node] = t
-    seen, todo, reached = set(), [o.grad_fn for o in outputs if o.grad_fn is not None], set()
+    nodes = [torch.autograd.graph.get_gradient_edge(t).node for t in inputs]
+    seen, todo = set(), [o.grad_fn for o in outputs if o.grad_fn is not None]
     while todo:
         node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if node in edges:
-            reached.add(node)
-        todo.extend(child for child, _ in node.next_functions)
-    return [t for t in inputs if torch.autograd.graph.get_gradient_edge(t).node in reached]
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(child for child, _ in node.next_functions)
+    return [t for t, node in zip(inputs, nodes) if node in seen]
 
 
 def split_backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor],
@@ -137,8 +136,7 @@ def recompile_limit(graphs: int):
     """A context in which dynamo keeps up to `graphs` compiled graphs per code object (its default is 8)."""
     config = _private("torch._dynamo", "config", "compiled stages")
     if not hasattr(config, "recompile_limit"):
-        raise TorchVersionError(f"torch {torch.__version__}'s dynamo has no recompile_limit (compiled stages); "
-                                f"diffpipe is tested on torch {', '.join(TESTED)}: {_INSTALL}")
+        raise _missing("torch._dynamo.config.recompile_limit", "compiled stages")
     return config.patch(recompile_limit=graphs)
 
 
@@ -152,9 +150,7 @@ def fused_attention(query, key, value, dropout_p: float, is_causal: bool, scale)
     """Attention as the fused memory-efficient kernel computes it (its meta kernel saves what that kernel saves)."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)
     if op is None:
-        raise TorchVersionError(f"torch {torch.__version__} has no aten._scaled_dot_product_efficient_attention, "
-                                f"which the planner counts attention with; diffpipe is tested on torch "
-                                f"{', '.join(TESTED)}: {_INSTALL}")
+        raise _missing("aten._scaled_dot_product_efficient_attention", "the planner's count of attention")
     return op(query, key, value, None, True, dropout_p, is_causal, scale=scale)[0]
 
 
@@ -162,9 +158,7 @@ def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
     """Names of the module's own buffers that its state dict leaves out."""
     names = getattr(module, "_non_persistent_buffers_set", None)
     if names is None:
-        raise TorchVersionError(f"torch {torch.__version__}'s nn.Module has no _non_persistent_buffers_set, which "
-                                f"building a model on the meta device reads; diffpipe is tested on torch "
-                                f"{', '.join(TESTED)}: {_INSTALL}")
+        raise _missing("nn.Module._non_persistent_buffers_set", "building a model on the meta device")
     return set(names)
 
 
@@ -176,8 +170,7 @@ def move_lr_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, optimizer: tor
         group["lr"] = lr
     state = schedule.state_dict()
     if "_last_lr" not in state or "last_epoch" not in state:
-        raise TorchVersionError(f"torch {torch.__version__}'s LR scheduler state has no last_epoch/_last_lr, "
-                                f"which resuming sets; diffpipe is tested on torch {', '.join(TESTED)}: {_INSTALL}")
+        raise _missing("last_epoch and _last_lr in an LR scheduler's state", "resuming")
     state.update(last_epoch=steps, _last_lr=lrs)  # the keys of torch's own state dict of a scheduler
     schedule.load_state_dict(state)
 

@@ -16,7 +16,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import torch
+
 from ..pipeline.schedules import ScheduleChoice
+from ..precision import element_bytes
 from ..pipeline.split import balanced_partition
 from .costs import UnitCost
 
@@ -44,7 +47,11 @@ class Replicas:
     count: int = 1
     sharded: bool = False
     gathered_per_unit: bool = False
-    frozen_weight_bytes: int = BYTES_PER_WEIGHT  # bytes of a frozen weight as stored (memory.base_dtype)
+    frozen_dtype: torch.dtype = torch.float32  # how frozen weights are stored (memory.base_dtype)
+
+    @property
+    def frozen_weight_bytes(self) -> int:
+        return element_bytes(self.frozen_dtype)
 
     def weight_bytes(self, unit: UnitCost) -> float:
         """A unit's weights as held: trained ones in fp32, frozen ones as memory.base_dtype stores them."""

@@ -14,7 +14,7 @@ from ..build import build_backbone, example_inputs
 from ..config import RunConfig
 from ..models.materialise import is_meta
 from ..models.units import Backbone
-from ..precision import element_bytes, frozen_weight_dtype
+from ..precision import frozen_weight_dtype
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
 from ..pipeline.schedules import choice_of
 from .costs import UnitCost, count_unit_costs, load_profile
@@ -184,7 +184,7 @@ def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
     (pipeline/data_parallel.py, where the processes of a pipeline decide the same)."""
     frozen = frozen_weight_dtype(config, "cpu" if config.train.device == "cpu" else "cuda")  # plans are for GPUs
     return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1,
-                    frozen_weight_bytes=element_bytes(frozen))
+                    frozen_dtype=frozen)
 
 
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,

@@ -8,6 +8,7 @@ seal's sha256. Nothing moves where every folder is already whole (one machine, o
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def _send_file(target: Path, info: dict, source: int, wanted: bool, group) -> in
     partial = target.with_name(f".{target.name}.{dist.get_rank()}.part")
     out = open(partial, "wb") if wanted else None
     try:
-        with open(target, "rb") if dist.get_rank() == source else _nothing() as src:
+        with open(target, "rb") if dist.get_rank() == source else contextlib.nullcontext() as src:
             for start in range(0, size, _CHUNK):
                 length = min(_CHUNK, size - start)
                 buffer = (torch.frombuffer(bytearray(src.read(length)), dtype=torch.uint8) if src is not None
@@ -91,10 +92,3 @@ def _send_file(target: Path, info: dict, source: int, wanted: bool, group) -> in
     os.replace(partial, target)
     return size
 
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
