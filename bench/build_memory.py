@@ -35,13 +35,13 @@ def _peak_bytes() -> int:
 def _build(config_path: str, sets: list[str], units: list[int] | None, device_kind: str) -> dict:
     from diffpipe.build import build_backbone, give_weights
     from diffpipe.config import load_config
-    from diffpipe.precision import frozen_weight_dtype
+    from diffpipe.precision import frozen_storage
 
     config = load_config(config_path, sets)
     before = _peak_bytes()
     start = time.perf_counter()
     backbone = build_backbone(config, "meta")
-    give_weights(backbone, config, units, frozen_dtype=frozen_weight_dtype(config, device_kind))
+    give_weights(backbone, config, units, frozen=frozen_storage(config, device_kind))
     held = sum(p.numel() * p.element_size() for p in backbone.model.parameters() if not p.is_meta)
     return {"seconds": round(time.perf_counter() - start, 1), "weights_gib": round(held / GIB, 2),
             "peak_rss_gib_above_imports": round((_peak_bytes() - before) / GIB, 2)}

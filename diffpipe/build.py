@@ -11,6 +11,7 @@ from .models.family import Feed, ModelFamily
 from .models.lora import add_lora, base_module_name, load_adapters, seed_lora
 from .models.loading import CheckpointError, build_model, checked_weights
 from .models.materialise import is_meta, materialise
+from .models.storage import FrozenStorage
 from .models.pipeline_folder import is_pipeline_folder
 from .models.vae import latent_frames, load_vae, vae_frame_factor, vae_scale_factor
 from .models.registry import ArchitectureError, family_for
@@ -46,14 +47,14 @@ def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Bac
 
 
 def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None = None,
-                 device: str | torch.device = "cpu", frozen_dtype: torch.dtype | None = None) -> None:
+                 device: str | torch.device = "cpu", frozen: FrozenStorage | None = None) -> None:
     """Weights (model.path's, else seeded random) for the given units of a meta backbone, all when None; the
     other units stay on the meta device. The same unit gets the same weights whatever else is built. LoRA layers
-    already injected get their seeded initial adapters. `frozen_dtype`: how frozen weights are stored (precision.py)."""
+    already injected get their seeded initial adapters. `frozen`: how frozen weights are held (precision.py)."""
     modules = None if units is None else _modules_holding(backbone, units)
     materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model, backbone.family),
                 modules, device, rename=base_module_name, buffers=backbone.family.constructor_buffers(backbone.model),
-                reset_own=backbone.family.reset_own_parameters, frozen_dtype=frozen_dtype)
+                reset_own=backbone.family.reset_own_parameters, frozen=frozen)
     if config.adapter.type == "lora":
         seed_lora(backbone.model, config.train.seed)
         if config.adapter.init_from:

@@ -192,7 +192,7 @@ class OutputConfig(_Section):
 
 
 class MemoryConfig(_Section):
-    base_dtype: Literal["auto", "fp32", "bf16"] = Field("auto", description="How frozen weights (a LoRA run's base) are stored: fp32, or bf16 (half the memory; computed under train.precision's autocast as before, which rounds weights to bf16/fp16 per op anyway). auto: bf16 for LoRA runs on CUDA with bf16/fp16 precision, else fp32.")
+    base_dtype: Literal["auto", "fp32", "bf16", "fp8"] = Field("auto", description="How frozen weights (a LoRA run's base) are stored: fp32; bf16 (half the memory; computed under train.precision's autocast as before, which rounds weights to bf16/fp16 per op anyway); fp8 (the linear layers' weights in fp8 e4m3 with a scale per output row, turned back into the compute dtype as each layer runs; the rest of the base in bf16, or fp32 under fp32 precision: a quarter of fp32 for Flux or Wan, and a slightly different model: each weight within 2^-4 of its value). auto: bf16 for LoRA runs on CUDA with bf16/fp16 precision, else fp32.")
 
 
 class SampleConfig(_Section):

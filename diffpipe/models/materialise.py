@@ -22,6 +22,7 @@ from torch import nn
 
 from ..torch_support import non_persistent_buffers
 from .loading import CheckpointError
+from .storage import FrozenStorage
 
 __all__ = ["materialise", "is_meta", "NonFiniteWeights"]
 
@@ -44,7 +45,7 @@ def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
                 rename: Callable[[str], str | None] = lambda name: name,
                 buffers: dict[str, torch.Tensor] | None = None,
                 reset_own: Callable[[nn.Module], bool] = lambda module: False,
-                frozen_dtype: torch.dtype | None = None) -> None:
+                frozen: FrozenStorage | None = None) -> None:
     """Give real weights, on `device`, to the meta modules of `model` whose id() is in `modules` (all when None):
     the checkpoint's tensors when given (its architecture already checked), else seeded random ones. `rename`
     gives a module's name in the checkpoint (and so its seed), or None for one the checkpoint cannot hold (a LoRA
@@ -53,22 +54,16 @@ def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
     A module without `reset_parameters` gets its random weights from `reset_own` (ModelFamily.reset_own_parameters).
 
     Parameters keep their identity (filled in place), so whatever holds one sees its weights; buffers given values are
-    new objects: anything keyed by their identity must be rebuilt after this. `frozen_dtype`: frozen weights are
-    stored in it as each module gets them (memory.base_dtype), so the host never holds the whole in fp32.
+    new objects: anything keyed by their identity must be rebuilt after this. `frozen`: how frozen weights are held
+    (memory.base_dtype), applied as each module gets them, so the host never holds the whole in fp32.
     """
     opened = safe_open(str(checkpoint), framework="pt") if checkpoint is not None else contextlib.nullcontext()
     with opened as reader:
         for name, module in model.named_modules():
             if modules is None or id(module) in modules:
                 _materialise_module(model, name, module, seed, reader, device, rename, buffers or {}, reset_own)
-                if frozen_dtype is not None:
-                    _store_frozen(module, frozen_dtype)
-
-
-def _store_frozen(module: nn.Module, dtype: torch.dtype) -> None:
-    for parameter in module.parameters(recurse=False):
-        if not parameter.requires_grad and parameter.is_floating_point() and not parameter.is_meta:
-            parameter.data = parameter.data.to(dtype)
+                if frozen is not None:
+                    frozen.store(module)
 
 
 def _materialise_module(model: nn.Module, name: str, module: nn.Module, seed: int, reader, device,

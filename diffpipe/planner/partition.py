@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..pipeline.schedules import ScheduleChoice
+from ..models.storage import FrozenStorage
 from ..precision import element_bytes
 from ..pipeline.split import balanced_partition
 from .costs import UnitCost
@@ -47,16 +48,23 @@ class Replicas:
     count: int = 1
     sharded: bool = False
     gathered_per_unit: bool = False
-    frozen_dtype: torch.dtype = torch.float32  # how frozen weights are stored (memory.base_dtype)
-
-    @property
-    def frozen_weight_bytes(self) -> int:
-        return element_bytes(self.frozen_dtype)
+    frozen: FrozenStorage = FrozenStorage()  # how frozen weights are held (memory.base_dtype)
+    autocast_bytes: int = 0  # an element in the autocast dtype (2 for bf16/fp16); 0 for fp32 compute
 
     def weight_bytes(self, unit: UnitCost) -> float:
-        """A unit's weights as held: trained ones in fp32, frozen ones as memory.base_dtype stores them."""
-        frozen = unit.params - unit.trainable_params
-        return unit.trainable_params * BYTES_PER_WEIGHT + frozen * self.frozen_weight_bytes
+        """A unit's weights as held: trained ones in fp32, frozen ones as memory.base_dtype stores them (fp8: its
+        linear layers' weights one byte each; their scales, 4 bytes an output row, are not counted)."""
+        rest = unit.params - unit.trainable_params
+        fp8 = unit.frozen_linear_params if self.frozen.linear_fp8 else 0
+        return unit.trainable_params * BYTES_PER_WEIGHT + (rest - fp8) * element_bytes(self.frozen.dtype) + fp8
+
+    def kept_copies_bytes(self, unit: UnitCost) -> float:
+        """Per micro-batch in flight: under autocast, the bf16/fp16 copy of each frozen fp32 weight that a linear or
+        convolution layer's backward keeps (autocast caches no copy of a frozen weight; a bf16 or fp8 base needs
+        none). Copies of trained weights are left to AUTOCAST_SAVED_FRACTION, which was fitted to full fine-tunes."""
+        if self.frozen.dtype != torch.float32 or self.frozen.linear_fp8:
+            return 0
+        return unit.frozen_product_params * self.autocast_bytes
 
     def state_bytes(self, units: list[UnitCost]) -> float:
         """Weights, gradients and AdamW state of a stage of these units, per device."""
@@ -147,7 +155,7 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     send = 2 * sent / (hw.link_gbps * 1e9)  # activations forward, their gradients back
     static = replicas.state_bytes(costs[first:last])
     held = schedule.in_flight(index, stages, microbatches)
-    whole = received + sum(c.activation_bytes for c in costs[first:last])
+    whole = received + sum(c.activation_bytes + replicas.kept_copies_bytes(c) for c in costs[first:last])
     # Between a split backward's input and weight passes a micro-batch also holds the gradients of its weights'
     # op outputs. Not on the first stage: torch runs its whole backward in the weight pass (its inputs need none).
     awaiting = schedule.awaiting_weights(index, stages, microbatches) if index > 0 else 0
@@ -157,7 +165,7 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
         # keeps whole (measured: zbv ran out of memory when they were not counted)
         kept = received + sum(sum(c.output_bytes.values()) for c in costs[first:last])
         dynamic = (held * kept + awaiting * (whole + weight_pass)
-                   + max(c.activation_bytes for c in costs[first:last]))
+                   + max(c.activation_bytes + replicas.kept_copies_bytes(c) for c in costs[first:last]))
     else:
         dynamic = held * whole + awaiting * weight_pass
     return StageEstimate(index, first, last, forward, backward, send, static + dynamic, checkpointed)

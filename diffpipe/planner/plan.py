@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..build import build_backbone, example_inputs
+from ..build import AUTOCAST_DTYPES, build_backbone, example_inputs
 from ..config import RunConfig
 from ..models.materialise import is_meta
 from ..models.units import Backbone
-from ..precision import frozen_weight_dtype
+from ..precision import element_bytes, frozen_storage
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
 from ..pipeline.schedules import choice_of
 from .costs import UnitCost, count_unit_costs, load_profile
@@ -69,7 +69,8 @@ def scaled(costs: list[UnitCost], factor: float) -> list[UnitCost]:
         return None if x is None else x * factor
     return [UnitCost(c.name, c.params, c.trainable_params, int(c.forward_flops * factor), int(c.backward_flops * factor),
                      int(c.activation_bytes * factor), {k: int(v * factor) for k, v in c.output_bytes.items()},
-                     t(c.forward_s), t(c.backward_s), int(c.weight_pass_bytes * factor)) for c in costs]
+                     t(c.forward_s), t(c.backward_s), int(c.weight_pass_bytes * factor), c.frozen_linear_params,
+                     c.frozen_product_params) for c in costs]
 
 
 # What a bf16/fp16 autocast step saves for backward, as a fraction of the fp32 bytes counted on the meta device
@@ -182,9 +183,10 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
 def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
     """How the layout's replicas hold a stage's state: a stage alone gathers each unit as it computes when sharded
     (pipeline/data_parallel.py, where the processes of a pipeline decide the same)."""
-    frozen = frozen_weight_dtype(config, "cpu" if config.train.device == "cpu" else "cuda")  # plans are for GPUs
+    frozen = frozen_storage(config, "cpu" if config.train.device == "cpu" else "cuda")  # plans are for GPUs
+    autocast = AUTOCAST_DTYPES[config.train.precision]
     return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1,
-                    frozen_dtype=frozen)
+                    frozen=frozen, autocast_bytes=0 if autocast is None else element_bytes(autocast))
 
 
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,

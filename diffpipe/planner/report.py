@@ -15,7 +15,6 @@ from ..build import AUTOCAST_DTYPES, build_backbone, example_inputs
 from ..config import ConfigError, RunConfig
 from ..models.units import Backbone
 from ..pipeline.split import live_after
-from ..precision import stored_name
 from .costs import count_unit_costs, profile_unit_costs, save_profile
 from .partition import Partition
 from .plan import Plan, hardware, make_plan, planning_device, profile_key, search_layouts
@@ -67,7 +66,7 @@ def format_plan(plan: Plan, meta: Backbone) -> str:
     d = plan_as_dict(plan, meta)
     ranks = plan.planned.schedule.ranks(plan.stages)
     per_process = f" ({plan.stages // ranks} stages per process)" if plan.stages > ranks else ""
-    frozen = stored_name(plan.replicas.frozen_dtype)
+    frozen = plan.replicas.frozen.name
     lines = [f"{ranks} pipeline processes{per_process} x {d['data_parallel']} data parallel, {d['microbatches']} "
              f"micro-batches of {d['micro_batch_size']}"
              + (f"; frozen weights held in {frozen} (memory.base_dtype)" if sum(plan.trainable) < _params(meta) else "")]

@@ -32,7 +32,7 @@ from ..pipeline.data_parallel import full, local, spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
 from ..pipeline.traffic import Crossing
-from ..precision import frozen_weight_dtype
+from ..precision import frozen_storage
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
 from ..pipeline.tied import TiedGradients, tied_parameters
@@ -79,9 +79,8 @@ class Trainer:
         mine = schedule.stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
         # weights for this process's stages only: the others' stay on the meta device, costing nothing; frozen ones
         # stored as memory.base_dtype says module by module (the host never holds a bf16 base whole in fp32)
-        frozen_dtype = frozen_weight_dtype(config, topo.device.type)
         give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)],
-                     frozen_dtype=frozen_dtype)
+                     frozen=frozen_storage(config, topo.device.type))
         all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
                                           frozenset(p.checkpointing), p.compile)
         self.modules = [all_modules[i].to(topo.device).train() for i in mine]

@@ -16,7 +16,8 @@ from diffpipe.build import build_backbone, give_weights
 from diffpipe.config import ConfigError, build_config, load_config
 from diffpipe.planner.partition import Replicas
 from diffpipe.planner.plan import _replicas
-from diffpipe.precision import frozen_weight_dtype
+from diffpipe.models.storage import Fp8Linear, FrozenStorage
+from diffpipe.precision import frozen_storage
 
 EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "digits_lora.toml"
 QUICK = ["--set", "train.max_steps=5", "--set", "train.batch_size=32", "--set", 'train.precision="bf16"',
@@ -34,7 +35,7 @@ def _train(run: Path, base: str) -> list[float]:
 def test_frozen_weights_are_stored_in_bf16_and_adapters_stay_fp32():
     config = load_config(EXAMPLE)
     backbone = build_backbone(config, "meta")  # with its LoRA layers (added on the meta device only)
-    give_weights(backbone, config, frozen_dtype=torch.bfloat16)  # module by module, as the trainer gives them
+    give_weights(backbone, config, frozen=FrozenStorage(torch.bfloat16))  # module by module, as the trainer gives them
     module = backbone.model
     frozen = {p.dtype for p in module.parameters() if not p.requires_grad}
     trained = {p.dtype for p in module.parameters() if p.requires_grad}
@@ -43,10 +44,10 @@ def test_frozen_weights_are_stored_in_bf16_and_adapters_stay_fp32():
 
 def test_auto_is_bf16_for_lora_on_cuda_under_autocast_only():
     lora = {"adapter": {"type": "lora"}, "train": {"precision": "bf16"}}
-    assert frozen_weight_dtype(build_config(lora), "cuda") == torch.bfloat16
-    assert frozen_weight_dtype(build_config(lora), "cpu") == torch.float32
-    assert frozen_weight_dtype(build_config({"train": {"precision": "bf16"}}), "cuda") == torch.float32
-    assert frozen_weight_dtype(build_config({"adapter": {"type": "lora"}}), "cuda") == torch.float32  # fp32 compute
+    assert frozen_storage(build_config(lora), "cuda").dtype == torch.bfloat16
+    assert frozen_storage(build_config(lora), "cpu").dtype == torch.float32
+    assert frozen_storage(build_config({"train": {"precision": "bf16"}}), "cuda").dtype == torch.float32
+    assert frozen_storage(build_config({"adapter": {"type": "lora"}}), "cuda").dtype == torch.float32  # fp32 compute
     with pytest.raises(ConfigError, match="fp32 compute cannot use"):
         build_config({"memory": {"base_dtype": "bf16"}})
 
@@ -59,7 +60,6 @@ def test_the_planner_charges_frozen_weights_as_stored():
     costs = unit_costs(config, meta, 1)
     frozen = sum(c.params - c.trainable_params for c in costs)
     bf16, fp32 = _replicas(config, 1, 1), Replicas()
-    assert bf16.frozen_weight_bytes == 2
     assert fp32.state_bytes(costs) - bf16.state_bytes(costs) == 2 * frozen
 
 
@@ -80,3 +80,59 @@ def test_a_bf16_base_trains_as_the_fp32_base_and_saves_the_merge_in_fp32(tmp_pat
     delta = (b.flatten(1) @ a.flatten(1)).view(original["conv_in.weight"].shape) * config.adapter.alpha / config.adapter.rank
     want = original["conv_in.weight"].to(torch.bfloat16).float() + delta
     assert delta.abs().max() > 0 and torch.allclose(merged["conv_in.weight"], want, rtol=0, atol=1e-7)
+
+
+FLUX = EXAMPLE.parent / "flux_tiny.toml"
+
+
+def test_an_fp8_base_holds_linear_weights_in_fp8_and_the_rest_in_bf16():
+    config = load_config(FLUX, ['adapter.type="lora"', 'train.precision="bf16"', 'memory.base_dtype="fp8"'])
+    backbone = build_backbone(config, "meta")
+    give_weights(backbone, config, frozen=frozen_storage(config, "cpu"))
+    layers = list(backbone.model.modules())
+    fp8 = [m for m in layers if isinstance(m, Fp8Linear)]
+    assert fp8 and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
+    others = {p.dtype for m in layers if not isinstance(m, Fp8Linear)
+              for p in m.parameters(recurse=False) if not p.requires_grad}
+    assert others == {torch.bfloat16}
+    assert {p.dtype for p in backbone.model.parameters() if p.requires_grad} == {torch.float32}
+    # the stored bytes: Flux's frozen weights are almost all in linear layers
+    frozen = [p for p in backbone.model.parameters() if not p.requires_grad]
+    held = sum(p.numel() * p.element_size() for p in frozen)
+    assert held < 1.1 * sum(p.numel() for p in frozen)
+
+
+def test_the_planner_charges_fp8_linear_weights_one_byte_and_fp32_frozen_weights_their_autocast_copies():
+    from diffpipe.planner.plan import unit_costs
+
+    config = load_config(FLUX, ['adapter.type="lora"', 'train.precision="bf16"'])
+    costs = unit_costs(config, build_backbone(config, "meta"), 1)
+    linear = sum(c.frozen_linear_params for c in costs)
+    frozen = sum(c.params - c.trainable_params for c in costs)
+    assert 0.9 * frozen < linear < frozen
+    fp8 = _replicas(load_config(FLUX, ['adapter.type="lora"', 'train.precision="bf16"',
+                                       'memory.base_dtype="fp8"']), 1, 1)
+    bf16 = _replicas(load_config(FLUX, ['adapter.type="lora"', 'train.precision="bf16"',
+                                        'memory.base_dtype="bf16"']), 1, 1)
+    fp32 = _replicas(load_config(FLUX, ['adapter.type="lora"', 'train.precision="bf16"',
+                                        'memory.base_dtype="fp32"']), 1, 1)
+    assert bf16.state_bytes(costs) - fp8.state_bytes(costs) == linear
+    # per micro-batch in flight, autocast's bf16 copy of every frozen fp32 weight of a linear or convolution layer
+    assert sum(fp32.kept_copies_bytes(c) for c in costs) == 2 * sum(c.frozen_product_params for c in costs) > 0
+    assert sum(bf16.kept_copies_bytes(c) + fp8.kept_copies_bytes(c) for c in costs) == 0
+
+
+def _train_fp32(run: Path, *sets: str) -> list[float]:
+    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(run), *QUICK,
+           "--set", 'train.precision="fp32"', *(x for s in sets for x in ("--set", s))]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_an_fp8_base_trains_the_same_on_two_stages_as_on_one(tmp_path):
+    """The fp8 layers' own backward inside a pipeline: 2 stages of 1F1B compute what one process computes."""
+    two = _train_fp32(tmp_path / "two", 'memory.base_dtype="fp8"')
+    one = _train_fp32(tmp_path / "one", 'memory.base_dtype="fp8"', "pipeline.stages=1")
+    assert two == pytest.approx(one, rel=1e-5)
+    assert len(two) == 5
