@@ -4,7 +4,13 @@ For a loop of your own: `from diffpipe import describe, plan_split, stage_module
 imported on first use, so `diffpipe --help` does not import torch.
 """
 
+import logging
+
 __version__ = "0.1.0"
+
+# peft imports bitsandbytes where it is installed, whose CPU backend then warns on every import (in every process)
+# that an optional 4-bit kernel package is missing; diffpipe uses none of its 4-bit kernels
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 _API = ("family_of", "describe", "feed_of", "plan_split", "stage_modules", "stage_specs")
 __all__ = list(_API)

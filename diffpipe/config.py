@@ -193,6 +193,7 @@ class OutputConfig(_Section):
 
 class MemoryConfig(_Section):
     base_dtype: Literal["auto", "fp32", "bf16", "fp8"] = Field("auto", description="How frozen weights (a LoRA run's base) are stored: fp32; bf16 (half the memory; computed under train.precision's autocast as before, which rounds weights to bf16/fp16 per op anyway); fp8 (the linear layers' weights in fp8 e4m3 with a scale per output row, turned back into the compute dtype as each layer runs; the rest of the base in bf16, or fp32 under fp32 precision: a quarter of fp32 for Flux or Wan, and a slightly different model: each weight within 2^-4 of its value). auto: bf16 for LoRA runs on CUDA with bf16/fp16 precision, else fp32.")
+    optimizer_state: Literal["fp32", "8bit"] = Field("fp32", description="How AdamW's two moments are held: fp32 (8 bytes a trained parameter), or 8bit (bitsandbytes' AdamW8bit: each moment in 8 bits with a scale per block of 256, about 2 bytes a parameter; parameters under 4096 elements keep fp32 moments). Not with pipeline.data_parallel_shard (its kernels need whole tensors).")
 
 
 class SampleConfig(_Section):
@@ -257,6 +258,9 @@ class RunConfig(_Section):
         if self.memory.base_dtype == "bf16" and t.precision == "fp32":
             raise ValueError("memory.base_dtype = \"bf16\" stores frozen weights in bf16, which fp32 compute cannot "
                              "use: set train.precision = \"bf16\" (or \"fp16\"), or memory.base_dtype = \"fp32\"")
+        if self.memory.optimizer_state == "8bit" and p.data_parallel_shard and p.data_parallel > 1:
+            raise ValueError("memory.optimizer_state = \"8bit\" updates whole tensors (bitsandbytes' kernels), which "
+                             "pipeline.data_parallel_shard cuts across replicas: set one of them off")
         if isinstance(p.checkpointing, list) and any(not 0 <= i < chunks for i in p.checkpointing):
             raise ValueError(f"pipeline.checkpointing={p.checkpointing} names stages outside 0..{chunks - 1}")
         return self

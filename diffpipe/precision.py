@@ -13,7 +13,7 @@ import torch
 from .config import RunConfig
 from .models.storage import FrozenStorage
 
-__all__ = ["frozen_storage", "element_bytes"]
+__all__ = ["frozen_storage", "element_bytes", "moment_bytes"]
 
 
 def frozen_storage(config: RunConfig, device_kind: str) -> FrozenStorage:
@@ -32,3 +32,9 @@ def frozen_storage(config: RunConfig, device_kind: str) -> FrozenStorage:
 
 def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def moment_bytes(optimizer_state: str) -> float:
+    """AdamW's two moments per trained parameter as memory.optimizer_state holds them: fp32, or 8 bits each with
+    an fp32 scale per block of 256 (parameters under 4096 elements, which keep fp32 moments, are not told apart)."""
+    return 8.0 if optimizer_state == "fp32" else 2 * (1 + 4 / 256)

@@ -25,10 +25,10 @@ from ..pipeline.split import balanced_partition
 from .costs import UnitCost
 
 __all__ = ["Hardware", "Replicas", "StageEstimate", "Partition", "Infeasible", "partition", "estimate_stages",
-           "unit_times", "BYTES_PER_TRAINABLE", "BYTES_PER_WEIGHT"]
+           "unit_times", "BYTES_PER_GRADIENT", "BYTES_PER_WEIGHT"]
 
 BYTES_PER_WEIGHT = 4  # fp32 master weights (autocast computes in bf16/fp16)
-BYTES_PER_TRAINABLE = 4 + 8  # fp32 gradient + AdamW's two moments
+BYTES_PER_GRADIENT = 4
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class Replicas:
     gathered_per_unit: bool = False
     frozen: FrozenStorage = FrozenStorage()  # how frozen weights are held (memory.base_dtype)
     autocast_bytes: int = 0  # an element in the autocast dtype (2 for bf16/fp16); 0 for fp32 compute
+    moment_bytes: float = 8.0  # AdamW's two moments per trained parameter (precision.moment_bytes)
 
     def weight_bytes(self, unit: UnitCost) -> float:
         """A unit's weights as held: trained ones in fp32, frozen ones as memory.base_dtype stores them (fp8: its
@@ -69,12 +70,12 @@ class Replicas:
     def state_bytes(self, units: list[UnitCost]) -> float:
         """Weights, gradients and AdamW state of a stage of these units, per device."""
         weights, trainable = sum(self.weight_bytes(c) for c in units), sum(c.trainable_params for c in units)
-        whole = weights + trainable * BYTES_PER_TRAINABLE
+        whole = weights + trainable * (BYTES_PER_GRADIENT + self.moment_bytes)
         if not self.sharded or self.count == 1:
             return whole
         if self.gathered_per_unit:
-            return whole / self.count + 2 * max(self.weight_bytes(c) + c.trainable_params * 4 for c in units)
-        return weights + trainable * 4 + whole / self.count
+            return whole / self.count + 2 * max(self.weight_bytes(c) + c.trainable_params * BYTES_PER_GRADIENT for c in units)
+        return weights + trainable * BYTES_PER_GRADIENT + whole / self.count
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from ..build import AUTOCAST_DTYPES, build_backbone, example_inputs
 from ..config import RunConfig
 from ..models.materialise import is_meta
 from ..models.units import Backbone
-from ..precision import element_bytes, frozen_storage
+from ..precision import element_bytes, frozen_storage, moment_bytes
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
 from ..pipeline.schedules import choice_of
 from .costs import UnitCost, count_unit_costs, load_profile
@@ -186,7 +186,8 @@ def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
     frozen = frozen_storage(config, "cpu" if config.train.device == "cpu" else "cuda")  # plans are for GPUs
     autocast = AUTOCAST_DTYPES[config.train.precision]
     return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1,
-                    frozen=frozen, autocast_bytes=0 if autocast is None else element_bytes(autocast))
+                    frozen=frozen, autocast_bytes=0 if autocast is None else element_bytes(autocast),
+                    moment_bytes=moment_bytes(config.memory.optimizer_state))
 
 
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,

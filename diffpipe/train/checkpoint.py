@@ -2,7 +2,7 @@
 
 Written through `torch.distributed.checkpoint` (DCP) with its safetensors storage (`HuggingFaceStorageWriter`:
 no pickle anywhere, readable by any safetensors tool), as one flat map of tensors under diffusers' parameter names:
-`model.NAME`, `optim.NAME.exp_avg | exp_avg_sq | step` (AdamW) and `progress.*` (the next step, the learning-rate
+`model.NAME`, `optim.NAME.exp_avg | exp_avg_sq | step` (AdamW; 8-bit AdamW's keys are in optim.STATE_KEYS) and `progress.*` (the next step, the learning-rate
 schedule's position, the fp16 loss scale). A pipeline rank writes its own stages; data-parallel replicas hold the
 same names and DCP writes one copy. Loading asks DCP for the names this process holds now, so a checkpoint of 2
 stages resumes on 1, 3 or 4 stages or another data-parallel degree. The batches need no state: every step's data,
@@ -34,13 +34,13 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 
 from ..models.loading import CheckpointError
 from ..torch_support import move_lr_schedule
+from .optim import STATE_KEYS, ensure_state, set_steps, state_tensors
 
 __all__ = ["CHECKPOINTS", "read_seal", "sha256_of", "PendingCheckpoint", "model_shapes", "save_checkpoint", "latest_checkpoint", "verify_checkpoint", "load_checkpoint",
            "unsafe_changes"]
 
 CHECKPOINTS = "checkpoints"
 _COMPLETE = "complete.json"
-_ADAM = ("exp_avg", "exp_avg_sq", "step")
 _FILE_BYTES = 1 << 30  # a checkpoint file's size, about
 # what a resumed run may change: its length, logging, outputs and the layout (a checkpoint reshards by name)
 _SAFE_TO_CHANGE = ("train.max_steps", "train.learning_rate", "train.log_every", "train.device",
@@ -59,27 +59,14 @@ def _held(trainer) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for module in trainer.modules for name, p in module.full_named_parameters() if p.requires_grad]
 
 
-def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """AdamW's state as its first step would create it, so a checkpoint can be loaded into it before any step."""
-    for group in optimizer.param_groups:
-        on_device = group.get("fused") or group.get("capturable")
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
-                                 else torch.tensor(0.0, dtype=torch.float32))
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
 def _state(trainer, next_step: int) -> dict[str, torch.Tensor]:
     """What this process holds, by name: its stages' weights and AdamW state, and the run's progress."""
-    _ensure_optimizer_state(trainer.optimizer)
+    ensure_state(trainer.optimizer)
     state = {}
     for name, p in _held(trainer):
         state[f"model.{name}"] = p.detach()
-        for key in _ADAM:
-            state[f"optim.{name}.{key}"] = trainer.optimizer.state[p][key]
+        for key, value in state_tensors(trainer.optimizer, p).items():
+            state[f"optim.{name}.{key}"] = value
     state["progress.next_step"] = torch.tensor(next_step, dtype=torch.int64)
     state["progress.lr_schedule_steps"] = torch.tensor(trainer.lr_schedule.last_epoch, dtype=torch.int64)
     state["progress.loss_scale"] = torch.tensor(trainer.scaler.scale, dtype=torch.float64)
@@ -87,7 +74,8 @@ def _state(trainer, next_step: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]], state_keys: tuple[str, ...] = STATE_KEYS["fp32"]
+                        ) -> dict[str, int]:
     """The file (1, 2, ...) each checkpoint tensor goes to: parameters in order, with their AdamW moments, about
     `_FILE_BYTES` a file (fp32 counted), the run's progress in the first. The same on every process (rank 0's decides
     for all); a name it lacks (the second name of a tied weight) goes to file 0."""
@@ -99,7 +87,7 @@ def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]]) -> dict[str, i
             index, size = index + 1, 0
         size += nbytes
         files[f"model.{name}"] = index
-        files.update({f"optim.{name}.{key}": index for key in _ADAM})
+        files.update({f"optim.{name}.{key}": index for key in state_keys})
     for key in ("next_step", "lr_schedule_steps", "loss_scale", "loss_scale_good_steps"):  # as `_state` names them
         files[f"progress.{key}"] = 1
     return files
@@ -146,7 +134,8 @@ def save_checkpoint(trainer, next_step: int, keep: int, background_group: dist.P
         marker.unlink(missing_ok=True)
     dist.barrier()
     writer = HuggingFaceStorageWriter(str(partial), save_distributed=True,
-                                      fqn_to_index_mapping=file_of_each_tensor(trainer.model_shapes))
+                                      fqn_to_index_mapping=file_of_each_tensor(
+                                          trainer.model_shapes, STATE_KEYS[trainer.config.memory.optimizer_state]))
     if background_group is not None:
         future = dcp.async_save(_state(trainer, next_step), storage_writer=writer, process_group=background_group)
         return PendingCheckpoint(trainer, next_step, future, partial, final, keep)
@@ -256,6 +245,7 @@ def load_checkpoint(trainer, path: Path) -> int:
     returns the step to run next. Collective."""
     state = _state(trainer, 0)
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    set_steps(trainer.optimizer, {p: state[f"optim.{name}.step"] for name, p in _held(trainer)})
     bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     found = torch.tensor(float(len(bad)), device=trainer.topo.device)
     dist.all_reduce(found)  # every process stops alike, whichever holds the bad tensor

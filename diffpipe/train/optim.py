@@ -1,6 +1,13 @@
 """AdamW with warm-up and a cosine or constant schedule; gradient clipping and fp16 loss scaling across the
 processes of a pipeline (the replicas' gradients are averaged by torch's data parallelism: pipeline/data_parallel.py).
 
+AdamW's moments are fp32 (torch's fused AdamW), or 8-bit (memory.optimizer_state = "8bit": bitsandbytes' AdamW8bit,
+the moments quantised block-wise to 8 bits with an fp32 scale per 256 values: 2 bytes a parameter instead of 8).
+bitsandbytes rather than torchao's AdamW8bit: its state is plain tensors (uint8 moments, fp32 block scales) that a
+checkpoint saves by name and resumes bit-equal, its CPU kernels run the tests without compiling, and kohya,
+SimpleTuner and diffusion-pipe users know it; torchao's state is a tensor subclass compiled per parameter shape
+(6 s for one on a CPU) that safetensors cannot hold. Its kernels need whole tensors, so not with FSDP2's shards.
+
 Each pipeline rank holds different parameters, so the global gradient norm is the square root of the sum of
 every rank's squared norms (all-reduced over the pipeline group). The norm is also the overflow test of the
 fp16 loss scaler: every rank sees the same norm, so every stage makes the same skip decision.
@@ -17,7 +24,13 @@ from ..pipeline.data_parallel import full
 from ..torch_support import scale_in_place
 
 __all__ = ["make_optimizer", "lr_factor", "LossScaler", "global_grad_norm", "clip_gradients",
-           "step_optimizer"]
+           "step_optimizer", "STATE_KEYS", "ensure_state", "state_tensors", "set_steps"]
+
+# each trained parameter's optimizer state a checkpoint holds, by memory.optimizer_state: AdamW's moments and step;
+# 8-bit AdamW's quantised moments, their scales per block (absent for parameters under 4096 elements, whose moments
+# stay fp32) and step
+STATE_KEYS = {"fp32": ("exp_avg", "exp_avg_sq", "step"),
+              "8bit": ("state1", "state2", "absmax1", "absmax2", "step")}
 
 
 def lr_factor(step: int, train: TrainConfig) -> float:
@@ -30,14 +43,59 @@ def lr_factor(step: int, train: TrainConfig) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], train: TrainConfig):
-    """Fused AdamW (one kernel for all parameters, on CPUs too) over (parameters, learning-rate multiplier)
-    groups, one per stage, and its schedule."""
+def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], train: TrainConfig, state: str = "fp32"):
+    """AdamW over (parameters, learning-rate multiplier) groups, one per stage, and its schedule: torch's fused
+    AdamW (one kernel for all parameters, on CPUs too), or with `state` "8bit" bitsandbytes' AdamW8bit."""
     param_groups = [{"params": params, "lr": train.learning_rate * scale} for params, scale in groups if params]
-    opt = torch.optim.AdamW(param_groups, lr=train.learning_rate, betas=tuple(train.betas), weight_decay=train.weight_decay,
-                            eps=train.adam_eps, fused=True)
+    settings = dict(lr=train.learning_rate, betas=tuple(train.betas), weight_decay=train.weight_decay,
+                    eps=train.adam_eps)
+    if state == "8bit":
+        import bitsandbytes
+
+        opt = bitsandbytes.optim.AdamW8bit(param_groups, **settings)
+    else:
+        opt = torch.optim.AdamW(param_groups, **settings, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, train))
     return opt, sched
+
+
+def _is_8bit(optimizer: torch.optim.Optimizer) -> bool:
+    return hasattr(optimizer, "init_state")  # bitsandbytes' optimizers create a parameter's state with it
+
+
+def ensure_state(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer's state as its first step would create it, so a checkpoint can be loaded into it before any
+    step."""
+    for index, group in enumerate(optimizer.param_groups):
+        on_device = group.get("fused") or group.get("capturable")
+        for position, p in enumerate(group["params"]):
+            state = optimizer.state[p]
+            if state:
+                continue
+            if _is_8bit(optimizer):
+                optimizer.init_state(group, p, index, position)
+                continue
+            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                             else torch.tensor(0.0, dtype=torch.float32))
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def state_tensors(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """`p`'s optimizer state as tensors by STATE_KEYS' names (after `ensure_state`): AdamW's own tensors, which a
+    load fills in place; 8-bit AdamW's step, a Python number there, as a new tensor (`set_steps` puts it back)."""
+    state = optimizer.state[p]
+    tensors = {key: state[key] for key in STATE_KEYS["8bit" if _is_8bit(optimizer) else "fp32"] if key in state}
+    if not isinstance(tensors["step"], torch.Tensor):
+        tensors["step"] = torch.tensor(state["step"], dtype=torch.int64)
+    return tensors
+
+
+def set_steps(optimizer: torch.optim.Optimizer, steps: dict[torch.nn.Parameter, torch.Tensor]) -> None:
+    """Each parameter's step count from a checkpoint, where the optimizer keeps it as a number (8-bit AdamW)."""
+    for p, step in steps.items():
+        if not isinstance(optimizer.state[p]["step"], torch.Tensor):
+            optimizer.state[p]["step"] = int(step)
 
 
 class LossScaler:

@@ -100,7 +100,7 @@ class Trainer:
         self.runner = PipelineRunner(self.modules, mine, len(specs), topo.pp_group, topo.device, p.schedule,
                                      p.microbatches, _ScaledMSE(self.scaler), timeable=config.observe.enabled,
                                      send_group=topo.send_group)
-        self.optimizer, self.lr_schedule = make_optimizer(groups, config.train)
+        self.optimizer, self.lr_schedule = make_optimizer(groups, config.train, config.memory.optimizer_state)
         self.text = build_text_encoder(config, backbone).to(topo.device)
         self.data = build_dataset(config, backbone, self.text, topo.device, topo.rank, topo.world_size, dist.barrier)
         self.feed = feed(config, backbone)
