@@ -48,21 +48,24 @@ def quantise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantise(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The weight in `dtype` (the product in that dtype: one kernel over the weight, no fp32 copy)."""
-    return stored.to(dtype) * scale.to(dtype)
+    return stored.to(dtype) * scale.to(dtype)  # fp8 values are exact in bf16 and fp32
 
 
 class _Fp8Product(torch.autograd.Function):
-    """x @ dequantise(W).T + b for a frozen W: saves the fp8 weight for backward, not the dequantised copy."""
+    """x @ (q s).T + b for a frozen weight q s: the product with q alone (an fp8 value is exact in bf16), then each
+    output column times its row's scale, so the weight is converted once and never multiplied (one pass over it
+    fewer, in forward and in backward); saves the fp8 weight for backward, not a converted copy."""
 
     @staticmethod
     def forward(ctx, x, stored, scale, bias):
         ctx.save_for_backward(stored, scale)
-        return F.linear(x, dequantise(stored, scale, x.dtype), None if bias is None else bias.to(x.dtype))
+        y = F.linear(x, stored.to(x.dtype)) * scale.view(-1).to(x.dtype)
+        return y if bias is None else y + bias.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         stored, scale = ctx.saved_tensors
-        return grad.matmul(dequantise(stored, scale, grad.dtype)), None, None, None
+        return (grad * scale.view(-1).to(grad.dtype)).matmul(stored.to(grad.dtype)), None, None, None
 
 
 class Fp8Linear(nn.Linear):

@@ -1,5 +1,5 @@
 """memory.base_dtype = "fp8": a frozen linear layer's weight stored in fp8 with a scale per output row computes
-within fp8's rounding of the original, its backward is exact for the weight it holds and keeps the fp8 weight (not a
+within fp8's rounding of the original, its backward is the gradient of the weight it holds and keeps the fp8 weight (not a
 bf16 copy), and the rest of the model sees an ordinary Linear."""
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_quantising_uses_each_rows_whole_range_and_never_makes_nan():
     assert scale[1].item() == 1.0 and torch.isfinite(dequantise(stored, scale, torch.float32)).all()
 
 
-def test_the_backward_is_exact_for_the_held_weight_and_keeps_the_fp8_weight_not_a_copy():
+def test_the_backward_is_the_held_weights_and_keeps_the_fp8_weight_not_a_copy():
     layer, _ = _frozen_linear(1)
     FrozenStorage(torch.bfloat16, linear_fp8=True).store(layer)
     assert layer.bias.dtype == torch.bfloat16
@@ -68,7 +68,8 @@ def test_the_backward_is_exact_for_the_held_weight_and_keeps_the_fp8_weight_not_
     plain = x.detach().clone().requires_grad_(True)
     layer(x).square().sum().backward()
     F.linear(plain, layer.dequantised(), layer.bias.float()).square().sum().backward()
-    assert torch.equal(x.grad, plain.grad)
+    # the same sums in another order (the scale applied after the product): fp32 rounding apart
+    assert torch.allclose(x.grad, plain.grad, rtol=1e-5, atol=1e-5 * plain.grad.abs().max().item())
 
     def kept_by_backward(step) -> list[torch.Tensor]:
         kept = []
