@@ -62,7 +62,7 @@ class Generator:
         run has one (and `decode`), else what the backbone made."""
         noise = torch.stack([torch.randn(self.shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
         latent_size = self.shape[1:]
-        noise = noise.to(self.text.device)
+        noise = noise.to(self.text.outputs_device)
         maker = BatchMaker(None, self.text, self.config.train, 0.0, self.feed)
         guided = guidance_scale != 1.0
         texts = list(prompts) + ([""] * len(prompts) if guided else [])

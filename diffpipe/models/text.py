@@ -47,6 +47,7 @@ class CaptionEncoder:
 
     def __init__(self):
         self._kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # caption -> (hidden, pooled)
+        self._outputs_on: torch.device | None = None  # where outputs go once the weights are parked (`park`)
 
     def modules(self) -> list[torch.nn.Module]:
         raise NotImplementedError
@@ -63,6 +64,21 @@ class CaptionEncoder:
     def device(self) -> torch.device:
         return next(self.modules()[0].parameters()).device
 
+    @property
+    def outputs_device(self) -> torch.device:
+        """Where encoded captions are given: the weights' device, or the one they left when parked."""
+        return self._outputs_on or self.device
+
+    def park(self, captions: list[str]) -> bool:
+        """When every one of `captions` is kept, move the weights to host memory (Flux's T5-XXL and CLIP take 19 GB
+        of GPU memory in fp32) and return True; outputs stay on the device they were on. A caption asked for later
+        and not kept is still encoded, on the CPU (slowly), and its outputs moved there."""
+        if not self._kept or any(c not in self._kept for c in captions) or self.device.type == "cpu":
+            return False
+        self._outputs_on = self.device
+        self.to("cpu")
+        return True
+
     def to(self, device: torch.device | str) -> "CaptionEncoder":
         for module in self.modules():
             module.to(device)
@@ -77,18 +93,19 @@ class CaptionEncoder:
         """Encode each distinct caption once, on the encoder's device, and answer `encode` from memory from then on:
         the encoder is frozen, so its output for a caption never changes. Only when all of them fit in `max_gib`;
         returns whether they were kept."""
-        distinct = sorted(set(captions))
-        if not distinct or len(distinct) * self.caption_bytes() > max_gib * 2**30:
+        distinct = sorted(set(captions) - self._kept.keys())  # those kept already are not computed again
+        if not (distinct or captions) or len(distinct) * self.caption_bytes() > max_gib * 2**30:
             return False
         for start in range(0, len(distinct), chunk):
             part = distinct[start:start + chunk]
             hidden, pooled = self._encode(part)
+            hidden, pooled = hidden.to(self.outputs_device), pooled.to(self.outputs_device)
             self._kept.update({c: (hidden[i], pooled[i]) for i, c in enumerate(part)})
         return True
 
     def remember(self, outputs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Outputs computed before (the text cache on disk), answered by `encode` from now on."""
-        device = self.device
+        device = self.outputs_device
         self._kept.update({c: (h.to(device), p.to(device)) for c, (h, p) in outputs.items()})
 
     def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +113,8 @@ class CaptionEncoder:
         if self._kept and all(c in self._kept for c in captions):
             rows = [self._kept[c] for c in captions]
             return torch.stack([h for h, _ in rows]), torch.stack([p for _, p in rows])
-        return self._encode(captions)
+        hidden, pooled = self._encode(captions)
+        return hidden.to(self.outputs_device), pooled.to(self.outputs_device)
 
     def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError

@@ -40,6 +40,7 @@ from ..planner.plan import resolve_stages
 from .optim import (LossScaler, clip_gradients, global_grad_norm, make_optimizer,
                     step_optimizer)
 from .checkpoint import PendingCheckpoint, latest_checkpoint, load_checkpoint, model_shapes, save_checkpoint
+from ..sampling import grid_prompts
 from .evaluation import evaluate, held_out_data, write_samples
 from .machines import agreed_checkpoint, complete_checkpoint
 from .records import StepReport
@@ -107,6 +108,11 @@ class Trainer:
         self.batches = BatchMaker(self.data, self.text, config.train, config.data.caption_dropout, self.feed)
         self.held_out = held_out_data(config, self.data)
         self.vae = getattr(self.data, "vae", None)  # image folders: decodes samples during training
+        # every caption the run will ask for computed already (cached or kept): the text encoders leave the GPU
+        prompts = grid_prompts(config, lambda: self.data.captions)
+        self.text.keep(prompts, config.data.text_cache_gib)
+        if self.text.park([*self.data.captions, "", *getattr(self.held_out, "captions", []), *prompts]) and topo.is_main:
+            print("text encoders moved to host memory: every caption is encoded already", flush=True)
         self.sample_shape = sample_shape(config, backbone)
         skipped = getattr(self.data, "skipped", None)  # image folders: files left out, counted in every metrics line
         self.skipped_images = len(skipped) if skipped is not None else None

@@ -37,3 +37,14 @@ def test_captions_over_the_budget_are_not_kept():
     text.model.register_forward_hook(lambda *_: calls.append(1))
     text.encode(["digit 1"])
     assert calls
+
+
+def test_keeping_more_captions_leaves_the_kept_ones_and_parking_needs_every_caption_kept():
+    text = _encoder()
+    marked = (torch.full((16, 32), 7.0), torch.full((24,), 7.0))  # as a text cache on disk would give them
+    text.remember({"digit 3": marked})
+    assert text.keep(["digit 3", "digit 4"], max_gib=1.0)
+    assert torch.equal(text.encode(["digit 3"])[0][0], marked[0])  # not encoded again
+    assert not text.park(["digit 3", "a caption never seen"])  # the encoder is still needed on its device
+    assert not text.park(["digit 3", "digit 4"])  # on a CPU there is no other memory to move it to
+    assert text.outputs_device == text.device
