@@ -13,6 +13,7 @@ import torch
 from ..build import AUTOCAST_DTYPES, build_backbone, example_inputs
 from ..config import RunConfig
 from ..models.materialise import is_meta
+from ..models.storage import FrozenStorage
 from ..models.units import Backbone
 from ..precision import element_bytes, frozen_storage, moment_bytes
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
@@ -166,6 +167,21 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
             fixes.append("activation checkpointing (pipeline.checkpointing = \"auto\" fits)")
         except Infeasible:
             fixes.append("activation checkpointing (not enough alone)")
+    levers = _memory_levers(costs, replicas)
+    for words, held in levers:
+        try:
+            partition(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing, held)
+            fixes.append(f"{words} fits")
+        except Infeasible:
+            fixes.append(f"{words} (not enough alone)")
+    if levers:  # the smallest of each at once, checkpointed where needed (the last base dtype listed is smallest)
+        frozen = next((h.frozen for _, h in reversed(levers) if h.frozen != replicas.frozen), replicas.frozen)
+        together = replace(replicas, frozen=frozen, moment_bytes=min(h.moment_bytes for _, h in levers))
+        try:
+            partition(costs, bounds_bytes, stages, m, schedule, hw, "auto", together)
+            fixes.append("those memory settings together with pipeline.checkpointing = \"auto\" fits")
+        except Infeasible:
+            pass
     micro = config.micro_batch_size
     if micro > 1:  # costs scale linearly with the micro-batch; one sample cannot be halved
         try:
@@ -188,6 +204,22 @@ def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
     return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1,
                     frozen=frozen, autocast_bytes=0 if autocast is None else element_bytes(autocast),
                     moment_bytes=moment_bytes(config.memory.optimizer_state))
+
+
+def _memory_levers(costs: list[UnitCost], replicas: Replicas) -> list[tuple[str, Replicas]]:
+    """The [memory] settings not in use that would hold the same layout's state in less memory."""
+    levers = []
+    frozen, autocast = any(c.params > c.trainable_params for c in costs), replicas.autocast_bytes > 0
+    if frozen and autocast and replicas.frozen.dtype == torch.float32 and not replicas.frozen.linear_fp8:
+        levers.append(('memory.base_dtype = "bf16"', replace(replicas, frozen=FrozenStorage(torch.bfloat16))))
+    if frozen and not replicas.frozen.linear_fp8:
+        rest = torch.bfloat16 if autocast else torch.float32
+        levers.append(('memory.base_dtype = "fp8" (changes the model slightly)',
+                       replace(replicas, frozen=FrozenStorage(rest, linear_fp8=True))))
+    if any(c.trainable_params for c in costs) and replicas.moment_bytes > moment_bytes("8bit") and not (
+            replicas.sharded and replicas.count > 1):
+        levers.append(('memory.optimizer_state = "8bit"', replace(replicas, moment_bytes=moment_bytes("8bit"))))
+    return levers
 
 
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,
