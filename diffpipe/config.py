@@ -163,6 +163,7 @@ class PlanConfig(_Section):
     memory_gib: float | None = Field(None, gt=0, description="Memory per device in GiB; unset: the GPU's own, unlimited on CPU.")
     memory_headroom: float = Field(0.1, ge=0, lt=1, description="Share of each device's memory the plan leaves free for what it does not count (the CUDA context, NCCL's buffers, the allocator's fragmentation) and for its own estimate's error (measured peaks on H200s mostly within 10 % of the plan; dualpipev up to 21 % over).")
     profile: str | None = Field(None, description="JSON of measured unit times from `diffpipe plan --profile`, reused when present.")
+    host_gbps: float = Field(25.0, gt=0, description="GB/s from pinned host memory to a device (memory.block_swap's copies): about 25 over PCIe 4.0 x16, 50 over PCIe 5.0.")
 
 
 class ObserveConfig(_Section):
@@ -194,6 +195,7 @@ class OutputConfig(_Section):
 class MemoryConfig(_Section):
     base_dtype: Literal["auto", "fp32", "bf16", "fp8"] = Field("auto", description="How frozen weights (a LoRA run's base) are stored: fp32; bf16 (half the memory; computed under train.precision's autocast as before, which rounds weights to bf16/fp16 per op anyway); fp8 (the linear layers' weights in fp8 e4m3 with a scale per output row, turned back into the compute dtype as each layer runs; the rest of the base in bf16, or fp32 under fp32 precision: a quarter of fp32 for Flux or Wan, and a slightly different model: each weight within 2^-4 of its value). auto: bf16 for LoRA runs on CUDA with bf16/fp16 precision, else fp32.")
     optimizer_state: Literal["fp32", "8bit"] = Field("fp32", description="How AdamW's two moments are held: fp32 (8 bytes a trained parameter), or 8bit (bitsandbytes' AdamW8bit: each moment in 8 bits with a scale per block of 256, about 2 bytes a parameter; parameters under 4096 elements keep fp32 moments). Not with pipeline.data_parallel_shard (its kernels need whole tensors).")
+    block_swap: int = Field(0, ge=0, description="Frozen weights of this many units of each stage (the last ones holding frozen weights: a LoRA base's blocks) kept in pinned host memory and copied to the GPU for each use, ahead of it on a side stream; those units run checkpointed (their forward again before their backward). A stage then holds two such units' frozen weights instead of all. Not with data_parallel > 1 or pipeline.compile.")
 
 
 class SampleConfig(_Section):
@@ -258,6 +260,11 @@ class RunConfig(_Section):
         if self.memory.base_dtype == "bf16" and t.precision == "fp32":
             raise ValueError("memory.base_dtype = \"bf16\" stores frozen weights in bf16, which fp32 compute cannot "
                              "use: set train.precision = \"bf16\" (or \"fp16\"), or memory.base_dtype = \"fp32\"")
+        if self.memory.block_swap and (p.data_parallel > 1 or p.compile):
+            raise ValueError("memory.block_swap moves weights between host and device while a step runs, which "
+                             "data-parallel replicas (they synchronise every weight) and torch.compile (it fixes "
+                             "where each weight lives) do not allow yet: set pipeline.data_parallel = 1 and "
+                             "pipeline.compile = false, or memory.block_swap = 0")
         if self.memory.optimizer_state == "8bit" and p.data_parallel_shard and p.data_parallel > 1:
             raise ValueError("memory.optimizer_state = \"8bit\" updates whole tensors (bitsandbytes' kernels), which "
                              "pipeline.data_parallel_shard cuts across replicas: set one of them off")

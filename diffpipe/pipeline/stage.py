@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ConfigError
 from ..models.units import Backbone, Unit
 from ..torch_support import recompile_limit
+from .block_swap import SwappedWeights, swapped_units
 from .split import StageSpec
 from .zero_bubble import missed_parameters
 
@@ -68,6 +69,7 @@ class StageModule(nn.Module):
         self.split_backward: str | None = None
         self._split_backward_checked = False
         self.unit_list = units
+        self.swaps: dict[int, SwappedWeights] = {}  # unit index -> its frozen weights in host memory (`to_device`)
         self.units = nn.ModuleList(u.module for u in units)  # registers the parameters
         self.autocast_dtype = autocast_dtype
         self._full_names = {name: parameter_names[id(t)] for name, t in self._own_tensors()}
@@ -78,6 +80,19 @@ class StageModule(nn.Module):
                     module.compile(dynamic=False)
         # true: the units (and their checkpointing) as one graph; received tensors and the clock stay outside it
         self._compute = torch.compile(self._compute_units, dynamic=False) if compiled is True else self._compute_units
+
+    def to_device(self, device: torch.device, block_swap: int = 0) -> "StageModule":
+        """The stage on `device`, the frozen weights of its last `block_swap` units holding them kept in host memory
+        (pipeline/block_swap.py): they never all come to the device at once, not even while moving."""
+        side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.swaps = {i: SwappedWeights(self.unit_list[i].module, device, side_stream)
+                      for i in swapped_units(self.unit_list, block_swap)}
+        for swap in self.swaps.values():
+            swap.hide()  # `to` moves an empty tensor in their place
+        self.to(device)
+        for swap in self.swaps.values():
+            swap.release()
+        return self
 
     def _own_tensors(self):
         yield from self.named_parameters()
@@ -115,6 +130,26 @@ class StageModule(nn.Module):
             out = tuple(t.clone() for t in out)
         return out[0] if len(out) == 1 else out
 
+    def _run_swapped(self, index: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A swapped unit, checkpointed: its weights come in for the forward and again for the recomputation before
+        its backward. The next swapped unit's copy starts while this one computes; in backward, the previous one's
+        when this one's backward begins."""
+        swap, unit = self.swaps[index], self.unit_list[index]
+        swap.prefetch()  # on its way already, unless this is the first swapped unit of the stage
+        later = [i for i in self.swaps if i > index]
+        if later:
+            self.swaps[later[0]].prefetch()
+        if not torch.is_grad_enabled():
+            return swap.run(unit, inputs)
+        out = checkpoint(swap.run, unit, inputs, use_reentrant=False)
+        earlier = [i for i in self.swaps if i < index]
+        if earlier:
+            previous = self.swaps[earlier[-1]]
+            for tensor in out.values():
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda grad, previous=previous: previous.prefetch())
+        return out
+
     def _check_split_backward(self, out: tuple[torch.Tensor, ...], received: tuple[torch.Tensor, ...]) -> None:
         self._split_backward_checked = True
         if self.spec.index == 0:  # torch runs the first stage's backward whole
@@ -137,8 +172,10 @@ class StageModule(nn.Module):
         it was recomputed (a one-stage Wan 1.3B at 81 frames ran out of memory that way)."""
         checkpointed = self.checkpointed and torch.is_grad_enabled()
         named = dict(named)
-        for unit in self.unit_list:
-            if checkpointed:  # its own dict of its inputs: `named` changes after, and backward recomputes from these
+        for index, unit in enumerate(self.unit_list):
+            if index in self.swaps:
+                named.update(self._run_swapped(index, {name: named[name] for name in unit.reads}))
+            elif checkpointed:  # its own dict of its inputs: `named` changes after, and backward recomputes from these
                 named.update(checkpoint(unit, {name: named[name] for name in unit.reads}, use_reentrant=False))
             else:
                 named.update(unit(named))

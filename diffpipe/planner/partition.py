@@ -35,6 +35,7 @@ BYTES_PER_GRADIENT = 4
 class Hardware:
     tflops: float = 200.0  # sustained TFLOP/s, used where units are not profiled
     link_gbps: float = 50.0  # GB/s between neighbouring stages
+    host_gbps: float = 25.0  # GB/s from pinned host memory to the device (memory.block_swap)
     memory_bytes: float | None = None  # per device; None: unlimited
 
 
@@ -51,6 +52,7 @@ class Replicas:
     frozen: FrozenStorage = FrozenStorage()  # how frozen weights are held (memory.base_dtype)
     autocast_bytes: int = 0  # an element in the autocast dtype (2 for bf16/fp16); 0 for fp32 compute
     moment_bytes: float = 8.0  # AdamW's two moments per trained parameter (precision.moment_bytes)
+    block_swap: int = 0  # units of each stage whose frozen weights live in host memory (pipeline/block_swap.py)
 
     def weight_bytes(self, unit: UnitCost) -> float:
         """A unit's weights as held: trained ones in fp32, frozen ones as memory.base_dtype stores them (fp8: its
@@ -58,6 +60,14 @@ class Replicas:
         rest = unit.params - unit.trainable_params
         fp8 = unit.frozen_linear_params if self.frozen.linear_fp8 else 0
         return unit.trainable_params * BYTES_PER_WEIGHT + (rest - fp8) * element_bytes(self.frozen.dtype) + fp8
+
+    def frozen_bytes(self, unit: UnitCost) -> float:
+        return self.weight_bytes(unit) - unit.trainable_params * BYTES_PER_WEIGHT
+
+    def swapped(self, units: list[UnitCost]) -> list[UnitCost]:
+        """The units of a stage whose frozen weights swap (as pipeline/block_swap.swapped_units picks them)."""
+        holding = [c for c in units if c.params > c.trainable_params]
+        return holding[len(holding) - self.block_swap:] if self.block_swap else []
 
     def kept_copies_bytes(self, unit: UnitCost) -> float:
         """Per micro-batch in flight: under autocast, the bf16/fp16 copy of each frozen fp32 weight that a linear or
@@ -155,8 +165,23 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     sent = boundary_bytes[last - 1] if last < len(costs) else 0
     send = 2 * sent / (hw.link_gbps * 1e9)  # activations forward, their gradients back
     static = replicas.state_bytes(costs[first:last])
+    swapped = replicas.swapped(costs[first:last])
+    if swapped:  # in host memory but for two at a time (one computing, the next copied in); each copied in twice a
+        # micro-batch, for its forward and its recomputation; compute waits for what of a copy its unit's time leaves
+        static += 2 * max(replicas.frozen_bytes(c) for c in swapped) - sum(replicas.frozen_bytes(c) for c in swapped)
+        copy = [replicas.frozen_bytes(c) / (hw.host_gbps * 1e9) for c in swapped]
+        unit_time = {id(c): t for c, t in zip(costs[first:last], times)}
+        forward += sum(max(0.0, s - unit_time[id(c)][0]) for c, s in zip(swapped, copy))
+        backward += sum(max(0.0, s - unit_time[id(c)][1]) for c, s in zip(swapped, copy))
+        if not checkpointed:  # swapped units run checkpointed: their forward again, their outputs kept
+            backward += sum(unit_time[id(c)][0] for c in swapped)
     held = schedule.in_flight(index, stages, microbatches)
-    whole = received + sum(c.activation_bytes + replicas.kept_copies_bytes(c) for c in costs[first:last])
+    kept_whole = {id(c) for c in swapped}  # a swapped unit keeps its outputs, and its activations once recomputed
+
+    def per_microbatch(c: UnitCost) -> float:
+        return sum(c.output_bytes.values()) if id(c) in kept_whole else c.activation_bytes + replicas.kept_copies_bytes(c)
+
+    whole = received + sum(per_microbatch(c) for c in costs[first:last])
     # Between a split backward's input and weight passes a micro-batch also holds the gradients of its weights'
     # op outputs. Not on the first stage: torch runs its whole backward in the weight pass (its inputs need none).
     awaiting = schedule.awaiting_weights(index, stages, microbatches) if index > 0 else 0
@@ -168,7 +193,7 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
         dynamic = (held * kept + awaiting * (whole + weight_pass)
                    + max(c.activation_bytes + replicas.kept_copies_bytes(c) for c in costs[first:last]))
     else:
-        dynamic = held * whole + awaiting * weight_pass
+        dynamic = held * whole + awaiting * weight_pass + max((c.activation_bytes for c in swapped), default=0)
     return StageEstimate(index, first, last, forward, backward, send, static + dynamic, checkpointed)
 
 

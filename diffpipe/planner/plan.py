@@ -130,7 +130,7 @@ def hardware(config: RunConfig) -> Hardware:
         memory = torch.cuda.get_device_properties(0).total_memory
     if memory is not None:
         memory *= 1 - config.plan.memory_headroom
-    return Hardware(config.plan.device_tflops or tflops, config.plan.link_gbps or link, memory)
+    return Hardware(config.plan.device_tflops or tflops, config.plan.link_gbps or link, config.plan.host_gbps, memory)
 
 
 def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Hardware, replicas: Replicas) -> str:
@@ -203,7 +203,7 @@ def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
     autocast = AUTOCAST_DTYPES[config.train.precision]
     return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1,
                     frozen=frozen, autocast_bytes=0 if autocast is None else element_bytes(autocast),
-                    moment_bytes=moment_bytes(config.memory.optimizer_state))
+                    moment_bytes=moment_bytes(config.memory.optimizer_state), block_swap=config.memory.block_swap)
 
 
 def _memory_levers(costs: list[UnitCost], replicas: Replicas) -> list[tuple[str, Replicas]]:

@@ -84,7 +84,7 @@ class Trainer:
                      frozen=frozen_storage(config, topo.device.type))
         all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
                                           frozenset(p.checkpointing), p.compile)
-        self.modules = [all_modules[i].to(topo.device).train() for i in mine]
+        self.modules = [all_modules[i].to_device(topo.device, config.memory.block_swap).train() for i in mine]
         if not config.train.dropout:
             for dropout in (m for module in self.modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
                 dropout.eval()

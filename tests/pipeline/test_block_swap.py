@@ -1,0 +1,110 @@
+"""memory.block_swap: the frozen weights of a stage's last N units live in host memory and are copied in for each
+use (the forward, and the recomputation before the unit's backward); what the stage computes does not change."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffpipe.build import build_backbone, example_inputs, give_weights
+from diffpipe.config import ConfigError, build_config, load_config
+from diffpipe.pipeline.split import stage_specs
+from diffpipe.pipeline.stage import build_stage_modules
+
+EXAMPLES = Path(__file__).parent.parent.parent / "examples"
+
+
+def _stage(block_swap: int):
+    """A LoRA Flux of the tiny example as one stage on the CPU, its last `block_swap` units swapped."""
+    config = load_config(EXAMPLES / "flux_tiny.toml", ['adapter.type="lora"'])
+    backbone = build_backbone(config, "meta")  # with its LoRA layers, as the trainer builds it
+    give_weights(backbone, config)
+    stage = build_stage_modules(backbone, stage_specs(backbone, []))[0]
+    return stage.to_device(torch.device("cpu"), block_swap), example_inputs(config, backbone, 2)
+
+
+def _step(stage, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    received, conditions = inputs
+    torch.manual_seed(0)
+    sample = torch.randn_like(received["sample"])
+    out = stage(sample, **{k: torch.randn_like(v) if v.is_floating_point() else v for k, v in conditions.items()})
+    out.square().mean().backward()
+    return out.detach(), {name: p.grad for name, p in stage.named_parameters() if p.requires_grad}
+
+
+def test_swapped_units_compute_what_resident_ones_do_and_fetch_twice_a_micro_batch():
+    plain, inputs = _stage(0)
+    swapped, _ = _stage(3)
+    want, want_grads = _step(plain, inputs)
+    got, grads = _step(swapped, inputs)
+    assert torch.equal(got, want)
+    assert grads.keys() == want_grads.keys() and all(torch.equal(grads[k], want_grads[k]) for k in grads)
+    assert len(swapped.swaps) == 3
+    assert [s.fetches for s in swapped.swaps.values()] == [2, 2, 2]  # its forward, and its recomputation
+
+
+def test_a_swapped_unit_computes_on_copies_and_holds_only_host_weights_between_uses():
+    stage, inputs = _stage(2)
+    seen = []
+    for index, swap in stage.swaps.items():
+        hosts = {h.data_ptr() for h in swap.host}
+
+        def check(module, args, kwargs, swap=swap, hosts=hosts):
+            seen.append(all(p.data_ptr() not in hosts for p in swap.params))
+        stage.unit_list[index].module.register_forward_pre_hook(check, with_kwargs=True)
+    _step(stage, inputs)
+    assert seen and all(seen)  # every use (forward and recomputation) on the copies brought in
+    for swap in stage.swaps.values():
+        assert all(p.data_ptr() == h.data_ptr() for p, h in zip(swap.params, swap.host))
+
+
+def test_block_swap_is_refused_where_it_cannot_work():
+    with pytest.raises(ConfigError, match="block_swap"):
+        build_config({"memory": {"block_swap": 2}, "pipeline": {"stages": 1, "data_parallel": 2}})
+    with pytest.raises(ConfigError, match="block_swap"):
+        build_config({"memory": {"block_swap": 2}, "pipeline": {"compile": True}})
+
+
+def test_a_lora_run_with_swapped_blocks_trains_as_one_without(tmp_path):
+    def train(run: Path, swap: int) -> list[float]:
+        cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
+               "--set", "train.max_steps=3", "--set", 'adapter.type="lora"', "--set", f"memory.block_swap={swap}",
+               "--set", "output.sample_every_end=false", "--set", "observe.log_every=0", "--set", "checkpoint.every=0",
+               "--set", "output.save_weights=false"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert train(tmp_path / "swapped", 2) == train(tmp_path / "resident", 0)  # two stages, 1F1B
+
+
+def test_the_planner_holds_two_swapped_units_and_charges_their_recomputation_and_unhidden_copies():
+    from dataclasses import replace
+
+    from diffpipe.pipeline.schedules import ScheduleChoice
+    from diffpipe.planner.partition import Hardware, _stage
+    from diffpipe.planner.plan import _replicas, unit_costs
+
+    config = load_config(EXAMPLES / "flux_tiny.toml", ['adapter.type="lora"', "pipeline.stages=1"])
+    costs = unit_costs(config, build_backbone(config, "meta"), 1)
+    resident = _replicas(config, 1, 1)
+    swapping = replace(resident, block_swap=3)
+    swapped = swapping.swapped(costs)
+    frozen = [swapping.frozen_bytes(c) for c in swapped]
+    assert len(swapped) == 3 and swapped[-1] is [c for c in costs if c.params > c.trainable_params][-1]
+
+    def stage(replicas, host_gbps=1e6):
+        return _stage(costs, [0] * len(costs), 0, len(costs), 0, 1, 4, ScheduleChoice.named("1f1b"),
+                      Hardware(tflops=1.0, host_gbps=host_gbps), False, replicas)
+
+    plain, fast = stage(resident), stage(swapping)
+    outputs = sum(sum(c.output_bytes.values()) - c.activation_bytes for c in swapped)
+    assert fast.memory_bytes == pytest.approx(plain.memory_bytes - sum(frozen) + 2 * max(frozen) + outputs
+                                              + max(c.activation_bytes for c in swapped))
+    assert fast.backward_s == pytest.approx(plain.backward_s + sum(c.forward_flops for c in swapped) / 1e12)
+    slow = stage(swapping, host_gbps=1e-3)  # a link so slow that no copy hides behind its unit's compute
+    assert slow.forward_s > fast.forward_s + sum(frozen) / 1e6 - sum(c.forward_flops for c in swapped) / 1e12 - 1e-9
