@@ -4,9 +4,9 @@ the device only while the unit computes, so a stage holds two units' frozen weig
 A swapped unit runs checkpointed (pipeline/stage.py): its forward keeps only its inputs, and backward runs it again,
 so its weights are needed at two moments per micro-batch: the forward, and the recomputation just before its
 backward. Each time, the weights are copied in from pinned host memory on a side stream, the compute stream waits for
-that copy alone, and once the unit has run the parameters point at the host copy again: the device copy is freed
-when nothing holds it (after the forward at once; after the recomputation, when the unit's backward has used what
-it saved). Copies are started ahead: in forward, the next swapped unit's while this one computes; in backward, the
+that copy alone, and the unit computes on the copies (the parameters themselves always point at host memory): a
+copy is freed when nothing holds it (after the forward at once; after the recomputation, when the unit's backward has
+used what it saved). Copies are started ahead: in forward, the next swapped unit's while this one computes; in backward, the
 previous one's when this one's backward begins (a hook on its outputs' gradients), so the copy overlaps with compute
 whenever the host link is fast enough (the planner charges what does not overlap: `plan.host_gbps`).
 
@@ -22,16 +22,20 @@ __all__ = ["SwappedWeights", "swapped_units"]
 
 
 class SwappedWeights:
-    """The frozen parameters of one unit, held in host memory; `fetch` puts device copies in place, `release` the
-    host ones back."""
+    """The frozen parameters of one unit, held in host memory; `run` computes the unit on device copies of them.
+
+    The copies are passed in for the call (torch.func.functional_call), never put into the parameters: autograd
+    keeps what an op saved, so a backward reads the copy it was given even after the parameter's data changed (a
+    parameter pointed at host memory again after its forward left the recomputation on the wrong device)."""
 
     def __init__(self, module: nn.Module, device: torch.device, side_stream=None):
-        self.params = [p for p in module.parameters() if not p.requires_grad]
+        named = [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
+        self.names, self.params = [name for name, _ in named], [p for _, p in named]
         self.device, self.side_stream = device, side_stream
         pin = device.type == "cuda"
         self.host = [p.data.to("cpu").pin_memory() if pin else p.data for p in self.params]
         self._pending: tuple[list[torch.Tensor], object] | None = None  # device copies on their way, and their event
-        self.release()
+        self.to_host()
         self.fetches = 0  # copies made (for tests and the planner's check)
 
     @property
@@ -52,8 +56,8 @@ class SwappedWeights:
             done = self.side_stream.record_event()
         self._pending = (copies, done)
 
-    def fetch(self) -> None:
-        """Point the parameters at device copies, waiting (on the device, not the host) for their copy to end."""
+    def fetch(self) -> dict[str, torch.Tensor]:
+        """The device copies by parameter name, once their copy has ended (the device waits, not the host)."""
         self.prefetch()
         copies, done = self._pending
         self._pending = None
@@ -62,26 +66,22 @@ class SwappedWeights:
             stream.wait_event(done)
             for copy in copies:  # made on the side stream, used on this one: freed only after this one's use
                 copy.record_stream(stream)
-        for p, copy in zip(self.params, copies):
-            p.data = copy
+        return dict(zip(self.names, copies))
 
     def hide(self) -> None:
         """Point the parameters at empty tensors, so that moving the module moves nothing of these weights."""
         for p in self.params:
             p.data = torch.empty(0, dtype=p.dtype)
 
-    def release(self) -> None:
-        """Point the parameters at the host copies again (the device copies live on only where autograd saved them)."""
+    def to_host(self) -> None:
+        """Point the parameters at the host copies (where they stay)."""
         for p, host in zip(self.params, self.host):
             p.data = host
 
     def run(self, unit, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The unit on its weights brought in, which go back out once it has run."""
-        self.fetch()
-        try:
-            return unit(named)
-        finally:
-            self.release()
+        """The unit computed on copies of its frozen weights brought in; they are freed when nothing holds them."""
+        inputs = {name: named[name] for name in unit.reads}
+        return torch.func.functional_call(unit.module, self.fetch(), args=(), kwargs=inputs, strict=False)
 
 
 def swapped_units(units: list, count: int) -> list[int]:

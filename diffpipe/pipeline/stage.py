@@ -91,7 +91,7 @@ class StageModule(nn.Module):
             swap.hide()  # `to` moves an empty tensor in their place
         self.to(device)
         for swap in self.swaps.values():
-            swap.release()
+            swap.to_host()
         return self
 
     def _own_tensors(self):

@@ -47,17 +47,22 @@ def test_swapped_units_compute_what_resident_ones_do_and_fetch_twice_a_micro_bat
     assert [s.fetches for s in swapped.swaps.values()] == [2, 2, 2]  # its forward, and its recomputation
 
 
-def test_a_swapped_unit_computes_on_copies_and_holds_only_host_weights_between_uses():
+def test_a_swapped_unit_computes_on_copies_and_its_parameters_hold_only_host_weights():
     stage, inputs = _stage(2)
     seen = []
+
+    def current(module, name: str) -> torch.Tensor:  # what the module's code reads for that parameter now
+        *path, attr = name.split(".")
+        return getattr(module.get_submodule(".".join(path)), attr)
+
     for index, swap in stage.swaps.items():
         hosts = {h.data_ptr() for h in swap.host}
 
         def check(module, args, kwargs, swap=swap, hosts=hosts):
-            seen.append(all(p.data_ptr() not in hosts for p in swap.params))
+            seen.append(all(current(module, name).data_ptr() not in hosts for name in swap.names))
         stage.unit_list[index].module.register_forward_pre_hook(check, with_kwargs=True)
     _step(stage, inputs)
-    assert seen and all(seen)  # every use (forward and recomputation) on the copies brought in
+    assert len(seen) == 4 and all(seen)  # each use (forward and recomputation) on the copies brought in
     for swap in stage.swaps.values():
         assert all(p.data_ptr() == h.data_ptr() for p, h in zip(swap.params, swap.host))
 
