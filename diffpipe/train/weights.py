@@ -29,7 +29,7 @@ def gather_weights(modules, topo: Topology) -> dict[str, torch.Tensor] | None:
     dist.gather_object(listing, listings, dst=0, group=topo.pp_group)  # replica 0's pipeline rank r is rank r
     if topo.pp_rank != 0:
         for name, _, _ in listing:
-            dist.send(full(own[name]).contiguous(), dst=0)
+            dist.send(full(own[name]).to(topo.device).contiguous(), dst=0)  # swapped blocks' are in host memory
         return None
     merged = {name: full(t).cpu() for name, t in own.items()}
     for source, theirs in enumerate(listings[1:], start=1):
