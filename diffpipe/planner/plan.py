@@ -168,6 +168,9 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
         except Infeasible:
             fixes.append("activation checkpointing (not enough alone)")
     levers = _memory_levers(costs, replicas)
+    swap = _fewest_swapped(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing, replicas)
+    if swap is not None:
+        fixes.append(f"frozen weights of {swap} units per stage in host memory (memory.block_swap = {swap} fits)")
     for words, held in levers:
         try:
             partition(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing, held)
@@ -220,6 +223,20 @@ def _memory_levers(costs: list[UnitCost], replicas: Replicas) -> list[tuple[str,
             replicas.sharded and replicas.count > 1):
         levers.append(('memory.optimizer_state = "8bit"', replace(replicas, moment_bytes=moment_bytes("8bit"))))
     return levers
+
+
+def _fewest_swapped(costs, bounds_bytes, stages: int, m: int, schedule, hw: Hardware, checkpointing,
+                    replicas: Replicas) -> int | None:
+    """The fewest units per stage whose frozen weights, kept in host memory, make the layout fit (None: none do)."""
+    if replicas.count > 1:  # not with data-parallel replicas (config.py refuses it)
+        return None
+    for count in range(replicas.block_swap + 1, sum(c.params > c.trainable_params for c in costs) + 1):
+        try:
+            partition(costs, bounds_bytes, stages, m, schedule, hw, checkpointing, replace(replicas, block_swap=count))
+            return count
+        except Infeasible:
+            continue
+    return None
 
 
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,

@@ -66,10 +66,14 @@ def format_plan(plan: Plan, meta: Backbone) -> str:
     d = plan_as_dict(plan, meta)
     ranks = plan.planned.schedule.ranks(plan.stages)
     per_process = f" ({plan.stages // ranks} stages per process)" if plan.stages > ranks else ""
-    frozen = plan.replicas.frozen.name
+    held = plan.replicas
+    frozen = f"; frozen weights held in {held.frozen.name} (memory.base_dtype)"
+    if held.block_swap:
+        frozen += f", those of {held.block_swap} units per stage in host memory (memory.block_swap)"
     lines = [f"{ranks} pipeline processes{per_process} x {d['data_parallel']} data parallel, {d['microbatches']} "
              f"micro-batches of {d['micro_batch_size']}"
-             + (f"; frozen weights held in {frozen} (memory.base_dtype)" if sum(plan.trainable) < _params(meta) else "")]
+             + (frozen if sum(plan.trainable) < _params(meta) else "")
+             + ("; AdamW's moments in 8 bits (memory.optimizer_state)" if held.moment_bytes < 8 else "")]
     for title, key in (("planned split", "planned"), ("parameter-count split", "by_parameters")):
         part = d[key]
         lines.append(f"\n{title} {part['split']}:")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def test_a_lora_base_that_does_not_fit_is_offered_the_memory_settings_that_make_
     helps = capsys.readouterr().err.split("what would help:")[1]
     assert 'memory.base_dtype = "fp8" (changes the model slightly) (not enough alone)' in helps
     assert 'memory.optimizer_state = "8bit" (not enough alone)' in helps
+    assert re.search(r"frozen weights of (\d+) units per stage in host memory \(memory.block_swap = \1 fits\)", helps)
     assert 'those memory settings together with pipeline.checkpointing = "auto" fits' in helps
     assert 'base_dtype = "bf16"' not in helps  # auto already holds a LoRA base in bf16 on CUDA
 
