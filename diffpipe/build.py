@@ -20,11 +20,8 @@ from .models.units import Backbone, full_parameter_names
 from .pipeline.split import stage_specs
 from .pipeline.traffic import Crossing, boundary_crossings, trace_shapes
 
-__all__ = ["build_backbone", "give_weights", "build_text_encoder", "AUTOCAST_DTYPES", "sample_shape", "example_inputs",
+__all__ = ["build_backbone", "give_weights", "build_text_encoder", "sample_shape", "example_inputs",
            "boundary_traffic", "text_length", "build_dataset", "model_family", "feed"]
-
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
     """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`), and with

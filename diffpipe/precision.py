@@ -13,7 +13,10 @@ import torch
 from .config import RunConfig
 from .models.storage import FrozenStorage
 
-__all__ = ["frozen_storage", "element_bytes", "moment_bytes"]
+__all__ = ["AUTOCAST_DTYPES", "frozen_storage", "element_bytes", "moment_bytes"]
+
+# train.precision -> the dtype autocast computes in (None: fp32, no autocast)
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def frozen_storage(config: RunConfig, device_kind: str) -> FrozenStorage:

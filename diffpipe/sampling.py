@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from PIL import Image
 
-from .build import AUTOCAST_DTYPES, build_backbone, build_text_encoder, feed, sample_shape
+from .build import build_backbone, build_text_encoder, feed, sample_shape
 from .config import RunConfig, load_config
 from .data.batches import BatchMaker, square_size_ids
 from .diffusion.samplers import sample
@@ -24,6 +24,7 @@ from .models.vae import decode_latents, load_vae, vae_scale_factor
 from .models.text import CaptionEncoder, TextEncoder
 from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
+from .precision import AUTOCAST_DTYPES
 
 __all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "save_grid", "run_stages", "grid_prompts",
            "grid_scale"]

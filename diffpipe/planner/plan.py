@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from ..build import AUTOCAST_DTYPES, build_backbone, example_inputs
+from ..build import build_backbone, example_inputs
 from ..config import RunConfig
 from ..models.materialise import is_meta
 from ..models.storage import FrozenStorage
 from ..models.units import Backbone
-from ..precision import element_bytes, frozen_storage, moment_bytes
+from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, moment_bytes
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
 from ..pipeline.schedules import choice_of
 from .costs import UnitCost, count_unit_costs, load_profile

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from ..build import AUTOCAST_DTYPES, build_backbone, example_inputs
+from ..build import build_backbone, example_inputs
+from ..precision import AUTOCAST_DTYPES
 from ..config import RunConfig
 from ..models.units import Backbone
 from ..pipeline.split import stage_specs

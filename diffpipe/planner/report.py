@@ -11,7 +11,8 @@ import re
 
 import torch
 
-from ..build import AUTOCAST_DTYPES, build_backbone, example_inputs
+from ..build import build_backbone, example_inputs
+from ..precision import AUTOCAST_DTYPES
 from ..config import ConfigError, RunConfig
 from ..models.units import Backbone
 from ..pipeline.split import live_after

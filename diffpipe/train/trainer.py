@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..build import (AUTOCAST_DTYPES, boundary_traffic, build_backbone, build_dataset, build_text_encoder, feed,
+from ..build import (boundary_traffic, build_backbone, build_dataset, build_text_encoder, feed,
                      give_weights, sample_shape)
 from ..config import RunConfig
 from ..data.batches import BatchMaker, StepBatch
@@ -32,7 +32,7 @@ from ..pipeline.data_parallel import full, local, spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
 from ..pipeline.traffic import Crossing
-from ..precision import frozen_storage
+from ..precision import AUTOCAST_DTYPES, frozen_storage
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
 from ..pipeline.tied import TiedGradients, tied_parameters
