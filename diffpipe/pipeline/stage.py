@@ -84,7 +84,7 @@ class StageModule(nn.Module):
     def to_device(self, device: torch.device, block_swap: int = 0) -> "StageModule":
         """The stage on `device`, the frozen weights of its last `block_swap` units holding them kept in host memory
         (pipeline/block_swap.py): they never all come to the device at once, not even while moving."""
-        side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        side_stream = torch.cuda.Stream(device) if device.type == "cuda" and block_swap else None
         self.swaps = {i: SwappedWeights(self.unit_list[i].module, device, side_stream)
                       for i in swapped_units(self.unit_list, block_swap)}
         for swap in self.swaps.values():
