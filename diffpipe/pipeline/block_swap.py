@@ -87,4 +87,4 @@ class SwappedWeights:
 def swapped_units(units: list, count: int) -> list[int]:
     """Indices of the stage's units whose frozen weights swap: the last `count` of those holding frozen weights."""
     holding = [i for i, unit in enumerate(units) if any(not p.requires_grad for p in unit.module.parameters())]
-    return holding[len(holding) - count:] if count else []
+    return holding[max(0, len(holding) - count):] if count else []

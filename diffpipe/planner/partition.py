@@ -67,7 +67,7 @@ class Replicas:
     def swapped(self, units: list[UnitCost]) -> list[UnitCost]:
         """The units of a stage whose frozen weights swap (as pipeline/block_swap.swapped_units picks them)."""
         holding = [c for c in units if c.params > c.trainable_params]
-        return holding[len(holding) - self.block_swap:] if self.block_swap else []
+        return holding[max(0, len(holding) - self.block_swap):] if self.block_swap else []
 
     def kept_copies_bytes(self, unit: UnitCost) -> float:
         """Per micro-batch in flight: under autocast, the bf16/fp16 copy of each frozen fp32 weight that a linear or
