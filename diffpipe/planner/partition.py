@@ -166,15 +166,10 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     send = 2 * sent / (hw.link_gbps * 1e9)  # activations forward, their gradients back
     static = replicas.state_bytes(costs[first:last])
     swapped = replicas.swapped(costs[first:last])
-    if swapped:  # in host memory but for two at a time (one computing, the next copied in); each copied in twice a
-        # micro-batch, for its forward and its recomputation; compute waits for what of a copy its unit's time leaves
-        static += 2 * max(replicas.frozen_bytes(c) for c in swapped) - sum(replicas.frozen_bytes(c) for c in swapped)
-        copy = [replicas.frozen_bytes(c) / (hw.host_gbps * 1e9) for c in swapped]
-        unit_time = {id(c): t for c, t in zip(costs[first:last], times)}
-        forward += sum(max(0.0, s - unit_time[id(c)][0]) for c, s in zip(swapped, copy))
-        backward += sum(max(0.0, s - unit_time[id(c)][1]) for c, s in zip(swapped, copy))
-        if not checkpointed:  # swapped units run checkpointed: their forward again, their outputs kept
-            backward += sum(unit_time[id(c)][0] for c in swapped)
+    if swapped:
+        saved, waits = _swap_costs(swapped, replicas, hw, checkpointed)
+        static -= saved
+        forward, backward = forward + waits[0], backward + waits[1]
     held = schedule.in_flight(index, stages, microbatches)
     kept_whole = {id(c) for c in swapped}  # a swapped unit keeps its outputs, and its activations once recomputed
 
@@ -195,6 +190,22 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     else:
         dynamic = held * whole + awaiting * weight_pass + max((c.activation_bytes for c in swapped), default=0)
     return StageEstimate(index, first, last, forward, backward, send, static + dynamic, checkpointed)
+
+
+def _swap_costs(swapped: list[UnitCost], replicas: Replicas, hw: Hardware,
+                checkpointed: bool) -> tuple[float, tuple[float, float]]:
+    """Block swap's (bytes of device memory saved, (forward, backward) seconds added) for a stage's swapped units.
+    Their frozen weights are in host memory but for two at a time (one computing, the next copied in); each is copied
+    in twice a micro-batch, for its forward and its recomputation, and compute waits for what of a copy its unit's own
+    time does not hide. Unless the stage is checkpointed whole, their recomputation is an extra forward each."""
+    frozen = [replicas.frozen_bytes(c) for c in swapped]
+    copy = [b / (hw.host_gbps * 1e9) for b in frozen]
+    times = [unit_times(c, hw) for c in swapped]
+    forward = sum(max(0.0, s - t[0]) for s, t in zip(copy, times))
+    backward = sum(max(0.0, s - t[1]) for s, t in zip(copy, times))
+    if not checkpointed:
+        backward += sum(t[0] for t in times)
+    return sum(frozen) - 2 * max(frozen), (forward, backward)
 
 
 def _options(mode, index: int) -> tuple[bool, ...]:
