@@ -76,17 +76,21 @@ def test_block_swap_is_refused_where_it_cannot_work():
         build_config({"memory": {"block_swap": 2}, "pipeline": {"compile": True}})
 
 
-def test_a_lora_run_with_swapped_blocks_trains_as_one_without(tmp_path):
-    def train(run: Path, swap: int) -> list[float]:
+def test_an_fp8_lora_run_with_swapped_blocks_on_two_stages_trains_as_one_resident_stage(tmp_path):
+    """Block swap and the fp8 layers' own backward inside a pipeline: 2 stages of 1F1B, 2 units of each swapped,
+    compute what one process with every weight resident computes."""
+    def train(run: Path, *sets: str) -> list[float]:
         cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
-               "--set", "train.max_steps=3", "--set", 'adapter.type="lora"', "--set", f"memory.block_swap={swap}",
+               "--set", "train.max_steps=3", "--set", 'adapter.type="lora"', "--set", 'memory.base_dtype="fp8"',
                "--set", "output.sample_every_end=false", "--set", "observe.log_every=0", "--set", "checkpoint.every=0",
-               "--set", "output.save_weights=false"]
+               "--set", "output.save_weights=false", *(x for s in sets for x in ("--set", s))]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
-    assert train(tmp_path / "swapped", 2) == train(tmp_path / "resident", 0)  # two stages, 1F1B
+    swapped = train(tmp_path / "swapped", "memory.block_swap=2")
+    assert swapped == pytest.approx(train(tmp_path / "resident", "pipeline.stages=1"), rel=1e-5)
+    assert len(swapped) == 3
 
 
 def test_the_planner_holds_two_swapped_units_and_charges_their_recomputation_and_unhidden_copies():

@@ -120,19 +120,3 @@ def test_the_planner_charges_fp8_linear_weights_one_byte_and_fp32_frozen_weights
     # per micro-batch in flight, autocast's bf16 copy of every frozen fp32 weight of a linear or convolution layer
     assert sum(fp32.kept_copies_bytes(c) for c in costs) == 2 * sum(c.frozen_product_params for c in costs) > 0
     assert sum(bf16.kept_copies_bytes(c) + fp8.kept_copies_bytes(c) for c in costs) == 0
-
-
-def _train_fp32(run: Path, *sets: str) -> list[float]:
-    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(run), *QUICK,
-           "--set", 'train.precision="fp32"', *(x for s in sets for x in ("--set", s))]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_an_fp8_base_trains_the_same_on_two_stages_as_on_one(tmp_path):
-    """The fp8 layers' own backward inside a pipeline: 2 stages of 1F1B compute what one process computes."""
-    two = _train_fp32(tmp_path / "two", 'memory.base_dtype="fp8"')
-    one = _train_fp32(tmp_path / "one", 'memory.base_dtype="fp8"', "pipeline.stages=1")
-    assert two == pytest.approx(one, rel=1e-5)
-    assert len(two) == 5
