@@ -120,7 +120,8 @@ class FrozenStorage:
 
     def store(self, module: nn.Module) -> None:
         """Hold `module`'s own frozen weights (just given, real) this way."""
-        frozen = [p for p in module.parameters(recurse=False) if not p.requires_grad and p.is_floating_point() and not p.is_meta]
+        frozen = [p for p in module.parameters(recurse=False)
+                  if not p.requires_grad and p.is_floating_point() and not p.is_meta]
         for parameter in frozen:
             if parameter.dtype != self.dtype and parameter.dtype != FP8:
                 parameter.data = parameter.data.to(self.dtype)

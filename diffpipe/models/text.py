@@ -94,7 +94,7 @@ class CaptionEncoder:
         the encoder is frozen, so its output for a caption never changes. Only when all of them fit in `max_gib`;
         returns whether they were kept."""
         distinct = sorted(set(captions) - self._kept.keys())  # those kept already are not computed again
-        if not (distinct or captions) or len(distinct) * self.caption_bytes() > max_gib * 2**30:
+        if not captions or len(distinct) * self.caption_bytes() > max_gib * 2**30:
             return False
         for start in range(0, len(distinct), chunk):
             part = distinct[start:start + chunk]

@@ -6,9 +6,9 @@ so its weights are needed at two moments per micro-batch: the forward, and the r
 backward. Each time, the weights are copied in from pinned host memory on a side stream, the compute stream waits for
 that copy alone, and the unit computes on the copies (the parameters themselves always point at host memory): a
 copy is freed when nothing holds it (after the forward at once; after the recomputation, when the unit's backward has
-used what it saved). Copies are started ahead: in forward, the next swapped unit's while this one computes; in backward, the
-previous one's when this one's backward begins (a hook on its outputs' gradients), so the copy overlaps with compute
-whenever the host link is fast enough (the planner charges what does not overlap: `plan.host_gbps`).
+used what it saved). Copies are started ahead: in forward, the next swapped unit's while this one computes; in
+backward, the previous one's when this one's backward begins (a hook on its outputs' gradients), so the copy overlaps
+with compute whenever the host link is fast enough (the planner charges what does not overlap: `plan.host_gbps`).
 
 Only frozen weights swap (a LoRA base, or the frozen part of any unit): trained ones stay on the device, where the
 optimizer updates them. On a CPU, "device" and host are the same memory: the logic runs (tests), nothing is saved.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["SwappedWeights", "swapped_units"]
+__all__ = ["SwappedWeights", "swapped_units", "last_holding"]
 
 
 class SwappedWeights:
@@ -36,11 +36,7 @@ class SwappedWeights:
         self.host = [p.data.to("cpu").pin_memory() if pin else p.data for p in self.params]
         self._pending: tuple[list[torch.Tensor], object] | None = None  # device copies on their way, and their event
         self.to_host()
-        self.fetches = 0  # copies made (for tests and the planner's check)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(h.numel() * h.element_size() for h in self.host)
+        self.fetches = 0  # copies made (the tests count them)
 
     def prefetch(self) -> None:
         """Start copying the weights to the device (on the side stream) unless a copy is already on its way."""
@@ -78,13 +74,19 @@ class SwappedWeights:
         for p, host in zip(self.params, self.host):
             p.data = host
 
-    def run(self, unit, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The unit computed on copies of its frozen weights brought in; they are freed when nothing holds them."""
-        inputs = {name: named[name] for name in unit.reads}
+    def run(self, unit, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The unit on `inputs` (the tensors it reads), computed on copies of its frozen weights brought in; they are
+        freed when nothing holds them."""
         return torch.func.functional_call(unit.module, self.fetch(), args=(), kwargs=inputs, strict=False)
 
 
-def swapped_units(units: list, count: int) -> list[int]:
-    """Indices of the stage's units whose frozen weights swap: the last `count` of those holding frozen weights."""
-    holding = [i for i, unit in enumerate(units) if any(not p.requires_grad for p in unit.module.parameters())]
+def last_holding(holds_frozen: list[bool], count: int) -> list[int]:
+    """Indices of the last `count` of a stage's units that hold frozen weights (all of them if fewer): those whose
+    frozen weights swap. The runtime (`swapped_units`) and the planner (partition.Replicas.swapped) both pick so."""
+    holding = [i for i, holds in enumerate(holds_frozen) if holds]
     return holding[max(0, len(holding) - count):] if count else []
+
+
+def swapped_units(units: list, count: int) -> list[int]:
+    """Indices of the stage's units whose frozen weights swap."""
+    return last_holding([any(not p.requires_grad for p in unit.module.parameters()) for unit in units], count)

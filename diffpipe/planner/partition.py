@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..pipeline.block_swap import last_holding
 from ..pipeline.schedules import ScheduleChoice
 from ..models.storage import FrozenStorage
 from ..precision import element_bytes
@@ -66,8 +67,7 @@ class Replicas:
 
     def swapped(self, units: list[UnitCost]) -> list[UnitCost]:
         """The units of a stage whose frozen weights swap (as pipeline/block_swap.swapped_units picks them)."""
-        holding = [c for c in units if c.params > c.trainable_params]
-        return holding[max(0, len(holding) - self.block_swap):] if self.block_swap else []
+        return [units[i] for i in last_holding([c.params > c.trainable_params for c in units], self.block_swap)]
 
     def kept_copies_bytes(self, unit: UnitCost) -> float:
         """Per micro-batch in flight: under autocast, the bf16/fp16 copy of each frozen fp32 weight that a linear or
@@ -84,7 +84,8 @@ class Replicas:
         if not self.sharded or self.count == 1:
             return whole
         if self.gathered_per_unit:
-            return whole / self.count + 2 * max(self.weight_bytes(c) + c.trainable_params * BYTES_PER_GRADIENT for c in units)
+            gathered = max(self.weight_bytes(c) + c.trainable_params * BYTES_PER_GRADIENT for c in units)
+            return whole / self.count + 2 * gathered
         return weights + trainable * BYTES_PER_GRADIENT + whole / self.count
 
 
@@ -174,7 +175,9 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     kept_whole = {id(c) for c in swapped}  # a swapped unit keeps its outputs, and its activations once recomputed
 
     def per_microbatch(c: UnitCost) -> float:
-        return sum(c.output_bytes.values()) if id(c) in kept_whole else c.activation_bytes + replicas.kept_copies_bytes(c)
+        if id(c) in kept_whole:
+            return sum(c.output_bytes.values())
+        return c.activation_bytes + replicas.kept_copies_bytes(c)
 
     whole = received + sum(per_microbatch(c) for c in costs[first:last])
     # Between a split backward's input and weight passes a micro-batch also holds the gradients of its weights'

@@ -2,11 +2,11 @@
 
 Written through `torch.distributed.checkpoint` (DCP) with its safetensors storage (`HuggingFaceStorageWriter`:
 no pickle anywhere, readable by any safetensors tool), as one flat map of tensors under diffusers' parameter names:
-`model.NAME`, `optim.NAME.exp_avg | exp_avg_sq | step` (AdamW; 8-bit AdamW's keys are in optim.STATE_KEYS) and `progress.*` (the next step, the learning-rate
-schedule's position, the fp16 loss scale). A pipeline rank writes its own stages; data-parallel replicas hold the
-same names and DCP writes one copy. Loading asks DCP for the names this process holds now, so a checkpoint of 2
-stages resumes on 1, 3 or 4 stages or another data-parallel degree. The batches need no state: every step's data,
-noise and timesteps are drawn from (seed, step) (data/batches.py).
+`model.NAME`, `optim.NAME.exp_avg | exp_avg_sq | step` (AdamW; 8-bit AdamW's keys are in optim.STATE_KEYS) and
+`progress.*` (the next step, the learning-rate schedule's position, the fp16 loss scale). A pipeline rank writes its
+own stages; data-parallel replicas hold the same names and DCP writes one copy. Loading asks DCP for the names this
+process holds now, so a checkpoint of 2 stages resumes on 1, 3 or 4 stages or another data-parallel degree. The
+batches need no state: every step's data, noise and timesteps are drawn from (seed, step) (data/batches.py).
 
 Each process's part is cut into files of about 1 GiB (a parameter with its AdamW moments stays in one file): DCP's
 safetensors writer builds a whole file in memory before writing it, so one file per process held a second copy of

@@ -111,7 +111,8 @@ class Trainer:
         # every caption the run will ask for computed already (cached or kept): the text encoders leave the GPU
         prompts = grid_prompts(config, lambda: self.data.captions)
         self.text.keep(prompts, config.data.text_cache_gib)
-        if self.text.park([*self.data.captions, "", *getattr(self.held_out, "captions", []), *prompts]) and topo.is_main:
+        asked = [*self.data.captions, "", *getattr(self.held_out, "captions", []), *prompts]
+        if self.text.park(asked) and topo.is_main:
             print("text encoders moved to host memory: every caption is encoded already", flush=True)
         self.sample_shape = sample_shape(config, backbone)
         skipped = getattr(self.data, "skipped", None)  # image folders: files left out, counted in every metrics line
