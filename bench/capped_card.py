@@ -2,7 +2,9 @@
 allocator of this process may hold no more than --gib (torch.cuda.set_per_process_memory_fraction), so a run that
 needs more fails here as it would on that card. Runs the command in this process (one pipeline process: diffpipe
 trains in the calling process then), and prints one JSON line: exit code, seconds, the allocator's peak allocated and
-reserved bytes, and samples/s from the run's metrics (mean over steps after --skip).
+reserved bytes, and from the run's metrics: samples/s (mean over steps after --skip) and the most any timed step
+allocated (`observed_peak_gib`: the figure to hold against the plan; the allocator's own peak counts only what came
+after the observer's last reset).
 
     python bench/capped_card.py --gib 24 --out capped.jsonl -- train examples/flux_dev.toml --set ... \\
         --output-dir runs/capped --overwrite
@@ -18,14 +20,21 @@ from pathlib import Path
 GIB = 2 ** 30
 
 
-def _samples_per_second(run_dir: Path, skip: int) -> float | None:
-    """The run's mean samples/s over its steps after the first `skip` (compilation, allocator warm-up)."""
+def _metrics(run_dir: Path) -> list[dict]:
     metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        return None
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+
+
+def _samples_per_second(rows: list[dict], skip: int) -> float | None:
+    """The run's mean samples/s over its steps after the first `skip` (compilation, allocator warm-up)."""
     rates = [r["samples_per_s"] for r in rows if r.get("step", 0) >= skip and r.get("samples_per_s")]
     return round(sum(rates) / len(rates), 3) if rates else None
+
+
+def _observed_peak_gib(rows: list[dict]) -> float | None:
+    """The most any stage allocated in any timed step (the observer's stageN_peak_gib)."""
+    peaks = [v for r in rows for k, v in r.items() if k.startswith("stage") and k.endswith("_peak_gib")]
+    return round(max(peaks), 2) if peaks else None
 
 
 def main() -> None:
@@ -53,10 +62,11 @@ def main() -> None:
         print(f"out of memory: {str(exc).splitlines()[0]}", file=sys.stderr)
         code = "out of memory"
     run_dir = Path(command[command.index("--output-dir") + 1]) if "--output-dir" in command else None
+    rows = _metrics(run_dir) if run_dir else []
     row = {"label": args.label, "cap_gib": args.gib, "exit": code, "seconds": round(time.perf_counter() - start, 1),
            "peak_allocated_gib": round(torch.cuda.max_memory_allocated(0) / GIB, 2),
            "peak_reserved_gib": round(torch.cuda.max_memory_reserved(0) / GIB, 2),
-           "samples_per_s": _samples_per_second(run_dir, args.skip) if run_dir else None}
+           "observed_peak_gib": _observed_peak_gib(rows), "samples_per_s": _samples_per_second(rows, args.skip)}
     print(json.dumps(row), flush=True)
     if args.out:
         with args.out.open("a") as f:
