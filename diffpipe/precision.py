@@ -2,8 +2,9 @@
 
 Under bf16 or fp16 autocast every matrix product and convolution rounds its weight to the autocast dtype anyway, so
 a frozen weight stored in bf16 computes what the fp32 one computed through those ops (norms and other fp32 ops see
-the bf16-rounded value), at half the memory: for Flux.1-dev's 11.9 B base, 22 GiB less. fp8 stores the frozen linear
-layers' weights in a quarter of fp32 (models/storage.py), which changes the model slightly. Trained weights stay fp32
+the bf16-rounded value), at half the memory: for Flux.1-dev's 11.9 B base, 22 GiB less. fp8 and int8 store the
+frozen linear layers' weights in a quarter of fp32, nf4 in about an eighth (models/storage.py, models/quantised.py),
+which changes the model: slightly (fp8, int8), or more (nf4). Trained weights stay fp32
 (the optimizer updates them in small steps that bf16 would round away).
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .config import RunConfig
-from .models.storage import FrozenStorage
+from .models.storage import LINEAR_FORMATS, FrozenStorage, element_bytes
 
 __all__ = ["AUTOCAST_DTYPES", "frozen_storage", "element_bytes", "moment_bytes"]
 
@@ -22,19 +23,15 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def frozen_storage(config: RunConfig, device_kind: str) -> FrozenStorage:
     """memory.base_dtype, with "auto" resolved: bf16 for LoRA runs on CUDA under bf16/fp16 autocast, else fp32
     (a CPU's bf16 matrix products are slow, and fp32 compute cannot use bf16 weights). fp8 keeps the rest of the
-    base in bf16 under autocast, in fp32 under fp32 compute."""
+    base in bf16 under autocast, in fp32 under fp32 compute, as int8 and nf4 do."""
     choice = config.memory.base_dtype
     autocast = config.train.precision != "fp32"
     if choice == "auto":
         lora = config.adapter.type == "lora"
         choice = "bf16" if lora and device_kind == "cuda" and autocast else "fp32"
-    if choice == "fp8":
-        return FrozenStorage(torch.bfloat16 if autocast else torch.float32, linear_fp8=True)
+    if choice in LINEAR_FORMATS:
+        return FrozenStorage(torch.bfloat16 if autocast else torch.float32, linear=choice)
     return FrozenStorage({"fp32": torch.float32, "bf16": torch.bfloat16}[choice])
-
-
-def element_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def moment_bytes(optimizer_state: str) -> float:

@@ -1,5 +1,5 @@
 """How frozen weights are held in memory (memory.base_dtype): as they came, in bf16, or the linear layers' weights
-in fp8 with a scale per output row.
+in fp8 with a scale per output row (here), in int8 or in 4-bit NF4 (models/quantised.py, through bitsandbytes).
 
 fp8 ("e4m3": 4 exponent bits, 3 mantissa bits, largest value 448) halves a bf16 base again: Flux.1-dev's 11.9 B
 weights, almost all in linear layers, take 11 GiB instead of 22. It is storage only, as kohya's `fp8_base` and
@@ -9,21 +9,22 @@ q[r] = fp8(W[r] / s[r]) with s[r] = max|W[r]| / 448, so every row uses the whole
 error is at most 2^-4 (half of fp8's mantissa step; tiny values, below 2^-6 s[r], lose more, absolutely at most
 2^-10 s[r]). This changes the model: train and compare (docs/benchmarks.md gives the loss difference measured).
 
-The layer keeps its class's identity to the outside: an `Fp8Linear` is an `nn.Linear` (peft wraps it as one), its
-parameter names are a Linear's, and its state dict holds the weight as a Linear's would (in fp32, the stored fp8 value
-times its scale), so saving, merging and exporting see an ordinary layer. Its backward keeps the fp8 weight, not the
-bf16 copy the product used (which for Flux would be 22 GiB per micro-batch in flight), and makes the copy again.
+Every such layer keeps its class's identity to the outside (`StoredLinear`): it is an `nn.Linear` (peft wraps it as
+one), its parameter names are a Linear's, and its state dict holds the weight as a Linear's would (in fp32, the stored
+value turned back), so saving, merging and exporting see an ordinary layer. Its backward keeps the stored weight, not
+the bf16 copy the product used (which for Flux would be 22 GiB per micro-batch in flight), and makes the copy again.
 Convolutions, norms, embeddings and biases stay in the dtype of the rest of the base.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FrozenStorage", "Fp8Linear", "FP8", "FP8_MAX", "quantise", "dequantise", "fp8_storable", "PRODUCT_LAYERS"]
+__all__ = ["FrozenStorage", "StoredLinear", "Fp8Linear", "FP8", "FP8_MAX", "quantise", "dequantise", "quantisable",
+           "PRODUCT_LAYERS", "LINEAR_FORMATS"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -33,8 +34,14 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 PRODUCT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def fp8_storable(module: nn.Module) -> bool:
-    """A plain linear layer with every weight frozen: memory.base_dtype = "fp8" stores its weight in fp8."""
+# memory.base_dtype's formats for frozen linear weights -> bytes a weight takes (its scales included: an fp32 scale
+# per row of thousands for fp8 and int8, counted as nothing; NF4's fp32 scale per block of 64: 4/64 of a byte)
+LINEAR_FORMATS = {"fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64}
+
+
+def quantisable(module: nn.Module) -> bool:
+    """A plain linear layer with every weight frozen: memory.base_dtype = "fp8", "int8" or "nf4" stores its
+    weight so."""
     return type(module) is nn.Linear and not any(p.requires_grad for p in module.parameters(recurse=False))
 
 
@@ -51,10 +58,11 @@ def dequantise(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return stored.to(dtype) * scale.to(dtype)  # fp8 values are exact in bf16 and fp32
 
 
-class _Fp8Product(torch.autograd.Function):
-    """x @ (q s).T + b for a frozen weight q s: the product with q alone (an fp8 value is exact in bf16), then each
-    output column times its row's scale, so the weight is converted once and never multiplied (one pass over it
-    fewer, in forward and in backward); saves the fp8 weight for backward, not a converted copy."""
+class ScaledProduct(torch.autograd.Function):
+    """x @ (q s).T + b for a frozen weight q (fp8 or int8) with a scale s per row: the product with q alone (fp8
+    and int8 values are exact in bf16), then each output column times its row's scale, so the weight is converted
+    once and never multiplied (one pass over it fewer, in forward and in backward); saves the stored weight for
+    backward, not a converted copy."""
 
     @staticmethod
     def forward(ctx, x, stored, scale, bias):
@@ -68,36 +76,67 @@ class _Fp8Product(torch.autograd.Function):
         return (grad * scale.view(-1).to(grad.dtype)).matmul(stored.to(grad.dtype)), None, None, None
 
 
-class Fp8Linear(nn.Linear):
-    """A frozen linear layer whose weight is stored in fp8 with a scale per output row (`weight_scale`)."""
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a product on `x` runs in: autocast's where it is on, else x's."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+class StoredLinear(nn.Linear):
+    """A frozen linear layer whose `weight` holds another format (a subclass says which); made from a Linear in place
+    (`store`): the same object, so every holder of it (a unit, peft's LoRA layer) sees the change, the same way
+    torch's FSDP2 gives a module its wrapped class. Its state dict gives the weight as a Linear's, in fp32."""
+
+    format = ""  # memory.base_dtype's word
 
     @classmethod
-    def store(cls, linear: nn.Linear) -> "Fp8Linear":
-        """Turn `linear` (frozen, weights real) into an Fp8Linear in place: the same object, so every holder of it
-        (a unit, peft's LoRA layer) sees the change; the same way torch's FSDP2 gives a module its wrapped class."""
-        stored, scale = quantise(linear.weight)
-        linear.weight.data = stored
-        linear.register_buffer("weight_scale", scale.to(stored.device), persistent=False)
+    def store(cls, linear: nn.Linear, work_device: torch.device | None = None) -> "StoredLinear":
+        """Turn `linear` (frozen, weights real) into this class in place, quantising on `work_device` when given
+        (the run's GPU: bitsandbytes' CPU NF4 quantiser took minutes for a 12 B base); it stays where it was."""
+        home = linear.weight.device
+        if work_device is not None and torch.device(work_device) != home:
+            cls._hold(linear.to(work_device))
+            linear.to(home)
+        else:
+            cls._hold(linear)
         linear.__class__ = cls
         return linear
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kind = x.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        return _Fp8Product.apply(x.to(dtype), self.weight, self.weight_scale, self.bias)
+    @staticmethod
+    def _hold(linear: nn.Linear) -> None:
+        """Replace linear.weight's data by the stored format and register what turns it back (buffers)."""
+        raise NotImplementedError
 
     def dequantised(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantise(self.weight, self.weight_scale, dtype)
+        raise NotImplementedError
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "weight"] = self.dequantised().detach()
 
     def _load_from_state_dict(self, state_dict, prefix, *args):
-        if prefix + "weight" in state_dict:  # a Linear's would copy fp32 values into the fp8 weight, unscaled
-            raise RuntimeError(f"{prefix}weight is held in fp8 (memory.base_dtype); its weights are given when the "
-                               "model is built and cannot be loaded into it")
+        if prefix + "weight" in state_dict:  # a Linear's would copy fp32 values into the stored weight, unconverted
+            raise RuntimeError(f"{prefix}weight is held in {self.format} (memory.base_dtype); its weights are given "
+                               "when the model is built and cannot be loaded into it")
         super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class Fp8Linear(StoredLinear):
+    """A frozen linear layer whose weight is stored in fp8 with a scale per output row (`weight_scale`)."""
+
+    format = "fp8"
+
+    @staticmethod
+    def _hold(linear: nn.Linear) -> None:
+        stored, scale = quantise(linear.weight)
+        linear.weight.data = stored
+        linear.register_buffer("weight_scale", scale.to(stored.device), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ScaledProduct.apply(x.to(compute_dtype(x)), self.weight, self.weight_scale, self.bias)
+
+    def dequantised(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantise(self.weight, self.weight_scale, dtype)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", weight in fp8 (e4m3) with a scale per output row"
@@ -105,25 +144,43 @@ class Fp8Linear(nn.Linear):
 
 @dataclass(frozen=True)
 class FrozenStorage:
-    """How a run holds its frozen weights: `dtype` for all of them, except frozen linear layers' weights in fp8
-    when `linear_fp8`. Trained weights are fp32 whatever this says."""
+    """How a run holds its frozen weights: `dtype` for all of them, except frozen linear layers' weights when
+    `linear` names a format of LINEAR_FORMATS. Trained weights are fp32 whatever this says."""
 
     dtype: torch.dtype = torch.float32
-    linear_fp8: bool = False
+    linear: str | None = None
+    quantise_on: torch.device | None = field(default=None, compare=False)  # where linear weights are quantised
 
     @property
     def name(self) -> str:
         """memory.base_dtype's word for it."""
-        if self.linear_fp8:
-            return "fp8"
-        return {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.dtype]
+        return self.linear or {torch.float32: "fp32", torch.bfloat16: "bf16"}[self.dtype]
+
+    def linear_bytes(self, weights: int) -> float:
+        """Bytes that many frozen linear weights take as held."""
+        return weights * (LINEAR_FORMATS[self.linear] if self.linear else element_bytes(self.dtype))
 
     def store(self, module: nn.Module) -> None:
         """Hold `module`'s own frozen weights (just given, real) this way."""
         frozen = [p for p in module.parameters(recurse=False)
                   if not p.requires_grad and p.is_floating_point() and not p.is_meta]
+        if isinstance(module, StoredLinear):
+            return
         for parameter in frozen:
-            if parameter.dtype != self.dtype and parameter.dtype != FP8:
+            if parameter.dtype != self.dtype:
                 parameter.data = parameter.data.to(self.dtype)
-        if self.linear_fp8 and fp8_storable(module) and frozen:
-            Fp8Linear.store(module)
+        if self.linear and quantisable(module) and frozen:
+            linear_class(self.linear).store(module, self.quantise_on)
+
+
+def linear_class(format: str) -> type[StoredLinear]:
+    """The StoredLinear class of a format of LINEAR_FORMATS (int8 and nf4 import bitsandbytes only when asked)."""
+    if format == "fp8":
+        return Fp8Linear
+    from .quantised import Int8Linear, Nf4Linear
+
+    return {"int8": Int8Linear, "nf4": Nf4Linear}[format]
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

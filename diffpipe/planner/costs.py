@@ -22,7 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..models.storage import PRODUCT_LAYERS, fp8_storable
+from ..models.storage import PRODUCT_LAYERS, quantisable
 from ..models.units import Backbone
 from ..torch_support import (fused_attention, kept_storage_key, split_backward_input, split_backward_weight,
                              view_base)
@@ -46,7 +46,7 @@ class UnitCost:
     # per micro-batch, what a split backward (zero-bubble schedules) keeps from its input-gradient pass to its
     # weight pass: the gradients of the outputs of the ops that use a trained weight
     weight_pass_bytes: int = 0
-    # frozen weights of the unit's linear layers (memory.base_dtype = "fp8" stores them in fp8), and of its linear
+    # frozen weights of the unit's linear layers (memory.base_dtype fp8, int8 and nf4 store them so), and of its linear
     # and convolution layers (stored in fp32, autocast's bf16 copy of each is kept for backward per micro-batch)
     frozen_linear_params: int = 0
     frozen_product_params: int = 0
@@ -119,7 +119,7 @@ def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor],
             activation_bytes=int(sum(t.numel() * t.element_size() for t in saved.values()) * activation_scale),
             output_bytes={k: int(v.numel() * v.element_size() * activation_scale) for k, v in out.items()},
             weight_pass_bytes=int(weight_pass * activation_scale),
-            frozen_linear_params=sum(m.weight.numel() for m in layers if fp8_storable(m)),
+            frozen_linear_params=sum(m.weight.numel() for m in layers if quantisable(m)),
             frozen_product_params=sum(frozen_products.values())))
         named.update({k: v.detach() for k, v in out.items()})
     return costs

@@ -56,11 +56,12 @@ class Replicas:
     block_swap: int = 0  # units of each stage whose frozen weights live in host memory (pipeline/block_swap.py)
 
     def weight_bytes(self, unit: UnitCost) -> float:
-        """A unit's weights as held: trained ones in fp32, frozen ones as memory.base_dtype stores them (fp8: its
-        linear layers' weights one byte each; their scales, 4 bytes an output row, are not counted)."""
+        """A unit's weights as held: trained ones in fp32, frozen ones as memory.base_dtype stores them (fp8, int8,
+        nf4: its linear layers' weights as storage.LINEAR_FORMATS counts them)."""
         rest = unit.params - unit.trainable_params
-        fp8 = unit.frozen_linear_params if self.frozen.linear_fp8 else 0
-        return unit.trainable_params * BYTES_PER_WEIGHT + (rest - fp8) * element_bytes(self.frozen.dtype) + fp8
+        linear = unit.frozen_linear_params if self.frozen.linear else 0
+        return (unit.trainable_params * BYTES_PER_WEIGHT + (rest - linear) * element_bytes(self.frozen.dtype)
+                + self.frozen.linear_bytes(linear))
 
     def frozen_bytes(self, unit: UnitCost) -> float:
         return self.weight_bytes(unit) - unit.trainable_params * BYTES_PER_WEIGHT
@@ -71,9 +72,9 @@ class Replicas:
 
     def kept_copies_bytes(self, unit: UnitCost) -> float:
         """Per micro-batch in flight: under autocast, the bf16/fp16 copy of each frozen fp32 weight that a linear or
-        convolution layer's backward keeps (autocast caches no copy of a frozen weight; a bf16 or fp8 base needs
-        none). Copies of trained weights are left to AUTOCAST_SAVED_FRACTION, which was fitted to full fine-tunes."""
-        if self.frozen.dtype != torch.float32 or self.frozen.linear_fp8:
+        convolution layer's backward keeps (autocast caches no copy of a frozen weight; a bf16, fp8, int8 or nf4
+        base needs none). Copies of trained weights are left to AUTOCAST_SAVED_FRACTION, which was fitted to full fine-tunes."""
+        if self.frozen.dtype != torch.float32 or self.frozen.linear:
             return 0
         return unit.frozen_product_params * self.autocast_bytes
 

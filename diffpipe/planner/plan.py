@@ -13,7 +13,7 @@ import torch
 from ..build import build_backbone, example_inputs
 from ..config import RunConfig
 from ..models.materialise import is_meta
-from ..models.storage import FrozenStorage
+from ..models.storage import LINEAR_FORMATS, FrozenStorage
 from ..models.units import Backbone
 from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, moment_bytes
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
@@ -213,12 +213,13 @@ def _memory_levers(costs: list[UnitCost], replicas: Replicas) -> list[tuple[str,
     """The [memory] settings not in use that would hold the same layout's state in less memory."""
     levers = []
     frozen, autocast = any(c.params > c.trainable_params for c in costs), replicas.autocast_bytes > 0
-    if frozen and autocast and replicas.frozen.dtype == torch.float32 and not replicas.frozen.linear_fp8:
+    if frozen and autocast and replicas.frozen.dtype == torch.float32 and not replicas.frozen.linear:
         levers.append(('memory.base_dtype = "bf16"', replace(replicas, frozen=FrozenStorage(torch.bfloat16))))
-    if frozen and not replicas.frozen.linear_fp8:
-        rest = torch.bfloat16 if autocast else torch.float32
-        levers.append(('memory.base_dtype = "fp8" (changes the model slightly)',
-                       replace(replicas, frozen=FrozenStorage(rest, linear_fp8=True))))
+    rest = torch.bfloat16 if autocast else torch.float32
+    # int8 holds what fp8 holds in as many bytes: one suggestion for both
+    words = {"fp8": '"fp8" or "int8" (changes the model slightly)', "nf4": '"nf4" (changes the model more)'}
+    for format in (f for f in words if LINEAR_FORMATS[f] < replicas.frozen.linear_bytes(1)) if frozen else []:
+        levers.append((f"memory.base_dtype = {words[format]}", replace(replicas, frozen=FrozenStorage(rest, format))))
     if any(c.trainable_params for c in costs) and replicas.moment_bytes > moment_bytes("8bit") and not (
             replicas.sharded and replicas.count > 1):
         levers.append(('memory.optimizer_state = "8bit"', replace(replicas, moment_bytes=moment_bytes("8bit"))))

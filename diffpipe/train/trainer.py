@@ -11,6 +11,7 @@ import faulthandler
 import json
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -81,7 +82,7 @@ class Trainer:
         # weights for this process's stages only: the others' stay on the meta device, costing nothing; frozen ones
         # stored as memory.base_dtype says module by module (the host never holds a bf16 base whole in fp32)
         give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)],
-                     frozen=frozen_storage(config, topo.device.type))
+                     frozen=replace(frozen_storage(config, topo.device.type), quantise_on=topo.device))
         all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
                                           frozenset(p.checkpointing), p.compile)
         self.modules = [all_modules[i].to_device(topo.device, config.memory.block_swap).train() for i in mine]

@@ -36,7 +36,7 @@ def _within_bound(y: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor)
 
 def test_an_fp8_layer_computes_within_fp8_rounding_of_the_original_and_a_dropped_scale_is_caught():
     layer, twin = _frozen_linear()
-    FrozenStorage(torch.float32, linear_fp8=True).store(layer)
+    FrozenStorage(torch.float32, linear="fp8").store(layer)
     assert isinstance(layer, Fp8Linear) and layer.weight.dtype == torch.float8_e4m3fn
     x = torch.randn(16, 96)
     reference = F.linear(x, twin.weight)
@@ -62,7 +62,7 @@ def test_quantising_uses_each_rows_whole_range_and_never_makes_nan():
 
 def test_the_backward_is_the_held_weights_and_keeps_the_fp8_weight_not_a_copy():
     layer, _ = _frozen_linear(1)
-    FrozenStorage(torch.bfloat16, linear_fp8=True).store(layer)
+    FrozenStorage(torch.bfloat16, linear="fp8").store(layer)
     assert layer.bias.dtype == torch.bfloat16
     x = torch.randn(4, 8, 96, requires_grad=True)
     plain = x.detach().clone().requires_grad_(True)
@@ -87,7 +87,7 @@ def test_the_backward_is_the_held_weights_and_keeps_the_fp8_weight_not_a_copy():
 def test_an_fp8_layer_is_a_linear_to_its_holders_and_refuses_a_state_dict_load():
     layer, twin = _frozen_linear(2)
     holder = nn.Sequential(layer)
-    FrozenStorage(torch.float32, linear_fp8=True).store(layer)
+    FrozenStorage(torch.float32, linear="fp8").store(layer)
     assert holder[0] is layer and isinstance(layer, nn.Linear)
     state = holder.state_dict()  # as a Linear's: the weight held, in fp32; the scale is no entry of its own
     assert list(state) == ["0.weight", "0.bias"] and state["0.weight"].dtype == torch.float32
@@ -99,7 +99,7 @@ def test_an_fp8_layer_is_a_linear_to_its_holders_and_refuses_a_state_dict_load()
 def test_trained_layers_and_other_layers_are_not_stored_in_fp8():
     trained = nn.Linear(8, 8)
     conv = nn.Conv2d(4, 4, 3).requires_grad_(False)
-    storage = FrozenStorage(torch.bfloat16, linear_fp8=True)
+    storage = FrozenStorage(torch.bfloat16, linear="fp8")
     storage.store(trained)
     storage.store(conv)
     assert type(trained) is nn.Linear and trained.weight.dtype == torch.float32

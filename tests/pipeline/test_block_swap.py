@@ -76,12 +76,13 @@ def test_block_swap_is_refused_where_it_cannot_work():
         build_config({"memory": {"block_swap": 2}, "pipeline": {"compile": True}})
 
 
-def test_an_fp8_lora_run_with_swapped_blocks_on_two_stages_trains_as_one_resident_stage(tmp_path):
-    """Block swap and the fp8 layers' own backward inside a pipeline: 2 stages of 1F1B, 2 units of each swapped,
-    compute what one process with every weight resident computes."""
+@pytest.mark.parametrize("base", ["fp8", "nf4"])
+def test_a_quantised_lora_run_with_swapped_blocks_on_two_stages_trains_as_one_resident_stage(tmp_path, base):
+    """Block swap and the stored layers' own backward inside a pipeline (fp8 as int8: one product): 2 stages of 1F1B,
+    2 units of each swapped, compute what one process with every weight resident computes."""
     def train(run: Path, *sets: str) -> list[float]:
         cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
-               "--set", "train.max_steps=3", "--set", 'adapter.type="lora"', "--set", 'memory.base_dtype="fp8"',
+               "--set", "train.max_steps=3", "--set", 'adapter.type="lora"', "--set", f'memory.base_dtype="{base}"',
                "--set", "output.sample_every_end=false", "--set", "observe.log_every=0", "--set", "checkpoint.every=0",
                "--set", "output.save_weights=false", *(x for s in sets for x in ("--set", s))]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -102,7 +102,7 @@ def test_an_fp8_base_holds_linear_weights_in_fp8_and_the_rest_in_bf16():
     assert held < 1.1 * sum(p.numel() for p in frozen)
 
 
-def test_the_planner_charges_fp8_linear_weights_one_byte_and_fp32_frozen_weights_their_autocast_copies():
+def test_the_planner_charges_fp8_and_int8_linear_weights_a_byte_nf4_its_share_and_fp32_their_autocast_copies():
     from diffpipe.planner.plan import unit_costs
 
     config = load_config(FLUX, ['adapter.type="lora"', 'train.precision="bf16"'])
@@ -117,6 +117,10 @@ def test_the_planner_charges_fp8_linear_weights_one_byte_and_fp32_frozen_weights
     fp32 = _replicas(load_config(FLUX, ['adapter.type="lora"', 'train.precision="bf16"',
                                         'memory.base_dtype="fp32"']), 1, 1)
     assert bf16.state_bytes(costs) - fp8.state_bytes(costs) == linear
+    for format, held in (("int8", 1.0), ("nf4", 0.5 + 4 / 64)):  # NF4: half a byte, and an fp32 scale per 64
+        quantised = _replicas(load_config(FLUX, ['adapter.type="lora"', 'train.precision="bf16"',
+                                                 f'memory.base_dtype="{format}"']), 1, 1)
+        assert bf16.state_bytes(costs) - quantised.state_bytes(costs) == pytest.approx((2 - held) * linear)
     # per micro-batch in flight, autocast's bf16 copy of every frozen fp32 weight of a linear or convolution layer
     assert sum(fp32.kept_copies_bytes(c) for c in costs) == 2 * sum(c.frozen_product_params for c in costs) > 0
     assert sum(bf16.kept_copies_bytes(c) + fp8.kept_copies_bytes(c) for c in costs) == 0
