@@ -20,6 +20,7 @@ the shape, its colour and its motion.
 from __future__ import annotations
 
 import argparse
+import hashlib
 from pathlib import Path
 
 import torch
@@ -299,15 +300,30 @@ def write_photos(out: Path) -> Path:
     return folder
 
 
+STAMP = "made-by.txt"  # the sha256 of the script that wrote a folder whole (the tests reuse such a folder)
+
+
+def _this_script() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+def made_by_this_script(out: Path) -> bool:
+    """Whether `out` was written whole by this version of the script."""
+    stamp = out / STAMP
+    return stamp.is_file() and stamp.read_text().strip() == _this_script()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "tiny"), help="folder to write into")
     args = parser.parse_args()
     out = Path(args.out)
+    (out / STAMP).unlink(missing_ok=True)  # written again last: a run cut short leaves no stamp
     vae = fitted_vae()  # one VAE for every layout: they differ in the backbone and text encoders
     for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_sd3(out, vae),
                  write_wan(out), write_photos(out), write_clips(out)):
         print(f"wrote {path}")
+    (out / STAMP).write_text(_this_script() + "\n")
 
 
 if __name__ == "__main__":

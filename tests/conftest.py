@@ -1,13 +1,16 @@
 """Fixtures shared across test packages: small diffusers pipeline folders and photos, written once per session by
-examples/make_tiny_pipeline.py (the script the README runs)."""
+examples/make_tiny_pipeline.py (the script the README runs), or copied from examples/tiny when the README's setup
+command wrote it with this very version of the script (its stamp: fitting the tiny VAE takes about a minute)."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
 
 _SCRIPT = Path(__file__).parent.parent / "examples" / "make_tiny_pipeline.py"
+_MADE = _SCRIPT.parent / "tiny"  # where the README's setup command writes them
 
 
 def load_tiny_pipeline_script():
@@ -17,10 +20,23 @@ def load_tiny_pipeline_script():
     return module
 
 
+def _copy_of_made(tmp_path_factory, name: str, parts: tuple[str, ...]) -> Path | None:
+    """A copy of examples/tiny's `parts` (without caches runs left there) when this script version wrote it."""
+    if not load_tiny_pipeline_script().made_by_this_script(_MADE):
+        return None
+    out = tmp_path_factory.mktemp(name)
+    for part in parts:
+        shutil.copytree(_MADE / part, out / part, ignore=shutil.ignore_patterns(".diffpipe_cache"))
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
     """A folder with sd15/, sdxl/, flux/ and sd3/ pipeline folders and photos/ (16 captioned crops); treat it as
     read-only (copy photos/ before changing it)."""
+    made = _copy_of_made(tmp_path_factory, "tiny", ("sd15", "sdxl", "flux", "sd3", "photos"))
+    if made is not None:
+        return made
     out = tmp_path_factory.mktemp("tiny")
     script = load_tiny_pipeline_script()
     vae = script.fitted_vae()
@@ -36,6 +52,9 @@ def tiny(tmp_path_factory) -> Path:
 def tiny_video(tmp_path_factory) -> Path:
     """A folder with wan/ (a WanPipeline folder: umT5, Wan's video VAE, a two-block transformer) and clips/ (twelve
     captioned mp4/webm videos and a still image); treat it as read-only (copy clips/ before changing it)."""
+    made = _copy_of_made(tmp_path_factory, "tiny_video", ("wan", "clips"))
+    if made is not None:
+        return made
     out = tmp_path_factory.mktemp("tiny_video")
     script = load_tiny_pipeline_script()
     script.write_wan(out)

@@ -41,14 +41,6 @@ def _cut_short(full: Path, to: Path) -> Path:
     return to
 
 
-@pytest.fixture(scope="module")
-def full_run(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("checkpoints") / "full"
-    result = _train("--output-dir", str(run))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run
-
-
 @pytest.mark.torch_smoke
 def test_checkpoints_are_written_and_kept(full_run):
     names = sorted(p.name for p in (full_run / "checkpoints").iterdir())
