@@ -195,7 +195,7 @@ class OutputConfig(_Section):
 class MemoryConfig(_Section):
     base_dtype: Literal["auto", "fp32", "bf16", "fp8", "int8", "nf4"] = Field("auto", description="How frozen weights (a LoRA run's base) are stored: fp32; bf16 (half the memory; computed under train.precision's autocast as before, which rounds weights to bf16/fp16 per op anyway); fp8 (the linear layers' weights in fp8 e4m3 with a scale per output row, turned back into the compute dtype as each layer runs; the rest of the base in bf16, or fp32 under fp32 precision: a quarter of fp32 for Flux or Wan, and a slightly different model: each weight within 2^-4 of its value); int8 (the linear layers' weights in int8 with a scale per output row, through bitsandbytes: as small as fp8, each weight within 1/254 of its row's largest); nf4 (4-bit NormalFloat, QLoRA's format, through bitsandbytes: about an eighth of fp32, each weight within 0.152 of its block of 64's largest: a visibly different model). auto: bf16 for LoRA runs on CUDA with bf16/fp16 precision, else fp32.")
     optimizer_state: Literal["fp32", "8bit"] = Field("fp32", description="How AdamW's two moments are held: fp32 (8 bytes a trained parameter), or 8bit (bitsandbytes' AdamW8bit: each moment in 8 bits with a scale per block of 256, about 2 bytes a parameter; parameters under 4096 elements keep fp32 moments). Not with pipeline.data_parallel_shard (its kernels need whole tensors).")
-    block_swap: int = Field(0, ge=0, description="Frozen weights of this many units of each stage (the last ones holding frozen weights: a LoRA base's blocks) kept in pinned host memory and copied to the GPU for each use, ahead of it on a side stream; those units run checkpointed (their forward again before their backward). A stage then holds two such units' frozen weights instead of all. Not with data_parallel > 1 or pipeline.compile.")
+    block_swap: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(0, description="Frozen weights of this many units of each stage (the last ones holding frozen weights: a LoRA base's blocks) kept in pinned host memory and copied to the GPU for each use, ahead of it on a side stream; those units run checkpointed (their forward again before their backward). A stage then holds two such units' frozen weights instead of all. auto: the fewest that make the planned layout fit plan.memory_gib (0 where it fits without; chosen before launch and written to the run's config.toml). Not with data_parallel > 1 or pipeline.compile (auto is 0 there).")
 
 
 class SampleConfig(_Section):
@@ -260,7 +260,7 @@ class RunConfig(_Section):
         if self.memory.base_dtype == "bf16" and t.precision == "fp32":
             raise ValueError("memory.base_dtype = \"bf16\" stores frozen weights in bf16, which fp32 compute cannot "
                              "use: set train.precision = \"bf16\" (or \"fp16\"), or memory.base_dtype = \"fp32\"")
-        if self.memory.block_swap and (p.data_parallel > 1 or p.compile):
+        if self.memory.block_swap not in (0, "auto") and (p.data_parallel > 1 or p.compile):
             raise ValueError("memory.block_swap moves weights between host and device while a step runs, which "
                              "data-parallel replicas (they synchronise every weight) and torch.compile (it fixes "
                              "where each weight lives) do not allow yet: set pipeline.data_parallel = 1 and "

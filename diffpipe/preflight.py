@@ -16,7 +16,7 @@ from .models.units import Backbone
 from .pipeline.schedules import schedule_named
 from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
-from .planner.plan import resolve_stages
+from .planner.plan import resolve_block_swap, resolve_stages
 from .torch_support import schedule_problem
 
 __all__ = ["Checked", "check_before_launch"]
@@ -24,11 +24,12 @@ __all__ = ["Checked", "check_before_launch"]
 
 @dataclass
 class Checked:
-    """The model on the meta device, the resolved stage starts and the stages to checkpoint."""
+    """The model on the meta device, the resolved stage starts, the stages to checkpoint and memory.block_swap."""
 
     backbone: Backbone
     split: list[int]
     checkpointing: list[int]
+    block_swap: int = 0
 
 
 def check_before_launch(config: RunConfig) -> Checked:
@@ -52,9 +53,15 @@ def check_before_launch(config: RunConfig) -> Checked:
         _check_folder_data(config, backbone)
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
     _check_device(config)
+    block_swap = resolve_block_swap(config, backbone)
+    if block_swap != config.memory.block_swap:  # "auto": the stages are planned with the count chosen
+        config = config.model_copy(update={"memory": config.memory.model_copy(update={"block_swap": block_swap})})
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"memory.block_swap = \"auto\": {block_swap} units per stage keep their frozen weights in host "
+                  "memory (the fewest with which the plan fits)", flush=True)
     split, checkpointing = resolve_stages(config, backbone)
     _check_first_stage_trains(backbone, split)
-    return Checked(backbone, split, checkpointing)
+    return Checked(backbone, split, checkpointing, block_swap)
 
 
 def _check_device(config: RunConfig) -> None:

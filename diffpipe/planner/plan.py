@@ -22,7 +22,7 @@ from .costs import UnitCost, count_unit_costs, load_profile
 from .partition import Hardware, Infeasible, Partition, Replicas, estimate_stages, partition
 
 __all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
-           "planned_figures", "search_layouts", "profile_key", "scaled"]
+           "planned_figures", "resolve_block_swap", "search_layouts", "profile_key", "scaled"]
 
 
 @dataclass
@@ -204,9 +204,10 @@ def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
     (pipeline/data_parallel.py, where the processes of a pipeline decide the same)."""
     frozen = frozen_storage(config, "cpu" if config.train.device == "cpu" else "cuda")  # plans are for GPUs
     autocast = AUTOCAST_DTYPES[config.train.precision]
+    swap = config.memory.block_swap
     return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1,
                     frozen=frozen, autocast_bytes=0 if autocast is None else element_bytes(autocast),
-                    moment_bytes=moment_bytes(config.memory.optimizer_state), block_swap=config.memory.block_swap)
+                    moment_bytes=moment_bytes(config.memory.optimizer_state), block_swap=0 if swap == "auto" else swap)
 
 
 def _memory_levers(costs: list[UnitCost], replicas: Replicas) -> list[tuple[str, Replicas]]:
@@ -252,7 +253,14 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
     try:
         planned = partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
     except Infeasible:
-        raise Infeasible(_explain(config, costs, bb, stages, microbatches, hw, replicas)) from None
+        # memory.block_swap = "auto": the fewest swapped units that fit, where nothing (checkpointing included) did
+        swap = None
+        if config.memory.block_swap == "auto" and not p.compile:
+            swap = _fewest_swapped(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
+        if swap is None:
+            raise Infeasible(_explain(config, costs, bb, stages, microbatches, hw, replicas)) from None
+        replicas = replace(replicas, block_swap=swap)
+        planned = partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
     params = estimate_stages(costs, bb, balanced_by_parameters(meta, stages), microbatches, schedule, hw,
                              p.checkpointing, replicas)
     return Plan(stages, data_parallel, microbatches, micro, planned, params,
@@ -318,3 +326,34 @@ def planned_figures(config: RunConfig, meta: Backbone, starts: list[int], checkp
     bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
     return estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hardware(config), checkpointing,
                            _replicas(config, stages, p.data_parallel))
+
+
+def resolve_block_swap(config: RunConfig, backbone: Backbone) -> int:
+    """memory.block_swap as the runtime takes it: "auto" becomes the fewest units per stage whose frozen weights, kept
+    in host memory, make the planned layout fit (pipeline.split "auto": the planner's split, checkpointing chosen
+    first; a given split: its figures); 0 where it fits without, where nothing fits (resolve_stages then warns), with
+    data-parallel replicas or pipeline.compile, and where the device's memory is unknown (a CPU without
+    plan.memory_gib)."""
+    swap, p = config.memory.block_swap, config.pipeline
+    if swap != "auto":
+        return swap
+    hw = hardware(config)
+    if p.data_parallel > 1 or p.compile or hw.memory_bytes is None:
+        return 0
+    meta = backbone if is_meta(backbone.model) else build_backbone(config, "meta")
+    stages = p.stages * p.virtual_stages
+    if p.split == "auto":
+        try:
+            return make_plan(config, meta, stages, 1, p.microbatches, hw).replicas.block_swap
+        except Infeasible:
+            return 0
+    starts = balanced_by_parameters(meta, stages) if p.split == "parameters" else list(p.split)
+    costs = unit_costs(config, meta, config.micro_batch_size)
+    bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
+    replicas = _replicas(config, stages, 1)
+    for count in range(sum(c.params > c.trainable_params for c in costs) + 1):
+        figures = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, p.checkpointing,
+                                  replace(replicas, block_swap=count))
+        if max(figures.process_memory_bytes) <= hw.memory_bytes:
+            return count
+    return 0

@@ -120,3 +120,37 @@ def test_the_planner_holds_two_swapped_units_and_charges_their_recomputation_and
     assert fast.backward_s == pytest.approx(plain.backward_s + sum(c.forward_flops for c in swapped) / 1e12)
     slow = stage(swapping, host_gbps=1e-3)  # a link so slow that no copy hides behind its unit's compute
     assert slow.forward_s > fast.forward_s + sum(frozen) / 1e6 - sum(c.forward_flops for c in swapped) / 1e12 - 1e-9
+
+
+def test_auto_block_swap_is_the_fewest_units_with_which_the_plan_fits_and_the_run_takes_it(tmp_path):
+    """memory.block_swap = "auto" on a device between the plan's peaks with none and with every unit swapped: the
+    fewest units that fit (one fewer does not), chosen before launch, printed, and written to the run's config.toml;
+    0 where everything fits, and with data-parallel replicas (where swap cannot run)."""
+    from diffpipe.planner.plan import planned_figures, resolve_block_swap, resolve_stages
+
+    sets = ['adapter.type="lora"', "pipeline.stages=1", 'train.device="cpu"']
+
+    def peak(count: int) -> float:
+        config = load_config(EXAMPLES / "flux_tiny.toml", [*sets, f"memory.block_swap={count}"])
+        meta = build_backbone(config, "meta")
+        starts, checkpointed = resolve_stages(config, meta)
+        return max(planned_figures(config, meta, starts, checkpointed).process_memory_bytes) / 2**30
+
+    usable = (peak(0) + peak(6)) / 2  # GiB the plan may use: memory_gib less the 10 % headroom
+    auto = [*sets, 'memory.block_swap="auto"', f"plan.memory_gib={usable / 0.9}"]
+    config = load_config(EXAMPLES / "flux_tiny.toml", auto)
+    chosen = resolve_block_swap(config, build_backbone(config, "meta"))
+    assert 0 < chosen < 6 and peak(chosen) <= usable < peak(chosen - 1)
+    roomy = load_config(EXAMPLES / "flux_tiny.toml", [*auto[:-1], "plan.memory_gib=100"])
+    assert resolve_block_swap(roomy, build_backbone(roomy, "meta")) == 0
+    replicas = load_config(EXAMPLES / "flux_tiny.toml", [*auto, "pipeline.data_parallel=2"])
+    assert resolve_block_swap(replicas, build_backbone(replicas, "meta")) == 0
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
+           "--set", "train.max_steps=1", "--set", "output.sample_every_end=false", "--set", "checkpoint.every=0",
+           "--set", "output.save_weights=false", *(x for s in auto for x in ("--set", s))]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f'memory.block_swap = "auto": {chosen} units per stage' in result.stdout
+    assert f"block_swap = {chosen}" in (run / "config.toml").read_text()
