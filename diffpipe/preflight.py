@@ -58,7 +58,7 @@ def check_before_launch(config: RunConfig) -> Checked:
         config = config.model_copy(update={"memory": config.memory.model_copy(update={"block_swap": block_swap})})
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"memory.block_swap = \"auto\": {block_swap} units per stage keep their frozen weights in host "
-                  "memory (the fewest with which the plan fits)", flush=True)
+                  "memory (the fewest with which the plan fits; all that hold them where none fits)", flush=True)
     split, checkpointing = resolve_stages(config, backbone)
     _check_first_stage_trains(backbone, split)
     return Checked(backbone, split, checkpointing, block_swap)

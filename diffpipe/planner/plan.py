@@ -331,9 +331,9 @@ def planned_figures(config: RunConfig, meta: Backbone, starts: list[int], checkp
 def resolve_block_swap(config: RunConfig, backbone: Backbone) -> int:
     """memory.block_swap as the runtime takes it: "auto" becomes the fewest units per stage whose frozen weights, kept
     in host memory, make the planned layout fit (pipeline.split "auto": the planner's split, checkpointing chosen
-    first; a given split: its figures); 0 where it fits without, where nothing fits (resolve_stages then warns), with
-    data-parallel replicas or pipeline.compile, and where the device's memory is unknown (a CPU without
-    plan.memory_gib)."""
+    first; a given split: its figures); 0 where it fits without, with data-parallel replicas or pipeline.compile, and
+    where the device's memory is unknown (a CPU without plan.memory_gib); every unit holding frozen weights where
+    nothing fits (the nearest to fitting; resolve_stages then warns)."""
     swap, p = config.memory.block_swap, config.pipeline
     if swap != "auto":
         return swap
@@ -342,18 +342,19 @@ def resolve_block_swap(config: RunConfig, backbone: Backbone) -> int:
         return 0
     meta = backbone if is_meta(backbone.model) else build_backbone(config, "meta")
     stages = p.stages * p.virtual_stages
+    holding = sum(any(not q.requires_grad for q in unit.module.parameters()) for unit in meta.units)
     if p.split == "auto":
         try:
             return make_plan(config, meta, stages, 1, p.microbatches, hw).replicas.block_swap
         except Infeasible:
-            return 0
+            return holding
     starts = balanced_by_parameters(meta, stages) if p.split == "parameters" else list(p.split)
     costs = unit_costs(config, meta, config.micro_batch_size)
     bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
     replicas = _replicas(config, stages, 1)
-    for count in range(sum(c.params > c.trainable_params for c in costs) + 1):
+    for count in range(holding + 1):
         figures = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, p.checkpointing,
                                   replace(replicas, block_swap=count))
         if max(figures.process_memory_bytes) <= hw.memory_bytes:
             return count
-    return 0
+    return holding

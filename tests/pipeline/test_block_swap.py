@@ -145,6 +145,9 @@ def test_auto_block_swap_is_the_fewest_units_with_which_the_plan_fits_and_the_ru
     assert resolve_block_swap(roomy, build_backbone(roomy, "meta")) == 0
     replicas = load_config(EXAMPLES / "flux_tiny.toml", [*auto, "pipeline.data_parallel=2"])
     assert resolve_block_swap(replicas, build_backbone(replicas, "meta")) == 0
+    cramped = load_config(EXAMPLES / "flux_tiny.toml", [*auto[:-1], "plan.memory_gib=0.0001"])  # nothing fits
+    holding = sum(any(not q.requires_grad for q in u.module.parameters()) for u in build_backbone(cramped, "meta").units)
+    assert resolve_block_swap(cramped, build_backbone(cramped, "meta")) == holding
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
