@@ -47,7 +47,8 @@ def _prepare_run(args) -> tuple:
         config.output.dir = args.output_dir
     checked = check_before_launch(config)
     config.pipeline.split, config.pipeline.checkpointing = checked.split, checked.checkpointing
-    config.memory.block_swap = checked.block_swap
+    for key, value in checked.memory.items():  # chosen by the planner ("auto")
+        setattr(config.memory, key, value)
     run_dir = Path(config.output.dir)
     is_main = int(os.environ.get("RANK", "0")) == 0
     # each machine's first process prepares that machine's run folder (machines may share no disk)

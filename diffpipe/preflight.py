@@ -3,7 +3,7 @@ architecture, checkpoint file, resolution, dataset shape, and the stage split (p
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,7 +16,7 @@ from .models.units import Backbone
 from .pipeline.schedules import schedule_named
 from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
-from .planner.plan import resolve_block_swap, resolve_stages
+from .planner.plan import resolve_memory, resolve_stages
 from .torch_support import schedule_problem
 
 __all__ = ["Checked", "check_before_launch"]
@@ -24,12 +24,13 @@ __all__ = ["Checked", "check_before_launch"]
 
 @dataclass
 class Checked:
-    """The model on the meta device, the resolved stage starts, the stages to checkpoint and memory.block_swap."""
+    """The model on the meta device, the resolved stage starts, the stages to checkpoint and the [memory] settings the
+    planner chose ("auto"), by key."""
 
     backbone: Backbone
     split: list[int]
     checkpointing: list[int]
-    block_swap: int = 0
+    memory: dict = field(default_factory=dict)
 
 
 def check_before_launch(config: RunConfig) -> Checked:
@@ -53,15 +54,17 @@ def check_before_launch(config: RunConfig) -> Checked:
         _check_folder_data(config, backbone)
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
     _check_device(config)
-    block_swap = resolve_block_swap(config, backbone)
-    if block_swap != config.memory.block_swap:  # "auto": the stages are planned with the count chosen
-        config = config.model_copy(update={"memory": config.memory.model_copy(update={"block_swap": block_swap})})
+    memory = resolve_memory(config, backbone)
+    changes = memory.changes(config.memory)
+    if changes:  # settings left to the planner ("auto"): the stages are planned with them as chosen
+        config = config.model_copy(update={"memory": config.memory.model_copy(update=changes)})
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"memory.block_swap = \"auto\": {block_swap} units per stage keep their frozen weights in host "
-                  "memory (the fewest with which the plan fits; all that hold them where none fits)", flush=True)
+            print(f"memory settings chosen by the planner (\"auto\"): {memory.words()} (planner/levers.py: the "
+                  "first, in order of how little they change, with which the plan fits; where none fits, the most "
+                  "saving)", flush=True)
     split, checkpointing = resolve_stages(config, backbone)
     _check_first_stage_trains(backbone, split)
-    return Checked(backbone, split, checkpointing, block_swap)
+    return Checked(backbone, split, checkpointing, changes)
 
 
 def _check_device(config: RunConfig) -> None:

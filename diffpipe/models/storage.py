@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["FrozenStorage", "StoredLinear", "Fp8Linear", "FP8", "FP8_MAX", "quantise", "dequantise", "quantisable",
-           "PRODUCT_LAYERS", "LINEAR_FORMATS"]
+           "PRODUCT_LAYERS", "LINEAR_FORMATS", "linear_class", "element_bytes"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -92,7 +92,7 @@ class StoredLinear(nn.Linear):
     @classmethod
     def store(cls, linear: nn.Linear, work_device: torch.device | None = None) -> "StoredLinear":
         """Turn `linear` (frozen, weights real) into this class in place, quantising on `work_device` when given
-        (the run's GPU: bitsandbytes' CPU NF4 quantiser took minutes for a 12 B base); it stays where it was."""
+        (the run's GPU: bitsandbytes' CPU NF4 quantiser took over two minutes for a 12 B base); it stays where it was."""
         home = linear.weight.device
         if work_device is not None and torch.device(work_device) != home:
             cls._hold(linear.to(work_device))
@@ -183,4 +183,5 @@ def linear_class(format: str) -> type[StoredLinear]:
 
 
 def element_bytes(dtype: torch.dtype) -> int:
+    """Bytes an element of `dtype` takes."""
     return torch.empty((), dtype=dtype).element_size()

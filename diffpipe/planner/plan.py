@@ -19,10 +19,11 @@ from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, moment_b
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
 from ..pipeline.schedules import choice_of
 from .costs import UnitCost, count_unit_costs, load_profile
+from .levers import MemoryChoice, choose, leaves_any, unchanged
 from .partition import Hardware, Infeasible, Partition, Replicas, estimate_stages, partition
 
 __all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
-           "planned_figures", "resolve_block_swap", "search_layouts", "profile_key", "scaled"]
+           "planned_figures", "resolve_memory", "search_layouts", "profile_key", "scaled"]
 
 
 @dataclass
@@ -204,10 +205,10 @@ def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
     (pipeline/data_parallel.py, where the processes of a pipeline decide the same)."""
     frozen = frozen_storage(config, "cpu" if config.train.device == "cpu" else "cuda")  # plans are for GPUs
     autocast = AUTOCAST_DTYPES[config.train.precision]
-    swap = config.memory.block_swap
+    held = unchanged(config)  # each "auto" at its unchanged value: the planner changes it only where needed
     return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1,
                     frozen=frozen, autocast_bytes=0 if autocast is None else element_bytes(autocast),
-                    moment_bytes=moment_bytes(config.memory.optimizer_state), block_swap=0 if swap == "auto" else swap)
+                    moment_bytes=moment_bytes(held.optimizer_state), block_swap=held.block_swap)
 
 
 def _memory_levers(costs: list[UnitCost], replicas: Replicas) -> list[tuple[str, Replicas]]:
@@ -253,13 +254,18 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
     try:
         planned = partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
     except Infeasible:
-        # memory.block_swap = "auto": the fewest swapped units that fit, where nothing (checkpointing included) did
-        swap = None
-        if config.memory.block_swap == "auto" and not p.compile:
-            swap = _fewest_swapped(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
-        if swap is None:
+        # the memory settings left to the planner ("auto"), in planner/levers.py's order
+        def fits(held: Replicas) -> bool:
+            try:
+                partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, held)
+                return True
+            except Infeasible:
+                return False
+
+        chosen = choose(config, replicas, fits, _holding(costs)) if leaves_any(config.memory) else None
+        if chosen is None:
             raise Infeasible(_explain(config, costs, bb, stages, microbatches, hw, replicas)) from None
-        replicas = replace(replicas, block_swap=swap)
+        replicas = chosen[1]
         planned = partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
     params = estimate_stages(costs, bb, balanced_by_parameters(meta, stages), microbatches, schedule, hw,
                              p.checkpointing, replicas)
@@ -328,26 +334,54 @@ def planned_figures(config: RunConfig, meta: Backbone, starts: list[int], checkp
                            _replicas(config, stages, p.data_parallel))
 
 
-def resolve_block_swap(config: RunConfig, backbone: Backbone) -> int:
-    """memory.block_swap as the runtime takes it: "auto" becomes the fewest units per stage whose frozen weights, kept
-    in host memory, make the planned layout fit (pipeline.split "auto": the planner's split, checkpointing chosen
-    first; a given split: its figures); 0 where it fits without, with data-parallel replicas or pipeline.compile, and
-    where the device's memory is unknown (a CPU without plan.memory_gib); every unit holding frozen weights where
-    nothing fits (the nearest to fitting; resolve_stages then warns)."""
-    swap, p = config.memory.block_swap, config.pipeline
-    if swap != "auto":
-        return swap
+def _holding(costs: list[UnitCost]) -> int:
+    """Units holding frozen weights: the most block swap can take."""
+    return sum(c.params > c.trainable_params for c in costs)
+
+
+def resolve_memory(config: RunConfig, backbone: Backbone) -> MemoryChoice:
+    """The [memory] settings as the runtime takes them, those left to the planner ("auto") chosen in
+    planner/levers.py's order for the configured layout (pipeline.split "auto": the planner's split, checkpointing
+    chosen first; a given split: its figures). Unchanged where the layout fits as configured or the device's memory
+    is unknown (a CPU without plan.memory_gib); where nothing fits, the settings that save the most (resolve_stages
+    then warns)."""
+    first = unchanged(config)
     hw = hardware(config)
-    if p.data_parallel > 1 or p.compile or hw.memory_bytes is None:
-        return 0
+    if not leaves_any(config.memory) or hw.memory_bytes is None:
+        return first
+    p = config.pipeline
     meta = backbone if is_meta(backbone.model) else build_backbone(config, "meta")
     stages = p.stages * p.virtual_stages
-    holding = sum(any(not q.requires_grad for q in unit.module.parameters()) for unit in meta.units)
     if p.split == "auto":
         try:
-            return make_plan(config, meta, stages, 1, p.microbatches, hw).replicas.block_swap
+            held = make_plan(config, meta, stages, p.data_parallel, p.microbatches, hw).replicas
         except Infeasible:
-            return holding
+            return _most_saving(config, meta)
+        return MemoryChoice(held.frozen.linear or first.base_dtype,
+                            "8bit" if held.moment_bytes < moment_bytes("fp32") else "fp32", held.block_swap)
+    starts = balanced_by_parameters(meta, stages) if p.split == "parameters" else list(p.split)
+    costs = unit_costs(config, meta, config.micro_batch_size)
+    bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
+
+    def fits(held: Replicas) -> bool:
+        figures = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, p.checkpointing, held)
+        return max(figures.process_memory_bytes) <= hw.memory_bytes
+
+    chosen = choose(config, _replicas(config, stages, p.data_parallel), fits, _holding(costs))
+    return chosen[0] if chosen is not None else _most_saving(config, meta)
+
+
+def _most_saving(config: RunConfig, meta: Backbone) -> MemoryChoice:
+    """Where nothing fits: every setting left to the planner at its most saving (the nearest to fitting)."""
+    m, choice = config.memory, unchanged(config)
+    swap = m.block_swap == "auto" and config.pipeline.data_parallel == 1 and not config.pipeline.compile
+    holding = sum(any(not q.requires_grad for q in unit.module.parameters()) for unit in meta.units)
+    shard = config.pipeline.data_parallel_shard and config.pipeline.data_parallel > 1
+    return MemoryChoice(
+        min(m.quantise_if_needed, key=LINEAR_FORMATS.get) if m.base_dtype == "auto" and m.quantise_if_needed
+        else choice.base_dtype,
+        "8bit" if m.optimizer_state == "auto" and not shard else choice.optimizer_state,
+        holding if swap else choice.block_swap)
     starts = balanced_by_parameters(meta, stages) if p.split == "parameters" else list(p.split)
     costs = unit_costs(config, meta, config.micro_batch_size)
     bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])

@@ -37,7 +37,7 @@ from ..precision import AUTOCAST_DTYPES, frozen_storage
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import build_stage_modules
 from ..pipeline.tied import TiedGradients, tied_parameters
-from ..planner.plan import resolve_block_swap, resolve_stages
+from ..planner.plan import resolve_memory, resolve_stages
 from .optim import (LossScaler, clip_gradients, global_grad_norm, make_optimizer,
                     step_optimizer)
 from .checkpoint import PendingCheckpoint, latest_checkpoint, load_checkpoint, model_shapes, save_checkpoint
@@ -74,8 +74,10 @@ class Trainer:
             torch.backends.cuda.enable_cudnn_sdp(False)  # the family's note says why
         self.model_config = dict(backbone.model.config)
         self.model_shapes = model_shapes(backbone.model)
-        if config.memory.block_swap == "auto":  # the launcher resolves it before starting processes; here if not
-            config.memory.block_swap = resolve_block_swap(config, backbone)
+        m = config.memory  # settings left to the planner: the launcher chooses them before starting processes
+        if not isinstance(p.split, list) or "auto" in (m.block_swap, m.optimizer_state):  # here where it did not
+            for key, value in resolve_memory(config, backbone).changes(m).items():
+                setattr(m, key, value)
         if not isinstance(p.split, list) or not isinstance(p.checkpointing, list):
             p.split, p.checkpointing = resolve_stages(config, backbone)
         specs = stage_specs(backbone, p.split)

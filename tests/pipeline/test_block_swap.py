@@ -76,10 +76,12 @@ def test_block_swap_is_refused_where_it_cannot_work():
         build_config({"memory": {"block_swap": 2}, "pipeline": {"compile": True}})
 
 
-@pytest.mark.parametrize("base", ["fp8", "nf4"])
-def test_a_quantised_lora_run_with_swapped_blocks_on_two_stages_trains_as_one_resident_stage(tmp_path, base):
-    """Block swap and the stored layers' own backward inside a pipeline (fp8 as int8: one product): 2 stages of 1F1B,
-    2 units of each swapped, compute what one process with every weight resident computes."""
+def test_a_quantised_lora_run_with_swapped_blocks_on_two_stages_trains_as_one_resident_stage(tmp_path):
+    """Block swap and the stored layers' own backward inside a pipeline: 2 stages of 1F1B, 2 units of each swapped,
+    compute what one process with every weight resident computes. NF4 (packed codes and block scales, its own
+    backward); fp8 and int8 share StoredLinear's handling and a product of their own (tests/models), and fp8 with
+    and without swap gave the same losses on a GPU (docs/benchmarks.md)."""
+    base = "nf4"
     def train(run: Path, *sets: str) -> list[float]:
         cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
                "--set", "train.max_steps=3", "--set", 'adapter.type="lora"', "--set", f'memory.base_dtype="{base}"',
@@ -126,7 +128,7 @@ def test_auto_block_swap_is_the_fewest_units_with_which_the_plan_fits_and_the_ru
     """memory.block_swap = "auto" on a device between the plan's peaks with none and with every unit swapped: the
     fewest units that fit (one fewer does not), chosen before launch, printed, and written to the run's config.toml;
     0 where everything fits, and with data-parallel replicas (where swap cannot run)."""
-    from diffpipe.planner.plan import planned_figures, resolve_block_swap, resolve_stages
+    from diffpipe.planner.plan import planned_figures, resolve_memory, resolve_stages
 
     sets = ['adapter.type="lora"', "pipeline.stages=1", 'train.device="cpu"']
 
@@ -139,15 +141,15 @@ def test_auto_block_swap_is_the_fewest_units_with_which_the_plan_fits_and_the_ru
     usable = (peak(0) + peak(6)) / 2  # GiB the plan may use: memory_gib less the 10 % headroom
     auto = [*sets, 'memory.block_swap="auto"', f"plan.memory_gib={usable / 0.9}"]
     config = load_config(EXAMPLES / "flux_tiny.toml", auto)
-    chosen = resolve_block_swap(config, build_backbone(config, "meta"))
+    chosen = resolve_memory(config, build_backbone(config, "meta")).block_swap
     assert 0 < chosen < 6 and peak(chosen) <= usable < peak(chosen - 1)
     roomy = load_config(EXAMPLES / "flux_tiny.toml", [*auto[:-1], "plan.memory_gib=100"])
-    assert resolve_block_swap(roomy, build_backbone(roomy, "meta")) == 0
+    assert resolve_memory(roomy, build_backbone(roomy, "meta")).block_swap == 0
     replicas = load_config(EXAMPLES / "flux_tiny.toml", [*auto, "pipeline.data_parallel=2"])
-    assert resolve_block_swap(replicas, build_backbone(replicas, "meta")) == 0
+    assert resolve_memory(replicas, build_backbone(replicas, "meta")).block_swap == 0
     cramped = load_config(EXAMPLES / "flux_tiny.toml", [*auto[:-1], "plan.memory_gib=0.0001"])  # nothing fits
     holding = sum(any(not q.requires_grad for q in u.module.parameters()) for u in build_backbone(cramped, "meta").units)
-    assert resolve_block_swap(cramped, build_backbone(cramped, "meta")) == holding
+    assert resolve_memory(cramped, build_backbone(cramped, "meta")).block_swap == holding
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
@@ -155,5 +157,5 @@ def test_auto_block_swap_is_the_fewest_units_with_which_the_plan_fits_and_the_ru
            "--set", "output.save_weights=false", *(x for s in auto for x in ("--set", s))]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f'memory.block_swap = "auto": {chosen} units per stage' in result.stdout
+    assert f"memory.block_swap = {chosen} (planner/levers.py" in result.stdout
     assert f"block_swap = {chosen}" in (run / "config.toml").read_text()

@@ -1,0 +1,64 @@
+"""The memory settings a config leaves to the planner ("auto"; planner/levers.py): on a device between two settings'
+planned peaks, the planner takes the first setting, in order of how little it changes, with which the layout fits:
+block swap before 8-bit moments before a quantised base, each quantised format only when the config lists it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diffpipe.build import build_backbone
+from diffpipe.config import load_config
+from diffpipe.planner.plan import planned_figures, resolve_memory, resolve_stages
+
+EXAMPLES = Path(__file__).parent.parent.parent / "examples"
+HEADROOM = 0.9  # plan.memory_headroom's default leaves 10 % free
+
+
+def _peak(example: str, sets: list[str]) -> float:
+    """The plan's peak GiB per process with these settings fixed."""
+    config = load_config(EXAMPLES / example, sets)
+    meta = build_backbone(config, "meta")
+    starts, checkpointed = resolve_stages(config, meta)
+    return max(planned_figures(config, meta, starts, checkpointed).process_memory_bytes) / 2**30
+
+
+def _chosen(example: str, sets: list[str], usable_gib: float):
+    config = load_config(EXAMPLES / example, [*sets, f"plan.memory_gib={usable_gib / HEADROOM}"])
+    return resolve_memory(config, build_backbone(config, "meta"))
+
+
+LORA = ['adapter.type="lora"', "pipeline.stages=1", 'train.device="cpu"', 'pipeline.checkpointing="all"']
+
+
+def test_a_quantised_base_is_chosen_only_where_listed_and_the_least_changing_format_that_fits():
+    bf16, int8, nf4 = (_peak("flux_tiny.toml", [*LORA, f'memory.base_dtype="{b}"']) for b in ("fp32", "int8", "nf4"))
+    assert nf4 < int8 < bf16
+    listed = [*LORA, 'memory.base_dtype="auto"', 'memory.quantise_if_needed=["int8", "nf4"]']
+    assert _chosen("flux_tiny.toml", listed, (int8 + bf16) / 2).base_dtype == "int8"
+    assert _chosen("flux_tiny.toml", listed, (nf4 + int8) / 2).base_dtype == "nf4"
+    assert _chosen("flux_tiny.toml", listed, 2 * bf16).base_dtype == "auto"  # fits as it is: unchanged
+    unlisted = [*LORA, 'memory.base_dtype="auto"', 'memory.quantise_if_needed=["nf4"]']
+    assert _chosen("flux_tiny.toml", unlisted, (int8 + bf16) / 2).base_dtype == "nf4"  # int8 not allowed
+    never = [*LORA, 'memory.base_dtype="auto"']
+    assert _chosen("flux_tiny.toml", never, (int8 + bf16) / 2).base_dtype == "auto"  # nothing allowed: unchanged
+
+
+def test_block_swap_comes_before_a_quantised_base_and_8bit_moments_before_both_where_they_suffice():
+    swapped = _peak("flux_tiny.toml", [*LORA, "memory.block_swap=6"])
+    resident = _peak("flux_tiny.toml", LORA)
+    both = [*LORA, 'memory.base_dtype="auto"', 'memory.quantise_if_needed=["int8"]', 'memory.block_swap="auto"']
+    choice = _chosen("flux_tiny.toml", both, (swapped + resident) / 2)
+    assert choice.base_dtype == "auto" and choice.block_swap > 0  # swap changes nothing computed: tried first
+
+    full = ["pipeline.stages=1", 'train.device="cpu"']  # digits, full fine-tune: the moments matter
+    fp32, eight = _peak("digits.toml", full), _peak("digits.toml", [*full, 'memory.optimizer_state="8bit"'])
+    assert eight < fp32
+    assert _chosen("digits.toml", [*full, 'memory.optimizer_state="auto"'], (eight + fp32) / 2).optimizer_state == "8bit"
+    assert _chosen("digits.toml", [*full, 'memory.optimizer_state="auto"'], 2 * fp32).optimizer_state == "fp32"
+    with pytest.raises(Exception, match="optimizer_state"):  # 8-bit is refused with sharded replicas; auto is not
+        load_config(EXAMPLES / "digits.toml", ["pipeline.stages=1", "pipeline.data_parallel=2",
+                                               "pipeline.data_parallel_shard=true", 'memory.optimizer_state="8bit"'])
+    shard = ["pipeline.stages=1", "pipeline.data_parallel=2", "pipeline.data_parallel_shard=true",
+             'train.device="cpu"', 'memory.optimizer_state="auto"']
+    assert _chosen("digits.toml", shard, 1e-4).optimizer_state == "fp32"
