@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import seeds
 from ..config import TrainConfig
 from ..diffusion.objectives import make_targets
 from ..diffusion.timesteps import sample_timesteps
@@ -48,7 +49,7 @@ class TensorImages:
         out: list[int] = []
         while len(out) < batch_size:
             epoch, offset = divmod(start + len(out), n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(seeds.of_epoch(seed, epoch)))
             out.extend(perm[offset:offset + batch_size - len(out)].tolist())
         return out
 
@@ -94,7 +95,7 @@ class BatchMaker:
         return self.feed.conditions(hidden, pooled, size_ids, latent_size)
 
     def make(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:
-        gen = torch.Generator().manual_seed(self.train.seed * 1_000_003 + step)
+        gen = torch.Generator().manual_seed(seeds.of_step(self.train.seed, step))
         idx = self.data.batch_indices(step, self.train.batch_size, self.train.seed)
         per = len(idx) // dp_size
         part = slice(dp_rank * per, (dp_rank + 1) * per)

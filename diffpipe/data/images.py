@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 from rich.progress import track
 
+from .. import seeds
 from ..config import DataConfig
 from ..models.pipeline_folder import PipelineText, component_weights, fingerprint_files
 from ..models.vae import encode_latents
@@ -125,7 +126,7 @@ class FolderImages:
         groups = self.groups()
         per_epoch = sum(-(-len(g) // batch_size) for g in groups)
         epoch, position = divmod(step, per_epoch)
-        gen = torch.Generator().manual_seed(seed * 7919 + epoch)
+        gen = torch.Generator().manual_seed(seeds.of_epoch(seed, epoch))
         batches = []
         for group in groups:
             order = [group[i] for i in torch.randperm(len(group), generator=gen).tolist()]

@@ -10,19 +10,14 @@ Names: peft calls a wrapped weight `....to_q.base_layer.weight` and an adapter `
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 
+from .. import seeds
 from ..config import AdapterConfig
 
 __all__ = ["load_adapters", "lora_metadata", "add_lora", "seed_lora", "plain_name", "base_module_name", "is_adapter", "merge_lora", "lora_weights", "lora_scale"]
-
-
-def _seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}/lora/{name}".encode()).digest()[:8], "little") >> 1
 
 
 def add_lora(model: torch.nn.Module, adapter: AdapterConfig, default_targets: tuple[str, ...], seed: int) -> None:
@@ -46,7 +41,7 @@ def seed_lora(model: torch.nn.Module, seed: int) -> None:
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and not module.lora_A["default"].weight.is_meta:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_seed(seed, name))
+                torch.manual_seed(seeds.named(seed, f"lora/{name}"))
                 module.reset_lora_parameters("default", True)
 
 

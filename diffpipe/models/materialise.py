@@ -12,7 +12,6 @@ read tensor by tensor from the .safetensors file, so a process never reads anoth
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from pathlib import Path
 from typing import Callable
 
@@ -20,6 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from .. import seeds
 from ..torch_support import non_persistent_buffers
 from .loading import CheckpointError
 from .storage import FrozenStorage
@@ -34,10 +34,6 @@ class NonFiniteWeights(CheckpointError):
 def is_meta(model: nn.Module) -> bool:
     """True when no weight of `model` has been given memory yet."""
     return all(t.is_meta for t in model.parameters())
-
-
-def _module_seed(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
 
 
 def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
@@ -107,7 +103,7 @@ def _give_parameters(model: nn.Module, name: str, module: nn.Module, file_name: 
                                            "or was written by a diverged run: use another checkpoint")
         else:
             with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
-                torch.manual_seed(_module_seed(seed, file_name if file_name is not None else name))
+                torch.manual_seed(seeds.named(seed, file_name if file_name is not None else name))
                 if hasattr(module, "reset_parameters"):
                     module.reset_parameters()
                 elif not reset_own(module):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import seeds
 from ..config import RunConfig
 from ..data.batches import TensorImages, fixed_batches
 from ..diffusion.timesteps import timestep_quantiles
@@ -39,7 +40,7 @@ def evaluate(trainer) -> dict[str, float]:
     batches = fixed_batches(trainer.held_out, train.batch_size)
     sums = torch.zeros(len(ts), dtype=torch.float64, device=topo.device)
     for b, indices in enumerate(batches):
-        at_each_t = trainer.batches.make_fixed(trainer.held_out, indices, ts.tolist(), train.seed * 1_000_003 + b,
+        at_each_t = trainer.batches.make_fixed(trainer.held_out, indices, ts.tolist(), seeds.of_step(train.seed, b),
                                                topo.dp_rank, topo.dp_size)
         for q, batch in enumerate(at_each_t):
             batch = batch.to(topo.device)

@@ -49,8 +49,8 @@ def test_a_node_killed_mid_run_stops_the_other_and_both_resume_to_the_same_losse
     for node in ("a", "b"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "several-machines",
-               "--max-restarts", "1", "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(tmp_path / node),
-               *SETTINGS]
+               "--max-restarts", "1", "--monitor-interval", "5",  # README ("several machines") says why
+               "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(tmp_path / node), *SETTINGS]
         agents.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                        start_new_session=True))
         time.sleep(1)
@@ -71,8 +71,8 @@ def test_a_node_killed_mid_run_stops_the_other_and_both_resume_to_the_same_losse
         for agent in agents:
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
-    for agent, (out, err) in zip(agents, outputs):
-        assert agent.returncode == 0, err[-3000:]
+    failed = [f"node {n}: {err[-3000:]}" for n, agent, (_, err) in zip("ab", agents, outputs) if agent.returncode]
+    assert not failed, "\n".join(failed)  # both nodes' ends: one node's failure is often the other's knock-on
     (main_run,) = [tmp_path / n for n in "ab" if (tmp_path / n / "metrics.jsonl").is_file()]
     main_out = outputs["ab".index(main_run.name)][0]
     assert "resuming" in main_out and "MiB of step-00000010 from the other machines" in main_out
