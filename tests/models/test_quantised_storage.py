@@ -1,4 +1,4 @@
-"""memory.base_dtype = "int8" / "nf4": a frozen linear layer's weight quantised through bitsandbytes computes within
+"""memory.base_dtype = "int8" / "nf4" (the backward test: fp8 too): a frozen linear layer's weight quantised through
 the format's rounding of the original, its backward is the gradient of the weight it holds and keeps the stored
 weight (not a bf16 copy), and the rest of the model sees an ordinary Linear."""
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_nf4_weights_turn_back_right_where_rows_are_not_a_multiple_of_64_long():
         assert (error <= _per_weight_bound(layer)).all()
 
 
-@pytest.mark.parametrize("format,stored", [("int8", torch.int8), ("nf4", torch.uint8)])
+@pytest.mark.parametrize("format,stored", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8), ("nf4", torch.uint8)])
 def test_the_backward_is_the_held_weights_and_keeps_the_stored_weight_not_a_copy(format, stored):
     layer, _ = _frozen_linear(2)
     FrozenStorage(torch.bfloat16, format).store(layer)
