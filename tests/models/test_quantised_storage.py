@@ -1,5 +1,5 @@
 """memory.base_dtype = "int8" / "nf4" (the backward test: fp8 too): a frozen linear layer's weight quantised through
-the format's rounding of the original, its backward is the gradient of the weight it holds and keeps the stored
+bitsandbytes (or stored in fp8) computes within the format's rounding of the original, its backward is the gradient of the weight it holds and keeps the stored
 weight (not a bf16 copy), and the rest of the model sees an ordinary Linear."""
 from __future__ import annotations
 
