@@ -32,13 +32,17 @@ class UserError(Exception):
 
 
 def _prepare_run(args) -> tuple:
+    from .config import load_config, make_paths_absolute, save_config
+    from .distributed import prepare_to_launch
+
+    config = make_paths_absolute(load_config(args.config, args.set or []))
+    prepare_to_launch(config.world_size)  # the processes' imports run while this one checks (below)
+
     from .build import boundary_traffic
     from .preflight import check_before_launch
     from .pipeline.traffic import format_crossings
-    from .config import load_config, make_paths_absolute, save_config
     from .run_folder import RunLock, prepare_new_run
 
-    config = make_paths_absolute(load_config(args.config, args.set or []))
     if _restarted_by_torchrun(args, config):
         args.resume = args.output_dir or config.output.dir
     if args.resume:
@@ -373,7 +377,7 @@ def _main(args) -> int:
     except TrainingStopped as exc:  # under torchrun: this process's own
         print(f"diffpipe {args.command}: training stopped: {exc}", file=sys.stderr)
         return 1
-    except (ProcessRaisedException, ProcessExitedException, WorkerFailed) as exc:  # a spawned process failed
+    except (ProcessRaisedException, ProcessExitedException, WorkerFailed) as exc:  # a started process failed
         print(f"diffpipe {args.command}: {_worker_failure(str(exc))}", file=sys.stderr)
         return 1
     return 0

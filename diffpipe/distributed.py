@@ -1,12 +1,13 @@
 """Process launch and the (data parallel x pipeline) grid of processes with its process groups.
 
 `launch` runs a worker in `world_size` processes: directly when already under `torchrun` (which sets
-RANK/WORLD_SIZE), in this process when one is enough, and otherwise by spawning them on this machine.
+RANK/WORLD_SIZE), in this process when one is enough, and otherwise by starting them on this machine.
 """
 from __future__ import annotations
 
 import os
 import signal
+from multiprocessing import forkserver
 import socket
 import tempfile
 import time
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["Topology", "WorkerFailed", "Interrupted", "launch", "end_process_group", "init_topology",
-           "single_process_topology", "under_torchrun", "resolve_device_kind"]
+           "single_process_topology", "under_torchrun", "resolve_device_kind", "prepare_to_launch"]
 
 
 @dataclass
@@ -82,7 +83,7 @@ def single_process_topology(device_kind: str) -> "Topology":
 
 
 class WorkerFailed(RuntimeError):
-    """A spawned process failed; the message is the first failure's own error, not the others' lost connections."""
+    """A started process failed; the message is the first failure's own error, not the others' lost connections."""
 
 
 class Interrupted(RuntimeError):
@@ -94,7 +95,46 @@ _KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "Socket Timeout", "Connection refused")
 
 
-def _spawned_entry(index: int, world_size: int, port: int, fn: Callable, args: tuple, errors: str) -> None:
+# imported once by the fork server instead of by every process it starts: the training worker's module brings
+# torch, diffusers, transformers, peft and bitsandbytes (about 7 s a process on a 2-core machine)
+_IMPORTED_ONCE = ("diffpipe.train.trainer",)
+
+
+def _forks() -> bool:
+    """Whether `launch` forks its processes from multiprocessing's fork server: on a machine without a GPU. The
+    server imports the worker's modules once (`spawn` imports them again in every process: most of a short CPU
+    run's time, and of the test suite's). On a machine with one they are spawned: bitsandbytes, which diffusers
+    imports, initialises CUDA as it is imported (`cuda_specs.get_compute_capabilities`, 0.50.2), and a process
+    forked from one that did cannot use CUDA."""
+    return torch.cuda.device_count() == 0
+
+
+def prepare_to_launch(world_size: int) -> None:
+    """Start the fork server now where `launch` will fork `world_size` processes from it, so that its imports
+    (about 7 s on a 2-core machine) run while this process does its own work before launching (`diffpipe train`'s
+    checks and plan)."""
+    if world_size > 1 and not under_torchrun() and _forks():
+        mp.get_context("forkserver").set_forkserver_preload(list(_IMPORTED_ONCE))
+        forkserver.ensure_running()
+
+
+def _start(world_size: int, port: int, fn: Callable, args: tuple, errors: str):
+    """Start the processes (forked or spawned: `_forks`). A forked process starts in the fork server's environment
+    and folder, so each takes the launcher's, as a spawned one has."""
+    place = (os.getcwd(), dict(os.environ))
+    method = "forkserver" if _forks() else "spawn"
+    if method == "forkserver":  # no effect where the server runs already (prepare_to_launch)
+        mp.get_context(method).set_forkserver_preload([*_IMPORTED_ONCE, fn.__module__])
+    return mp.start_processes(_started_entry, args=(world_size, port, fn, args, errors, place), nprocs=world_size,
+                              start_method=method, join=False)
+
+
+def _started_entry(index: int, world_size: int, port: int, fn: Callable, args: tuple, errors: str,
+                   place: tuple[str, dict]) -> None:
+    folder, environment = place
+    os.chdir(folder)
+    os.environ.clear()
+    os.environ.update(environment)
     _set_place(index, world_size, port)
     try:
         fn(*args)
@@ -143,11 +183,9 @@ def launch(fn: Callable[..., Any], args: tuple, world_size: int) -> None:
         end_process_group()
         return
     with tempfile.TemporaryDirectory(prefix="diffpipe-errors-") as errors:
-        context = mp.start_processes(_spawned_entry, args=(world_size, port, fn, args, errors), nprocs=world_size,
-                                     start_method="spawn", join=False)
         interrupted = []
         try:
-            _join_passing_on_signals(context, interrupted)
+            _run_passing_on_signals(lambda: _start(world_size, port, fn, args, errors), interrupted)
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             cause = _first_failure(errors)
             if cause is None and interrupted:  # stopped while building: a process in training writes why it stopped
@@ -175,16 +213,28 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _join_passing_on_signals(context, interrupted: list, grace_s: float = 300.0) -> None:
-    """Wait for the spawned processes. Ctrl-C or SIGTERM to this launcher is passed on to each as SIGTERM (a
+def _run_passing_on_signals(start: Callable[[], Any], interrupted: list, grace_s: float = 300.0) -> None:
+    """Start the processes and wait for them. Ctrl-C or SIGTERM to this launcher is passed on to each as SIGTERM (a
     training process then checkpoints the step it is at and exits; one still building just ends) and noted in
-    `interrupted`; any still running `grace_s` later are killed. If one process fails, torch's join ends the others
-    and raises, naming it."""
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    `interrupted`; any still running `grace_s` later are killed. One that arrives while they are being started is
+    held until all have started: a start stopped half done left the started ones running, holding this terminal's
+    output open (seen once in three Ctrl-Cs in tests/train/test_interrupt.py). If one process fails, torch's join
+    ends the others and raises, naming it."""
+    held = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        context = start()
+    finally:
+        signal.signal(signal.SIGINT, previous[signal.SIGINT])
+        signal.signal(signal.SIGTERM, _interrupt)
     deadline = None
     try:
         while True:
             try:
+                if held:
+                    held.clear()
+                    raise KeyboardInterrupt
                 if context.join(timeout=1.0):
                     return
                 if deadline is not None and time.monotonic() > deadline:
@@ -198,7 +248,7 @@ def _join_passing_on_signals(context, interrupted: list, grace_s: float = 300.0)
                             os.kill(process.pid, signal.SIGTERM)
                     deadline = time.monotonic() + grace_s
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[signal.SIGTERM])
 
 
 def _store_of_this_attempt(world_size: int) -> dist.Store | None:

@@ -7,5 +7,5 @@ from diffpipe.distributed import launch
 
 
 def run_workers(fn: Callable, args: tuple, world_size: int) -> None:
-    """fn(*args) on `world_size` spawned processes, each with RANK/WORLD_SIZE set as torchrun would."""
+    """fn(*args) on `world_size` processes started as `diffpipe train` starts them, each with RANK/WORLD_SIZE set as torchrun would."""
     launch(fn, args, world_size)

@@ -55,11 +55,19 @@ def _wait_for_steps(run: Path, proc: subprocess.Popen, steps: int, timeout_s: fl
     pytest.fail(f"fewer than {steps} steps in {timeout_s} s")
 
 
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def _workers(launcher: int) -> list[int]:
-    """The launcher's training processes (spawned children, not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
-    return [int(c) for c in children
-            if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+    """The launcher's training processes: its own children where it spawns them (a machine with a GPU), the
+    children of its fork server where it forks them (without); not multiprocessing's resource tracker."""
+    def command(pid: int) -> str:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+
+    children = [c for c in _children(launcher) if "resource_tracker" not in command(c)]
+    servers = [c for c in children if "forkserver" in command(c)]
+    return [c for c in children if c not in servers] + [w for server in servers for w in _children(server)]
 
 
 def _group_gone(pgid: int, timeout_s: float = 60) -> bool:
