@@ -17,15 +17,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from diffusers import UNet2DConditionModel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from diffpipe.distributed import launch  # noqa: E402
-from tests.pipeline.test_pipelined_gradients import (FOUR, MODELS, TWO, _load_ranks, _scenario_worker,  # noqa: E402
-                                                     _weight_scale, compare, failures, reference, resolved)
+from tests.pipeline.test_pipelined_gradients import (FOUR, TWO, _load_ranks, _scenario_worker,  # noqa: E402
+                                                     _weight_scale, compare, draws_of, failures, reference, resolved,
+                                                     write_model_folders)
 
 
 def main() -> None:
@@ -36,16 +35,12 @@ def main() -> None:
     scenarios = TWO if args.gpus == 2 else FOUR
     failed = False
     with tempfile.TemporaryDirectory() as out:
-        folders = {}
-        for name, kwargs in MODELS.items():  # as the test's fixture: diffusers' own initialisation, saved
-            torch.manual_seed(11)
-            UNet2DConditionModel(**kwargs).save_pretrained(Path(out) / name, safe_serialization=True)
-            folders[name] = str(Path(out) / name)
+        folders = write_model_folders(Path(out))  # as the test's fixture
         configs = {name: resolved(data, folders) for name, data in scenarios.items()}
         payload = [(name, cfg.model_dump(mode="json")) for name, cfg in configs.items()]
         launch(_scenario_worker, (payload, out, args.device), args.gpus)
         for name, config in configs.items():
-            found = compare(reference(config), _load_ranks(name, args.gpus, out), _weight_scale(config))
+            found = compare(reference(config, draws_of(config)), _load_ranks(name, args.gpus, out), _weight_scale(config))
             problems = failures(found)
             failed |= bool(problems)
             print(json.dumps({"scenario": name, "backend": "nccl" if args.device == "cuda" else "gloo",

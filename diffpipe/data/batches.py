@@ -17,7 +17,7 @@ from ..diffusion.timesteps import sample_timesteps
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
 
-__all__ = ["StepBatch", "BatchMaker", "TensorImages", "square_size_ids", "fixed_batches"]
+__all__ = ["StepBatch", "StepDraw", "BatchMaker", "TensorImages", "square_size_ids", "fixed_batches"]
 
 
 @dataclass
@@ -34,6 +34,17 @@ class StepBatch:
             return t.to(device)
 
         return StepBatch(move(self.noisy), move(self.target), {k: move(v) for k, v in self.conditions.items()})
+
+
+@dataclass
+class StepDraw:
+    """The random numbers of a step's global batch: which items, their captions (after caption dropout), each item's
+    timestep t in (0, 1) and its noise. Each data-parallel replica takes its slice."""
+
+    indices: list[int]
+    captions: list[str]
+    t: torch.Tensor
+    noise: torch.Tensor
 
 
 class TensorImages:
@@ -94,20 +105,26 @@ class BatchMaker:
         hidden, pooled = self.text.encode(captions)
         return self.feed.conditions(hidden, pooled, size_ids, latent_size)
 
-    def make(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:
+    def draw(self, step: int, item_shape: tuple[int, ...]) -> StepDraw:
+        """Every random number of step `step`'s global batch (items of `item_shape`): the same on every process."""
         gen = torch.Generator().manual_seed(seeds.of_step(self.train.seed, step))
+        idx = self.data.batch_indices(step, self.train.batch_size, self.train.seed)
+        drop = torch.rand(len(idx), generator=gen) < self.caption_dropout
+        captions = ["" if d else self.data.captions[i] for i, d in zip(idx, drop.tolist())]
+        t = sample_timesteps(self.train.timestep_sampling, len(idx), gen, logit_mean=self.train.logit_mean,
+                             logit_std=self.train.logit_std, shift=self.train.shift)
+        noise = torch.randn((len(idx), *item_shape), generator=gen)
+        return StepDraw(idx, captions, t, noise)
+
+    def make(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:
         idx = self.data.batch_indices(step, self.train.batch_size, self.train.seed)
         per = len(idx) // dp_size
         part = slice(dp_rank * per, (dp_rank + 1) * per)
         mine = idx[part]  # only this replica's images are read (and, uncached, encoded)
         x0 = self.data.x0(mine)
-        drop = torch.rand(len(idx), generator=gen) < self.caption_dropout
-        captions = ["" if d else self.data.captions[i] for i, d in zip(idx, drop.tolist())]
-        t = sample_timesteps(self.train.timestep_sampling, len(idx), gen, logit_mean=self.train.logit_mean,
-                             logit_std=self.train.logit_std, shift=self.train.shift)
-        noise = torch.randn((len(idx), *x0.shape[1:]), generator=gen)  # drawn for the global batch, then sliced
-        conditions = self.text_conditions(captions[part], self.data.size_ids(mine), x0.shape[2:])
-        return self._batch(x0, noise[part], t[part], conditions)
+        drawn = self.draw(step, tuple(x0.shape[1:]))
+        conditions = self.text_conditions(drawn.captions[part], self.data.size_ids(mine), x0.shape[2:])
+        return self._batch(x0, drawn.noise[part], drawn.t[part], conditions)
 
     def make_fixed(self, data, indices: list[int], ts: list[float], noise_seed: int, dp_rank: int,
                    dp_size: int) -> list[StepBatch]:

@@ -1,13 +1,17 @@
 """The central test: pipelined training computes what the unsplit diffusers model computes.
 
-Real processes (gloo, CPU). The reference is the diffusers model's own forward (`UNet2DConditionModel`,
-`FluxTransformer2DModel`, `SD3Transformer2DModel`: `ModelFamily.diffusers_forward`; train mode, autograd), in one
-process, with torch's own AdamW and `clip_grad_norm_`; its initial weights are saved with `save_pretrained` and
-the pipeline reads them through `model.path`. For every schedule offered, at 2 and 4 stages, with data parallel
-x pipeline (3 micro-batches on 2 stages; the replicas on torch's `replicate` and on `fully_shard`, which cuts
-weights, gradients and AdamW state across them), with clipping on and off, for a digits and a tiny SDXL-style UNet, for
-Flux and SD3 made for digits (every schedule at 2 and 4 stages, and dp2 x pp2), and
-for LoRA (peft's layers on the frozen model, the reference injecting them into its whole UNet), these must agree:
+Real processes (gloo, CPU). The reference (reference_loop.py) shares no code with diffpipe but the model adapter
+under test: the diffusers model's own forward (`UNet2DConditionModel`, `FluxTransformer2DModel`,
+`SD3Transformer2DModel`, ...: `ModelFamily.diffusers_forward`; train mode, autograd) in one process, noisy inputs and
+targets from diffusers' schedulers, text from transformers' CLIP, LoRA from peft, torch's AdamW, `clip_grad_norm_`
+and schedule; only the random numbers (items, captions, timesteps, noise, LoRA's first A) come from diffpipe's data
+code (`draws_of`). Its initial weights are saved with `save_pretrained` and the pipeline reads them through
+`model.path`, its text encoder through `model.text_encoder`. For every schedule offered, at 2 and 4 stages, with data
+parallel x pipeline (3 micro-batches on 2 stages; the replicas on torch's `replicate` and on `fully_shard`, which cuts
+weights, gradients and AdamW state across them), with clipping on and off, weight decay and a logit-normal timestep
+density, for a digits and a tiny SDXL-style UNet, for Flux and SD3 made for digits (every schedule at 2 and 4
+stages, and dp2 x pp2), and for LoRA (peft's layers on the frozen model, the reference injecting them into its whole
+UNet), these must agree:
 - every step's loss, and the logged gradient norm (before clipping);
 - every parameter's gradient of the first step's mean loss, before clipping and before the optimizer, in
   magnitude (AdamW ignores a uniform scale of its input, so the weights alone would not catch one);
@@ -48,34 +52,32 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
 
-from diffpipe.build import build_backbone, build_text_encoder, feed, sample_shape
+from diffpipe.build import build_backbone, sample_shape
 from diffpipe.config import build_config
 from diffpipe.data import make_dataset
 from diffpipe.data.batches import BatchMaker
-from diffpipe.models.lora import add_lora
+from diffpipe.data.moving_digits import MOTION_WORDS
+from diffpipe.models.lora import add_lora, is_adapter
 from diffpipe.models.flux import FLUX_PRESETS
 from diffpipe.models.presets import UNET_PRESETS
 from diffpipe.models.registry import family_for
+from diffpipe.models.text import TextEncoder
 from diffpipe.pipeline.data_parallel import full
 from diffpipe.pipeline.schedules import schedule_named
 from diffpipe.models.sd3 import SD3_PRESETS
 from diffpipe.models.unet3d import UNET3D_PRESETS
 from diffpipe.models.wan import WAN_PRESETS
 from diffpipe.torch_support import schedule_problem
-from diffpipe.train.optim import lr_factor
 
 from ..helpers import run_workers
 from ..models.test_unet_units import SDXL_STYLE
+from .reference_loop import Draws, StepDraw, reference
 
 STEPS = 3
 REL_TOL = 1e-4
 TOLERANCES = {"losses": REL_TOL, "grad_norms": REL_TOL, "grads": REL_TOL, "moments": REL_TOL, "weights": 2e-2}
 CHECKS = ("losses", "grad_norms", "grads", "moments", "weights")
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
-FP16_SCALE = 2.0 ** 16  # the trainer's LossScaler starts here and does not change in 3 clean steps
 
 
 MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d", SDXL_STYLE),
@@ -83,6 +85,10 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
           "toy-tied": ("tests.models.toy_family:ToyFamily", {}),  # a norm tied between the first and last units
           "wan": ("wan", WAN_PRESETS["digits"]),  # clips of moving digits
           "unet3d": ("unet3d", UNET3D_PRESETS["digits"])}
+
+
+MOVING = ("wan", "unet3d")  # trained on clips of moving digits
+TEXT_LENGTH = 8
 
 
 def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4,
@@ -93,8 +99,10 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
     micro_size = 2 if digits else 1
     return {
         "adapter": {"type": "lora", "rank": 4, "alpha": 8.0} if lora else {"type": "none"},
-        "model": {"path": model, "architecture": MODELS[model][0]},  # path: the folder of `model_folders`
-        "data": {"dataset": "moving_digits" if model in ("wan", "unet3d") else "digits" if digits else "synthetic"},
+        # path and text_encoder: the folders of `model_folders`
+        "model": {"path": model, "architecture": MODELS[model][0], "text_encoder": f"{model}-text",
+                  "text_max_length": TEXT_LENGTH},
+        "data": {"dataset": "moving_digits" if model in MOVING else "digits" if digits else "synthetic"},
         "train": {"max_steps": steps, "batch_size": micro_size * dp * microbatches, "learning_rate": 1e-3,
                   "dropout": False,  # the spatio-temporal UNet drops 10 %: masks drawn per process cannot match
                   "warmup_steps": 1, "adam_eps": 1e-6, "max_grad_norm": clip, "seed": 3,
@@ -184,21 +192,31 @@ LOW_PRECISION = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_folders(tmp_path_factory) -> dict[str, str]:
-    """Each test model's initial weights, drawn by diffusers' own initialisation and saved as a diffusers folder."""
-    root = tmp_path_factory.mktemp("initial-weights")
+def write_model_folders(root: Path) -> dict[str, str]:
+    """Each test model's initial weights, drawn by diffusers' own initialisation and saved as a diffusers folder
+    (`NAME`), and a CLIP text encoder of the widths it reads as a transformers folder (`NAME-text`)."""
     folders = {}
     for name, (architecture, kwargs) in MODELS.items():
         torch.manual_seed(11)
-        family_for(architecture).model_class(**kwargs).save_pretrained(root / name, safe_serialization=True)
-        folders[name] = str(root / name)
+        family = family_for(architecture)
+        model = family.model_class(**kwargs)
+        model.save_pretrained(root / name, safe_serialization=True)
+        hidden, pooled = family.text_widths(model.config)
+        words = MOTION_WORDS if name in MOVING else ()
+        TextEncoder.tiny(hidden, max(pooled, 1), TEXT_LENGTH, seed=5, extra_words=words).save(root / f"{name}-text")
+        folders.update({name: str(root / name), f"{name}-text": str(root / f"{name}-text")})
     return folders
+
+
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory) -> dict[str, str]:
+    return write_model_folders(tmp_path_factory.mktemp("initial-weights"))
 
 
 def resolved(data: dict, folders: dict[str, str]):
     data = copy.deepcopy(data)
     data["model"]["path"] = folders[data["model"]["path"]]
+    data["model"]["text_encoder"] = folders[data["model"]["text_encoder"]]
     return build_config(data)
 
 
@@ -231,72 +249,26 @@ def _scenario_worker(scenarios: list[tuple[str, dict]], out_dir: str, device_kin
         torch.save(got, os.path.join(out_dir, f"{name}-rank{topo.rank}.pt"))
 
 
-def reference(config, autocast: torch.dtype | None = None) -> dict:
-    """The unsplit diffusers model in one process: its own forward, the same micro-batches, torch's AdamW and
-    clip_grad_norm_. `autocast` runs the forward under it (None: the config's precision). One thread, as each
-    worker here: CPU kernels reduce in a thread-dependent order, which bf16 makes visible."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _reference(config, autocast)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _reference(config, autocast: torch.dtype | None) -> dict:
+def draws_of(config) -> Draws:
+    """The run's random numbers, by diffpipe's own data code (they are numbers, not computations the reference
+    checks): each step's items, captions after dropout, timesteps and noise (`BatchMaker.draw`), the clean items of
+    data other than digits, and the LoRA adapters' first values (A seeded per module, B zero)."""
     meta = build_backbone(config, "meta")
-    cls = meta.family.model_class  # built from its config and loaded as saved (from_pretrained's fast path needs
-    model = cls.from_config(cls.load_config(config.model.path)).train()  # accelerate for Wan's fp32-kept modules)
-    model.load_state_dict(load_file(str(Path(config.model.path) / "diffusion_pytorch_model.safetensors")))
-    for dropout in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)):
-        dropout.eval()  # train.dropout = false, as the pipeline
-    if config.adapter.type == "lora":  # peft's own layers on the whole model, seeded as the pipeline seeds them
-        add_lora(model, config.adapter, meta.family.lora_targets, config.train.seed)
     data = make_dataset(config.data.dataset, sample_shape(config, meta), config.train.seed)
-    maker = BatchMaker(data, build_text_encoder(config, meta), config.train, config.data.caption_dropout,
-                       feed(config, meta))
-    dtype = autocast if autocast is not None else AUTOCAST.get(config.train.precision)
-    # torch's own loss scaler for fp16 (skips a step whose gradients overflow, halves the scale)
-    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE, enabled=dtype == torch.float16)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.train.learning_rate, betas=tuple(config.train.betas),
-                            weight_decay=config.train.weight_decay, eps=config.train.adam_eps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config.train))
-    chunks = config.pipeline.microbatches * config.pipeline.data_parallel
-    out = {"losses": [], "grad_norms": [], "grads": None, "skipped": []}
+    maker = BatchMaker(data, None, config.train, config.data.caption_dropout, None)
+    shape = tuple(data.x0([0]).shape[1:])
+    steps = []
     for step in range(config.train.max_steps):
-        batch = maker.make(step, 0, 1)
-        opt.zero_grad(set_to_none=True)
-        losses = []
-        for i in range(chunks):
-            part = slice(i * config.micro_batch_size, (i + 1) * config.micro_batch_size)
-            c = {k: v[part] for k, v in batch.conditions.items()}
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype in (torch.bfloat16, torch.float16)):
-                prediction = meta.family.diffusers_forward(model, batch.noisy[part], c)
-            loss = F.mse_loss(prediction.float(), batch.target[part].float())
-            scaler.scale(loss).backward()
-            losses.append(loss.detach())
-        scaler.unscale_(opt)
-        for p in params:
-            p.grad /= chunks
-        if step == 0:  # before clipping
-            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if config.train.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm)
-        scale = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        skipped = scaler.get_scale() < scale
-        if not skipped:
-            sched.step()
-        out["skipped"].append(skipped)
-        out["losses"].append(float(torch.stack(losses).mean()))
-        out["grad_norms"].append(float(norm))
-    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    out["weights"] = {n: p.detach() for n, p in trained}
-    out["moments"] = {f"{n}:{k}": opt.state[p][k] for n, p in trained for k in ("exp_avg", "exp_avg_sq")}
-    return out
+        drawn = maker.draw(step, shape)
+        x0 = None if config.data.dataset == "digits" else data.x0(drawn.indices)
+        steps.append(StepDraw(drawn.indices, drawn.captions, drawn.t, drawn.noise, x0))
+    adapters = {}
+    if config.adapter.type == "lora":
+        family = meta.family
+        model = family.model_class.from_config(family.model_class.load_config(config.model.path))
+        add_lora(model, config.adapter, family.lora_targets, config.train.seed)
+        adapters = {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter(n)}
+    return Draws(steps, adapters)
 
 
 def _mismatch(got, want, scale: float | None = None) -> float:
@@ -372,7 +344,8 @@ def test_pipelined_training_equals_the_unsplit_diffusers_model(world, scenarios,
     run_workers(_scenario_worker, (payload, str(tmp_path)), world)
     problems = []
     for name, config in configs.items():
-        found = compare(reference(config), _load_ranks(name, world, tmp_path), _weight_scale(config))
+        found = compare(reference(config, draws_of(config)), _load_ranks(name, world, tmp_path),
+                        _weight_scale(config))
         print(name, {k: f"{v:.1e}" for k, (v, _) in found["worst"].items()})
         problems += [f"{name}: {p}" for p in failures(found)]
     assert not problems, "\n".join(problems)
@@ -384,8 +357,9 @@ def test_low_precision_matches_unsplit_model_under_the_same_autocast(model_folde
     run_workers(_scenario_worker, (payload, str(tmp_path)), 2)
     for name, config in configs.items():
         ranks = _load_ranks(name, 2, tmp_path)
-        found = compare(reference(config), ranks, _weight_scale(config))
-        rounding = compare(reference(config, autocast=torch.float32), ranks, _weight_scale(config))  # what the rounding itself moves
+        draws = draws_of(config)
+        found = compare(reference(config, draws), ranks, _weight_scale(config))
+        rounding = compare(reference(config, draws, autocast=torch.float32), ranks, _weight_scale(config))  # what the rounding itself moves
         print(name, "pipeline vs unsplit:", {k: f"{v:.1e}" for k, (v, _) in found["worst"].items()},
               "vs unsplit in fp32:", {k: f"{v:.1e}" for k, (v, _) in rounding["worst"].items()})
         assert not failures(found), f"{name}: " + "; ".join(failures(found))
@@ -395,7 +369,7 @@ def test_low_precision_matches_unsplit_model_under_the_same_autocast(model_folde
 def test_planted_errors_fail_the_comparison(model_folders):
     """The comparison itself, fed the reference as the result of a run and then with planted errors."""
     config = resolved(TWO["1f1b-2"], model_folders)
-    ref = reference(config)
+    ref = reference(config, draws_of(config))
     # clipping acts at every step of this scenario (and of those like it): torch's clip_grad_norm_ in the reference
     assert min(ref["grad_norms"]) > 2 * config.train.max_grad_norm
     assert not failures(compare(ref, [ref], _weight_scale(config)))
@@ -422,3 +396,16 @@ def test_planted_errors_fail_the_comparison(model_folders):
     assert any(p.startswith("weights") for p in planted(lambda got: got["weights"][first].add_(math.inf)))
     all_nan = planted(lambda got: [t.fill_(math.nan) for key in ("grads", "moments", "weights") for t in got[key].values()])
     assert {p.split()[0] for p in all_nan} >= {"grads", "moments", "weights"}
+
+
+def test_the_reference_imports_nothing_from_diffpipe_but_the_model_adapters():
+    """What the issue that built it asked: a reference sharing diffpipe's batch code hid a flipped target."""
+    import ast
+
+    from . import reference_loop
+
+    tree = ast.parse(Path(reference_loop.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    ours = {name for name in imported if name.split(".")[0] == "diffpipe"}
+    assert ours == {"diffpipe.models.family", "diffpipe.models.registry"}, ours

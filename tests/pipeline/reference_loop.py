@@ -1,0 +1,194 @@
+"""The plain training loop the central test holds pipelined training against, written without diffpipe's code.
+
+The one import from diffpipe is the model adapter under test (`ModelFamily`: the diffusers model class, its own
+forward, its named conditions and latent layout, its LoRA targets). Everything else is built here from the
+libraries' own parts: noisy inputs and targets from diffusers' `DDPMScheduler` (`add_noise`, `get_velocity`) and
+the rectified-flow path as diffusers' Flux and SD3 training scripts write it; text through transformers' CLIP model
+and tokenizer loaded from the run's text encoder folder; the digits from scikit-learn; LoRA by peft's
+`inject_adapter_in_model`; torch's AdamW, `clip_grad_norm_`, `GradScaler` and a `LambdaLR` schedule.
+
+Only random numbers come from the run (`Draws`): which items each step takes, their captions after caption
+dropout, timesteps in (0, 1), noise, the LoRA A matrices' first values, and the clean images of datasets other than
+digits (made by diffpipe's data module, which tests/data checks). A wrong computation on any of them (a target's
+sign, a text condition, a schedule step, LoRA's scale, AdamW's decay) shows as a difference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMScheduler
+from peft import LoraConfig, inject_adapter_in_model
+from safetensors.torch import load_file
+from sklearn.datasets import load_digits
+from transformers import AutoTokenizer, CLIPTextModelWithProjection
+
+from diffpipe.models.family import TextBatch
+from diffpipe.models.registry import family_for
+
+__all__ = ["Draws", "StepDraw", "reference"]
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_SCALE = 2.0 ** 16  # the trainer's LossScaler starts here and does not change in 3 clean steps
+
+
+@dataclass
+class StepDraw:
+    indices: list[int]
+    captions: list[str]
+    t: torch.Tensor
+    noise: torch.Tensor
+    x0: torch.Tensor | None = None  # the items themselves, for data not read from scikit-learn here
+
+
+@dataclass
+class Draws:
+    steps: list[StepDraw]
+    initial_adapters: dict[str, torch.Tensor] = field(default_factory=dict)  # LoRA's A (and zero B) before step 0
+
+
+def _digits(indices: list[int]) -> torch.Tensor:
+    """scikit-learn's digits, every fourth held out (diffpipe's training split), pixels 0..16 scaled to [-1, 1]."""
+    digits = load_digits()
+    kept = [i for i in range(len(digits.target)) if i % 4 != 3]
+    images = torch.tensor(digits.images[[kept[i] for i in indices]], dtype=torch.float32)
+    return images.unsqueeze(1) / 8.0 - 1.0
+
+
+def _noised(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
+    """(noisy input, the backbone's timestep, target). Discrete objectives on Stable Diffusion's schedule (step =
+    floor(1000 t)); flow matching on x_t = (1 - t) x0 + t noise with velocity noise - x0 and timestep 1000 t, as
+    diffusers' train_dreambooth_lora_flux.py and _sd3.py compute them."""
+    if objective == "flow_matching":
+        s = t.view(-1, *[1] * (x0.dim() - 1))
+        return (1 - s) * x0 + s * noise, t * 1000, noise - x0
+    ddpm = DDPMScheduler(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+    step = (t * 1000).long().clamp(0, 999)
+    noisy = ddpm.add_noise(x0, noise, step)
+    target = noise if objective == "epsilon" else ddpm.get_velocity(x0, noise, step)
+    return noisy, step.float(), target
+
+
+class _Text:
+    """The run's CLIP text encoder: last hidden states and projected pooled output of captions padded to the
+    run's length, with their attention mask."""
+
+    def __init__(self, folder: str, max_length: int):
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        self.model = CLIPTextModelWithProjection.from_pretrained(folder, local_files_only=True).eval()
+        self.max_length = max_length
+
+    @torch.no_grad()
+    def __call__(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.tokenizer(captions, padding="max_length", truncation=True, max_length=self.max_length,
+                                return_tensors="pt")
+        out = self.model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask)
+        return out.last_hidden_state, out.text_embeds
+
+
+def _lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    """Linear warm-up from 1/warmup of the peak at the first step to the peak at step `warmup` - 1, then constant
+    or half a cosine to zero at `total` (diffusers' `get_scheduler` warms up from zero instead: a first step that
+    does nothing)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1 + torch.cos(torch.tensor(torch.pi * progress)).item())
+
+
+def _model(config, family, draws: Draws) -> torch.nn.Module:
+    cls = family.model_class  # built from its config and loaded as saved (from_pretrained's fast path needs
+    model = cls.from_config(cls.load_config(config.model.path)).train()  # accelerate for Wan's fp32-kept modules)
+    model.load_state_dict(load_file(str(Path(config.model.path) / "diffusion_pytorch_model.safetensors")))
+    for dropout in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)):
+        dropout.eval()  # train.dropout = false, as the pipeline
+    if config.adapter.type == "lora":
+        adapter = config.adapter
+        inject_adapter_in_model(LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
+                                           target_modules=adapter.target_modules or list(family.lora_targets)), model)
+        adapters = {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+        assert set(adapters) == set(draws.initial_adapters), "the run's adapters are not peft's on these targets"
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in adapters)
+        with torch.no_grad():
+            for name, p in adapters.items():
+                first = draws.initial_adapters[name]
+                assert ".lora_B." not in name or not first.any(), f"{name} does not start at zero"
+                p.copy_(first)
+    return model
+
+
+def reference(config, draws: Draws, autocast: torch.dtype | None = None) -> dict:
+    """The unsplit diffusers model in one process over the same micro-batches: every step's loss and gradient norm
+    (before clipping), the first step's gradients (before clipping), and the weights and AdamW moments after the
+    last step. `autocast` runs the forward under it (None: the config's precision). One thread, as each worker
+    here: CPU kernels reduce in a thread-dependent order, which bf16 makes visible."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(config, draws, autocast)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(config, draws: Draws, autocast: torch.dtype | None) -> dict:
+    family = family_for(config.model.architecture)
+    model = _model(config, family, draws)
+    cfg = model.config
+    text = _Text(config.model.text_encoder, config.model.text_max_length)
+    train = config.train
+    objective = train.objective or family.default_objective
+    dtype = autocast if autocast is not None else AUTOCAST.get(train.precision)
+    scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE, enabled=dtype == torch.float16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=train.learning_rate, betas=tuple(train.betas), weight_decay=train.weight_decay,
+                            eps=train.adam_eps)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: _lr_factor(s, train.warmup_steps, train.max_steps, train.lr_schedule))
+    chunks = config.pipeline.microbatches * config.pipeline.data_parallel
+    size = config.micro_batch_size
+    out = {"losses": [], "grad_norms": [], "grads": None, "skipped": []}
+    for step, drawn in enumerate(draws.steps):
+        x0 = drawn.x0 if drawn.x0 is not None else _digits(drawn.indices)
+        noisy, timestep, target = _noised(objective, x0, drawn.noise, drawn.t)
+        hidden, pooled = text(drawn.captions)
+        height, width = x0.shape[-2:]
+        size_ids = torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32).expand(len(x0), 6)
+        conditions = family.conditions(cfg, TextBatch(hidden, pooled, size_ids, tuple(x0.shape[2:]),
+                                                      config.model.guidance))
+        conditions["timestep"] = timestep
+        noisy, target = family.pack(cfg, noisy), family.pack_prediction(cfg, target)
+        opt.zero_grad(set_to_none=True)
+        losses = []
+        for i in range(chunks):
+            part = slice(i * size, (i + 1) * size)
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype in (torch.bfloat16, torch.float16)):
+                prediction = family.diffusers_forward(model, noisy[part], {k: v[part] for k, v in conditions.items()})
+            loss = F.mse_loss(prediction.float(), target[part].float())
+            scaler.scale(loss).backward()
+            losses.append(loss.detach())
+        scaler.unscale_(opt)
+        for p in params:
+            p.grad /= chunks
+        if step == 0:  # before clipping
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if train.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+        if not skipped:
+            sched.step()
+        out["skipped"].append(skipped)
+        out["losses"].append(float(torch.stack(losses).mean()))
+        out["grad_norms"].append(float(norm))
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    out["weights"] = {n: p.detach() for n, p in trained}
+    out["moments"] = {f"{n}:{k}": opt.state[p][k] for n, p in trained for k in ("exp_avg", "exp_avg_sq")}
+    return out
