@@ -10,8 +10,10 @@ from diffpipe.build import build_backbone, build_text_encoder, feed, sample_shap
 from diffpipe.config import build_config
 from diffpipe.sampling import Generator
 
+from .planted import planted
 
-def _generator(answers: list[str]) -> Generator:
+
+def _generator(answers: list, generator=Generator) -> Generator:
     config = build_config({})  # the digits UNet, tiny-clip
     backbone = build_backbone(config, "meta")
     text = build_text_encoder(config, backbone)
@@ -22,12 +24,15 @@ def _generator(answers: list[str]) -> Generator:
         out[: out.shape[0] // 2] = 1.0  # the captioned half (prompts first, then as many empty captions)
         return out
 
-    return Generator(config, forward, text, feed(config, backbone), sample_shape(config, backbone))
+    return generator(config, forward, text, feed(config, backbone), sample_shape(config, backbone))
+
+
+def _one_step(predict, noise, steps, objective):
+    return predict(noise, torch.zeros(noise.shape[0]))
 
 
 def test_guidance_is_uncond_plus_scale_times_cond_minus_uncond(monkeypatch):
-    monkeypatch.setattr(diffpipe.sampling, "sample",
-                        lambda predict, noise, steps, objective: predict(noise, torch.zeros(noise.shape[0])))
+    monkeypatch.setattr(diffpipe.sampling, "sample", _one_step)
     calls = []
     made = _generator(calls).generate(["a handwritten digit seven", "a handwritten digit one"], [0, 1], steps=1,
                                       guidance_scale=0.25, decode=False)
@@ -35,3 +40,11 @@ def test_guidance_is_uncond_plus_scale_times_cond_minus_uncond(monkeypatch):
     assert torch.allclose(made, torch.full_like(made, 0.25))
     made = _generator(calls).generate(["a handwritten digit seven"], [0], steps=1, guidance_scale=1.0, decode=False)
     assert calls[-1][0] == 1  # scale 1: no unconditional pass
+
+
+def test_swapped_guidance_branches_fail_the_check(monkeypatch):
+    swapped = planted("diffpipe.sampling", "cond, uncond = out.chunk(2)", "uncond, cond = out.chunk(2)")
+    monkeypatch.setattr(swapped, "sample", _one_step)
+    made = _generator([], swapped.Generator).generate(["a handwritten digit seven"], [0], steps=1,
+                                                      guidance_scale=0.25, decode=False)
+    assert torch.allclose(made, torch.full_like(made, 0.75))  # where the check above asks for 0.25

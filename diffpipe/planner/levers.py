@@ -22,7 +22,7 @@ from ..models.storage import FrozenStorage
 from ..precision import moment_bytes
 from .partition import Replicas
 
-__all__ = ["MemoryChoice", "choose", "leaves_any", "unchanged"]
+__all__ = ["MemoryChoice", "choose", "fewest_swapped", "leaves_any", "unchanged"]
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,16 @@ def choose(config: RunConfig, replicas: Replicas, fits: Callable[[Replicas], boo
     for choice, held in _settings(config, replicas):
         if fits(held):
             return choice, held
-        for count in range(1, holding + 1) if swap_auto else ():
-            swapped = replace(held, block_swap=count)
-            if fits(swapped):
-                return replace(choice, block_swap=count), swapped
+        count = fewest_swapped(held, fits, holding) if swap_auto else None
+        if count is not None:
+            return replace(choice, block_swap=count), replace(held, block_swap=count)
+    return None
+
+
+def fewest_swapped(replicas: Replicas, fits: Callable[[Replicas], bool], holding: int) -> int | None:
+    """The fewest units per stage, more than `replicas` swaps already, whose frozen weights kept in host memory make
+    `fits` hold (at most `holding`, the units holding frozen weights); None if none do."""
+    for count in range(replicas.block_swap + 1, holding + 1):
+        if fits(replace(replicas, block_swap=count)):
+            return count
     return None

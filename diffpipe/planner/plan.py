@@ -19,7 +19,7 @@ from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, moment_b
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
 from ..pipeline.schedules import choice_of
 from .costs import UnitCost, count_unit_costs, load_profile
-from .levers import MemoryChoice, choose, leaves_any, unchanged
+from .levers import MemoryChoice, choose, fewest_swapped, leaves_any, unchanged
 from .partition import Hardware, Infeasible, Partition, Replicas, estimate_stages, partition
 
 __all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
@@ -169,7 +169,15 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
         except Infeasible:
             fixes.append("activation checkpointing (not enough alone)")
     levers = _memory_levers(costs, replicas)
-    swap = _fewest_swapped(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing, replicas)
+    def fits(held: Replicas) -> bool:
+        try:
+            partition(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing, held)
+            return True
+        except Infeasible:
+            return False
+
+    # not with data-parallel replicas (config.py refuses it)
+    swap = fewest_swapped(replicas, fits, _holding(costs)) if replicas.count == 1 else None
     if swap is not None:
         fixes.append(f"frozen weights of {swap} units per stage in host memory (memory.block_swap = {swap} fits)")
     for words, held in levers:
@@ -226,20 +234,6 @@ def _memory_levers(costs: list[UnitCost], replicas: Replicas) -> list[tuple[str,
             replicas.sharded and replicas.count > 1):
         levers.append(('memory.optimizer_state = "8bit"', replace(replicas, moment_bytes=moment_bytes("8bit"))))
     return levers
-
-
-def _fewest_swapped(costs, bounds_bytes, stages: int, m: int, schedule, hw: Hardware, checkpointing,
-                    replicas: Replicas) -> int | None:
-    """The fewest units per stage whose frozen weights, kept in host memory, make the layout fit (None: none do)."""
-    if replicas.count > 1:  # not with data-parallel replicas (config.py refuses it)
-        return None
-    for count in range(replicas.block_swap + 1, sum(c.params > c.trainable_params for c in costs) + 1):
-        try:
-            partition(costs, bounds_bytes, stages, m, schedule, hw, checkpointing, replace(replicas, block_swap=count))
-            return count
-        except Infeasible:
-            continue
-    return None
 
 
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,
@@ -382,13 +376,3 @@ def _most_saving(config: RunConfig, meta: Backbone) -> MemoryChoice:
         else choice.base_dtype,
         "8bit" if m.optimizer_state == "auto" and not shard else choice.optimizer_state,
         holding if swap else choice.block_swap)
-    starts = balanced_by_parameters(meta, stages) if p.split == "parameters" else list(p.split)
-    costs = unit_costs(config, meta, config.micro_batch_size)
-    bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
-    replicas = _replicas(config, stages, 1)
-    for count in range(holding + 1):
-        figures = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, p.checkpointing,
-                                  replace(replicas, block_swap=count))
-        if max(figures.process_memory_bytes) <= hw.memory_bytes:
-            return count
-    return holding

@@ -13,6 +13,8 @@ from PIL import Image
 from diffpipe.data.buckets import Bucket, make_buckets, place, to_pixels
 from diffpipe.data.folder import BadImage, Skipped, read_rgb, scan_folders, uncaptioned_note
 
+from ..planted import planted
+
 
 def _photo(path: Path, size=(96, 64), mode="RGB", **save) -> Path:
     rng = np.random.default_rng(len(path.name))
@@ -123,7 +125,7 @@ def test_a_metadata_jsonl_that_is_not_utf8_is_named(tmp_path):
         scan_folders([(tmp_path, 1)], min_side=16, skipped=Skipped())
 
 
-def test_captions_of_images_in_subfolders_by_both_conventions(tmp_path):
+def test_captions_of_images_in_subfolders_by_both_conventions(tmp_path, scan=scan_folders):
     """metadata.jsonl names files by their path inside the folder (as Hugging Face's imagefolder does), and a .txt
     lies beside its image in any subfolder: two images of one name in two subfolders get their own captions."""
     hf, kohya = tmp_path / "hf", tmp_path / "kohya"
@@ -136,7 +138,13 @@ def test_captions_of_images_in_subfolders_by_both_conventions(tmp_path):
                                        + json.dumps({"file_name": "dogs/01.jpg", "text": "a dog"}) + "\n")
     (kohya / "cats" / "01.txt").write_text("a kitten")
     (kohya / "dogs" / "01.txt").write_text("a puppy")
-    items = scan_folders([(hf, 1), (kohya, 1)], min_side=16, skipped=Skipped())
+    items = scan([(hf, 1), (kohya, 1)], min_side=16, skipped=Skipped())
     assert [(i.path.relative_to(tmp_path).as_posix(), i.caption) for i in items] == [
         ("hf/cats/01.jpg", "a cat"), ("hf/dogs/01.jpg", "a dog"),
         ("kohya/cats/01.jpg", "a kitten"), ("kohya/dogs/01.jpg", "a puppy")]
+
+
+def test_captions_looked_up_by_file_name_fail_the_subfolder_check(tmp_path):
+    by_name = planted("diffpipe.data.folder", "relative = image.relative_to(folder).as_posix()", "relative = image.name")
+    with pytest.raises(AssertionError):
+        test_captions_of_images_in_subfolders_by_both_conventions(tmp_path, by_name.scan_folders)

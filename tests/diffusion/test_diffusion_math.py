@@ -13,6 +13,8 @@ from diffpipe.diffusion.objectives import alphas_cumprod, discrete_step, make_ta
 from diffpipe.diffusion.samplers import sample
 from diffpipe.diffusion.timesteps import sample_timesteps
 
+from ..planted import planted
+
 
 def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
@@ -177,7 +179,7 @@ def _one_step():
     return ddim
 
 
-def test_flow_matching_input_and_target_match_diffusers_and_the_path():
+def test_flow_matching_input_and_target_match_diffusers_and_the_path(make=make_targets):
     """The noisy input is diffusers' `FlowMatchEulerDiscreteScheduler.scale_noise` at sigma = t, the model timestep is
     sigma x 1000 (as diffusers' Flux and SD3 training scripts feed it), and the target is the path's velocity
     d x_t / dt (checked by finite differences, independently of any sign convention: `x0 - noise` fails here, where the
@@ -188,9 +190,16 @@ def test_flow_matching_input_and_target_match_diffusers_and_the_path():
     x0, noise = torch.randn(3, 1, 2, 2, generator=_gen(8)), torch.randn(3, 1, 2, 2, generator=_gen(9))
     picked = torch.tensor([100, 500, 850])  # schedule positions: timesteps 900, 500, 150
     timesteps, sigmas = scheduler.timesteps[picked], scheduler.sigmas[picked]
-    out = make_targets("flow_matching", x0, noise, sigmas)
+    out = make("flow_matching", x0, noise, sigmas)
     torch.testing.assert_close(out.noisy, scheduler.scale_noise(x0, timesteps, noise), rtol=0, atol=1e-6)
     torch.testing.assert_close(out.model_timestep, timesteps, rtol=0, atol=1e-3)
     h = 1e-3
-    ahead = make_targets("flow_matching", x0, noise, sigmas + h).noisy
+    ahead = make("flow_matching", x0, noise, sigmas + h).noisy
     torch.testing.assert_close(out.target, (ahead - out.noisy) / h, rtol=0, atol=1e-3)
+
+
+def test_a_flipped_flow_target_fails_the_path_check():
+    """The plant that passed the whole suite once (the central test's reference then shared make_targets)."""
+    flipped = planted("diffpipe.diffusion.objectives", "noise - x0)", "x0 - noise)")
+    with pytest.raises(AssertionError):
+        test_flow_matching_input_and_target_match_diffusers_and_the_path(flipped.make_targets)

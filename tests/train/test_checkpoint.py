@@ -16,6 +16,8 @@ from diffpipe.cli import main
 from diffpipe.models.loading import CheckpointError
 from diffpipe.train.checkpoint import latest_checkpoint, verify_checkpoint
 
+from ..planted import planted
+
 EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "digits.toml"
 QUICK = ["--set", "train.max_steps=6", "--set", "train.batch_size=16", "--set", "checkpoint.every=3",
          "--set", "output.sample_every_end=false", "--set", "observe.log_every=0",
@@ -121,6 +123,20 @@ def test_a_flipped_byte_or_an_edited_seal_is_refused(full_run, tmp_path, capsys)
     seal.write_text(json.dumps(dict(record, next_step=5)))
     err = _refused(run, capsys=capsys)
     assert "was changed after it was written" in err and "Traceback" not in err
+
+
+def test_without_the_sha256_check_a_flipped_byte_would_resume(full_run, tmp_path):
+    """The plant: a check of sizes alone takes the same-size damaged shard that the test above sees refused."""
+    checkpoint = _cut_short(full_run, tmp_path / "run") / "checkpoints" / "step-00000003"
+    shard = sorted(checkpoint.glob("*.safetensors"))[0]
+    flipped = bytearray(shard.read_bytes())
+    flipped[-5] ^= 0x01
+    shard.write_bytes(bytes(flipped))
+    shapes = {k: tuple(v) for k, v in json.loads((checkpoint / "complete.json").read_text())["model"].items()}
+    with pytest.raises(CheckpointError, match="is damaged"):
+        verify_checkpoint(checkpoint, shapes)
+    sizes_only = planted("diffpipe.train.checkpoint", ' or sha256_of(f) != expected["sha256"]:', ":")
+    assert sizes_only.verify_checkpoint(checkpoint, shapes) == 3
 
 
 def test_an_incompatible_config_or_model_is_refused(full_run, tmp_path, capsys):
