@@ -1,0 +1,38 @@
+#!/bin/bash
+# Issue 33, thirteenth session, on one GPU: (1) the checks torch 2.11 needs (plan of the SDXL example, a 2-stage CPU
+# run through the launcher's fork server, a short GPU train); (2) Flux.1-dev
+# LoRA with every memory setting left to the planner on a card capped to 12 GiB (what it chooses, and whether that
+# trains there); (3) SDXL full fine-tune, 100 steps, AdamW moments in fp32 against 8 bits (peak and losses).
+# PARTS="1 2 3" picks parts.
+#   OUT=runs/levers bash bench/levers_gpu.sh
+# On the lent device machine, install the carried wheels first (see the session notes) and put them on PYTHONPATH.
+set -u
+OUT=${OUT:-runs/levers}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PARTS=${PARTS:-"1 2 3"}
+say() { echo "$*" >> $OUT/summary.txt; }
+losses() { python3 -c "import json,sys; print([round(json.loads(l)['loss'], 4) for l in open(sys.argv[1]) if 'loss' in l])" "$1" 2>&1 | tail -1; }
+if [[ " $PARTS " == *" 1 "* ]]; then
+  [ -f examples/tiny/made-by.txt ] || python3 examples/make_tiny_pipeline.py > $OUT/make.log 2>&1
+  timeout 120 python3 -m diffpipe plan examples/sdxl_unet.toml > $OUT/plan_sdxl.txt 2>&1; say "plan sdxl rc=$?"
+  C="--set train.max_steps=3 --set checkpoint.every=0 --set output.save_weights=false --set output.sample_every_end=false"
+  timeout 150 python3 -m diffpipe train examples/flux_tiny.toml $C --set pipeline.stages=2 --set train.device=\"cpu\" --output-dir $OUT/cpu2 --overwrite > $OUT/cpu2.log 2>&1
+  say "tiny flux 2 stages cpu rc=$? losses $(losses $OUT/cpu2/metrics.jsonl)"
+  timeout 150 python3 -m diffpipe train examples/flux_tiny.toml $C --set pipeline.stages=1 --set train.max_steps=10 --set train.device=\"cuda\" --output-dir $OUT/gpu1 --overwrite > $OUT/gpu1.log 2>&1
+  say "tiny flux 1 stage cuda rc=$? losses $(losses $OUT/gpu1/metrics.jsonl)"
+fi
+if [[ " $PARTS " == *" 2 "* ]]; then
+  A="--set pipeline.stages=1 --set pipeline.microbatches=1 --set train.batch_size=1 --set adapter.type=\"lora\" --set adapter.target_modules=[\"to_q\",\"to_k\",\"to_v\",\"to_out.0\"] --set train.max_steps=8 --set observe.every=1 --set output.save_weights=false --set train.device=\"cuda\" --set checkpoint.every=0 --set pipeline.checkpointing=\"all\" --set plan.memory_gib=12 --set memory.block_swap=\"auto\" --set memory.optimizer_state=\"auto\" --set memory.base_dtype=\"auto\" --set memory.quantise_if_needed=[\"fp8\",\"nf4\"]"
+  timeout 200 python3 -m diffpipe plan examples/flux_dev.toml $A > $OUT/plan_auto12.txt 2>&1; say "plan flux-dev auto 12 GiB rc=$?"
+  timeout 280 python3 bench/capped_card.py --gib 12 --label auto-ckpt-cap12 --out $OUT/rows.jsonl -- train examples/flux_dev.toml $A --output-dir $OUT/auto12 --overwrite > $OUT/auto12.log 2>&1
+  say "flux-dev auto cap12 rc=$? chose: $(grep -i 'memory' $OUT/auto12.log | head -3 | tr '\n' ' ')"
+fi
+if [[ " $PARTS " == *" 3 "* ]]; then
+  S="--set pipeline.stages=1 --set pipeline.microbatches=1 --set train.batch_size=4 --set train.max_steps=100 --set observe.every=10 --set train.device=\"cuda\" --set checkpoint.every=0 --set output.save_weights=false --set pipeline.checkpointing=\"all\" --set plan.memory_gib=139 --set train.learning_rate=1e-4"
+  for state in fp32 8bit; do
+    timeout 280 python3 bench/capped_card.py --gib 139 --skip 10 --label sdxl-full-$state --out $OUT/rows.jsonl -- train examples/sdxl_unet.toml $S --set memory.optimizer_state=\"$state\" --output-dir $OUT/sdxl-$state --overwrite > $OUT/sdxl-$state.log 2>&1
+    say "sdxl full $state rc=$? losses $(losses $OUT/sdxl-$state/metrics.jsonl)"
+  done
+fi
+cat $OUT/summary.txt $OUT/rows.jsonl 2>/dev/null
