@@ -7,13 +7,13 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, RunConfig
+from .data.sources import source_of
 from .models.family import Feed, ModelFamily
 from .models.lora import add_lora, base_module_name, load_adapters, seed_lora
 from .models.loading import CheckpointError, build_model, checked_weights
 from .models.materialise import is_meta, materialise
 from .models.storage import FrozenStorage
 from .models.pipeline_folder import is_pipeline_folder
-from .models.vae import latent_frames, load_vae, vae_frame_factor, vae_scale_factor
 from .models.registry import ArchitectureError, family_for
 from .models.text import CaptionEncoder, TextEncoder
 from .models.units import Backbone, full_parameter_names
@@ -87,18 +87,13 @@ def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, ...]:
     """(channels, height, width) of the latents the backbone denoises (before any packing), (channels, frames, height,
     width) for a video family: for image folders, the latents of a data.resolution square (every bucket has about
     its area) and of the longest frame bucket, else data.latent_size or the family's default size."""
-    family, cfg = backbone.family, backbone.model.config
-    if config.data.dataset == "folder" and is_pipeline_folder(config.model.path):
-        size = (config.data.resolution // vae_scale_factor(Path(config.model.path)),) * 2
-    elif config.data.latent_size is not None:
-        size = tuple(config.data.latent_size)
-    else:
-        size = (family.default_latent_size(cfg),) * 2
+    family, cfg, source = backbone.family, backbone.model.config, source_of(config)
+    size = source.latent_size(config)
+    if size is None:
+        size = tuple(config.data.latent_size or (family.default_latent_size(cfg),) * 2)
     frames = family.latent_frames(cfg)
-    if frames is not None and config.data.dataset == "folder" and is_pipeline_folder(config.model.path):
-        frames = latent_frames(max(config.data.frame_buckets), vae_frame_factor(Path(config.model.path)))
-    elif frames is not None and config.data.frames is not None:
-        frames = config.data.frames
+    if frames is not None:
+        frames = source.latent_frames(config) or config.data.frames or frames
     return (family.latent_channels(cfg),) + ((frames,) if frames is not None else ()) + size
 
 
@@ -114,11 +109,9 @@ def build_text_encoder(config: RunConfig, backbone: Backbone) -> CaptionEncoder:
     if is_pipeline_folder(config.model.path):
         return backbone.family.folder_text_encoder(Path(config.model.path))
     if config.model.text_encoder == "tiny-clip":
-        from .data.moving_digits import MOTION_WORDS
-
         hidden, pooled = backbone.family.text_widths(backbone.model.config)
-        extra = MOTION_WORDS if config.data.dataset == "moving_digits" else ()
-        return TextEncoder.tiny(hidden, max(pooled, 1), config.model.text_max_length, config.train.seed + 1, extra)
+        return TextEncoder.tiny(hidden, max(pooled, 1), config.model.text_max_length, config.train.seed + 1,
+                                source_of(config).words)
     return TextEncoder.from_folder(config.model.text_encoder, config.model.text_max_length)
 
 
@@ -143,19 +136,8 @@ def boundary_traffic(config: RunConfig, backbone: Backbone, split: list[int]) ->
 
 def build_dataset(config: RunConfig, backbone: Backbone, text: CaptionEncoder, device: torch.device, rank: int = 0,
                   world: int = 1, barrier=lambda: None):
-    """The training data: image folders through the pipeline folder's VAE (latents and text outputs cached, each
-    process computing its share of what is missing; `barrier` waits for all), or digits / synthetic."""
-    from .data import make_dataset
-    from .data.images import prepare_folder_images
-
-    if config.data.dataset != "folder":
-        data = make_dataset(config.data.dataset, sample_shape(config, backbone), config.train.seed)
-        text.keep(data.captions + [""], config.data.text_cache_gib)  # "": captions dropped for guidance
-        return data
-    if not is_pipeline_folder(config.model.path):
-        raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
-                              "model_index.json and vae/), whose VAE turns the images into latents")
-    vae = load_vae(Path(config.model.path)).to(device)
-    video = backbone.family.latent_frames(backbone.model.config) is not None
-    return prepare_folder_images(config.data, Path(config.model.path), vae, text, rank, world, barrier,
-                                 frame_buckets=sorted(set(config.data.frame_buckets)) if video else None)
+    """The training data of data.dataset's source (data/sources.py): image folders go through the pipeline folder's
+    VAE (latents and text outputs cached, each process computing its share of what is missing; `barrier` waits for
+    all)."""
+    return source_of(config).build(config, backbone, sample_shape(config, backbone), text, device, rank, world,
+                                   barrier)

@@ -167,11 +167,12 @@ def _train(args) -> None:
 
 
 def _finish(config, run_dir: Path) -> None:
+    from .data.sources import source_of
     from .sampling import grid_prompts, grid_scale, load_generator, save_grid
     from .train.records import plot_loss
 
     plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    if config.output.sample_every_end and config.output.save_weights and config.data.dataset != "synthetic":
+    if config.output.sample_every_end and config.output.save_weights and source_of(config).samples:
         gen = load_generator(run_dir)
         seeds = config.sample.seeds
         columns = grid_prompts(config, lambda: _folder_captions(config))
@@ -221,10 +222,11 @@ def _check_image_path(out: Path) -> None:
 def _cache(args) -> None:
     from .config import load_config
     from .data.build_cache import cache_worker
+    from .data.sources import source_of
     from .distributed import launch, under_torchrun
 
     config = load_config(args.config, args.set or [])
-    if config.data.dataset != "folder" or not config.data.cache:
+    if not source_of(config).cached(config):
         raise UserError(f"{args.config}: nothing to cache; diffpipe cache needs data.dataset = \"folder\" and "
                         "data.cache = true")
     processes = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.processes

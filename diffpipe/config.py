@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .data.sources import SOURCES
 from .pipeline.schedules import SCHEDULES
 
 __all__ = [
@@ -63,7 +64,7 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    dataset: Literal["digits", "moving_digits", "synthetic", "folder"] = Field(
+    dataset: Literal[tuple(SOURCES)] = Field(  # data/sources.py
         "digits", description="digits (scikit-learn's handwritten digits, 8x8 pixels, captioned), moving_digits (clips of them sliding left, right, up or down, captioned with the motion; for video families), synthetic (random latents), or folder (your images with captions, through the VAE of model.path's pipeline folder).")
     path: str | list[str] | None = Field(None, description="data.dataset = folder: folder(s) of jpg/png/webp images, captions in same-named .txt files or a metadata.jsonl (file_name, text); subfolders included.")
     repeats: int | list[int] = Field(1, description="Times each folder's images appear per epoch (one number, or one per folder in data.path).")
@@ -83,23 +84,8 @@ class DataConfig(_Section):
     text_cache_gib: float = Field(1.0, ge=0, description="digits and synthetic: encode each distinct caption once and keep the text encoder's outputs on its device when they all fit in this many GiB; 0: encode every step's captions.")
 
     @model_validator(mode="after")
-    def _check_folders(self) -> "DataConfig":
-        if self.dataset != "folder":
-            return self
-        if not self.path:
-            raise ValueError("data.dataset = 'folder' needs data.path: a folder of images with captions (or a list)")
-        paths = [self.path] if isinstance(self.path, str) else self.path
-        if isinstance(self.repeats, list) and len(self.repeats) != len(paths):
-            raise ValueError(f"data.repeats lists {len(self.repeats)} numbers for {len(paths)} folders in data.path; "
-                             "give one per folder, or a single number")
-        if any(f < 1 for f in self.frame_buckets):
-            raise ValueError(f"data.frame_buckets={self.frame_buckets}: each must be 1 frame or more")
-        repeats = self.repeats if isinstance(self.repeats, list) else [self.repeats]
-        if any(r < 1 for r in repeats):
-            raise ValueError(f"data.repeats={self.repeats}: each must be 1 or more")
-        if self.bucket_sizes is not None and (not self.bucket_sizes or any(
-                len(b) != 2 or min(b) < 8 for b in self.bucket_sizes)):
-            raise ValueError(f"data.bucket_sizes={self.bucket_sizes}: give [width, height] pairs of 8 pixels or more")
+    def _check_source(self) -> "DataConfig":
+        SOURCES[self.dataset].check_data(self)
         return self
 
 
@@ -246,12 +232,7 @@ class RunConfig(_Section):
                     f"{p.stages * p.virtual_stages} stages need {p.stages * p.virtual_stages - 1}; or set split = \"auto\"")
             if any(b <= a for a, b in zip([0] + p.split, p.split)):
                 raise ValueError(f"pipeline.split={p.split} must be strictly increasing unit indices above 0")
-        if t.eval_every and self.data.dataset == "synthetic":
-            raise ValueError("train.eval_every needs held-out data: data.dataset digits or folder (with "
-                             "data.eval_fraction or data.eval_path); set train.eval_every = 0")
-        if t.eval_every and self.data.dataset == "folder" and not (self.data.eval_fraction or self.data.eval_path):
-            raise ValueError("train.eval_every needs held-out images: set data.eval_fraction (e.g. 0.1) or "
-                             "data.eval_path, or train.eval_every = 0")
+        SOURCES[self.data.dataset].check_config(self)
         if any(not 0 < q < 1 for q in t.eval_quantiles):
             raise ValueError(f"train.eval_quantiles={t.eval_quantiles}: each must lie strictly between 0 and 1")
         chunks = p.stages * p.virtual_stages

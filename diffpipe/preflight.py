@@ -10,6 +10,7 @@ import torch
 
 from .build import build_backbone, sample_shape
 from .config import ConfigError, RunConfig
+from .data.sources import source_of
 from .distributed import resolve_device_kind, under_torchrun
 from .models.loading import CheckpointError, checked_weights
 from .models.units import Backbone
@@ -40,18 +41,12 @@ def check_before_launch(config: RunConfig) -> Checked:
         raise CheckpointError(f"model.text_encoder={config.model.text_encoder}: no config.json there; give a local "
                               "transformers CLIP folder or \"tiny-clip\"")
     shape = sample_shape(config, backbone)  # UNets: any size (the upsamplers return to each skip's size)
-    if config.data.dataset == "digits" and shape != (1, 8, 8):
-        raise SplitError(f"data.dataset='digits' has 1x8x8 images but the model takes {shape}; use "
-                         "model.preset = \"digits\", a config made for 1-channel 8x8 images, or data.dataset = \"synthetic\"")
-    if config.data.dataset == "moving_digits" and (len(shape) != 4 or shape[0] != 1 or shape[2:] != (8, 8)):
-        raise SplitError(f"data.dataset='moving_digits' has clips of 1x8x8 frames but the model takes {shape}; use a "
-                         "video family made for them (model.architecture = \"wan\", model.preset = \"digits\")")
+    source = source_of(config)
+    source.check(config, backbone, shape)
     multiple = backbone.family.latent_multiple(backbone.model.config)
-    if config.data.dataset != "folder" and (shape[-2] % multiple or shape[-1] % multiple):
+    if source.fixed_shape and (shape[-2] % multiple or shape[-1] % multiple):  # folders: their buckets' steps
         raise SplitError(f"the {config.model.architecture} model takes latents whose sides are multiples of {multiple} "
                          f"(its patch size), but the data is {shape[-2]}x{shape[-1]}")
-    if config.data.dataset == "folder":
-        _check_folder_data(config, backbone)
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
     _check_device(config)
     memory = resolve_memory(config, backbone)
@@ -97,46 +92,3 @@ def _check_first_stage_trains(backbone: Backbone, split: list[int]) -> None:
                          "is in it), so nothing before it needs a gradient; put more units into stage 0 "
                          f"(pipeline.split = [{split[0] + 1 if split else 1}, ...]) or add its modules to "
                          "adapter.target_modules (e.g. \"conv1\", \"conv2\")")
-
-
-def _check_folder_data(config: RunConfig, backbone: Backbone) -> None:
-    """Image folders need a pipeline folder whose VAE and text encoders fit the UNet, and folders that exist."""
-    from .data.images import data_folders
-    from .models.pipeline_folder import is_pipeline_folder
-    from .models.vae import vae_frame_factor, vae_latent_channels, vae_scale_factor
-
-    if not is_pipeline_folder(config.model.path):
-        raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
-                              "model_index.json, unet/, vae/ and text encoders), whose VAE turns the images into latents")
-    folder = Path(config.model.path)
-    for key, eval_split in (("data.path", False), ("data.eval_path", True)):
-        for path, _ in data_folders(config.data, eval_split):
-            if not path.is_dir():
-                raise FileNotFoundError(f"{key}: {path} is not a folder")
-    family, cfg = backbone.family, backbone.model.config
-    channels = vae_latent_channels(folder)
-    if channels != family.latent_channels(cfg):
-        raise CheckpointError(f"{folder}: the VAE makes {channels}-channel latents but the "
-                              f"{family.backbone_name} takes {family.latent_channels(cfg)}; the folder mixes components "
-                              "of different models")
-    frame_factor = vae_frame_factor(folder)
-    if family.latent_frames(cfg) is not None:
-        wrong = [f for f in config.data.frame_buckets if (f - 1) % frame_factor]
-        if wrong:
-            raise CheckpointError(f"data.frame_buckets = {config.data.frame_buckets}: {folder.name}'s VAE makes a latent "
-                                  f"frame of the first frame and of every {frame_factor} after it, so a clip needs "
-                                  f"1 + {frame_factor}k frames; {wrong} are not (e.g. {1 + 8 * frame_factor})")
-    elif frame_factor > 1:
-        raise CheckpointError(f"{folder}: its VAE encodes video clips but the {family.backbone_name} is an image "
-                              "model; the folder mixes components of different models")
-    factor = vae_scale_factor(folder)
-    multiple = family.latent_multiple(cfg)
-    if (config.data.bucket_step // factor) % multiple or config.data.bucket_step % factor:
-        raise CheckpointError(f"data.bucket_step = {config.data.bucket_step}: the {family.backbone_name} needs latents whose "
-                              f"sides are multiples of {multiple} ({multiple * factor} pixels through this VAE); "
-                              f"use a multiple of {multiple * factor}")
-    given, wanted = family.folder_text_widths(folder), family.text_widths(cfg)
-    if given != wanted:
-        raise CheckpointError(f"{folder}: the text encoders give {given[0]}-wide states and {given[1]}-wide pooled "
-                              f"embeddings but the {family.backbone_name} takes {wanted[0]} and {wanted[1]}; the folder "
-                              "mixes components of different models")

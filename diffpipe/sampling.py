@@ -16,6 +16,7 @@ from PIL import Image
 from .build import build_backbone, build_text_encoder, feed, sample_shape
 from .config import RunConfig, load_config
 from .data.batches import BatchMaker, square_size_ids
+from .data.sources import source_of
 from .diffusion.samplers import sample
 from .models.family import Feed
 from .models.loading import CheckpointError
@@ -144,21 +145,14 @@ def images_to_pil(images: torch.Tensor) -> list[Image.Image]:
 
 
 def grid_prompts(config: RunConfig, data_captions: Callable[[], list[str]]) -> list[str]:
-    """The columns of a grid of samples (at the end of training and during it): every digit, a digit in each motion,
-    else sample.prompts or up to four distinct captions of the data."""
-    from .data.digits import DIGIT_WORDS, digit_caption
-    from .data.moving_digits import moving_prompts
-
-    if config.data.dataset == "digits":
-        return [digit_caption(d) for d in range(len(DIGIT_WORDS))]
-    if config.data.dataset == "moving_digits":
-        return moving_prompts()
-    return config.sample.prompts or list(dict.fromkeys(data_captions()))[:4] or [""]
+    """The columns of a grid of samples (at the end of training and during it), as data.dataset's source chooses
+    them: every digit, a digit in each motion, else sample.prompts or up to four distinct captions of the data."""
+    return source_of(config).grid_prompts(config, data_captions)
 
 
 def grid_scale(config: RunConfig) -> int:
     """How much a grid of samples is enlarged: 8x8 digits 4x, images as they are."""
-    return 4 if config.data.dataset in ("digits", "moving_digits") else 1
+    return source_of(config).grid_scale
 
 
 def save_grid(images: torch.Tensor, rows: int, path: str | Path, scale: int = 1) -> Path:

@@ -1,6 +1,9 @@
 """Config loading: overrides, unknown sections, and the resolved config written into the run folder."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from diffpipe.config import ConfigError, build_config, load_config, save_config
@@ -84,3 +87,19 @@ def test_a_saved_config_names_its_folders_absolutely(tmp_path, monkeypatch):
     assert saved.data.path == [str(tmp_path / "photos"), str(tmp_path / "more")]
     assert saved.data.eval_path == str(tmp_path / "held") and not saved.data.cache_dir.startswith("~")
     assert make_paths_absolute(build_config({})).model.text_encoder == "tiny-clip"
+
+
+def test_data_sources_are_asked_not_named():
+    """data/sources.py owns what differs between data sources: the config's allowed names come from its registry,
+    and no module outside data/ tests data.dataset's name."""
+    import typing
+
+    from diffpipe.config import DataConfig
+    from diffpipe.data.sources import SOURCES
+
+    assert typing.get_args(DataConfig.model_fields["dataset"].annotation) == tuple(SOURCES)
+    package = Path(__file__).parent.parent / "diffpipe"
+    naming = [f"{path.relative_to(package)}:{n}" for path in package.rglob("*.py") if path.parent.name != "data"
+              for n, line in enumerate(path.read_text().splitlines(), 1)
+              if re.search(r"dataset\s*(==|!=|in\b)", line)]
+    assert not naming, naming

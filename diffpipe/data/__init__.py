@@ -1,17 +1,20 @@
-"""Training data: datasets and the deterministic batches each step draws from them."""
-from __future__ import annotations
+"""Training data: datasets and the deterministic batches each step draws from them.
 
-from .batches import TensorImages
-from .digits import DigitsDataset
-from .moving_digits import MovingDigits
-from .synthetic import SyntheticDataset
+The package imports nothing at import time: the config reads data/sources.py, whose data modules read the config.
+"""
+from __future__ import annotations
 
 __all__ = ["make_dataset"]
 
 
-def make_dataset(name: str, sample_shape: tuple[int, ...], seed: int) -> TensorImages:
+def make_dataset(name: str, sample_shape: tuple[int, ...], seed: int):
     """The images (N, C, H, W) or clips (N, C, F, H, W) and captions of `data.dataset` digits, moving_digits or
-    synthetic (folders: data/images.py)."""
+    synthetic, as `TensorImages` (folders: data/images.py)."""
+    from .batches import TensorImages
+    from .digits import DigitsDataset
+    from .moving_digits import MovingDigits
+    from .synthetic import SyntheticDataset
+
     factories = {"digits": lambda: DigitsDataset(), "synthetic": lambda: SyntheticDataset(sample_shape, seed=seed),
                  "moving_digits": lambda: MovingDigits(frames=sample_shape[1])}
     data = factories[name]()

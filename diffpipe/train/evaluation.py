@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from .. import seeds
 from ..config import RunConfig
-from ..data.batches import TensorImages, fixed_batches
+from ..data.batches import fixed_batches
+from ..data.sources import source_of
 from ..diffusion.timesteps import timestep_quantiles
 from ..sampling import Generator, grid_prompts, grid_scale, save_grid
 
@@ -21,14 +22,7 @@ __all__ = ["evaluate", "held_out_data", "write_samples"]
 
 def held_out_data(config: RunConfig, data):
     """The eval split when train.eval_every asks for one: the folder's, or the digits never trained on."""
-    if not config.train.eval_every:
-        return None
-    if config.data.dataset == "digits":
-        from ..data.digits import DigitsDataset
-
-        held = DigitsDataset(split="held_out")
-        return TensorImages(held.images, held.captions)
-    return data.held_out
+    return source_of(config).held_out(config, data) if config.train.eval_every else None
 
 
 def evaluate(trainer) -> dict[str, float]:

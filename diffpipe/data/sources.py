@@ -1,0 +1,240 @@
+"""Where a run's training data comes from: one `DataSource` per `data.dataset`, as model families are for
+`model.architecture`. A new source is one class (here, or in its own module) and one line in `SOURCES`; the
+config's allowed names, its checks before launch, the training data, the held-out data, the sample grid and the
+cache command all ask the source, never the name.
+
+Imports here stay light (the config reads `SOURCES`): each source imports its data modules when asked.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..config import DataConfig, RunConfig
+    from ..models.text import CaptionEncoder
+    from ..models.units import Backbone
+
+__all__ = ["DataSource", "SOURCES", "source_of"]
+
+
+class DataSource:
+    """The defaults: data made in memory at the model's sample shape, captions from the data or sample.prompts."""
+
+    name: ClassVar[str]
+    fixed_shape: ClassVar[bool] = True  # every item has the sample shape (folders: buckets of about its area)
+    samples: ClassVar[bool] = True  # a grid of samples at the end means something (random latents: nothing)
+    grid_scale: ClassVar[int] = 1  # how much a grid of samples is enlarged
+    words: ClassVar[tuple[str, ...]] = ()  # words the tiny text encoder must know beyond its own
+
+    def check_data(self, data: DataConfig) -> None:
+        """Refuse [data] settings this source cannot serve (ValueError, read by the config's validation)."""
+
+    def check_config(self, config: RunConfig) -> None:
+        """Refuse other settings this source cannot serve, such as an eval loss without held-out data."""
+
+    def check(self, config: RunConfig, backbone: Backbone, shape: tuple[int, ...]) -> None:
+        """Refuse, before any process starts, a model this data cannot feed (`shape`: its latents' sample shape)."""
+
+    def latent_size(self, config: RunConfig) -> tuple[int, int] | None:
+        """(height, width) of the latents this data has, where the data decides it (else None)."""
+        return None
+
+    def latent_frames(self, config: RunConfig) -> int | None:
+        """Latent frames of this data's longest clips, where the data decides it (else None)."""
+        return None
+
+    def build(self, config: RunConfig, backbone: Backbone, shape: tuple[int, ...], text: CaptionEncoder,
+              device: torch.device, rank: int, world: int, barrier: Callable[[], None]):
+        from . import make_dataset
+
+        data = make_dataset(self.name, shape, config.train.seed)
+        text.keep(data.captions + [""], config.data.text_cache_gib)  # "": captions dropped for guidance
+        return data
+
+    def held_out(self, config: RunConfig, data):
+        """The eval loss's data (train.eval_every > 0)."""
+        return data.held_out
+
+    def grid_prompts(self, config: RunConfig, data_captions: Callable[[], list[str]]) -> list[str]:
+        return config.sample.prompts or list(dict.fromkeys(data_captions()))[:4] or [""]
+
+    def cached(self, config: RunConfig) -> bool:
+        """Whether `diffpipe cache` has anything to compute ahead of training."""
+        return False
+
+
+class DigitsSource(DataSource):
+    name = "digits"
+    grid_scale = 4
+
+    def check(self, config, backbone, shape):
+        from ..pipeline.split import SplitError
+
+        if shape != (1, 8, 8):
+            raise SplitError(f"data.dataset='digits' has 1x8x8 images but the model takes {shape}; use "
+                             "model.preset = \"digits\", a config made for 1-channel 8x8 images, or "
+                             "data.dataset = \"synthetic\"")
+
+    def held_out(self, config, data):
+        from .batches import TensorImages
+        from .digits import DigitsDataset
+
+        held = DigitsDataset(split="held_out")  # the digits never trained on
+        return TensorImages(held.images, held.captions)
+
+    def grid_prompts(self, config, data_captions):
+        from .digits import DIGIT_WORDS, digit_caption
+
+        return [digit_caption(d) for d in range(len(DIGIT_WORDS))]
+
+
+class MovingDigitsSource(DataSource):
+    name = "moving_digits"
+    grid_scale = 4
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        from .moving_digits import MOTION_WORDS
+
+        return MOTION_WORDS
+
+    def check(self, config, backbone, shape):
+        from ..pipeline.split import SplitError
+
+        if len(shape) != 4 or shape[0] != 1 or shape[2:] != (8, 8):
+            raise SplitError(f"data.dataset='moving_digits' has clips of 1x8x8 frames but the model takes {shape}; "
+                             "use a video family made for them (model.architecture = \"wan\", model.preset = "
+                             "\"digits\")")
+
+    def grid_prompts(self, config, data_captions):
+        from .moving_digits import moving_prompts
+
+        return moving_prompts()
+
+
+class SyntheticSource(DataSource):
+    name = "synthetic"
+    samples = False
+
+    def check_config(self, config):
+        if config.train.eval_every:
+            raise ValueError("train.eval_every needs held-out data: data.dataset digits or folder (with "
+                             "data.eval_fraction or data.eval_path); set train.eval_every = 0")
+
+
+class FolderSource(DataSource):
+    """Images or videos with captions in folders, through the VAE of model.path's pipeline folder."""
+
+    name = "folder"
+    fixed_shape = False
+
+    def check_data(self, data):
+        if not data.path:
+            raise ValueError("data.dataset = 'folder' needs data.path: a folder of images with captions (or a list)")
+        paths = [data.path] if isinstance(data.path, str) else data.path
+        if isinstance(data.repeats, list) and len(data.repeats) != len(paths):
+            raise ValueError(f"data.repeats lists {len(data.repeats)} numbers for {len(paths)} folders in "
+                             "data.path; give one per folder, or a single number")
+        if any(f < 1 for f in data.frame_buckets):
+            raise ValueError(f"data.frame_buckets={data.frame_buckets}: each must be 1 frame or more")
+        repeats = data.repeats if isinstance(data.repeats, list) else [data.repeats]
+        if any(r < 1 for r in repeats):
+            raise ValueError(f"data.repeats={data.repeats}: each must be 1 or more")
+        if data.bucket_sizes is not None and (not data.bucket_sizes or any(
+                len(b) != 2 or min(b) < 8 for b in data.bucket_sizes)):
+            raise ValueError(f"data.bucket_sizes={data.bucket_sizes}: give [width, height] pairs of 8 pixels or "
+                             "more")
+
+    def check_config(self, config):
+        if config.train.eval_every and not (config.data.eval_fraction or config.data.eval_path):
+            raise ValueError("train.eval_every needs held-out images: set data.eval_fraction (e.g. 0.1) or "
+                             "data.eval_path, or train.eval_every = 0")
+
+    def check(self, config, backbone, shape):
+        """Image folders need a pipeline folder whose VAE and text encoders fit the UNet, and folders that exist."""
+        from ..models.loading import CheckpointError
+        from ..models.pipeline_folder import is_pipeline_folder
+        from ..models.vae import vae_frame_factor, vae_latent_channels, vae_scale_factor
+        from .images import data_folders
+
+        if not is_pipeline_folder(config.model.path):
+            raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
+                                  "model_index.json, unet/, vae/ and text encoders), whose VAE turns the images "
+                                  "into latents")
+        folder = Path(config.model.path)
+        for key, eval_split in (("data.path", False), ("data.eval_path", True)):
+            for path, _ in data_folders(config.data, eval_split):
+                if not path.is_dir():
+                    raise FileNotFoundError(f"{key}: {path} is not a folder")
+        family, cfg = backbone.family, backbone.model.config
+        channels = vae_latent_channels(folder)
+        if channels != family.latent_channels(cfg):
+            raise CheckpointError(f"{folder}: the VAE makes {channels}-channel latents but the "
+                                  f"{family.backbone_name} takes {family.latent_channels(cfg)}; the folder mixes "
+                                  "components of different models")
+        frame_factor = vae_frame_factor(folder)
+        if family.latent_frames(cfg) is not None:
+            wrong = [f for f in config.data.frame_buckets if (f - 1) % frame_factor]
+            if wrong:
+                raise CheckpointError(f"data.frame_buckets = {config.data.frame_buckets}: {folder.name}'s VAE makes "
+                                      f"a latent frame of the first frame and of every {frame_factor} after it, so a "
+                                      f"clip needs 1 + {frame_factor}k frames; {wrong} are not (e.g. "
+                                      f"{1 + 8 * frame_factor})")
+        elif frame_factor > 1:
+            raise CheckpointError(f"{folder}: its VAE encodes video clips but the {family.backbone_name} is an image "
+                                  "model; the folder mixes components of different models")
+        factor = vae_scale_factor(folder)
+        multiple = family.latent_multiple(cfg)
+        if (config.data.bucket_step // factor) % multiple or config.data.bucket_step % factor:
+            raise CheckpointError(f"data.bucket_step = {config.data.bucket_step}: the {family.backbone_name} needs "
+                                  f"latents whose sides are multiples of {multiple} ({multiple * factor} pixels "
+                                  f"through this VAE); use a multiple of {multiple * factor}")
+        given, wanted = family.folder_text_widths(folder), family.text_widths(cfg)
+        if given != wanted:
+            raise CheckpointError(f"{folder}: the text encoders give {given[0]}-wide states and {given[1]}-wide "
+                                  f"pooled embeddings but the {family.backbone_name} takes {wanted[0]} and "
+                                  f"{wanted[1]}; the folder mixes components of different models")
+
+    def latent_size(self, config):
+        from ..models.pipeline_folder import is_pipeline_folder
+        from ..models.vae import vae_scale_factor
+
+        if not is_pipeline_folder(config.model.path):
+            return None
+        return (config.data.resolution // vae_scale_factor(Path(config.model.path)),) * 2
+
+    def latent_frames(self, config):
+        from ..models.pipeline_folder import is_pipeline_folder
+        from ..models.vae import latent_frames, vae_frame_factor
+
+        if not is_pipeline_folder(config.model.path):
+            return None
+        return latent_frames(max(config.data.frame_buckets), vae_frame_factor(Path(config.model.path)))
+
+    def build(self, config, backbone, shape, text, device, rank, world, barrier):
+        from ..models.loading import CheckpointError
+        from ..models.pipeline_folder import is_pipeline_folder
+        from ..models.vae import load_vae
+        from .images import prepare_folder_images
+
+        if not is_pipeline_folder(config.model.path):
+            raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
+                                  "model_index.json and vae/), whose VAE turns the images into latents")
+        vae = load_vae(Path(config.model.path)).to(device)
+        video = backbone.family.latent_frames(backbone.model.config) is not None
+        return prepare_folder_images(config.data, Path(config.model.path), vae, text, rank, world, barrier,
+                                     frame_buckets=sorted(set(config.data.frame_buckets)) if video else None)
+
+    def cached(self, config):
+        return config.data.cache
+
+
+SOURCES: dict[str, DataSource] = {source.name: source for source in (
+    DigitsSource(), MovingDigitsSource(), SyntheticSource(), FolderSource())}
+
+
+def source_of(config: RunConfig) -> DataSource:
+    return SOURCES[config.data.dataset]
