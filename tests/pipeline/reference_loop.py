@@ -28,7 +28,7 @@ from transformers import AutoTokenizer, CLIPTextModelWithProjection
 from diffpipe.models.family import TextBatch
 from diffpipe.models.registry import family_for
 
-__all__ = ["Draws", "StepDraw", "reference"]
+__all__ = ["Draws", "StepDraw", "reference", "digits", "noised", "Text"]
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_SCALE = 2.0 ** 16  # the trainer's LossScaler starts here and does not change in 3 clean steps
@@ -49,15 +49,19 @@ class Draws:
     initial_adapters: dict[str, torch.Tensor] = field(default_factory=dict)  # LoRA's A (and zero B) before step 0
 
 
-def _digits(indices: list[int]) -> torch.Tensor:
-    """scikit-learn's digits, every fourth held out (diffpipe's training split), pixels 0..16 scaled to [-1, 1]."""
-    digits = load_digits()
-    kept = [i for i in range(len(digits.target)) if i % 4 != 3]
-    images = torch.tensor(digits.images[[kept[i] for i in indices]], dtype=torch.float32)
-    return images.unsqueeze(1) / 8.0 - 1.0
+DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
-def _noised(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
+def digits(held_out: bool = False) -> tuple[torch.Tensor, list[str]]:
+    """scikit-learn's digits, pixels 0..16 scaled to [-1, 1] (N, 1, 8, 8), captioned "a handwritten digit seven":
+    every fourth image is held out (the eval loss's), the others train."""
+    data = load_digits()
+    kept = [i for i in range(len(data.target)) if (i % 4 == 3) == held_out]
+    images = torch.tensor(data.images[kept], dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0
+    return images, [f"a handwritten digit {DIGIT_WORDS[d]}" for d in data.target[kept]]
+
+
+def noised(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
     """(noisy input, the backbone's timestep, target). Discrete objectives on Stable Diffusion's schedule (step =
     floor(1000 t)); flow matching on x_t = (1 - t) x0 + t noise with velocity noise - x0 and timestep 1000 t, as
     diffusers' train_dreambooth_lora_flux.py and _sd3.py compute them."""
@@ -71,7 +75,7 @@ def _noised(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tens
     return noisy, step.float(), target
 
 
-class _Text:
+class Text:
     """The run's CLIP text encoder: last hidden states and projected pooled output of captions padded to the
     run's length, with their attention mask."""
 
@@ -139,7 +143,7 @@ def _train(config, draws: Draws, autocast: torch.dtype | None) -> dict:
     family = family_for(config.model.architecture)
     model = _model(config, family, draws)
     cfg = model.config
-    text = _Text(config.model.text_encoder, config.model.text_max_length)
+    text = Text(config.model.text_encoder, config.model.text_max_length)
     train = config.train
     objective = train.objective or family.default_objective
     dtype = autocast if autocast is not None else AUTOCAST.get(train.precision)
@@ -153,8 +157,8 @@ def _train(config, draws: Draws, autocast: torch.dtype | None) -> dict:
     size = config.micro_batch_size
     out = {"losses": [], "grad_norms": [], "grads": None, "skipped": []}
     for step, drawn in enumerate(draws.steps):
-        x0 = drawn.x0 if drawn.x0 is not None else _digits(drawn.indices)
-        noisy, timestep, target = _noised(objective, x0, drawn.noise, drawn.t)
+        x0 = drawn.x0 if drawn.x0 is not None else digits()[0][drawn.indices]
+        noisy, timestep, target = noised(objective, x0, drawn.noise, drawn.t)
         hidden, pooled = text(drawn.captions)
         height, width = x0.shape[-2:]
         size_ids = torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32).expand(len(x0), 6)

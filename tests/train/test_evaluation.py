@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +16,13 @@ import torch.nn.functional as F
 from diffusers import UNet2DConditionModel
 from PIL import Image
 from safetensors.torch import load_file
+from scipy import stats
 
-from diffpipe.build import build_backbone, build_text_encoder, feed
+from diffpipe.build import build_backbone, build_text_encoder
 from diffpipe.config import load_config
-from diffpipe.data.batches import BatchMaker, TensorImages, fixed_batches
-from diffpipe.data.digits import DigitsDataset
 from diffpipe.diffusion.timesteps import sample_timesteps, timestep_quantiles
+
+from ..pipeline.reference_loop import Text, digits, noised
 
 EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "digits.toml"
 
@@ -34,29 +36,46 @@ def test_eval_timesteps_are_the_quantiles_of_the_training_density(kind):
 
 
 def _reference_eval_loss(run: Path) -> float:
-    """The eval loss of the run's final weights, by UNet2DConditionModel.forward in this process."""
-    config = load_config(run / "config.toml")
-    config.model.path = str(run)
-    meta = build_backbone(config, "meta")
+    """The eval loss of the run's final weights by UNet2DConditionModel.forward in this process, without diffpipe's
+    evaluation or batch code: the held-out digits from scikit-learn, the timesteps at the quantiles of the training
+    density by scipy's normal quantile (logit-normal: sigmoid(mean + std * ppf(q))), every held-out item once in
+    batches of train.batch_size (the last filled up from the first items), each batch's noise drawn from seed x
+    1000003 + its number (the seed of the eval's fixed batch, diffpipe/seeds.py), rectified-flow inputs and targets,
+    text through transformers' CLIP from the run's text encoder folder."""
+    config = tomllib.loads((run / "config.toml").read_text())
+    train = config["train"]
+    assert (train["objective"], train["timestep_sampling"]) == ("flow_matching", "logit_normal")  # as computed here
     unet = UNet2DConditionModel(**json.loads((run / "model_config.json").read_text()))
     unet.load_state_dict(load_file(str(run / "model.safetensors")))
     unet.eval()
-    held = DigitsDataset(split="held_out")
-    data = TensorImages(held.images, held.captions)
-    maker = BatchMaker(data, build_text_encoder(config, meta), config.train, 0.0, feed(config, meta))
-    train = config.train
-    ts = timestep_quantiles(train.timestep_sampling, train.eval_quantiles)
+    images, captions = digits(held_out=True)
+    text = Text(config["model"]["text_encoder"], config["model"]["text_max_length"])
+    size = train["batch_size"]
+    batches = [[i % len(images) for i in range(start, start + size)] for start in range(0, len(images), size)]
+    quantiles = stats.norm.ppf(train["eval_quantiles"])
+    ts = torch.sigmoid(torch.tensor(train["logit_mean"] + train["logit_std"] * quantiles)).float()
     losses = []
     for t in ts.tolist():
         per_batch = []
-        for b, indices in enumerate(fixed_batches(data, train.batch_size)):
-            batch, = maker.make_fixed(data, indices, [t], train.seed * 1_000_003 + b, 0, 1)
+        for b, indices in enumerate(batches):
+            x0 = images[indices]
+            noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(train["seed"] * 1_000_003 + b))
+            noisy, timestep, target = noised("flow_matching", x0, noise, torch.full((len(x0),), t))
+            hidden, _ = text([captions[i] for i in indices])
             with torch.no_grad():
-                out = unet(batch.noisy, batch.conditions["timestep"],
-                           encoder_hidden_states=batch.conditions["encoder_hidden_states"]).sample
-            per_batch.append(F.mse_loss(out, batch.target).item())
+                out = unet(noisy, timestep, encoder_hidden_states=hidden).sample
+            per_batch.append(F.mse_loss(out, target).item())
         losses.append(sum(per_batch) / len(per_batch))
     return sum(losses) / len(losses)
+
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory) -> Path:
+    """The example's tiny CLIP text encoder as a transformers folder, read by the run and by the reference."""
+    config = load_config(EXAMPLE)
+    folder = tmp_path_factory.mktemp("text") / "clip"
+    build_text_encoder(config, build_backbone(config, "meta")).save(folder)
+    return folder
 
 
 # 2 stages x 2 replicas under 1F1B; one stage on 2 sharded replicas (each unit gathered as it computes); 4 stages
@@ -68,12 +87,13 @@ LAYOUTS = {"1f1b-dp2": ["pipeline.data_parallel=2"],
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_eval_loss_and_samples_through_the_pipeline_equal_the_unsplit_model(tmp_path, layout):
+def test_eval_loss_and_samples_through_the_pipeline_equal_the_unsplit_model(tmp_path, layout, text_folder):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(run),
            "--set", "train.max_steps=4", "--set", "train.batch_size=32",
            "--set", "pipeline.microbatches=2", "--set", "train.eval_every=2", "--set", "sample.every=2",
-           "--set", "sample.steps=3", "--set", "sample.seeds=[0, 1]", "--set", "checkpoint.every=0"]
+           "--set", "sample.steps=3", "--set", "sample.seeds=[0, 1]", "--set", "checkpoint.every=0",
+           "--set", f'model.text_encoder="{text_folder}"']
     cmd += [arg for item in LAYOUTS[layout] for arg in ("--set", item)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
