@@ -103,3 +103,12 @@ def test_data_sources_are_asked_not_named():
               for n, line in enumerate(path.read_text().splitlines(), 1)
               if re.search(r"dataset\s*(==|!=|in\b)", line)]
     assert not naming, naming
+
+
+@pytest.mark.parametrize("dataset", ["synthetic", "moving_digits"])
+def test_an_eval_loss_without_held_out_data_is_refused_before_launch(dataset):
+    """Moving digits have no held-out split: an eval loss asked of them failed in every process as it built the run
+    (an AttributeError from the data, by reading the code before data/sources.py)."""
+    with pytest.raises(ConfigError, match=f"data.dataset = '{dataset}' has none"):
+        build_config({"data": {"dataset": dataset}, "train": {"eval_every": 5}})
+    build_config({"data": {"dataset": "digits"}, "train": {"eval_every": 5}})

@@ -49,10 +49,21 @@ class StepDraw:
 
 class TensorImages:
     """Images (or latents) held as one tensor (N, C, H, W) with captions: digits and synthetic data. Sample order:
-    a fresh seeded permutation per epoch, batches taken in turn (wrapping across epochs)."""
+    a fresh seeded permutation per epoch, batches taken in turn (wrapping across epochs).
+
+    The data a run trains on, this or data/images.py's FolderImages, has: `captions`, `batch_indices`, `groups`,
+    `x0`, `size_ids`, and `vae` (decodes samples during training), `skipped` (files left out), `held_out` (the
+    eval split) and `summary` (a line for the log), each None where the data has none."""
+
+    vae = None
+    skipped = None
+    held_out = None
 
     def __init__(self, images: torch.Tensor, captions: list[str]):
         self.images, self.captions = images, captions
+
+    def summary(self, held_out) -> str | None:
+        return None
 
     def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
         n = len(self.images)

@@ -106,6 +106,13 @@ class FolderImages:
     def captions(self) -> list[str]:
         return [item.caption for item in self.items]
 
+    def summary(self, held_out: "FolderImages | None") -> str:
+        """What the run trains on, for the log: items per bucket, and those held out for the eval loss."""
+        counts = list(self.bucket_counts().items())
+        held = f"; {len(held_out.items)} held out for the eval loss" if held_out is not None else ""
+        return (f"{len(self.items)} {self.kind} in {len(counts)} bucket(s): "
+                + ", ".join(f"{b} {n}" for b, n in counts) + held)
+
     def bucket_counts(self) -> dict[str, int]:
         """Items per bucket (and frame bucket), by name, narrowest bucket first."""
         counts = Counter((p.bucket, p.frames) for p in self.placements)

@@ -28,12 +28,17 @@ class DataSource:
     samples: ClassVar[bool] = True  # a grid of samples at the end means something (random latents: nothing)
     grid_scale: ClassVar[int] = 1  # how much a grid of samples is enlarged
     words: ClassVar[tuple[str, ...]] = ()  # words the tiny text encoder must know beyond its own
+    held_out_split: ClassVar[bool] = False  # data never trained on, for the eval loss
 
     def check_data(self, data: DataConfig) -> None:
         """Refuse [data] settings this source cannot serve (ValueError, read by the config's validation)."""
 
     def check_config(self, config: RunConfig) -> None:
         """Refuse other settings this source cannot serve, such as an eval loss without held-out data."""
+        if config.train.eval_every and not self.held_out_split:
+            raise ValueError(f"train.eval_every needs held-out data, and data.dataset = {self.name!r} has none: "
+                             "use digits, or folder with data.eval_fraction or data.eval_path; or set "
+                             "train.eval_every = 0")
 
     def check(self, config: RunConfig, backbone: Backbone, shape: tuple[int, ...]) -> None:
         """Refuse, before any process starts, a model this data cannot feed (`shape`: its latents' sample shape)."""
@@ -55,7 +60,7 @@ class DataSource:
         return data
 
     def held_out(self, config: RunConfig, data):
-        """The eval loss's data (train.eval_every > 0)."""
+        """The eval loss's data (train.eval_every > 0; only asked where `held_out_split`)."""
         return data.held_out
 
     def grid_prompts(self, config: RunConfig, data_captions: Callable[[], list[str]]) -> list[str]:
@@ -69,6 +74,7 @@ class DataSource:
 class DigitsSource(DataSource):
     name = "digits"
     grid_scale = 4
+    held_out_split = True  # every fourth digit
 
     def check(self, config, backbone, shape):
         from ..pipeline.split import SplitError
@@ -119,17 +125,13 @@ class SyntheticSource(DataSource):
     name = "synthetic"
     samples = False
 
-    def check_config(self, config):
-        if config.train.eval_every:
-            raise ValueError("train.eval_every needs held-out data: data.dataset digits or folder (with "
-                             "data.eval_fraction or data.eval_path); set train.eval_every = 0")
-
 
 class FolderSource(DataSource):
     """Images or videos with captions in folders, through the VAE of model.path's pipeline folder."""
 
     name = "folder"
     fixed_shape = False
+    held_out_split = True  # data.eval_fraction or data.eval_path (checked below)
 
     def check_data(self, data):
         if not data.path:

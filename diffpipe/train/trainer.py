@@ -112,21 +112,19 @@ class Trainer:
         self.feed = feed(config, backbone)
         self.batches = BatchMaker(self.data, self.text, config.train, config.data.caption_dropout, self.feed)
         self.held_out = held_out_data(config, self.data)
-        self.vae = getattr(self.data, "vae", None)  # image folders: decodes samples during training
+        self.vae = self.data.vae  # image folders: decodes samples during training
         # every caption the run will ask for computed already (cached or kept): the text encoders leave the GPU
         prompts = grid_prompts(config, lambda: self.data.captions)
         self.text.keep(prompts, config.data.text_cache_gib)
-        asked = [*self.data.captions, "", *getattr(self.held_out, "captions", []), *prompts]
+        asked = [*self.data.captions, "", *(self.held_out.captions if self.held_out is not None else []), *prompts]
         if self.text.park(asked) and topo.is_main:
             print("text encoders moved to host memory: every caption is encoded already", flush=True)
         self.sample_shape = sample_shape(config, backbone)
-        skipped = getattr(self.data, "skipped", None)  # image folders: files left out, counted in every metrics line
+        skipped = self.data.skipped  # image folders: files left out, counted in every metrics line
         self.skipped_images = len(skipped) if skipped is not None else None
-        if topo.is_main and hasattr(self.data, "bucket_counts"):
-            counts = list(self.data.bucket_counts().items())
-            held = f"; {len(self.held_out.items)} held out for the eval loss" if self.held_out is not None else ""
-            print(f"{len(self.data.items)} {self.data.kind} in {len(counts)} bucket(s): "
-                  + ", ".join(f"{b} {n}" for b, n in counts) + held, flush=True)
+        summary = self.data.summary(self.held_out)
+        if topo.is_main and summary:
+            print(summary, flush=True)
         moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches,
                              lambda s: schedule.rank_of(s, p.stages))
         self.writers = make_writers(config, run_dir) if topo.is_main else ScalarWriters([])
