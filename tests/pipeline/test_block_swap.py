@@ -14,6 +14,7 @@ from diffpipe.build import build_backbone, example_inputs, give_weights
 from diffpipe.config import ConfigError, build_config, load_config
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
+from diffpipe.train.checkpoint import unsafe_changes
 
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 
@@ -76,24 +77,40 @@ def test_block_swap_is_refused_where_it_cannot_work():
         build_config({"memory": {"block_swap": 2}, "pipeline": {"compile": True}})
 
 
-def test_a_quantised_lora_run_with_swapped_blocks_on_two_stages_trains_as_one_resident_stage(tmp_path):
+def test_a_quantised_lora_run_with_swapped_blocks_on_two_stages_trains_and_resumes_as_one_resident_stage(tmp_path):
     """Block swap and the stored layers' own backward inside a pipeline: 2 stages of 1F1B, 2 units of each swapped,
-    compute what one process with every weight resident computes. NF4 (packed codes and block scales, its own
-    backward); fp8 and int8 share StoredLinear's handling and a product of their own (tests/models), and fp8 with
-    and without swap gave the same losses on a GPU (docs/benchmarks.md)."""
+    compute what one process with every weight resident computes, also across a checkpoint and a resume (the
+    adapters, AdamW and the step restored; the NF4 base quantised again from model.path, as it was). NF4 (packed codes
+    and block scales, its own backward); fp8 and int8 share StoredLinear's handling and a product of their own
+    (tests/models), and fp8 with and without swap gave the same losses on a GPU (docs/benchmarks.md). A resume that
+    changes the base's format is refused: the adapters were trained on that base."""
     base = "nf4"
-    def train(run: Path, *sets: str) -> list[float]:
-        cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
-               "--set", "train.max_steps=3", "--set", 'adapter.type="lora"', "--set", f'memory.base_dtype="{base}"',
-               "--set", "output.sample_every_end=false", "--set", "observe.log_every=0", "--set", "checkpoint.every=0",
-               "--set", "output.save_weights=false", *(x for s in sets for x in ("--set", s))]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
+
+    def train(run: Path, *sets: str, resume: bool = False) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLES / "flux_tiny.toml"),
+               *(["--resume", str(run)] if resume else ["--output-dir", str(run)]),
+               "--set", "train.max_steps=4", "--set", 'train.lr_schedule="constant"', "--set", 'adapter.type="lora"',
+               "--set", f'memory.base_dtype="{base}"', "--set", "output.sample_every_end=false",
+               "--set", "observe.log_every=0", "--set", "checkpoint.every=2", "--set", "output.save_weights=false",
+               *(x for s in sets for x in ("--set", s))]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+    def losses(run: Path) -> list[float]:
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
-    swapped = train(tmp_path / "swapped", "memory.block_swap=2")
-    assert swapped == pytest.approx(train(tmp_path / "resident", "pipeline.stages=1"), rel=1e-5)
-    assert len(swapped) == 3
+    resident = train(tmp_path / "resident", "pipeline.stages=1", "checkpoint.every=0")
+    assert resident.returncode == 0, resident.stderr[-3000:]
+    swapped = tmp_path / "swapped"
+    cut_short = train(swapped, "memory.block_swap=2", "train.max_steps=2", "output.save_weights=true")  # its end saved
+    assert cut_short.returncode == 0, cut_short.stderr[-3000:]
+    assert len(losses(swapped)) == 2
+    saved = load_config(swapped / "config.toml").model_dump(mode="json")
+    int8 = load_config(swapped / "config.toml", ['memory.base_dtype="int8"']).model_dump(mode="json")
+    assert unsafe_changes(saved, int8) == ["memory.base_dtype: 'nf4' -> 'int8'"]  # what --resume refuses
+    resumed = train(swapped, "memory.block_swap=2", resume=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(swapped) == pytest.approx(losses(tmp_path / "resident"), rel=1e-5)
+    assert len(losses(swapped)) == 4
 
 
 def test_the_planner_holds_two_swapped_units_and_charges_their_recomputation_and_unhidden_copies():
