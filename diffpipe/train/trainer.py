@@ -45,7 +45,7 @@ from ..sampling import grid_prompts
 from .evaluation import evaluate, held_out_data, write_samples
 from .machines import agreed_checkpoint, complete_checkpoint
 from .records import StepReport
-from .weights import gather_weights
+from .weights import gather_weights, original_base
 from ..written_files import save_tensors
 
 __all__ = ["train_worker", "Trainer", "TrainingStopped", "read_record", "step_end"]
@@ -393,7 +393,11 @@ class Trainer:
             if self.config.adapter.type == "lora":  # the adapters alone, and the base with them merged in
                 save_tensors(lora_weights(merged), self.run_dir / "lora.safetensors",
                              metadata=lora_metadata(self.config, self.feed.family.lora_targets))
-                # merged in fp32 whatever memory.base_dtype stored the base in: a bf16 sum would round the update away
+                # merged in fp32 into the base as model.path holds it, whatever memory.base_dtype stored it in: a
+                # bf16 sum would round the update away, and a stored copy's rounding would stay in the result
+                stored = frozen_storage(self.config, self.topo.device.type)
+                if stored.dtype != torch.float32 or stored.linear:
+                    merged = original_base(self.config, merged)
                 merged = {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
                 merged = merge_lora(merged, lora_scale(self.config.adapter))
             save_tensors(merged, self.run_dir / "model.safetensors")

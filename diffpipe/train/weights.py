@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ..distributed import Topology
 from ..pipeline.data_parallel import full
 
-__all__ = ["gather_weights"]
+__all__ = ["gather_weights", "original_base"]
 
 
 def gather_weights(modules, topo: Topology) -> dict[str, torch.Tensor] | None:
@@ -38,3 +38,15 @@ def gather_weights(modules, topo: Topology) -> dict[str, torch.Tensor] | None:
             dist.recv(buffer, src=source)
             merged[name] = buffer.cpu()
     return merged
+
+
+def original_base(config, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` (a LoRA run's, under peft's names) with the frozen base's entries replaced by the base as model.path
+    holds it (or as seeded, without one), in fp32: what the adapters are merged into where the run stored the base
+    in fewer bits (memory.base_dtype bf16, fp8, int8, nf4), whose rounding would otherwise stay in the merged model
+    (NF4: up to 0.15 of each block's largest weight). Built again on this host's CPU, one model's worth of memory."""
+    from ..build import build_backbone
+    from ..models.lora import is_adapter, plain_name
+
+    base = build_backbone(config, "cpu").model.state_dict()  # without adapters: the plain model, every weight real
+    return {name: t if is_adapter(name) else base[plain_name(name)] for name, t in weights.items()}

@@ -1,6 +1,6 @@
 """memory.base_dtype = "bf16": a LoRA run's frozen base is stored in bf16 (half its memory), the adapters stay fp32,
-training under bf16 autocast follows the fp32-base run, the weights saved merge the adapters in fp32, and the
-planner charges the frozen weights 2 bytes each."""
+training under bf16 autocast follows the fp32-base run, the weights saved merge the adapters in fp32 into the base
+as model.path holds it (not its bf16 copy), and the planner charges the frozen weights 2 bytes each."""
 from __future__ import annotations
 
 import json
@@ -72,14 +72,19 @@ def test_a_bf16_base_trains_as_the_fp32_base_and_saves_the_merge_in_fp32(tmp_pat
     merged = load_file(str(tmp_path / "bf16" / "model.safetensors"))
     adapters = load_file(str(tmp_path / "bf16" / "lora.safetensors"))
     assert {t.dtype for t in merged.values()} == {torch.float32}
-    # the base as trained (bf16) plus the adapters' update, summed in fp32: nothing of the update rounded away
+    # the base as model.path holds it (here: as seeded, fp32), not its bf16 copy, plus the adapters' update summed
+    # in fp32: nothing of the update rounded away, and no rounding of the stored copy kept in the result
     config = load_config(EXAMPLE)
     original = dict(build_backbone(build_config({**config.model_dump(), "adapter": {"type": "none"}}),
                                    "cpu").model.state_dict())
     a, b = adapters["conv_in.lora_A.weight"], adapters["conv_in.lora_B.weight"]
     delta = (b.flatten(1) @ a.flatten(1)).view(original["conv_in.weight"].shape) * config.adapter.alpha / config.adapter.rank
-    want = original["conv_in.weight"].to(torch.bfloat16).float() + delta
-    assert delta.abs().max() > 0 and torch.allclose(merged["conv_in.weight"], want, rtol=0, atol=1e-7)
+    assert delta.abs().max() > 0 and torch.allclose(merged["conv_in.weight"], original["conv_in.weight"] + delta,
+                                                    rtol=0, atol=1e-7)
+    untargeted = "down_blocks.0.downsamplers.0.conv.weight"  # not among adapter.target_modules
+    assert f"{untargeted.removesuffix('.weight')}.lora_A.weight" not in adapters
+    assert torch.equal(merged[untargeted], original[untargeted])
+    assert not torch.equal(original[untargeted].to(torch.bfloat16).float(), original[untargeted])  # bf16 would show
 
 
 FLUX = EXAMPLE.parent / "flux_tiny.toml"
