@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import signal
-from multiprocessing import forkserver
 import socket
 import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import forkserver
 from typing import Any, Callable
 
 import torch
@@ -224,12 +224,12 @@ def _run_passing_on_signals(start: Callable[[], Any], interrupted: list, grace_s
     previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        context = start()
-    finally:
-        signal.signal(signal.SIGINT, previous[signal.SIGINT])
-        signal.signal(signal.SIGTERM, _interrupt)
-    deadline = None
-    try:
+        try:
+            context = start()
+        finally:
+            signal.signal(signal.SIGINT, previous[signal.SIGINT])
+            signal.signal(signal.SIGTERM, _interrupt)
+        deadline = None
         while True:
             try:
                 if held:
