@@ -169,13 +169,7 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
         except Infeasible:
             fixes.append("activation checkpointing (not enough alone)")
     levers = _memory_levers(costs, replicas)
-    def fits(held: Replicas) -> bool:
-        try:
-            partition(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing, held)
-            return True
-        except Infeasible:
-            return False
-
+    fits = _fits(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing)
     # not with data-parallel replicas (config.py refuses it)
     swap = fewest_swapped(replicas, fits, _holding(costs)) if replicas.count == 1 else None
     if swap is not None:
@@ -249,13 +243,7 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
         planned = partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
     except Infeasible:
         # the memory settings left to the planner ("auto"), in planner/levers.py's order
-        def fits(held: Replicas) -> bool:
-            try:
-                partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, held)
-                return True
-            except Infeasible:
-                return False
-
+        fits = _fits(costs, bb, stages, microbatches, schedule, hw, p.checkpointing)
         chosen = choose(config, replicas, fits, _holding(costs)) if leaves_any(config.memory) else None
         if chosen is None:
             raise Infeasible(_explain(config, costs, bb, stages, microbatches, hw, replicas)) from None
@@ -326,6 +314,18 @@ def planned_figures(config: RunConfig, meta: Backbone, starts: list[int], checkp
     bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
     return estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hardware(config), checkpointing,
                            _replicas(config, stages, p.data_parallel))
+
+
+def _fits(costs, bounds_bytes, stages: int, m: int, schedule, hw: Hardware, checkpointing):
+    """Whether the layout's partition fits with its state held as a given `Replicas` says."""
+    def fits(held: Replicas) -> bool:
+        try:
+            partition(costs, bounds_bytes, stages, m, schedule, hw, checkpointing, held)
+            return True
+        except Infeasible:
+            return False
+
+    return fits
 
 
 def _holding(costs: list[UnitCost]) -> int:
