@@ -2,7 +2,10 @@
 fine-tuning; samples/s and peak memory. SDXL UNet config, random weights, 1024x1024 (128x128 latents), fp32
 weights, bf16 autocast, batch 8 in one micro-batch, fused AdamW.
 
-    python bench/lora_sdxl.py [--ranks 16,64] [--steps 8] [--skip-full]
+    python bench/lora_sdxl.py [--ranks 16,64] [--steps 8] [--skip-full] [--base-dtypes bf16,fp32]
+
+diffpipe's LoRA runs once per entry of --base-dtypes (memory.base_dtype: how the frozen UNet is stored; the
+plain loop keeps it in fp32, as a user's loop does).
 
 Prints one JSON line per configuration: the median step over the steps after the first two, samples/s and the
 device's peak allocated memory over the run.
@@ -70,7 +73,7 @@ def plain_peft_loop(rank: int, steps: int) -> None:
     del model, opt
 
 
-def diffpipe_run(rank: int | None, steps: int) -> None:
+def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32") -> None:
     """diffpipe, one stage, the same batch as one micro-batch (rank None: full fine-tune)."""
     torch.cuda.reset_peak_memory_stats()
     sets = ["pipeline.stages=1", "pipeline.microbatches=1", f"train.batch_size={BATCH}", f"train.max_steps={steps}",
@@ -78,13 +81,15 @@ def diffpipe_run(rank: int | None, steps: int) -> None:
             "output.sample_every_end=false", "checkpoint.every=0", "train.learning_rate=1e-4",
             'pipeline.checkpointing="none"', 'train.device="cuda"']
     if rank is not None:
-        sets += ['adapter.type="lora"', f"adapter.rank={rank}", f"adapter.alpha={float(rank)}"]
+        sets += ['adapter.type="lora"', f"adapter.rank={rank}", f"adapter.alpha={float(rank)}",
+                 f'memory.base_dtype="{base_dtype}"']
     config = load_config(ROOT / "examples" / "sdxl_unet.toml", sets)
     run_dir = Path(tempfile.mkdtemp())
     trainer = Trainer(config, single_process_topology("cuda"), run_dir)
     trainer.fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    _report("diffpipe lora" if rank is not None else "diffpipe full fine-tune", rank, [r["step_time_s"] for r in rows])
+    what = f"diffpipe lora, {base_dtype} base" if rank is not None else "diffpipe full fine-tune"
+    _report(what, rank, [r["step_time_s"] for r in rows])
     del trainer
 
 
@@ -100,12 +105,14 @@ def main() -> None:
     parser.add_argument("--ranks", default="16,64")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip-full", action="store_true")
+    parser.add_argument("--base-dtypes", default="bf16,fp32", help="memory.base_dtype of diffpipe's LoRA runs")
     args = parser.parse_args()
     for rank in [int(r) for r in args.ranks.split(",") if r]:
         plain_peft_loop(rank, args.steps)
         _free()
-        diffpipe_run(rank, args.steps)
-        _free()
+        for base_dtype in args.base_dtypes.split(","):
+            diffpipe_run(rank, args.steps, base_dtype)
+            _free()
     if not args.skip_full:
         diffpipe_run(None, args.steps)
 

@@ -4,7 +4,10 @@ plain loop, under torch.profiler (device activity only). Prints one JSON line pe
 span on the GPU, the time its kernels keep it busy, the idle gaps (with the kernels on either side), the kernels
 that take the most time; then the kernels whose time differs most between the two.
 
-    python bench/profile_step.py examples/sdxl_unet.toml [--steps 4] [--top 20] [--compile] [--set KEY=VALUE ...]
+    python bench/profile_step.py examples/sdxl_unet.toml [--steps 4] [--top 20] [--compile] [--lora RANK] [--set KEY=VALUE ...]
+
+With --lora RANK both loops train a LoRA of that rank (alpha = rank) on the UNet's LoRA targets: the plain loop
+injects it with peft as a user would, diffpipe through its adapter settings.
 
 Steps are told apart on the GPU by the fused AdamW kernels that end each one; the first 3 steps (warm-up and,
 with --compile, compiling) are left out.
@@ -92,11 +95,17 @@ def _summarise(what: str, prof, top: int) -> dict[str, float]:
     return {name: ms / steps for name, ms in per_kernel.items()}
 
 
-def plain(steps: int, top: int, compiled: bool) -> dict[str, float]:
+def plain(steps: int, top: int, compiled: bool, lora_rank: int | None) -> dict[str, float]:
     from diffusers import UNet2DConditionModel
 
     model = UNet2DConditionModel(**UNET_PRESETS["sdxl"]).to("cuda").train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    if lora_rank is not None:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        model.requires_grad_(False)
+        inject_adapter_in_model(LoraConfig(r=lora_rank, lora_alpha=lora_rank,
+                                           target_modules=["to_q", "to_k", "to_v", "to_out.0"]), model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     fwd = torch.compile(model) if compiled else model
     inp = _inputs(8, "cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -107,12 +116,16 @@ def plain(steps: int, top: int, compiled: bool) -> dict[str, float]:
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-    kernels = _summarise("plain" + (" compiled" if compiled else ""), prof, top)
+    kernels = _summarise("plain" + (" compiled" if compiled else "") + (f" lora r{lora_rank}" if lora_rank else ""),
+                         prof, top)
     del model, opt, fwd
     return kernels
 
 
-def diffpipe(config_path: str, sets: list[str], steps: int, top: int, compiled: bool) -> dict[str, float]:
+def diffpipe(config_path: str, sets: list[str], steps: int, top: int, compiled: bool,
+             lora_rank: int | None) -> dict[str, float]:
+    if lora_rank is not None:
+        sets = ['adapter.type="lora"', f"adapter.rank={lora_rank}", f"adapter.alpha={float(lora_rank)}", *sets]
     config = load_config(config_path, ["pipeline.stages=1", "pipeline.microbatches=1", "train.batch_size=8",
                                        "pipeline.checkpointing=\"none\"", "plan.memory_gib=139",
                                        f"train.max_steps={WARMUP + steps}", f"pipeline.compile={str(compiled).lower()}",
@@ -122,7 +135,8 @@ def diffpipe(config_path: str, sets: list[str], steps: int, top: int, compiled: 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         trainer.fit()
         torch.cuda.synchronize()
-    return _summarise("diffpipe" + (" compiled" if compiled else ""), prof, top)
+    return _summarise("diffpipe" + (" compiled" if compiled else "") + (f" lora r{lora_rank}" if lora_rank else ""),
+                      prof, top)
 
 
 def main() -> None:
@@ -131,12 +145,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--compile", action="store_true", help="diffpipe with pipeline.compile, the plain loop compiled")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK", help="both loops train a LoRA of this rank")
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args()
-    mine = diffpipe(args.config, args.set, args.steps, args.top, args.compile)
+    mine = diffpipe(args.config, args.set, args.steps, args.top, args.compile, args.lora)
     gc.collect()  # the trainer's modules, so the plain loop has the GPU's memory
     torch.cuda.empty_cache()
-    theirs = plain(args.steps, args.top, args.compile)
+    theirs = plain(args.steps, args.top, args.compile, args.lora)
     diff = {k: mine.get(k, 0.0) - theirs.get(k, 0.0) for k in set(mine) | set(theirs)}
     ranked = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:args.top]
     print(json.dumps({"what": "diffpipe minus plain, ms per step", "kernels": [[k, round(v, 2)] for k, v in ranked]}),

@@ -18,6 +18,7 @@ from .pipeline.schedules import schedule_named
 from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
 from .planner.plan import resolve_memory, resolve_stages
+from .precision import frozen_storage
 from .torch_support import schedule_problem
 
 __all__ = ["Checked", "check_before_launch"]
@@ -48,13 +49,14 @@ def check_before_launch(config: RunConfig) -> Checked:
         raise SplitError(f"the {config.model.architecture} model takes latents whose sides are multiples of {multiple} "
                          f"(its patch size), but the data is {shape[-2]}x{shape[-1]}")
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
-    _check_device(config)
+    device_kind = _check_device(config)
     memory = resolve_memory(config, backbone)
     changes = memory.changes(config.memory)
     if changes:  # settings left to the planner ("auto"): the stages are planned with them as chosen
         config = config.model_copy(update={"memory": config.memory.model_copy(update=changes)})
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"memory settings chosen by the planner (\"auto\"): {memory.words()} (planner/levers.py: the "
+            held = frozen_storage(config, device_kind).name
+            print(f"memory settings chosen by the planner (\"auto\"): {memory.words(held)} (planner/levers.py: the "
                   "first, in order of how little they change, with which the plan fits; where none fits, the most "
                   "saving)", flush=True)
     split, checkpointing = resolve_stages(config, backbone)
@@ -62,8 +64,8 @@ def check_before_launch(config: RunConfig) -> Checked:
     return Checked(backbone, split, checkpointing, changes)
 
 
-def _check_device(config: RunConfig) -> None:
-    """The device the processes will use exists, and the schedule runs on its backend with this torch."""
+def _check_device(config: RunConfig) -> str:
+    """The device the processes will use exists, and the schedule runs on its backend with this torch; its kind."""
     local = int(os.environ["LOCAL_WORLD_SIZE"]) if under_torchrun() else config.world_size
     try:
         device_kind = resolve_device_kind(config.train.device, local)
@@ -75,11 +77,12 @@ def _check_device(config: RunConfig) -> None:
               f"per process: training on the CPU (gloo). For the GPU, use at most {gpus} processes (pipeline.stages x "
               "pipeline.data_parallel)", flush=True)
     if config.pipeline.stages < 2:
-        return
+        return device_kind
     problem = schedule_problem(config.pipeline.schedule, schedule_named(config.pipeline.schedule).placement,
                                device_kind)
     if problem is not None:
         raise ConfigError(problem)
+    return device_kind
 
 
 def _check_first_stage_trains(backbone: Backbone, split: list[int]) -> None:

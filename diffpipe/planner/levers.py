@@ -38,8 +38,10 @@ class MemoryChoice:
         """The settings that differ from `memory`'s, by key."""
         return {k: v for k, v in vars(self).items() if getattr(memory, k) != v}
 
-    def words(self) -> str:
-        return (f'memory.base_dtype = "{self.base_dtype}", memory.optimizer_state = "{self.optimizer_state}", '
+    def words(self, held: str) -> str:
+        """The settings in config words; `held`: how "auto" frozen weights are stored (FrozenStorage.name)."""
+        base = f'"{self.base_dtype}"' + (f" ({held})" if self.base_dtype == "auto" else "")
+        return (f'memory.base_dtype = {base}, memory.optimizer_state = "{self.optimizer_state}", '
                 f"memory.block_swap = {self.block_swap}")
 
 

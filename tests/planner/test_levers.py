@@ -62,3 +62,12 @@ def test_block_swap_comes_before_a_quantised_base_and_8bit_moments_before_both_w
     shard = ["pipeline.stages=1", "pipeline.data_parallel=2", "pipeline.data_parallel_shard=true",
              'train.device="cpu"', 'memory.optimizer_state="auto"']
     assert _chosen("digits.toml", shard, 1e-4).optimizer_state == "fp32"
+
+
+def test_the_printed_choice_says_how_an_auto_base_is_held():
+    """base_dtype "auto" stays "auto" in the choice (bf16 or fp32 by device): the words name the storage the run
+    takes, not "auto" alone (a GPU run printed `memory.base_dtype = "auto"` for a bf16 base)."""
+    from diffpipe.planner.levers import MemoryChoice
+
+    assert 'memory.base_dtype = "auto" (bf16)' in MemoryChoice("auto", "fp32", 48).words("bf16")
+    assert 'memory.base_dtype = "fp8",' in MemoryChoice("fp8", "fp32", 0).words("bf16")
