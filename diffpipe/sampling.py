@@ -18,6 +18,7 @@ from .config import RunConfig, load_config
 from .data.batches import BatchMaker, square_size_ids
 from .data.sources import source_of
 from .diffusion.samplers import sample
+from .diffusion.timesteps import NUM_TRAIN_TIMESTEPS
 from .models.family import Feed
 from .models.loading import CheckpointError
 from .models.pipeline_folder import is_pipeline_folder
@@ -71,6 +72,8 @@ class Generator:
         height, width = self.pixel_size
         conditions = maker.text_conditions(texts, square_size_ids(len(texts), height, width), latent_size)
 
+        low, high = self.config.sample.guidance_interval
+
         def predict(x: torch.Tensor, model_t: torch.Tensor) -> torch.Tensor:
             xin = torch.cat([x, x]) if guided else x
             model_t = model_t.to(x.device)
@@ -80,7 +83,9 @@ class Generator:
             if not guided:
                 return out
             cond, uncond = out.chunk(2)
-            return uncond + guidance_scale * (cond - uncond)
+            noise_level = float(model_t[0]) / NUM_TRAIN_TIMESTEPS  # every sample of a call is at the same step
+            scale = guidance_scale if low <= noise_level <= high else 1.0  # outside: the prompt alone
+            return uncond + scale * (cond - uncond)
 
         made = sample(predict, noise, steps, self.config.train.objective)
         if self.vae is not None and decode:

@@ -48,3 +48,25 @@ def test_swapped_guidance_branches_fail_the_check(monkeypatch):
     made = _generator([], swapped.Generator).generate(["a handwritten digit seven"], [0], steps=1,
                                                       guidance_scale=0.25, decode=False)
     assert torch.allclose(made, torch.full_like(made, 0.75))  # where the check above asks for 0.25
+
+
+def _three_levels(predict, noise, steps, objective):
+    """One prediction at each of the noise levels 1.0, 0.5 and 0.1 (model timesteps 1000, 500, 100)."""
+    return torch.stack([predict(noise, torch.full((noise.shape[0],), t)).flatten()[0] for t in (1000.0, 500.0, 100.0)])
+
+
+def test_guidance_applies_only_inside_sample_guidance_interval(monkeypatch):
+    """sample.guidance_interval = [0.2, 0.6]: the noise level 0.5 is guided (0.25), 1.0 and 0.1 are the prompt
+    alone (1); the default [0, 1] guides all three."""
+    monkeypatch.setattr(diffpipe.sampling, "sample", _three_levels)
+    gen = _generator([])
+    assert gen.generate(["a handwritten digit seven"], [0], 3, 0.25, decode=False).tolist() == [0.25, 0.25, 0.25]
+    gen.config = build_config({"sample": {"guidance_interval": [0.2, 0.6]}})
+    assert gen.generate(["a handwritten digit seven"], [0], 3, 0.25, decode=False).tolist() == [1.0, 0.25, 1.0]
+
+
+def test_a_guidance_interval_outside_zero_to_one_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="guidance_interval"):
+        build_config({"sample": {"guidance_interval": [0.5, 0.2]}})
