@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,15 +16,17 @@ from safetensors.torch import load_file
 
 from diffpipe.cli import main
 
+from .helpers import run_command
+
 EXAMPLE = Path(__file__).parent.parent / "examples" / "photos.toml"
 
 
 def _train(tiny: Path, photos: Path, out: Path, layout: str, *extra: str) -> Path:
-    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(out),
+    cmd = ["train", str(EXAMPLE), "--output-dir", str(out),
            "--set", f"model.path=\"{tiny / layout}\"", "--set", f"data.path=\"{photos}\"", "--set", "train.max_steps=3",
            "--set", "train.learning_rate=1e-2", "--set", "train.warmup_steps=0", "--set", "checkpoint.every=0",
            "--set", "output.sample_every_end=false", *extra]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = run_command(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
