@@ -22,7 +22,8 @@ def run_workers(fn: Callable, args: tuple, world_size: int) -> None:
 @dataclass
 class Ran:
     returncode: int
-    stderr: str  # what this process wrote (the launcher's and, for one process, the run's own lines)
+    stdout: str  # what this process printed: the launcher's lines (the plan, the data, resuming) and a one-process run's
+    stderr: str = "(in this process: its errors are in pytest's captured output)"
 
 
 def run_command(args: list[str]) -> Ran:
@@ -33,9 +34,9 @@ def run_command(args: list[str]) -> Ran:
     The environment and folder are restored afterwards: a one-process run sets RANK, WORLD_SIZE and MASTER_ADDR
     as torchrun would, which would make the next command think it runs under torchrun."""
     environment, folder = dict(os.environ), os.getcwd()
-    err = io.StringIO()
+    out = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out):
             code = main(args)
     finally:
         if dist.is_initialized():  # a one-process run that failed leaves its group
@@ -43,4 +44,5 @@ def run_command(args: list[str]) -> Ran:
         os.environ.clear()
         os.environ.update(environment)
         os.chdir(folder)
-    return Ran(code, err.getvalue())
+    print(out.getvalue())  # shown by pytest when the test fails
+    return Ran(code, out.getvalue())

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,16 +12,18 @@ from safetensors.torch import load_file
 
 from diffpipe.cli import main
 
+from .helpers import run_command
+
 EXAMPLE = Path(__file__).parent.parent / "examples" / "digits.toml"
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("export") / "run"
-    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(out), "--set",
+    cmd = ["train", str(EXAMPLE), "--output-dir", str(out), "--set",
            "train.max_steps=2", "--set", "train.batch_size=16", "--set", "output.sample_every_end=false",
            "--set", "pipeline.stages=1", "--set", "observe.log_every=0"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = run_command(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 

@@ -3,8 +3,6 @@ use (the forward, and the recomputation before the unit's backward); what the st
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,8 @@ from diffpipe.config import ConfigError, build_config, load_config
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
 from diffpipe.train.checkpoint import unsafe_changes
+
+from ..helpers import Ran, run_command
 
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 
@@ -86,14 +86,14 @@ def test_a_quantised_lora_run_with_swapped_blocks_on_two_stages_trains_and_resum
     changes the base's format is refused: the adapters were trained on that base."""
     base = "nf4"
 
-    def train(run: Path, *sets: str, resume: bool = False) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLES / "flux_tiny.toml"),
+    def train(run: Path, *sets: str, resume: bool = False) -> Ran:
+        cmd = ["train", str(EXAMPLES / "flux_tiny.toml"),
                *(["--resume", str(run)] if resume else ["--output-dir", str(run)]),
                "--set", "train.max_steps=4", "--set", 'train.lr_schedule="constant"', "--set", 'adapter.type="lora"',
                "--set", f'memory.base_dtype="{base}"', "--set", "output.sample_every_end=false",
                "--set", "observe.log_every=0", "--set", "checkpoint.every=2", "--set", "output.save_weights=false",
                *(x for s in sets for x in ("--set", s))]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        return run_command(cmd)
 
     def losses(run: Path) -> list[float]:
         return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -169,10 +169,10 @@ def test_auto_block_swap_is_the_fewest_units_with_which_the_plan_fits_and_the_ru
     assert resolve_memory(cramped, build_backbone(cramped, "meta")).block_swap == holding
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
+    cmd = ["train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
            "--set", "train.max_steps=1", "--set", "output.sample_every_end=false", "--set", "checkpoint.every=0",
            "--set", "output.save_weights=false", *(x for s in auto for x in ("--set", s))]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = run_command(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"memory.block_swap = {chosen} (planner/levers.py" in result.stdout
     assert f"block_swap = {chosen}" in (run / "config.toml").read_text()

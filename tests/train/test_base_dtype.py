@@ -4,8 +4,6 @@ as model.path holds it (not its bf16 copy), and the planner charges the frozen w
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,15 +17,17 @@ from diffpipe.planner.plan import _replicas
 from diffpipe.models.storage import Fp8Linear, FrozenStorage
 from diffpipe.precision import frozen_storage
 
+from ..helpers import run_command
+
 EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "digits_lora.toml"
 QUICK = ["--set", "train.max_steps=5", "--set", "train.batch_size=32", "--set", 'train.precision="bf16"',
          "--set", "output.sample_every_end=false", "--set", "observe.log_every=0", "--set", "checkpoint.every=0"]
 
 
 def _train(run: Path, base: str) -> list[float]:
-    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(run), *QUICK,
+    cmd = ["train", str(EXAMPLE), "--output-dir", str(run), *QUICK,
            "--set", f'memory.base_dtype="{base}"']
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = run_command(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 

@@ -4,8 +4,6 @@ by diffusers' UNet in one process on the same held-out batches, and samples made
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -23,6 +21,8 @@ from diffpipe.config import load_config
 from diffpipe.diffusion.timesteps import sample_timesteps, timestep_quantiles
 
 from ..pipeline.reference_loop import Text, digits, noised
+
+from ..helpers import run_command
 
 EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "digits.toml"
 
@@ -89,13 +89,13 @@ LAYOUTS = {"1f1b-dp2": ["pipeline.data_parallel=2"],
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_eval_loss_and_samples_through_the_pipeline_equal_the_unsplit_model(tmp_path, layout, text_folder):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(run),
+    cmd = ["train", str(EXAMPLE), "--output-dir", str(run),
            "--set", "train.max_steps=4", "--set", "train.batch_size=32",
            "--set", "pipeline.microbatches=2", "--set", "train.eval_every=2", "--set", "sample.every=2",
            "--set", "sample.steps=3", "--set", "sample.seeds=[0, 1]", "--set", "checkpoint.every=0",
            "--set", f'model.text_encoder="{text_folder}"']
     cmd += [arg for item in LAYOUTS[layout] for arg in ("--set", item)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = run_command(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval_loss" in r]
