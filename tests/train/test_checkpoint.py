@@ -16,6 +16,7 @@ from diffpipe.cli import main
 from diffpipe.models.loading import CheckpointError
 from diffpipe.train.checkpoint import latest_checkpoint, verify_checkpoint
 
+from ..helpers import Ran, run_command
 from ..planted import planted
 
 EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "digits.toml"
@@ -24,7 +25,12 @@ QUICK = ["--set", "train.max_steps=6", "--set", "train.batch_size=16", "--set", 
          "--set", 'train.device="cpu"']  # every layout on one kind of device: a GPU's kernels round otherwise
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
+def _train(*args: str) -> Ran:
+    return run_command(["train", str(EXAMPLE), *QUICK, *args])
+
+
+def _train_in_own_process(*args: str) -> subprocess.CompletedProcess:
+    """Where the test reads the run's error message (printed to stderr, which run_command leaves to pytest)."""
     cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), *QUICK, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
@@ -184,7 +190,7 @@ def test_a_checkpoint_holding_nan_weights_is_never_resumed(full_run, tmp_path):
     record["files"][shard.name] = {"bytes": shard.stat().st_size, "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
     record["seal_sha256"] = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()  # sealed anew
     (checkpoint / "complete.json").write_text(json.dumps(record))
-    result = _train("--resume", str(run))
+    result = _train_in_own_process("--resume", str(run))
     assert result.returncode == 1
     assert "holds NaN or inf values" in result.stderr and "Traceback" not in result.stderr
 
