@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,8 @@ from diffpipe.config import ConfigError, build_config
 from diffpipe.models.dit_text import FluxText, SD3Text
 from diffpipe.models.loading import CheckpointError
 from diffpipe.preflight import check_before_launch
+
+from ..helpers import Ran, run_command
 
 ROOT = Path(__file__).parent.parent.parent
 CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]
@@ -85,11 +85,11 @@ def test_folders_that_mix_components_are_refused_before_launch(tiny, tmp_path):
         build_backbone(_config(unet_only, "flux", path=str(tiny / "photos")), "meta")
 
 
-def _train(example: str, tiny: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+def _train(example: str, tiny: Path, out: Path, *extra: str) -> Ran:
     layout = example.split("_")[0]
-    cmd = [sys.executable, "-m", "diffpipe", "train", str(ROOT / "examples" / f"{example}.toml"), "--output-dir",
+    cmd = ["train", str(ROOT / "examples" / f"{example}.toml"), "--output-dir",
            str(out), "--set", f"model.path=\"{tiny / layout}\"", "--set", f"data.path=\"{tiny / 'photos'}\"", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    return run_command(cmd)
 
 
 def test_the_tiny_sd3_example_trains_samples_and_exports_as_a_user_runs_it(tiny, tmp_path):
@@ -103,8 +103,8 @@ def test_the_tiny_sd3_example_trains_samples_and_exports_as_a_user_runs_it(tiny,
     assert sum(losses[-10:]) < sum(losses[:10])  # it learns: flow matching's loss starts near 2 (noise - x0)
     assert Image.open(run / "samples.png").size == (2 * 128, 128)  # 2 prompts x 1 seed, decoded by the VAE
     out = tmp_path / "pipeline"
-    export = [sys.executable, "-m", "diffpipe", "export", str(run), "--format", "diffusers", "--out", str(out)]
-    assert subprocess.run(export, capture_output=True, text=True, timeout=300).returncode == 0
+    export = ["export", str(run), "--format", "diffusers", "--out", str(out)]
+    assert run_command(export).returncode == 0
     pipeline = StableDiffusion3Pipeline.from_pretrained(out)
     trained = load_file(str(run / "model.safetensors"))
     for name, tensor in pipeline.transformer.state_dict().items():
