@@ -11,6 +11,8 @@ from PIL import Image
 
 from diffpipe.cli import main
 
+from .helpers import Ran, run_command
+
 EXAMPLE = Path(__file__).parent.parent / "examples" / "digits.toml"
 QUICK = ["--set", "train.max_steps=4", "--set", "train.batch_size=16", "--set", "sample.steps=2",
          "--set", "sample.seeds=[0]"]
@@ -21,6 +23,11 @@ def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
+def _train_here(out: Path, *extra: str) -> Ran:
+    """The same in pytest's process (run_command), where the test reads only files and the launcher's lines."""
+    return run_command(["train", str(EXAMPLE), "--output-dir", str(out), *QUICK, *extra])
+
+
 def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
@@ -28,7 +35,7 @@ def _losses(run: Path) -> list[float]:
 def test_one_and_two_stages_and_torchrun_give_the_same_losses_and_a_usable_run_folder(tmp_path):
     one, two, under_torchrun = tmp_path / "one", tmp_path / "two", tmp_path / "torchrun"
     for run, stages in ((one, "1"), (two, "2")):
-        result = _train(run, "--set", f"pipeline.stages={stages}")
+        result = _train_here(run, "--set", f"pipeline.stages={stages}")
         assert result.returncode == 0, result.stderr[-3000:]
     assert _losses(one) == pytest.approx(_losses(two), rel=1e-6, abs=1e-7)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -71,7 +78,7 @@ def _check_observability(run: Path) -> None:
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_reduced_precision_trains_on_two_stages(tmp_path, precision):
-    result = _train(tmp_path / precision, "--set", f"train.precision={precision}", "--set", "sample.steps=1")
+    result = _train_here(tmp_path / precision, "--set", f"train.precision={precision}", "--set", "sample.steps=1")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / precision / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss"] == r["loss"] and 0 < r["loss"] < 10 for r in rows)  # finite, sensible
@@ -144,7 +151,7 @@ def test_monitor_stop_action_saves_and_ends_the_run_early(tmp_path):
 
 def test_observe_every_times_only_some_steps(tmp_path):
     run = tmp_path / "run"
-    result = _train(run, "--set", "observe.every=2", "--set", "observe.timeline_step=3")
+    result = _train_here(run, "--set", "observe.every=2", "--set", "observe.timeline_step=3")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "stage0_compute_s" in r] == [0, 2, 3]
