@@ -197,7 +197,7 @@ def test_more_memory_never_loses_a_plan_that_fits_less():
     split by stage alone packs stages that fit one by one but not as processes, and lost such plans (seeds 86 and
     116 below; and the SDXL UNet under zbv on 3 processes, planned at 84 GiB but refused at 100 and 125)."""
     lost = []
-    for seed in range(120):
+    for seed in sorted({86, 116, *range(0, 120, 4)}):  # the two that lost plans, and a quarter of the search that found them
         rng = random.Random(seed)
         costs, boundary = _random_costs(rng, rng.randint(5, 12))
         schedule = ScheduleChoice.named(rng.choice(["interleaved_1f1b", "zbv"]), 2)
