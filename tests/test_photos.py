@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from .helpers import run_command
+
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "photos.toml"
 
@@ -92,10 +94,10 @@ def test_an_sd15_layout_folder_trains_and_samples_too(tiny, tmp_path):
     photos = tmp_path / "photos"
     shutil.copytree(tiny / "photos", photos)
     run = tmp_path / "sd15"
-    cmd = [sys.executable, "-m", "diffpipe", "train", str(EXAMPLE), "--output-dir", str(run),
+    cmd = ["train", str(EXAMPLE), "--output-dir", str(run),
            "--set", f"model.path=\"{tiny / 'sd15'}\"", "--set", f"data.path=\"{photos}\"", "--set", "train.max_steps=3",
            "--set", "sample.steps=2", "--set", "sample.seeds=[0]", "--set", "checkpoint.every=0"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    result = run_command(cmd)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "objective = \"epsilon\"" in (run / "config.toml").read_text()
     assert len(_rows(run)) == 3 and Image.open(run / "samples.png").mode == "RGB"
