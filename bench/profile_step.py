@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from diffpipe.config import load_config  # noqa: E402
 from diffpipe.distributed import resolve_device_kind, single_process_topology  # noqa: E402
 from diffpipe.models.presets import UNET_PRESETS  # noqa: E402
+from diffpipe.models.unet import UNet2DFamily  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 from sdxl_one_gpu import _inputs  # noqa: E402
 
@@ -95,6 +96,10 @@ def _summarise(what: str, prof, top: int) -> dict[str, float]:
     return {name: ms / steps for name, ms in per_kernel.items()}
 
 
+def _label(loop: str, compiled: bool, lora_rank: int | None) -> str:
+    return loop + (" compiled" if compiled else "") + (f" lora r{lora_rank}" if lora_rank else "")
+
+
 def plain(steps: int, top: int, compiled: bool, lora_rank: int | None) -> dict[str, float]:
     from diffusers import UNet2DConditionModel
 
@@ -104,7 +109,7 @@ def plain(steps: int, top: int, compiled: bool, lora_rank: int | None) -> dict[s
 
         model.requires_grad_(False)
         inject_adapter_in_model(LoraConfig(r=lora_rank, lora_alpha=lora_rank,
-                                           target_modules=["to_q", "to_k", "to_v", "to_out.0"]), model)
+                                           target_modules=list(UNet2DFamily.lora_targets)), model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     fwd = torch.compile(model) if compiled else model
     inp = _inputs(8, "cuda")
@@ -116,8 +121,7 @@ def plain(steps: int, top: int, compiled: bool, lora_rank: int | None) -> dict[s
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-    kernels = _summarise("plain" + (" compiled" if compiled else "") + (f" lora r{lora_rank}" if lora_rank else ""),
-                         prof, top)
+    kernels = _summarise(_label("plain", compiled, lora_rank), prof, top)
     del model, opt, fwd
     return kernels
 
@@ -135,8 +139,7 @@ def diffpipe(config_path: str, sets: list[str], steps: int, top: int, compiled: 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         trainer.fit()
         torch.cuda.synchronize()
-    return _summarise("diffpipe" + (" compiled" if compiled else "") + (f" lora r{lora_rank}" if lora_rank else ""),
-                      prof, top)
+    return _summarise(_label("diffpipe", compiled, lora_rank), prof, top)
 
 
 def main() -> None:

@@ -75,6 +75,8 @@ class Generator:
         low, high = self.config.sample.guidance_interval
 
         def predict(x: torch.Tensor, model_t: torch.Tensor) -> torch.Tensor:
+            # every sample of a call is at the same step; read on the host, before the timesteps go to the device
+            noise_level = float(model_t[0]) / NUM_TRAIN_TIMESTEPS
             xin = torch.cat([x, x]) if guided else x
             model_t = model_t.to(x.device)
             named = dict(conditions, timestep=torch.cat([model_t, model_t]) if guided else model_t)
@@ -83,7 +85,6 @@ class Generator:
             if not guided:
                 return out
             cond, uncond = out.chunk(2)
-            noise_level = float(model_t[0]) / NUM_TRAIN_TIMESTEPS  # every sample of a call is at the same step
             scale = guidance_scale if low <= noise_level <= high else 1.0  # outside: the prompt alone
             return uncond + scale * (cond - uncond)
 

@@ -28,8 +28,8 @@ class Ran:
 
 def run_command(args: list[str]) -> Ran:
     """`diffpipe ARGS` through the CLI's own entry point, in this process: the same code as the command line less a
-    new interpreter and its imports (about 6 s each on 2 cores), and, for several processes, forked from one fork
-    server that pytest's process keeps (its imports, about 7 s, paid once). For what only its own process shows
+    new interpreter and its imports, and, for several processes, forked from one fork server that pytest's process
+    keeps (about 9 s saved a run on 2 cores, one process or two: tests/test_export.py). For what only its own process shows
     (signals, exit codes of the interpreter, the workers' printed lines) tests run `python -m diffpipe`.
     The environment and folder are restored afterwards: a one-process run sets RANK, WORLD_SIZE and MASTER_ADDR
     as torchrun would, which would make the next command think it runs under torchrun."""
