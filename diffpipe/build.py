@@ -2,6 +2,7 @@
 sample, plan and the checks before launch."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,10 +18,12 @@ from .models.pipeline_folder import is_pipeline_folder
 from .models.registry import ArchitectureError, family_for
 from .models.text import CaptionEncoder, TextEncoder
 from .models.units import Backbone, full_parameter_names
-from .pipeline.split import stage_specs
+from .pipeline.split import StageSpec, stage_specs
+from .pipeline.stage import StageModule, build_stage_modules
+from .precision import AUTOCAST_DTYPES, frozen_storage
 from .pipeline.traffic import Crossing, boundary_crossings, trace_shapes
 
-__all__ = ["build_backbone", "give_weights", "build_text_encoder", "sample_shape", "example_inputs",
+__all__ = ["build_backbone", "give_weights", "build_stages", "build_text_encoder", "sample_shape", "example_inputs",
            "boundary_traffic", "text_length", "build_dataset", "model_family", "feed"]
 
 def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
@@ -60,6 +63,23 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
     backbone.parameter_names = full_parameter_names(backbone.model)  # buffers given values are new objects
+
+
+def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], mine: list[int],
+                 device: torch.device, checkpointed: list[int]) -> list[StageModule]:
+    """The stages `mine` of a meta backbone ready to train on `device`, as the trainer and the planner's probe run
+    them: weights for their units only (the others stay on the meta device, costing nothing), frozen ones stored as
+    memory.base_dtype says module by module (the host never holds a bf16 base whole in fp32), memory.block_swap
+    units in host memory, dropout off unless train.dropout."""
+    give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)],
+                 frozen=replace(frozen_storage(config, device.type), quantise_on=device))
+    every = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision], frozenset(checkpointed),
+                                config.pipeline.compile)
+    modules = [every[i].to_device(device, config.memory.block_swap).train() for i in mine]
+    if not config.train.dropout:
+        for dropout in (m for module in modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
+            dropout.eval()
+    return modules
 
 
 def _modules_holding(backbone: Backbone, units: list[int]) -> set[int]:

@@ -23,7 +23,7 @@ from .levers import MemoryChoice, choose, fewest_swapped, leaves_any, unchanged
 from .partition import Hardware, Infeasible, Partition, Replicas, estimate_stages, partition
 
 __all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
-           "planned_figures", "resolve_memory", "search_layouts", "profile_key", "scaled"]
+           "planned_figures", "resolve_memory", "plan_memory", "search_layouts", "profile_key", "scaled"]
 
 
 @dataclass
@@ -348,11 +348,9 @@ def resolve_memory(config: RunConfig, backbone: Backbone) -> MemoryChoice:
     stages = p.stages * p.virtual_stages
     if p.split == "auto":
         try:
-            held = make_plan(config, meta, stages, p.data_parallel, p.microbatches, hw).replicas
+            return plan_memory(config, make_plan(config, meta, stages, p.data_parallel, p.microbatches, hw))
         except Infeasible:
             return _most_saving(config, meta)
-        return MemoryChoice(held.frozen.linear or first.base_dtype,
-                            "8bit" if held.moment_bytes < moment_bytes("fp32") else "fp32", held.block_swap)
     starts = balanced_by_parameters(meta, stages) if p.split == "parameters" else list(p.split)
     costs = unit_costs(config, meta, config.micro_batch_size)
     bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
@@ -363,6 +361,14 @@ def resolve_memory(config: RunConfig, backbone: Backbone) -> MemoryChoice:
 
     chosen = choose(config, _replicas(config, stages, p.data_parallel), fits, _holding(costs))
     return chosen[0] if chosen is not None else _most_saving(config, meta)
+
+
+def plan_memory(config: RunConfig, plan: Plan) -> MemoryChoice:
+    """The [memory] settings a plan holds its stages' state with: the config's, with what the planner chose where
+    it left them to it."""
+    held = plan.replicas
+    return MemoryChoice(held.frozen.linear or unchanged(config).base_dtype,
+                        "8bit" if held.moment_bytes < moment_bytes("fp32") else "fp32", held.block_swap)
 
 
 def _most_saving(config: RunConfig, meta: Backbone) -> MemoryChoice:

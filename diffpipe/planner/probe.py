@@ -10,30 +10,37 @@ a device of its own, beside what the planner predicted.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
-from ..build import build_backbone, example_inputs
-from ..precision import AUTOCAST_DTYPES
+from ..build import build_backbone, build_stages, example_inputs
 from ..config import RunConfig
 from ..models.units import Backbone
 from ..pipeline.split import stage_specs
-from ..pipeline.stage import StageModule, build_stage_modules
+from ..pipeline.stage import StageModule
 from ..pipeline.traffic import trace_shapes
+from ..precision import AUTOCAST_DTYPES
+from ..train.optim import make_optimizer
 from .costs import sync
-from .plan import Plan
+from .plan import Plan, plan_memory
 
-__all__ = ["probe_stage", "probe_plan", "format_probe"]
+__all__ = ["probe_stage", "probe_plan", "probed_samples_per_s", "format_probe"]
 
 GIB = 2**30
 
 
 def probe_stage(module: StageModule, received: list[torch.Tensor], conditions: dict[str, torch.Tensor],
-                device: torch.device, held: int, repeats: int = 3, optimizer: bool = True) -> tuple[float, int | None]:
+                device: torch.device, held: int, repeats: int = 3, optimizer: bool = True,
+                config: RunConfig | None = None) -> tuple[float, int | None]:
     """Best-of-`repeats` seconds of forward+backward per micro-batch with `held` micro-batches in flight, and
-    peak bytes allocated (None off CUDA). Two unmeasured rounds come first (allocator and kernel warm-up)."""
+    peak bytes allocated (None off CUDA). Two unmeasured rounds come first (allocator and kernel warm-up). The
+    optimizer is the run's (`config`: memory.optimizer_state), else torch's AdamW."""
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-6, fused=device.type == "cuda") if optimizer and params else None
+    opt = None
+    if optimizer and params:
+        opt = (make_optimizer([(params, 1.0)], config.train, config.memory.optimizer_state)[0] if config is not None
+               else torch.optim.AdamW(params, lr=1e-6, fused=device.type == "cuda"))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = []
@@ -68,47 +75,80 @@ def _synthetic(config: RunConfig, meta: Backbone, micro: int, device: torch.devi
 
 
 def probe_plan(config: RunConfig, meta: Backbone, plan: Plan, device: torch.device, repeats: int = 3,
-               optimizer: bool = True, unsplit: bool = False) -> list[dict]:
-    """One row per planned stage (and first the whole model as one stage, with `unsplit`): probed against planned."""
-    p = config.pipeline
+               optimizer: bool = True, unsplit: bool = False, only: list[int] | None = None) -> list[dict]:
+    """One row per planned stage (`only` these, where given; and first the whole model as one stage, with
+    `unsplit`): probed against planned.
+    Each stage is built as the trainer builds it (LoRA, memory.base_dtype, block swap and the optimizer's state as
+    the plan holds them), alone, from a fresh meta backbone: the host holds one stage's weights at a time. A stage
+    that runs out of the device's memory gets a row saying so."""
+    config = config.model_copy(update={"memory": config.memory.model_copy(update=vars(plan_memory(config, plan)))})
     dtype = AUTOCAST_DTYPES[config.train.precision]
     boundary_dtype = dtype if dtype is not None else torch.float32
     micro = plan.micro_batch_size
     inputs, conditions, shapes_after = _synthetic(config, meta, micro, device)
-    real = build_backbone(config)
     rows, unsplit_peak = [], None
     if unsplit:
-        whole = build_stage_modules(real, stage_specs(real, []), dtype)[0].to(device)
-        seconds, unsplit_peak = probe_stage(whole, [torch.randn(inputs["sample"].shape, device=device)], conditions,
-                                            device, 1, repeats, optimizer)
-        rows.append({"stage": "unsplit", "units": "all", "micro_batch": micro, "in_flight": 1, "checkpointed": False,
-                     "probed_ms": round(seconds * 1e3, 2), "probed_peak_gib": _gib(unsplit_peak)})
-        whole.to("cpu")
-        del whole
-        _free(device)
-    checkpointed = frozenset(s.index for s in plan.planned.stages if s.checkpointed)
-    modules = build_stage_modules(real, stage_specs(real, plan.planned.starts), dtype, checkpointed)
-    for module, predicted in zip(modules, plan.planned.stages):
-        module.to(device)
-        shapes = shapes_after[module.spec.first - 1] if module.spec.first > 0 else {}
-        received = [torch.randn(inputs[n].shape if n in inputs else shapes[n], device=device,
-                                dtype=torch.float32 if n in inputs else boundary_dtype)
-                    for n in module.spec.receives]
-        held = plan.planned.schedule.in_flight(module.spec.index, plan.stages, plan.microbatches)
-        seconds, peak = probe_stage(module, received, conditions, device, held, repeats, optimizer)
+        row = {"stage": "unsplit", "units": "all", "micro_batch": micro, "in_flight": 1, "checkpointed": False}
+        seconds, unsplit_peak = _probe_built(config, [], 0, [], [inputs["sample"].shape], torch.float32, conditions,
+                                             device, 1, repeats, optimizer)
+        rows.append({**row, **_probed(seconds, unsplit_peak)})
+    checkpointed = [s.index for s in plan.planned.stages if s.checkpointed]
+    specs = stage_specs(meta, plan.planned.starts)
+    for spec, predicted in zip(specs, plan.planned.stages):
+        if only is not None and spec.index not in only:
+            continue
+        shapes = shapes_after[spec.first - 1] if spec.first > 0 else {}
+        received = [inputs[n].shape if n in inputs else shapes[n] for n in spec.receives]
+        dtypes = [torch.float32 if n in inputs else boundary_dtype for n in spec.receives]
+        held = plan.planned.schedule.in_flight(spec.index, plan.stages, plan.microbatches)
+        seconds, peak = _probe_built(config, plan.planned.starts, spec.index, checkpointed, received, dtypes,
+                                     conditions, device, held, repeats, optimizer)
         planned_s = predicted.forward_s + predicted.backward_s
-        row = {"stage": module.spec.index, "units": f"{module.unit_list[0].name}..{module.unit_list[-1].name}",
-               "micro_batch": micro, "in_flight": held, "checkpointed": module.checkpointed,
-               "planned_ms": round(planned_s * 1e3, 2), "probed_ms": round(seconds * 1e3, 2),
-               "time_error": round(planned_s / seconds - 1, 3),
-               "planned_peak_gib": round(predicted.memory_bytes / GIB, 2), "probed_peak_gib": _gib(peak)}
+        units = f"{meta.units[spec.first].name}..{meta.units[spec.last - 1].name}"
+        row = {"stage": spec.index, "units": units, "micro_batch": micro, "in_flight": held,
+               "checkpointed": spec.index in checkpointed, "planned_ms": round(planned_s * 1e3, 2),
+               **_probed(seconds, peak), "planned_peak_gib": round(predicted.memory_bytes / GIB, 2)}
+        if seconds is not None:
+            row["time_error"] = round(planned_s / seconds - 1, 3)
         if peak is not None and unsplit_peak:
             row["peak_vs_unsplit"] = round(peak / unsplit_peak, 3)
         rows.append(row)
-        module.to("cpu")
-        del received
-        _free(device)
     return rows
+
+
+def _probe_built(config: RunConfig, starts: list[int], index: int, checkpointed: list[int], received_shapes,
+                 received_dtypes, conditions, device: torch.device, held: int, repeats: int, optimizer: bool):
+    """`probe_stage` of stage `index` of the split at `starts`, built here and freed after; (None, None) where it
+    runs out of the device's memory."""
+    backbone = build_backbone(config, "meta")
+    if isinstance(received_dtypes, torch.dtype):
+        received_dtypes = [received_dtypes] * len(received_shapes)
+    module = None
+    try:
+        module = build_stages(config, backbone, stage_specs(backbone, starts), [index], device, checkpointed)[0]
+        received = [torch.randn(shape, device=device, dtype=dt) for shape, dt in zip(received_shapes, received_dtypes)]
+        return probe_stage(module, received, conditions, device, held, repeats, optimizer, config)
+    except torch.cuda.OutOfMemoryError:
+        return None, None
+    finally:
+        del module, backbone
+        _free(device)
+
+
+def _probed(seconds: float | None, peak: int | None) -> dict:
+    if seconds is None:
+        return {"probed_ms": None, "probed_peak_gib": None, "out_of_memory": True}
+    return {"probed_ms": round(seconds * 1e3, 2), "probed_peak_gib": _gib(peak)}
+
+
+def probed_samples_per_s(plan: Plan, rows: list[dict]) -> float | None:
+    """The plan's samples/s with each stage's compute time as probed (its planned sends kept): what the pipeline
+    would train at with each stage on a device of its own. None where a stage was not probed or ran out of memory."""
+    probed = {r["stage"]: r["probed_ms"] for r in rows}
+    if any(probed.get(s.index) is None for s in plan.planned.stages):
+        return None
+    stages = tuple(replace(s, forward_s=probed[s.index] / 1e3, backward_s=0.0) for s in plan.planned.stages)
+    return plan.samples_per_s_of(replace(plan.planned, stages=stages))
 
 
 def _gib(nbytes: int | None) -> float | None:
@@ -120,15 +160,20 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def format_probe(rows: list[dict], device: torch.device) -> str:
-    lines = [f"\neach planned stage run alone on {device.type} (AdamW state kept, micro-batches in flight as 1F1B holds them):",
+def format_probe(rows: list[dict], device: torch.device, samples_per_s: float | None = None) -> str:
+    lines = [f"\neach planned stage run alone on {device.type} (built as the run builds it, its optimizer's state kept, "
+             "micro-batches in flight as the schedule holds them):",
              f"  {'stage':>7} {'units':<26} {'in flight':>9} {'planned ms':>11} {'probed ms':>10} {'error':>7} "
              f"{'planned GiB':>12} {'probed GiB':>11}"]
     for r in rows:
+        probed_ms = "out of memory" if r.get("out_of_memory") else f"{r['probed_ms']:.2f}"
         probed_gib = "-" if r["probed_peak_gib"] is None else f"{r['probed_peak_gib']:.2f}"
         lines.append(f"  {r['stage']!s:>7} {r['units']:<26} {r['in_flight']:>9} {r.get('planned_ms', '-')!s:>11} "
-                     f"{r['probed_ms']:>10.2f} {_percent(r.get('time_error')):>7} "
+                     f"{probed_ms:>10} {_percent(r.get('time_error')):>7} "
                      f"{r.get('planned_peak_gib', '-')!s:>12} {probed_gib:>11}")
+    if samples_per_s is not None:
+        lines.append(f"with each stage on a device of its own at the probed times (planned sends kept): "
+                     f"{samples_per_s:.3f} samples/s")
     return "\n".join(lines)
 
 

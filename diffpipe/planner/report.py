@@ -19,7 +19,7 @@ from ..pipeline.split import live_after
 from .costs import count_unit_costs, profile_unit_costs, save_profile
 from .partition import Partition
 from .plan import Plan, hardware, make_plan, planning_device, profile_key, search_layouts
-from .probe import GIB, format_probe, probe_plan
+from .probe import GIB, format_probe, probe_plan, probed_samples_per_s
 
 __all__ = ["parse_memory", "plan_command", "format_plan", "plan_as_dict"]
 
@@ -139,8 +139,9 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
     if probe or probe_unsplit:  # the plan shown (with --world-size: the best layout)
         device = planning_device(config)
         result["probed"] = probe_plan(config, meta, plan, device, unsplit=probe_unsplit)
+        result["probed_samples_per_s"] = probed_samples_per_s(plan, result["probed"])
         if not as_json:
-            print(format_probe(result["probed"], device))
+            print(format_probe(result["probed"], device, result["probed_samples_per_s"]))
     if as_json:
         print(json.dumps([result] + [plan_as_dict(pl, meta) for pl in plans[1:5]] if world_size else result, indent=1))
 

@@ -11,15 +11,14 @@ import faulthandler
 import json
 import signal
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..build import (boundary_traffic, build_backbone, build_dataset, build_text_encoder, feed,
-                     give_weights, sample_shape)
+from ..build import (boundary_traffic, build_backbone, build_dataset, build_stages, build_text_encoder, feed,
+                     sample_shape)
 from ..config import RunConfig
 from ..data.batches import BatchMaker, StepBatch
 from ..data.prefetch import BatchPrefetcher
@@ -33,9 +32,8 @@ from ..pipeline.data_parallel import full, local, spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
 from ..pipeline.traffic import Crossing
-from ..precision import AUTOCAST_DTYPES, frozen_storage
+from ..precision import frozen_storage
 from ..pipeline.split import stage_specs
-from ..pipeline.stage import build_stage_modules
 from ..pipeline.tied import TiedGradients, tied_parameters
 from ..planner.plan import resolve_memory, resolve_stages
 from .optim import (LossScaler, clip_gradients, global_grad_norm, make_optimizer,
@@ -83,16 +81,7 @@ class Trainer:
         specs = stage_specs(backbone, p.split)
         schedule = schedule_named(p.schedule)
         mine = schedule.stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
-        # weights for this process's stages only: the others' stay on the meta device, costing nothing; frozen ones
-        # stored as memory.base_dtype says module by module (the host never holds a bf16 base whole in fp32)
-        give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)],
-                     frozen=replace(frozen_storage(config, topo.device.type), quantise_on=topo.device))
-        all_modules = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
-                                          frozenset(p.checkpointing), p.compile)
-        self.modules = [all_modules[i].to_device(topo.device, config.memory.block_swap).train() for i in mine]
-        if not config.train.dropout:
-            for dropout in (m for module in self.modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
-                dropout.eval()
+        self.modules = build_stages(config, backbone, specs, mine, topo.device, p.checkpointing)
         tied = tied_parameters(backbone, specs)  # by the backbone's parameter objects, which wrapping replaces:
         spread_over_replicas(self.modules, topo, p.data_parallel_shard)  # before anything keeps the parameters
         lr_scale = config.train.stage_lr_scale or [1.0] * len(specs)

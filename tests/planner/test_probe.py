@@ -4,9 +4,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diffpipe.cli import main
+import pytest
+import torch
 
-DIGITS = Path(__file__).parent.parent.parent / "examples" / "digits.toml"
+from diffpipe.build import build_backbone
+from diffpipe.cli import main
+from diffpipe.config import load_config
+from diffpipe.planner import probe
+from diffpipe.planner.plan import hardware, make_plan
+
+EXAMPLES = Path(__file__).parent.parent.parent / "examples"
+DIGITS, FLUX = EXAMPLES / "digits.toml", EXAMPLES / "flux_tiny.toml"
 
 
 def test_probe_runs_every_planned_stage_beside_its_plan(capsys):
@@ -39,3 +47,35 @@ def test_probe_with_a_world_size_probes_the_best_layout(capsys):
     best, *others = json.loads(capsys.readouterr().out)
     assert len(best["probed"]) == len(best["planned"]["stages"])
     assert all("probed" not in other for other in others)
+
+
+def test_the_probed_speed_is_the_plans_with_the_probed_stage_times(capsys):
+    assert main(["plan", str(DIGITS), "--json", "--probe", "--set", "pipeline.stages=2",
+                 "--set", "pipeline.microbatches=4"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    slowest = max(r["probed_ms"] + s["send_ms"] for r, s in zip(result["probed"], result["planned"]["stages"]))
+    batch = result["micro_batch_size"] * 4
+    assert result["probed_samples_per_s"] == pytest.approx(batch / ((4 + 2 - 1) * slowest / 1e3), rel=1e-3)
+
+
+def test_each_stage_is_probed_as_the_run_builds_it(monkeypatch):
+    """LoRA adapters, a bf16 base and the run's optimizer: a probe of the plain fp32 model would hold several
+    times the memory a LoRA run's stage holds."""
+    config = load_config(FLUX, ["adapter.type=\"lora\"", "memory.base_dtype=\"bf16\"", "train.precision=\"bf16\"",
+                                "pipeline.stages=2",
+                                "pipeline.microbatches=2"])
+    meta = build_backbone(config, "meta")
+    plan = make_plan(config, meta, 2, 1, 2, hardware(config))
+    seen = []
+
+    def record(module, received, conditions, device, held, repeats, optimizer, config):
+        seen.append(({n: q.dtype for n, q in module.named_parameters() if not q.requires_grad},
+                     [n for n, q in module.named_parameters() if q.requires_grad]))
+        return 0.01, None
+
+    monkeypatch.setattr(probe, "probe_stage", record)
+    rows = probe.probe_plan(config, meta, plan, torch.device("cpu"))
+    assert [r["stage"] for r in rows] == [0, 1] and len(seen) == 2
+    for frozen, trained in seen:
+        assert trained and all("lora_" in n for n in trained)
+        assert frozen and all(dtype == torch.bfloat16 for dtype in frozen.values())
