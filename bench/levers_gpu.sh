@@ -35,4 +35,17 @@ if [[ " $PARTS " == *" 3 "* ]]; then
     say "sdxl full $state rc=$? losses $(losses $OUT/sdxl-$state/metrics.jsonl)"
   done
 fi
-cat $OUT/summary.txt $OUT/rows.jsonl 2>/dev/null
+if [[ " $PARTS " == *" 4 "* ]]; then
+  F="--set pipeline.stages=2 --set pipeline.microbatches=4 --set train.batch_size=4 --set adapter.type=\"lora\" --set adapter.rank=16 --set adapter.alpha=16.0 --set adapter.target_modules=[\"to_q\",\"to_k\",\"to_v\",\"to_out.0\"] --set memory.base_dtype=\"bf16\" --set plan.memory_gib=24 --set plan.link_gbps=25"
+  timeout 280 python3 bench/stage_probe.py examples/flux_dev.toml $F --gib 24 --repeats 2 > $OUT/flux_two_stages.jsonl 2> $OUT/flux_two_stages.err
+  say "flux-dev lora 2 stages probed capped 24 rc=$?"
+fi
+if [[ " $PARTS " == *" 5 "* ]]; then
+  timeout 60 python3 -m diffpipe plan examples/wan_14b.toml --world-size 4 --gpu-memory 24GiB > $OUT/plan_wan14b_4x24.txt 2>&1; say "plan wan14b 4x24 rc=$?"
+  timeout 60 python3 -m diffpipe plan examples/wan_14b.toml --world-size 2 --gpu-memory 48GiB > $OUT/plan_wan14b_2x48.txt 2>&1; say "plan wan14b 2x48 rc=$?"
+  for stage in ${WAN_STAGES:-0 3}; do
+    timeout 280 python3 bench/stage_probe.py examples/wan_14b.toml --stage $stage --gib 24 --repeats 1 > $OUT/wan14b_stage$stage.jsonl 2> $OUT/wan14b_stage$stage.err
+    say "wan14b 4x24 stage $stage probed capped 24 rc=$?"
+  done
+fi
+cat $OUT/summary.txt $OUT/rows.jsonl $OUT/*.jsonl 2>/dev/null
