@@ -44,8 +44,8 @@ if [[ " $PARTS " == *" 5 "* ]]; then
   timeout 60 python3 -m diffpipe plan examples/wan_14b.toml --world-size 4 --gpu-memory 24GiB > $OUT/plan_wan14b_4x24.txt 2>&1; say "plan wan14b 4x24 rc=$?"
   timeout 60 python3 -m diffpipe plan examples/wan_14b.toml --world-size 2 --gpu-memory 48GiB > $OUT/plan_wan14b_2x48.txt 2>&1; say "plan wan14b 2x48 rc=$?"
   for stage in ${WAN_STAGES:-0 3}; do
-    timeout 280 python3 bench/stage_probe.py examples/wan_14b.toml --stage $stage --gib 24 --repeats 1 > $OUT/wan14b_stage$stage.jsonl 2> $OUT/wan14b_stage$stage.err
-    say "wan14b 4x24 stage $stage probed capped 24 rc=$?"
+    timeout 280 python3 bench/stage_probe.py examples/wan_14b.toml --stage $stage --gib ${WAN_GIB:-24} --repeats 1 > $OUT/wan14b_stage$stage.jsonl 2> $OUT/wan14b_stage$stage.err
+    say "wan14b 4x24 stage $stage probed capped ${WAN_GIB:-24} rc=$?"
   done
 fi
 cat $OUT/summary.txt $OUT/rows.jsonl $OUT/*.jsonl 2>/dev/null

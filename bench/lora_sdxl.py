@@ -2,10 +2,14 @@
 fine-tuning; samples/s and peak memory. SDXL UNet config, random weights, 1024x1024 (128x128 latents), fp32
 weights, bf16 autocast, batch 8 in one micro-batch, fused AdamW.
 
-    python bench/lora_sdxl.py [--ranks 16,64] [--steps 8] [--skip-full] [--base-dtypes bf16,fp32]
+    python bench/lora_sdxl.py [--ranks 16,64] [--steps 8] [--skip-full] [--base-dtypes bf16,fp32] [--loops]
 
 diffpipe's LoRA runs once per entry of --base-dtypes (memory.base_dtype: how the frozen UNet is stored; the
 plain loop keeps it in fp32, as a user's loop does).
+
+--loops also runs diffpipe's step by hand with the same trainer (its forward_backward, apply_gradients and
+read_record), in two ways: the batch made in the training thread each step (no background thread competing for
+the GIL), and one batch made once and reused (as the plain loop does): where the LoRA step's time goes.
 
 Prints one JSON line per configuration: the median step over the steps after the first two, samples/s and the
 device's peak allocated memory over the run.
@@ -93,6 +97,31 @@ def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32") -> None
     del trainer
 
 
+def diffpipe_by_hand(rank: int, steps: int, base_dtype: str, fixed_batch: bool) -> None:
+    """diffpipe's LoRA step run by hand, each step waited for: the batch made in this thread each step, or once."""
+    torch.cuda.reset_peak_memory_stats()
+    sets = ["pipeline.stages=1", "pipeline.microbatches=1", f"train.batch_size={BATCH}", f"train.max_steps={steps}",
+            "observe.enabled=false", "output.save_weights=false", "output.sample_every_end=false",
+            "checkpoint.every=0", "train.learning_rate=1e-4", 'pipeline.checkpointing="none"', 'train.device="cuda"',
+            'adapter.type="lora"', f"adapter.rank={rank}", f"adapter.alpha={float(rank)}",
+            f'memory.base_dtype="{base_dtype}"']
+    trainer = Trainer(load_config(ROOT / "examples" / "sdxl_unet.toml", sets), single_process_topology("cuda"),
+                      Path(tempfile.mkdtemp()))
+    from diffpipe.train.trainer import read_record
+
+    batch = trainer.batch_for(0) if fixed_batch else None
+    times = []
+    for step in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss, _ = trainer.forward_backward(step, batch if fixed_batch else trainer.batch_for(step))
+        read_record(trainer.apply_gradients(step, loss))
+        times.append(time.perf_counter() - start)
+    how = "one batch made once" if fixed_batch else "batch made in the training thread"
+    _report(f"diffpipe lora by hand, {base_dtype} base, {how}", rank, times)
+    del trainer
+
+
 def _free() -> None:
     import gc
 
@@ -106,6 +135,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip-full", action="store_true")
     parser.add_argument("--base-dtypes", default="bf16,fp32", help="memory.base_dtype of diffpipe's LoRA runs")
+    parser.add_argument("--loops", action="store_true", help="also diffpipe's step by hand (see above)")
     args = parser.parse_args()
     for rank in [int(r) for r in args.ranks.split(",") if r]:
         plain_peft_loop(rank, args.steps)
@@ -113,6 +143,9 @@ def main() -> None:
         for base_dtype in args.base_dtypes.split(","):
             diffpipe_run(rank, args.steps, base_dtype)
             _free()
+            for fixed in (False, True) if args.loops else ():
+                diffpipe_by_hand(rank, args.steps, base_dtype, fixed)
+                _free()
     if not args.skip_full:
         diffpipe_run(None, args.steps)
 

@@ -53,7 +53,8 @@ def probe_stage(module: StageModule, received: list[torch.Tensor], conditions: d
             args = [t.detach().requires_grad_(module.spec.index > 0) for t in received]
             out = module(*args, **conditions)
             outputs.append(out if isinstance(out, tuple) else (out,))
-        for outs in outputs:
+        for outs in outputs:  # a LoRA run's stage may send tensors no trained weight made (Flux's rope)
+            outs = [o for o in outs if o.requires_grad]
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         outputs.clear()
         sync(device)

@@ -79,3 +79,13 @@ def test_each_stage_is_probed_as_the_run_builds_it(monkeypatch):
     for frozen, trained in seen:
         assert trained and all("lora_" in n for n in trained)
         assert frozen and all(dtype == torch.bfloat16 for dtype in frozen.values())
+
+
+def test_a_lora_runs_stages_are_probed_on_the_cpu(capsys):
+    """Stage 0 of a LoRA Flux sends tensors no trained weight made (the rotary embedding): the probe's backward
+    takes the others (it failed on them once)."""
+    assert main(["plan", str(FLUX), "--json", "--probe", "--set", 'adapter.type="lora"', "--set",
+                 "pipeline.stages=2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [r["stage"] for r in result["probed"]] == [0, 1]
+    assert all(r["probed_ms"] > 0 for r in result["probed"]) and result["probed_samples_per_s"] > 0
