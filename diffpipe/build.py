@@ -23,7 +23,7 @@ from .pipeline.stage import StageModule, build_stage_modules
 from .precision import AUTOCAST_DTYPES, frozen_storage
 from .pipeline.traffic import Crossing, boundary_crossings, trace_shapes
 
-__all__ = ["build_backbone", "give_weights", "build_stages", "build_text_encoder", "sample_shape", "example_inputs",
+__all__ = ["build_backbone", "give_weights", "build_stages", "choose_attention", "build_text_encoder", "sample_shape", "example_inputs",
            "boundary_traffic", "text_length", "build_dataset", "model_family", "feed"]
 
 def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
@@ -71,6 +71,7 @@ def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], 
     them: weights for their units only (the others stay on the meta device, costing nothing), frozen ones stored as
     memory.base_dtype says module by module (the host never holds a bf16 base whole in fp32), memory.block_swap
     units in host memory, dropout off unless train.dropout."""
+    choose_attention(backbone, device)
     give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)],
                  frozen=replace(frozen_storage(config, device.type), quantise_on=device))
     every = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision], frozenset(checkpointed),
@@ -80,6 +81,14 @@ def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], 
         for dropout in (m for module in modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
             dropout.eval()
     return modules
+
+
+def choose_attention(backbone: Backbone, device: torch.device) -> None:
+    """Turn cuDNN's attention kernels off in this process where the family's backward fails in them on CUDA
+    (models/family.py `cudnn_attention`: Flux's failed with an illegal memory access on an H200, torch 2.11); torch
+    then takes its flash or memory-efficient kernels. Called wherever units train on a device."""
+    if device.type == "cuda" and not backbone.family.cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def _modules_holding(backbone: Backbone, units: list[int]) -> set[int]:

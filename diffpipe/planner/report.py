@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from ..build import build_backbone, example_inputs
+from ..build import build_backbone, choose_attention, example_inputs
 from ..precision import AUTOCAST_DTYPES
 from ..config import ConfigError, RunConfig
 from ..models.units import Backbone
@@ -97,6 +97,7 @@ def _profile(config: RunConfig, meta: Backbone, path: str) -> None:
     micro = config.micro_batch_size
     costs = count_unit_costs(meta, *example_inputs(config, meta, micro))
     real = build_backbone(config)
+    choose_attention(real, device)
     inputs, conditions = example_inputs(config, real, micro)
     inputs = {k: torch.randn_like(v) for k, v in inputs.items()}
     conditions = {k: torch.randn_like(v) if k != "timestep" else torch.full_like(v, 500.0)

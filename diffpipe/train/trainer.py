@@ -68,8 +68,6 @@ class Trainer:
         self.config, self.topo, self.run_dir = config, topo, run_dir
         p = config.pipeline
         backbone = build_backbone(config, "meta")
-        if topo.device.type == "cuda" and not backbone.family.cudnn_attention:
-            torch.backends.cuda.enable_cudnn_sdp(False)  # the family's note says why
         self.model_config = dict(backbone.model.config)
         self.model_shapes = model_shapes(backbone.model)
         m = config.memory  # settings left to the planner: the launcher chooses them before starting processes

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffpipe.build import build_backbone
+from diffpipe.build import build_backbone, choose_attention
 from diffpipe.cli import main
 from diffpipe.config import load_config
 from diffpipe.planner import probe
@@ -89,3 +89,18 @@ def test_a_lora_runs_stages_are_probed_on_the_cpu(capsys):
     result = json.loads(capsys.readouterr().out)
     assert [r["stage"] for r in result["probed"]] == [0, 1]
     assert all(r["probed_ms"] > 0 for r in result["probed"]) and result["probed_samples_per_s"] > 0
+
+
+@pytest.mark.parametrize("config, off", [(FLUX, True), (DIGITS, False)])
+def test_families_whose_backward_fails_in_cudnn_attention_turn_it_off_on_cuda(config, off):
+    """Flux's backward met an illegal memory access in cuDNN attention on an H200 (the probe, which did not turn
+    it off while the trainer did); every stage built on CUDA now turns it off for such a family."""
+    backbone = build_backbone(load_config(config), "meta")
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        choose_attention(backbone, torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        choose_attention(backbone, torch.device("cuda"))
+        assert torch.backends.cuda.cudnn_sdp_enabled() is not off
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
