@@ -1,7 +1,9 @@
 """`diffpipe plan --probe`: each planned stage run alone with the micro-batches 1F1B keeps in flight there."""
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,26 @@ def test_families_whose_backward_fails_in_cudnn_attention_turn_it_off_on_cuda(co
         assert torch.backends.cuda.cudnn_sdp_enabled() is not off
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+def test_a_probed_stage_is_freed_before_the_next_is_built(monkeypatch):
+    """With the cycle collector left to run when it likes (here: not at all), a probed stage's weights stayed held
+    while the next stage was built: on a GPU the next stage ran out of memory."""
+    config = load_config(FLUX, ["adapter.type=\"lora\"", "pipeline.stages=2", "pipeline.microbatches=2"])
+    meta = build_backbone(config, "meta")
+    plan = make_plan(config, meta, 2, 1, 2, hardware(config))
+    earlier, held_then = [], []
+
+    def record(module, *args):
+        held_then.append([ref() is not None for ref in earlier])
+        earlier.append(weakref.ref(next(q for q in module.parameters() if not q.requires_grad)))
+        return 0.01, None
+
+    monkeypatch.setattr(probe, "probe_stage", record)
+    gc.collect()
+    gc.disable()
+    try:
+        probe.probe_plan(config, meta, plan, torch.device("cpu"))
+    finally:
+        gc.enable()
+    assert held_then == [[], [False]]
