@@ -107,7 +107,7 @@ def diffpipe_by_hand(rank: int, steps: int, base_dtype: str, fixed_batch: bool) 
             f'memory.base_dtype="{base_dtype}"']
     trainer = Trainer(load_config(ROOT / "examples" / "sdxl_unet.toml", sets), single_process_topology("cuda"),
                       Path(tempfile.mkdtemp()))
-    from diffpipe.train.trainer import read_record
+    from diffpipe.train.records import read_record
 
     batch = trainer.batch_for(0) if fixed_batch else None
     times = []

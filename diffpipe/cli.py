@@ -154,7 +154,7 @@ def _check_resumable(config, run_dir: Path, backbone) -> None:
 
 def _train(args) -> None:
     from .distributed import launch
-    from .train.trainer import train_worker
+    from .train.worker import train_worker
 
     config, run_dir, is_main, lock = _prepare_run(args)
     try:
@@ -361,7 +361,7 @@ def _main(args) -> int:
     from .planner.partition import Infeasible
     from .run_folder import RunFolderError
     from .torch_support import TorchVersionError, check_torch
-    from .train.trainer import TrainingStopped
+    from .train.stopping import TrainingStopped
 
     transformers_logging.disable_progress_bar()  # per-file bars of tiny local saves and loads are noise
     try:

@@ -13,7 +13,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  
 
 from ..observe.timing import Mark  # noqa: E402
 
-__all__ = ["MetricsLog", "StepReport", "is_logged", "plot_loss", "make_progress", "NullProgress"]
+__all__ = ["MetricsLog", "StepReport", "is_logged", "plot_loss", "make_progress", "NullProgress", "on_host_when_ready",
+           "step_end", "read_record"]
 
 
 class MetricsLog:
@@ -119,3 +120,32 @@ class StepReport:
                 self.writers.add_scalar(f"eval/{key.removeprefix('eval_')}", record[key], step)
         self.progress.update(self.task, completed=step + 1, loss=f"{record['loss']:.4f}",
                              samples_per_s=f"{record['samples_per_s']:.1f}")
+
+
+_END = "_end"  # the record's Mark: where on the device the step ended, after its figures were copied to the host
+
+
+def on_host_when_ready(record: dict, device: torch.device) -> dict:
+    """The record with its GPU tensors copied into pinned host memory once the GPU gets there, and a Mark (a CUDA
+    event; on a CPU the clock) at the step's end. Reading a GPU tensor (`.item()`) would wait for everything queued
+    on the stream, the next step's forward and backward included, and leave the GPU idle while the host catches
+    up; waiting on the mark waits for this step alone, and the marks of consecutive steps time them on the device."""
+    record = dict(record)
+    for key, value in record.items():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            record[key] = host.copy_(value, non_blocking=True)
+    record[_END] = Mark(device)
+    return record
+
+
+def step_end(record: dict) -> Mark:
+    """Where on the device the step of a record (from `Trainer.apply_gradients`) ended."""
+    return record[_END]
+
+
+def read_record(record: dict) -> dict:
+    """The record with its tensors read as numbers (on a GPU this waits for the step the record is of)."""
+    if _END in record:
+        record[_END].wait()
+    return {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items() if k != _END}

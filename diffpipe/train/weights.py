@@ -6,13 +6,19 @@ holds one tensor of another stage at a time.
 """
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
 
 from ..distributed import Topology
+from ..models.lora import lora_metadata, lora_scale, lora_weights, merge_lora
+from ..models.text import TextEncoder
 from ..pipeline.data_parallel import full
+from ..precision import frozen_storage
+from ..written_files import save_tensors
 
-__all__ = ["gather_weights", "original_base"]
+__all__ = ["gather_weights", "original_base", "save_run_weights"]
 
 
 def gather_weights(modules, topo: Topology) -> dict[str, torch.Tensor] | None:
@@ -50,3 +56,30 @@ def original_base(config, weights: dict[str, torch.Tensor]) -> dict[str, torch.T
 
     base = build_backbone(config, "cpu").model.state_dict()  # without adapters: the plain model, every weight real
     return {name: t if is_adapter(name) else base[plain_name(name)] for name, t in weights.items()}
+
+
+def save_run_weights(trainer) -> None:
+    """model.safetensors (every stage's weights, sent to rank 0 over the process group; with LoRA, merged into the
+    base, and the adapters alone in lora.safetensors), model_config.json and the text encoder (unless it is a
+    pipeline folder's), in rank 0's run folder. Every process takes part."""
+    config, topo, run_dir = trainer.config, trainer.topo, trainer.run_dir
+    if not config.output.save_weights:
+        return
+    merged = gather_weights(trainer.modules, topo)
+    if topo.is_main:
+        if config.adapter.type == "lora":  # the adapters alone, and the base with them merged in
+            save_tensors(lora_weights(merged), run_dir / "lora.safetensors",
+                         metadata=lora_metadata(config, trainer.feed.family.lora_targets))
+            # merged in fp32 into the base as model.path holds it, whatever memory.base_dtype stored it in: a
+            # bf16 sum would round the update away, and a stored copy's rounding would stay in the result
+            stored = frozen_storage(config, topo.device.type)
+            if stored.dtype != torch.float32 or stored.linear:
+                merged = original_base(config, merged)
+            merged = {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
+            merged = merge_lora(merged, lora_scale(config.adapter))
+        save_tensors(merged, run_dir / "model.safetensors")
+        (run_dir / "model_config.json").write_text(json.dumps(trainer.model_config, indent=1, default=list))
+        if isinstance(trainer.text, TextEncoder):  # a pipeline folder's text encoders stay in it
+            trainer.text.to("cpu")
+            trainer.text.save(run_dir / "text_encoder")
+    dist.barrier()

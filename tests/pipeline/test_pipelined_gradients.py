@@ -224,7 +224,8 @@ def _scenario_worker(scenarios: list[tuple[str, dict]], out_dir: str, device_kin
     """Each scenario trained for STEPS steps on this rank (gloo on CPU; NCCL on GPUs for bench/nccl_gradients.py):
     what `compare` checks, saved per rank."""
     from diffpipe.distributed import init_topology
-    from diffpipe.train.trainer import Trainer, read_record
+    from diffpipe.train.records import read_record
+    from diffpipe.train.trainer import Trainer
 
     if device_kind == "cuda":  # compare fp32 with fp32: cuDNN convolutions would otherwise round through TF32
         torch.backends.cudnn.allow_tf32 = False

@@ -15,7 +15,8 @@ def _worker(out_dir: str) -> None:
     from pathlib import Path
 
     from diffpipe.distributed import init_topology
-    from diffpipe.train.trainer import Trainer, read_record
+    from diffpipe.train.records import read_record
+    from diffpipe.train.trainer import Trainer
 
     config = build_config({"train": {"precision": "fp16", "batch_size": 8, "max_steps": 2},
                            "pipeline": {"stages": 2, "microbatches": 2, "split": [5]}})

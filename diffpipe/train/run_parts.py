@@ -1,0 +1,136 @@
+"""A run's parts in one process, built from its config: this process's stages and what trains them (optimizer, loss
+scale, the pipeline runner, weights tied across stages), and what feeds them (text encoders, data, batches, held-out
+data). `Trainer` (train/trainer.py) loops over them; evaluation and checkpoints read them through it.
+
+Every process builds the backbone on the meta device and gives weights only to the units of its own stages (each
+module seeded alike whatever the stage count: models/materialise.py), then moves them to its device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..build import (boundary_traffic, build_backbone, build_dataset, build_stages, build_text_encoder, feed,
+                     sample_shape)
+from ..config import RunConfig
+from ..data.batches import BatchMaker
+from ..distributed import Topology
+from ..models.family import Feed
+from ..models.text import CaptionEncoder
+from ..models.units import Backbone
+from ..pipeline.data_parallel import spread_over_replicas
+from ..pipeline.runtime import PipelineRunner
+from ..pipeline.schedules import schedule_named
+from ..pipeline.split import stage_specs
+from ..pipeline.stage import StageModule
+from ..pipeline.tied import TiedGradients, tied_parameters
+from ..pipeline.traffic import Crossing
+from ..planner.plan import resolve_memory, resolve_stages
+from ..sampling import grid_prompts
+from .checkpoint import model_shapes
+from .evaluation import held_out_data
+from .optim import LossScaler, make_optimizer
+
+__all__ = ["RunParts", "build_run", "resolve_layout"]
+
+
+@dataclass
+class RunParts:
+    model_config: dict  # the backbone's diffusers config, written beside the weights
+    model_shapes: dict[str, tuple[int, ...]]  # every weight's shape: what a checkpoint must match
+    modules: list[StageModule]  # this process's stages, on its device
+    params: list[torch.nn.Parameter]  # their trained weights, each once
+    tied: TiedGradients
+    scaler: LossScaler
+    runner: PipelineRunner
+    optimizer: torch.optim.Optimizer
+    lr_schedule: torch.optim.lr_scheduler.LRScheduler
+    text: CaptionEncoder
+    data: Any  # the data source's dataset (data/sources.py)
+    feed: Feed
+    batches: BatchMaker
+    held_out: Any  # held-out data for the eval loss, or None
+    sample_shape: tuple[int, ...]
+    bytes_moved: int  # sent and received by this process in a step (the observer's communication figures)
+
+
+class _ScaledMSE:
+    """Mean squared error in fp32, times the current loss scale (1 unless fp16)."""
+
+    def __init__(self, scaler: LossScaler):
+        self.scaler = scaler
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(output.float(), target.float()) * self.scaler.scale
+
+
+def resolve_layout(config: RunConfig, backbone: Backbone) -> None:
+    """The settings left to the planner ("auto"), chosen in `config` where the launcher did not choose them before
+    starting processes: the [memory] settings, then the split and the stages checkpointed."""
+    p, m = config.pipeline, config.memory
+    if not isinstance(p.split, list) or "auto" in (m.block_swap, m.optimizer_state):
+        for key, value in resolve_memory(config, backbone).changes(m).items():
+            setattr(m, key, value)
+    if not isinstance(p.split, list) or not isinstance(p.checkpointing, list):
+        p.split, p.checkpointing = resolve_stages(config, backbone)
+
+
+def build_run(config: RunConfig, topo: Topology) -> RunParts:
+    """This process's parts of the run (rank 0 prints what the data and the text encoders came to)."""
+    p = config.pipeline
+    backbone = build_backbone(config, "meta")
+    shapes, model_config = model_shapes(backbone.model), dict(backbone.model.config)
+    resolve_layout(config, backbone)
+    specs = stage_specs(backbone, p.split)
+    schedule = schedule_named(p.schedule)
+    mine = schedule.stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
+    modules = build_stages(config, backbone, specs, mine, topo.device, p.checkpointing)
+    tied = tied_parameters(backbone, specs)  # by the backbone's parameter objects, which wrapping replaces:
+    spread_over_replicas(modules, topo, p.data_parallel_shard)  # before anything keeps the parameters
+    lr_scale = config.train.stage_lr_scale or [1.0] * len(specs)
+    seen: set[int] = set()  # a weight tied between two stages of this process is one parameter, trained once
+    groups = [([q for q in m.parameters() if q.requires_grad and not (id(q) in seen or seen.add(id(q)))],
+               lr_scale[i]) for m, i in zip(modules, mine)]
+    held = {name: q for m in modules for name, q in m.full_named_parameters()}
+    tied_gradients = TiedGradients(tied, held, mine, topo, p.data_parallel_shard)
+    scaler = LossScaler(config.train.precision == "fp16")
+    runner = PipelineRunner(modules, mine, len(specs), topo.pp_group, topo.device, p.schedule, p.microbatches,
+                            _ScaledMSE(scaler), timeable=config.observe.enabled, send_group=topo.send_group)
+    optimizer, lr_schedule = make_optimizer(groups, config.train, config.memory.optimizer_state)
+    text = build_text_encoder(config, backbone).to(topo.device)
+    data = build_dataset(config, backbone, text, topo.device, topo.rank, topo.world_size, dist.barrier)
+    family_feed = feed(config, backbone)
+    held_out = held_out_data(config, data)
+    # every caption the run will ask for computed already (cached or kept): the text encoders leave the GPU
+    prompts = grid_prompts(config, lambda: data.captions)
+    text.keep(prompts, config.data.text_cache_gib)
+    asked = [*data.captions, "", *(held_out.captions if held_out is not None else []), *prompts]
+    if text.park(asked) and topo.is_main:
+        print("text encoders moved to host memory: every caption is encoded already", flush=True)
+    summary = data.summary(held_out)
+    if topo.is_main and summary:
+        print(summary, flush=True)
+    moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches,
+                         lambda s: schedule.rank_of(s, p.stages))
+    return RunParts(model_config, shapes, modules, [q for params, _ in groups for q in params],
+                    tied_gradients, scaler, runner, optimizer,
+                    lr_schedule, text, data, family_feed,
+                    BatchMaker(data, text, config.train, config.data.caption_dropout, family_feed), held_out,
+                    sample_shape(config, backbone), moved)
+
+
+def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int, rank_of) -> int:
+    """Bytes this rank sends and receives in a step: activations forward, their gradients back (none between two
+    stages of this process: V-shaped schedules put neighbouring stages on one)."""
+    per_boundary = {c.after_stage: c.bytes for c in crossings}
+    total = 0
+    for s in mine:
+        if s > 0 and rank_of(s - 1) != rank_of(s):
+            total += per_boundary.get(s - 1, 0)
+        if s < stages - 1 and rank_of(s + 1) != rank_of(s):
+            total += per_boundary.get(s, 0)
+    return 2 * microbatches * total
