@@ -220,19 +220,11 @@ def _check_image_path(out: Path) -> None:
 
 
 def _cache(args) -> None:
-    from .config import load_config
-    from .data.build_cache import cache_worker
-    from .data.sources import source_of
-    from .distributed import launch, under_torchrun
+    from .commands.cache import cache_command
 
-    config = load_config(args.config, args.set or [])
-    if not source_of(config).cached(config):
-        raise UserError(f"{args.config}: nothing to cache; diffpipe cache needs data.dataset = \"folder\" and "
-                        "data.cache = true")
-    processes = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.processes
-    if processes < 1:
-        raise UserError(f"--processes {processes}: give 1 or more")
-    launch(cache_worker, (config.model_dump(mode="json"),), processes)
+    if args.processes < 1:
+        raise UserError(f"--processes {args.processes}: give 1 or more")
+    cache_command(args.config, args.set or [], args.processes)
 
 
 def _export(args) -> None:
@@ -247,7 +239,7 @@ def _export(args) -> None:
 
 def _plan(args) -> None:
     from .config import load_config
-    from .planner.report import plan_command
+    from .commands.plan import plan_command
 
     config = load_config(args.config, args.set or [])
     plan_command(config, args.world_size, args.gpu_memory, args.json, args.profile, args.probe, args.probe_unsplit)
@@ -354,13 +346,9 @@ def _main(args) -> int:
 
     from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
 
-    from .config import ConfigError
     from .distributed import Interrupted, WorkerFailed
-    from .models.loading import CheckpointError
-    from .pipeline.split import SplitError
-    from .planner.partition import Infeasible
-    from .run_folder import RunFolderError
-    from .torch_support import TorchVersionError, check_torch
+    from .errors import DiffpipeError
+    from .torch_support import check_torch
     from .train.stopping import TrainingStopped
 
     transformers_logging.disable_progress_bar()  # per-file bars of tiny local saves and loads are noise
@@ -369,8 +357,7 @@ def _main(args) -> int:
         if untested and int(os.environ.get("RANK", "0")) == 0:
             print(f"diffpipe {args.command}: warning: {untested}", file=sys.stderr)
         args.run(args)
-    except (UserError, ConfigError, CheckpointError, SplitError, Infeasible, FileNotFoundError,
-            TorchVersionError, RunFolderError) as exc:
+    except (UserError, DiffpipeError, FileNotFoundError) as exc:
         print(f"diffpipe {args.command}: {exc}", file=sys.stderr)
         return 2
     except Interrupted as exc:

@@ -15,16 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .data.sources import SOURCES
 from .pipeline.schedules import SCHEDULES
+from .errors import ConfigError
 
 __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "AdapterConfig", "PipelineConfig",
     "PlanConfig", "ObserveConfig", "CheckpointConfig", "OutputConfig", "SampleConfig", "MemoryConfig", "load_config", "save_config",
     "make_paths_absolute",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration the user must fix; the message names the key and the fix."""
 
 
 class _Section(BaseModel):

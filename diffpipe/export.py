@@ -41,14 +41,11 @@ from .models.registry import family_for
 from .models.original_layout import ORIGINAL_PREFIX, to_original_layout
 from .models.pipeline_folder import is_pipeline_folder
 from .written_files import give_user_mode, save_tensors
+from .errors import ExportError
 
 __all__ = ["export_run", "FORMATS", "ExportError"]
 
 FORMATS = ("diffusers", "kohya", "original")
-
-
-class ExportError(ValueError):
-    """A run that cannot be exported as asked; the message says why."""
 
 
 def export_run(run_dir: Path, fmt: str, out: Path, force: bool = False) -> Path:

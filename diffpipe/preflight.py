@@ -12,6 +12,7 @@ from .build import build_backbone, sample_shape
 from .config import ConfigError, RunConfig
 from .data.sources import source_of
 from .distributed import resolve_device_kind, under_torchrun
+from .errors import DataError
 from .models.loading import CheckpointError, checked_weights
 from .models.units import Backbone
 from .pipeline.schedules import schedule_named
@@ -46,8 +47,8 @@ def check_before_launch(config: RunConfig) -> Checked:
     source.check(config, backbone, shape)
     multiple = backbone.family.latent_multiple(backbone.model.config)
     if source.fixed_shape and (shape[-2] % multiple or shape[-1] % multiple):  # folders: their buckets' steps
-        raise SplitError(f"the {config.model.architecture} model takes latents whose sides are multiples of {multiple} "
-                         f"(its patch size), but the data is {shape[-2]}x{shape[-1]}")
+        raise DataError(f"the {config.model.architecture} model takes latents whose sides are multiples of {multiple} "
+                        f"(its patch size), but the data is {shape[-2]}x{shape[-1]}")
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
     device_kind = _check_device(config)
     memory = resolve_memory(config, backbone)

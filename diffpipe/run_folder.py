@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from .errors import RunFolderError
 
 __all__ = ["RunFolderError", "RunLock", "MARK", "WRITTEN", "prepare_new_run", "is_marked",
            "has_started"]
@@ -24,10 +25,6 @@ _LOCK = ".diffpipe-lock"
 WRITTEN = frozenset({MARK, _LOCK, "config.toml", "metrics.jsonl", "stage_times.jsonl", "timeline.json",
                      "timeline.png", "loss.png", "samples.png", "samples", "tensorboard", "checkpoints",
                      "model.safetensors", "lora.safetensors", "model_config.json", "text_encoder"})
-
-
-class RunFolderError(Exception):
-    """A run folder cannot be used as asked; the message says why and what to do."""
 
 
 class RunLock:

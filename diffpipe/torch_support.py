@@ -17,16 +17,14 @@ from typing import Iterator
 
 import torch
 
+from .errors import TorchVersionError
+
 __all__ = ["TESTED", "TorchVersionError", "check_torch", "schedule_problem", "split_backward_input", "split_backward_weight",
            "kept_storage_key", "view_base", "schedule_actions", "data_parallel_wrappers", "recompile_limit",
            "scale_in_place", "fused_attention", "non_persistent_buffers", "move_lr_schedule"]
 
 TESTED = ("2.11", "2.13")  # minor versions the suite runs on; pyproject's range spans them
 _INSTALL = "pip install 'torch==2.13.0'"
-
-
-class TorchVersionError(RuntimeError):
-    """The installed torch lacks something diffpipe needs."""
 
 
 def _minor(version: str) -> tuple[int, int]:

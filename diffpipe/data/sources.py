@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
+from ..errors import DataError
+
 if TYPE_CHECKING:
     import torch
 
@@ -77,10 +79,8 @@ class DigitsSource(DataSource):
     held_out_split = True  # every fourth digit
 
     def check(self, config, backbone, shape):
-        from ..pipeline.split import SplitError
-
         if shape != (1, 8, 8):
-            raise SplitError(f"data.dataset='digits' has 1x8x8 images but the model takes {shape}; use "
+            raise DataError(f"data.dataset='digits' has 1x8x8 images but the model takes {shape}; use "
                              "model.preset = \"digits\", a config made for 1-channel 8x8 images, or "
                              "data.dataset = \"synthetic\"")
 
@@ -108,10 +108,8 @@ class MovingDigitsSource(DataSource):
         return MOTION_WORDS
 
     def check(self, config, backbone, shape):
-        from ..pipeline.split import SplitError
-
         if len(shape) != 4 or shape[0] != 1 or shape[2:] != (8, 8):
-            raise SplitError(f"data.dataset='moving_digits' has clips of 1x8x8 frames but the model takes {shape}; "
+            raise DataError(f"data.dataset='moving_digits' has clips of 1x8x8 frames but the model takes {shape}; "
                              "use a video family made for them (model.architecture = \"wan\", model.preset = "
                              "\"digits\")")
 

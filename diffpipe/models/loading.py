@@ -14,13 +14,10 @@ from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 from .family import ModelFamily
+from ..errors import CheckpointError
 
 __all__ = ["CheckpointError", "PICKLE_SUFFIXES", "component_weights", "load_tokenizer", "build_model", "model_kwargs", "check_checkpoint", "weights_file",
            "checked_weights"]
-
-
-class CheckpointError(ValueError):
-    """A weights file that cannot be used for this model; the message says why and what to do."""
 
 
 def model_kwargs(cfg: ModelConfig, family: ModelFamily) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 
 from .family import ModelFamily
+from ..errors import ArchitectureError
 
 __all__ = ["BUILTIN_FAMILIES", "family_for", "ArchitectureError"]
 
@@ -20,10 +21,6 @@ BUILTIN_FAMILIES = {
     "wan": "diffpipe.models.wan:WanFamily",
     "unet3d": "diffpipe.models.unet3d:UNet3DFamily",
 }
-
-
-class ArchitectureError(ValueError):
-    """An unknown model.architecture; the message lists what exists."""
 
 
 def family_for(architecture: str) -> ModelFamily:

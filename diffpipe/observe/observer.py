@@ -24,7 +24,7 @@ from ..distributed import Topology
 from ..pipeline.schedules import ideal_bubble
 from .monitor import PipelineMonitor
 from .timeline import chrome_trace, draw_timeline
-from .timing import StepTimes
+from ..pipeline.timing import StepTimes
 
 __all__ = ["PipelineObserver", "probe_link", "memory_pressure_warnings"]
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from ..config import ConfigError
-from ..observe.timing import Mark, StageClock, StepTimes
+from .timing import Mark, StageClock, StepTimes
 from ..torch_support import schedule_problem
 from .data_parallel import before_backward
 from .schedules import schedule_named

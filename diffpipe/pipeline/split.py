@@ -10,12 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.units import Backbone
+from ..errors import SplitError
 
 __all__ = ["StageSpec", "SplitError", "stage_specs", "balanced_by_parameters", "balanced_partition", "live_after"]
-
-
-class SplitError(ValueError):
-    """An impossible split; the message says what to change."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 from ..pipeline.block_swap import last_holding
 from ..pipeline.schedules import ScheduleChoice
 from ..models.storage import FrozenStorage
+from ..errors import Infeasible
 from ..precision import element_bytes
 from ..pipeline.split import balanced_partition
 from .costs import UnitCost
@@ -145,10 +146,6 @@ class Partition:
     @property
     def starts(self) -> list[int]:
         return [s.first for s in self.stages[1:]]
-
-
-class Infeasible(ValueError):
-    """No partition fits memory; the message names the stage, its need and what would help."""
 
 
 def unit_times(cost: UnitCost, hw: Hardware) -> tuple[float, float]:

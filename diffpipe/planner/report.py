@@ -1,12 +1,7 @@
-"""`diffpipe plan`: print the planned split beside the parameter-count split, or the best layouts for a world size.
-
-    diffpipe plan examples/sdxl_unet.toml --set pipeline.stages=4 [--world-size 8] [--gpu-memory 80GiB] [--json]
-    diffpipe plan examples/digits.toml --profile     # time each unit on this machine's device, save, reuse
-    diffpipe plan examples/digits.toml --probe       # then run each planned stage alone: probed against planned
-"""
+"""A plan in words and as JSON (the planned split beside the parameter-count split), and unit profiles measured on
+this machine's device: what `diffpipe plan` (commands/plan.py) prints and saves."""
 from __future__ import annotations
 
-import json
 import re
 
 import torch
@@ -18,10 +13,11 @@ from ..models.units import Backbone
 from ..pipeline.split import live_after
 from .costs import count_unit_costs, profile_unit_costs, save_profile
 from .partition import Partition
-from .plan import Plan, hardware, make_plan, planning_device, profile_key, search_layouts
-from .probe import GIB, format_probe, probe_plan, probed_samples_per_s
+from .plan import Plan, planning_device, profile_key
 
-__all__ = ["parse_memory", "plan_command", "format_plan", "plan_as_dict"]
+__all__ = ["parse_memory", "format_plan", "plan_as_dict", "write_profile"]
+
+GIB = 2**30
 
 def parse_memory(text: str) -> float:
     """'80GiB', '80G', '80' (GiB) or '512MiB' -> GiB."""
@@ -92,7 +88,8 @@ def format_plan(plan: Plan, meta: Backbone) -> str:
     return "\n".join(lines)
 
 
-def _profile(config: RunConfig, meta: Backbone, path: str) -> None:
+def write_profile(config: RunConfig, meta: Backbone, path: str) -> None:
+    """Each unit timed (and its memory measured, on CUDA) on this machine's device, saved to `path` for plans to use."""
     device = planning_device(config)
     micro = config.micro_batch_size
     costs = count_unit_costs(meta, *example_inputs(config, meta, micro))
@@ -105,44 +102,3 @@ def _profile(config: RunConfig, meta: Backbone, path: str) -> None:
     profile_unit_costs(real, costs, inputs, conditions, device, AUTOCAST_DTYPES[config.train.precision])
     save_profile(costs, profile_key(config, micro, device.type), path)
     print(f"profiled {len(costs)} units at micro-batch {micro} on {device.type}; saved {path}")
-
-
-def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | None, as_json: bool,
-                 profile: bool, probe: bool = False, probe_unsplit: bool = False) -> None:
-    if gpu_memory:
-        config.plan.memory_gib = parse_memory(gpu_memory)
-    meta = build_backbone(config, "meta")
-    if profile:
-        config.plan.profile = config.plan.profile or "unit_profile.json"
-        _profile(config, meta, config.plan.profile)
-    hw = hardware(config)
-    p = config.pipeline
-    plans: list[Plan] = []
-    if world_size:
-        plans = search_layouts(config, meta, world_size, hw)
-        if not plans:
-            print(f"no layout of {world_size} devices fits; try --gpu-memory, pipeline.checkpointing = \"auto\", "
-                  "or a smaller train.batch_size")
-            return
-        if not as_json:
-            print(f"best layouts of {world_size} devices for a global batch of {config.train.batch_size}:")
-            for pl in plans[:5]:
-                ranks = pl.planned.schedule.ranks(pl.stages)
-                print(f"  {ranks} pipeline processes x {pl.data_parallel} dp, {pl.microbatches} micro-batches: "
-                      f"{pl.samples_per_s:.2f} samples/s, bubble {pl.planned.bubble_fraction:.1%}, split {pl.planned.starts}")
-            print()
-        plan = plans[0]
-    else:
-        plan = make_plan(config, meta, p.stages * p.virtual_stages, p.data_parallel, p.microbatches, hw)
-    result = plan_as_dict(plan, meta)
-    if not as_json:
-        print(format_plan(plan, meta), flush=True)
-    if probe or probe_unsplit:  # the plan shown (with --world-size: the best layout)
-        device = planning_device(config)
-        result["probed"] = probe_plan(config, meta, plan, device, unsplit=probe_unsplit)
-        result["probed_samples_per_s"] = probed_samples_per_s(plan, result["probed"])
-        if not as_json:
-            print(format_probe(result["probed"], device, result["probed_samples_per_s"]))
-    if as_json:
-        print(json.dumps([result] + [plan_as_dict(pl, meta) for pl in plans[1:5]] if world_size else result, indent=1))
-

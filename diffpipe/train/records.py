@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
 
-from ..observe.timing import Mark  # noqa: E402
+from ..pipeline.timing import Mark  # noqa: E402
 
 __all__ = ["MetricsLog", "StepReport", "is_logged", "plot_loss", "make_progress", "NullProgress", "on_host_when_ready",
            "step_end", "read_record"]

@@ -18,7 +18,7 @@ from ..data.batches import StepBatch
 from ..data.prefetch import BatchPrefetcher
 from ..distributed import Topology
 from ..observe.observer import PipelineObserver, probe_link
-from ..observe.timing import StepTimes
+from ..pipeline.timing import StepTimes
 from ..observe.writers import ScalarWriters, make_writers
 from ..pipeline.data_parallel import full, local
 from .checkpointing import Checkpoints

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from diffpipe.observe.timing import Mark, StageClock
+from diffpipe.pipeline.timing import Mark, StageClock
 
 
 def test_input_and_weight_passes_are_timed_apart():

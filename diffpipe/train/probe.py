@@ -22,9 +22,9 @@ from ..pipeline.split import stage_specs
 from ..pipeline.stage import StageModule
 from ..pipeline.traffic import trace_shapes
 from ..precision import AUTOCAST_DTYPES
-from ..train.optim import make_optimizer
-from .costs import sync
-from .plan import Plan, plan_memory
+from ..planner.costs import sync
+from ..planner.plan import Plan, plan_memory
+from .optim import make_optimizer
 
 __all__ = ["probe_stage", "probe_plan", "probed_samples_per_s", "format_probe"]
 

@@ -12,7 +12,7 @@ import torch
 from diffpipe.build import build_backbone, choose_attention
 from diffpipe.cli import main
 from diffpipe.config import load_config
-from diffpipe.planner import probe
+from diffpipe.train import probe
 from diffpipe.planner.plan import hardware, make_plan
 
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"

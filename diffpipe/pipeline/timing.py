@@ -83,7 +83,7 @@ class StageClock:
     stage: int
     device: torch.device
     split_backward: bool = False  # a zero-bubble schedule: weight gradients in a pass of their own
-    _marks: list[tuple[str, _Mark]] = field(default_factory=list)
+    _marks: list[tuple[str, Mark]] = field(default_factory=list)
     _origin: Mark | None = None
     _watched: set[int] = field(default_factory=set)  # ids of the parameters with a gradient hook
 

@@ -14,14 +14,27 @@ import os
 
 import torch.distributed as dist
 
-__all__ = ["cache_worker"]
+from ..build import build_backbone, build_dataset, build_text_encoder
+from ..config import build_config, load_config
+from ..data.sources import source_of
+from ..distributed import init_topology, launch, resolve_device_kind, under_torchrun
+from ..errors import ConfigError
+
+__all__ = ["cache_command", "cache_worker"]
+
+
+def cache_command(config_path: str, sets: list[str], processes: int) -> None:
+    """Build the cache of an image-folder config in `processes` processes (under torchrun: its processes)."""
+    config = load_config(config_path, sets)
+    if not source_of(config).cached(config):
+        raise ConfigError(f"{config_path}: nothing to cache; diffpipe cache needs data.dataset = \"folder\" and "
+                          "data.cache = true")
+    launch(cache_worker, (config.model_dump(mode="json"),), int(os.environ["WORLD_SIZE"]) if under_torchrun()
+           else processes)
 
 
 def cache_worker(config_data: dict) -> None:
     """Each process: its share of the missing cache entries, then everyone reads the whole cache back (a check)."""
-    from ..build import build_backbone, build_dataset, build_text_encoder
-    from ..config import build_config
-    from ..distributed import init_topology, resolve_device_kind
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()

@@ -1,0 +1,59 @@
+"""`diffpipe plan`: print the planned split beside the parameter-count split, or the best layouts for a world size;
+with --profile time each unit first, with --probe run each planned stage alone after.
+
+    diffpipe plan examples/sdxl_unet.toml --set pipeline.stages=4 [--world-size 8] [--gpu-memory 80GiB] [--json]
+    diffpipe plan examples/digits.toml --profile     # time each unit on this machine's device, save, reuse
+    diffpipe plan examples/digits.toml --probe       # then run each planned stage alone: probed against planned
+"""
+from __future__ import annotations
+
+import json
+
+from ..build import build_backbone
+from ..config import RunConfig
+from ..planner.plan import Plan, hardware, make_plan, planning_device, search_layouts
+from ..planner.report import format_plan, parse_memory, plan_as_dict, write_profile
+from ..train.probe import format_probe, probe_plan, probed_samples_per_s
+
+__all__ = ["plan_command"]
+
+
+def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | None, as_json: bool,
+                 profile: bool, probe: bool = False, probe_unsplit: bool = False) -> None:
+    if gpu_memory:
+        config.plan.memory_gib = parse_memory(gpu_memory)
+    meta = build_backbone(config, "meta")
+    if profile:
+        config.plan.profile = config.plan.profile or "unit_profile.json"
+        write_profile(config, meta, config.plan.profile)
+    hw = hardware(config)
+    p = config.pipeline
+    plans: list[Plan] = []
+    if world_size:
+        plans = search_layouts(config, meta, world_size, hw)
+        if not plans:
+            print(f"no layout of {world_size} devices fits; try --gpu-memory, pipeline.checkpointing = \"auto\", "
+                  "or a smaller train.batch_size")
+            return
+        if not as_json:
+            print(f"best layouts of {world_size} devices for a global batch of {config.train.batch_size}:")
+            for pl in plans[:5]:
+                ranks = pl.planned.schedule.ranks(pl.stages)
+                print(f"  {ranks} pipeline processes x {pl.data_parallel} dp, {pl.microbatches} micro-batches: "
+                      f"{pl.samples_per_s:.2f} samples/s, bubble {pl.planned.bubble_fraction:.1%}, split {pl.planned.starts}")
+            print()
+        plan = plans[0]
+    else:
+        plan = make_plan(config, meta, p.stages * p.virtual_stages, p.data_parallel, p.microbatches, hw)
+    result = plan_as_dict(plan, meta)
+    if not as_json:
+        print(format_plan(plan, meta), flush=True)
+    if probe or probe_unsplit:  # the plan shown (with --world-size: the best layout)
+        device = planning_device(config)
+        result["probed"] = probe_plan(config, meta, plan, device, unsplit=probe_unsplit)
+        result["probed_samples_per_s"] = probed_samples_per_s(plan, result["probed"])
+        if not as_json:
+            print(format_probe(result["probed"], device, result["probed_samples_per_s"]))
+    if as_json:
+        print(json.dumps([result] + [plan_as_dict(pl, meta) for pl in plans[1:5]] if world_size else result, indent=1))
+
