@@ -3,12 +3,16 @@ to do. `diffpipe` prints them as one line without a traceback (cli.py catches `D
 these; none defines its own."""
 from __future__ import annotations
 
-__all__ = ["DiffpipeError", "ConfigError", "DataError", "SplitError", "CheckpointError", "ArchitectureError",
+__all__ = ["DiffpipeError", "CommandError", "ConfigError", "DataError", "SplitError", "CheckpointError", "ArchitectureError",
            "ExportError", "Infeasible", "RunFolderError", "TorchVersionError"]
 
 
 class DiffpipeError(Exception):
     """Bad input or a state the user can change; the message says what to do."""
+
+
+class CommandError(DiffpipeError):
+    """A command asked for what cannot be done as given (an argument, a run folder to resume, free disk space)."""
 
 
 class ConfigError(DiffpipeError, ValueError):

@@ -192,7 +192,8 @@ def test_a_run_that_could_not_save_its_weights_does_not_start(tmp_path, monkeypa
     import shutil
     from types import SimpleNamespace
 
-    from diffpipe.cli import UserError, _check_free_space
+    from diffpipe.commands.train import _check_free_space
+    from diffpipe.errors import CommandError
     from diffpipe.build import build_backbone
     from diffpipe.config import build_config
 
@@ -200,7 +201,7 @@ def test_a_run_that_could_not_save_its_weights_does_not_start(tmp_path, monkeypa
     backbone = build_backbone(config, "meta")
     _check_free_space(tmp_path, backbone, config)  # 0.79 M parameters: fits
     monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**9, used=10**9 - 1000, free=1000))
-    with pytest.raises(UserError, match=r": 1000 B free, but the weights and 3 checkpoint\(s\) need 3[0-9.]+ MiB"):
+    with pytest.raises(CommandError, match=r": 1000 B free, but the weights and 3 checkpoint\(s\) need 3[0-9.]+ MiB"):
         _check_free_space(tmp_path, backbone, config)
 
 

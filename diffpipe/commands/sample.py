@@ -1,0 +1,42 @@
+"""`diffpipe sample`: images from a finished run's weights, one per seed.
+
+    diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import CommandError
+
+__all__ = ["sample_command"]
+
+_MIN_SIDE_PX = 64  # `diffpipe sample` enlarges smaller images (nearest neighbour) to at least this height
+
+
+def sample_command(args) -> None:
+    """Images (or clips) from a finished run, enlarged when tiny."""
+    from ..sampling import load_generator, save_grid
+
+    for name, value in (("--num", args.num), ("--steps", args.steps)):
+        if value is not None and value < 1:
+            raise CommandError(f"{name} {value}: give 1 or more")
+    _check_image_path(Path(args.out))  # before minutes of sampling, not after
+    gen = load_generator(args.run_dir)
+    steps = gen.config.sample.steps if args.steps is None else args.steps
+    guidance = gen.config.sample.guidance_scale if args.guidance is None else args.guidance
+    seeds = [args.seed + i for i in range(args.num)]
+    images = gen.generate([args.prompt] * args.num, seeds, steps, guidance)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    scale = -(-_MIN_SIDE_PX // images.shape[-2])  # tiny images (8x8 digits) enlarged to be seen when opened
+    written = save_grid(images, 1, args.out, scale=scale)
+    print(f"wrote {args.num} image(s) to {written}" + (f", each enlarged {scale}x" if scale > 1 else ""))
+
+
+def _check_image_path(out: Path) -> None:
+    from PIL import Image
+
+    writable = {ext for ext, name in Image.registered_extensions().items() if name in Image.SAVE}
+    if out.suffix.lower() not in writable:
+        raise CommandError(f"--out {out}: give an image file name (.png, .jpg, .webp; clips are written as .gif)")
+    if out.is_dir():
+        raise CommandError(f"--out {out} is a folder; give an image file name such as {out / 'samples.png'}")
