@@ -21,7 +21,8 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import CommandError  # imports nothing: `diffpipe --help` stays instant
+from .errors import CommandError  # these two import nothing: `diffpipe --help` stays instant
+from .export import FORMATS
 
 __all__ = ["main"]
 
@@ -47,7 +48,7 @@ def _cache(args) -> None:
 
 
 def _export(args) -> None:
-    from .export import export_run
+    from .export.run import export_run
 
     written = export_run(Path(args.run_dir), args.format, Path(args.out), force=args.force)  # ExportError: one line
     print(f"wrote {written}")
@@ -136,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     sample.set_defaults(run=_sample)
     export = sub.add_parser("export", help="a finished run's weights for diffusers, ComfyUI, A1111 or kohya's tools")
     export.add_argument("run_dir")
-    export.add_argument("--format", required=True, choices=["diffusers", "kohya", "original"],
+    export.add_argument("--format", required=True, choices=list(FORMATS),
                         help="diffusers: a pipeline folder (full) or LoRA file; kohya: LoRA for ComfyUI/A1111/kohya; "
                              "original: the UNet as one file in the original layout")
     export.add_argument("--out", required=True, help="folder (diffusers) or .safetensors file")

@@ -127,6 +127,11 @@ class ModelFamily:
         """Latent frames of a clip trained on without a VAE deciding (video families); None: images."""
         return None
 
+    def diffusers_lora_pipeline(self, cfg: Any):
+        """The diffusers pipeline class whose `save_lora_weights` writes this family's LoRA files (export
+        --format diffusers), or None where none is known."""
+        return None
+
     def reset_own_parameters(self, module: nn.Module) -> bool:
         """Draw the random weights of a module without `reset_parameters` (in place, from the seeded generator the
         caller set); False when this family does not know the module."""

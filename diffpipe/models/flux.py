@@ -125,6 +125,11 @@ class FluxFamily(ModelFamily):
     # .is_good()", reported as CUBLAS_STATUS_EXECUTION_FAILED), in a plain diffusers loop too; flash attention works
     cudnn_attention = False
 
+    def diffusers_lora_pipeline(self, cfg):
+        import diffusers
+
+        return diffusers.FluxPipeline
+
     def check_supported(self, model):
         if model.config.patch_size != 1:
             raise ValueError(f"Flux config patch_size={model.config.patch_size} is not supported: diffusers' Flux packs "

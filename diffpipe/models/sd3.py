@@ -83,6 +83,11 @@ class SD3Family(ModelFamily):
     component = "transformer"
     presets = SD3_PRESETS
 
+    def diffusers_lora_pipeline(self, cfg):
+        import diffusers
+
+        return diffusers.StableDiffusion3Pipeline
+
     def describe(self, model, granularity):
         return sd3_backbone(model)
 

@@ -188,6 +188,12 @@ class UNet2DFamily(ModelFamily):
     backbone_name = "UNet"
     presets = UNET_PRESETS
 
+    def diffusers_lora_pipeline(self, cfg):
+        import diffusers
+
+        sdxl = cfg.get("addition_embed_type") == "text_time"
+        return diffusers.StableDiffusionXLPipeline if sdxl else diffusers.StableDiffusionPipeline
+
     def check_supported(self, model):
         check_unet_supported(model)
 

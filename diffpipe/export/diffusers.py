@@ -1,0 +1,85 @@
+"""--format diffusers: what diffusers' own loaders read.
+
+- full fine-tune: the backbone by `save_pretrained` in `unet/` (Flux, SD3: `transformer/`); when the run started from
+  a pipeline folder, its other components (VAE, text encoders, tokenizers, scheduler, model_index.json) copied beside
+  it, so `from_pretrained` loads the whole pipeline; `--out X.safetensors`: the backbone alone, diffusers' names.
+- LoRA: written by the family's diffusers pipeline's own `save_lora_weights` (`ModelFamily.diffusers_lora_pipeline`:
+  SD, SDXL, Flux, SD3), with the LoRA config (rank, alpha, targets) in the header.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from ..errors import ExportError
+from ..models.pipeline_folder import is_pipeline_folder
+from ..written_files import give_user_mode, save_tensors
+from .run import replacing
+
+__all__ = ["check", "target", "write"]
+
+_LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def target(out: Path) -> Path:
+    return out
+
+
+def check(run) -> None:
+    if run.lora and run.family.diffusers_lora_pipeline(run.model_config) is None:
+        raise ExportError(f"no diffusers pipeline is known to load LoRA files of {run.family.name!r} models")
+
+
+def write(run, out: Path) -> Path:
+    return _write_lora(run, out) if run.lora else _write_folder(run, out)
+
+
+def _write_folder(run, out: Path) -> Path:
+    family = run.family
+    with torch.device("meta"):
+        model = family.model_class(**{k: v for k, v in run.model_config.items() if not k.startswith("_")})
+    model.load_state_dict(load_file(str(run.folder / "model.safetensors")), assign=True)
+    if out.suffix == ".safetensors":  # the backbone alone, in diffusers' names (from_single_file, ComfyUI)
+        return save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, out, metadata={"format": "pt"})
+    base = Path(run.config.model.path) if is_pipeline_folder(run.config.model.path) else None
+
+    def write_into(folder: Path) -> None:
+        if base is not None:
+            shutil.copytree(base, folder, ignore=shutil.ignore_patterns(family.component, ".diffpipe*"),
+                            dirs_exist_ok=True)
+        model.save_pretrained(folder / family.component if base is not None else folder, safe_serialization=True)
+
+    return replacing(out, write_into)
+
+
+def _write_lora(run, out: Path) -> Path:
+    adapters = load_file(str(run.folder / "lora.safetensors"))
+    with safe_open(str(run.folder / "lora.safetensors"), framework="pt") as f:
+        metadata = f.metadata() or {}
+    modules = sorted({k.split(".lora_A.")[0] for k in adapters if ".lora_A." in k})
+    lora_config = json.loads(metadata.get("diffpipe.lora", "{}"))
+    adapter = run.config.adapter
+    adapter_metadata = {"r": adapter.rank, "lora_alpha": adapter.alpha,
+                        "target_modules": lora_config.get("target_modules", modules)}
+    pipeline = run.family.diffusers_lora_pipeline(run.model_config)
+    component = run.family.component  # "unet" or "transformer": the keyword save_lora_weights takes them under
+    layers = {f"{component}_lora_layers": adapters, f"{component}_lora_adapter_metadata": adapter_metadata}
+
+    def write_into(folder: Path) -> None:
+        pipeline.save_lora_weights(folder, weight_name=_LORA_FILE, **layers)
+
+    if out.suffix == ".safetensors":  # the file alone (pipe.load_lora_weights reads a file too)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as folder:
+            write_into(Path(folder))
+            give_user_mode(Path(folder))
+            os.replace(Path(folder) / _LORA_FILE, out)
+        return out
+    return replacing(out, write_into) / _LORA_FILE

@@ -1,0 +1,99 @@
+"""A finished run's export: the run folder checked, the target checked, the format's writer called.
+
+Reads the run folder's files, written on rank 0 at the end of training (weights sent over the process group, so a
+run over several machines needs no shared disk): `model.safetensors` (with LoRA, the base with the adapters merged
+in), `lora.safetensors` (the adapters), `model_config.json` and `config.toml`. An existing --out is refused unless
+--force (then replaced whole, once the new export is written); the run's own files and its base model (model.path)
+never. Files get the user's umask.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from ..config import RunConfig, load_config
+from ..errors import ExportError
+from ..models.family import ModelFamily
+from ..models.registry import family_for
+from ..written_files import give_user_mode
+from . import FORMATS
+
+__all__ = ["ExportedRun", "export_run", "replacing"]
+
+
+@dataclass(frozen=True)
+class ExportedRun:
+    folder: Path
+    config: RunConfig
+    family: ModelFamily
+    model_config: dict  # the backbone's diffusers config (model_config.json)
+
+    @property
+    def lora(self) -> bool:
+        return self.config.adapter.type == "lora"
+
+
+def export_run(run_dir: Path, fmt: str, out: Path, force: bool = False) -> Path:
+    """Writes the export (refusing an existing `out` unless `force`, and ever the run's or its base model's own
+    files); returns the path written. `out` ending in .safetensors is one file, in every format."""
+    for name in ("config.toml", "model.safetensors", "model_config.json"):
+        if not (run_dir / name).is_file():
+            raise ExportError(f"{run_dir} is not a finished run folder: {name} is missing")
+    writer = importlib.import_module(f"{__package__}.{FORMATS[fmt]}")
+    out = writer.target(out)
+    config = load_config(run_dir / "config.toml")
+    _check_target(out, run_dir, config.model.path, force)
+    for name in ("model.safetensors", "lora.safetensors"):
+        _check_readable(run_dir / name)
+    run = ExportedRun(run_dir, config, family_for(config.model.architecture),
+                      json.loads((run_dir / "model_config.json").read_text()))
+    writer.check(run)
+    return writer.write(run, out)
+
+
+def _check_target(out: Path, run_dir: Path, base_model: str | None, force: bool) -> None:
+    """Refuse to write over the run's own files or its base model, and over anything that exists without --force."""
+    target = out.resolve()
+    protected = [("the run folder", run_dir.resolve())]
+    if base_model:
+        protected.append(("the run's base model (model.path)", Path(base_model).resolve()))
+    for what, path in protected:
+        if target == path or path in target.parents or target in path.parents:
+            raise ExportError(f"--out {out} is in or around {what} {path}; write the export somewhere else")
+    if out.exists() and not force:
+        raise ExportError(f"--out {out} already exists; choose another path, or add --force to replace it")
+    if out.suffix != ".safetensors" and out.is_file():
+        raise ExportError(f"--out {out} is a file, and this export is a folder; name a folder, or a .safetensors file")
+
+
+def _check_readable(path: Path) -> None:
+    if not path.is_file():
+        return
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as exc:  # safetensors raises its own error types for a damaged header
+        raise ExportError(f"{path} is damaged ({exc}); export an earlier copy, or train the run again") from None
+
+
+def replacing(out: Path, write) -> Path:
+    """`write(folder)` into a new folder beside `out`, which then replaces `out` whole (nothing half-written)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
+    try:
+        write(partial)
+        give_user_mode(partial)
+        if out.is_dir():
+            shutil.rmtree(out)
+        os.replace(partial, out)
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial)
+    return out
