@@ -29,3 +29,39 @@ def test_video_job_trains_across_two_stages_and_samples_animated_clips(tmp_path)
     sampled = run_command(cmd)
     assert sampled.returncode == 0, sampled.stderr[-2000:]
     assert Image.open(out).n_frames == 4
+
+
+def test_a_wan_lora_exports_for_diffusers_and_loads_to_the_trained_output(tmp_path):
+    """`diffpipe export --format diffusers` of a Wan LoRA (issue 29: LoRA out for every family): WanPipeline's own
+    load_lora_weights turns the base into the trained model (adapters merged), to fp32 rounding."""
+    import torch
+    from diffusers import WanPipeline, WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    from diffpipe.build import build_backbone
+    from diffpipe.config import load_config
+
+    run = tmp_path / "lora"
+    cmd = ["train", str(ROOT / "examples" / "video_tiny.toml"), "--output-dir", str(run), "--set",
+           "train.max_steps=10", "--set", "checkpoint.every=0", "--set", "output.sample_every_end=false", "--set",
+           "adapter.type=\"lora\"", "--set", "adapter.rank=4", "--set", "adapter.alpha=8.0"]
+    assert run_command(cmd).returncode == 0
+    assert run_command(["export", str(run), "--format", "diffusers", "--out", str(tmp_path / "out")]).returncode == 0
+    config = {k: v for k, v in json.loads((run / "model_config.json").read_text()).items() if not k.startswith("_")}
+
+    @torch.no_grad()
+    def output(transformer) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(0)
+        clips = torch.randn(2, config["in_channels"], 4, 8, 8, generator=gen)
+        text = torch.randn(2, 8, config["text_dim"], generator=gen)
+        return transformer.eval()(hidden_states=clips, timestep=torch.tensor([500, 20]),
+                                  encoder_hidden_states=text).sample
+
+    trained = WanTransformer3DModel(**config)
+    trained.load_state_dict(load_file(str(run / "model.safetensors")))  # the base with the adapters merged
+    want = output(trained)
+    base = build_backbone(load_config(run / "config.toml"), "cpu").model  # the seeded base the run started from
+    pipe = WanPipeline(transformer=base, vae=None, text_encoder=None, tokenizer=None, scheduler=None)
+    assert (output(base) - want).abs().max() > 1e-3  # the adapters matter
+    pipe.load_lora_weights(tmp_path / "out" / "pytorch_lora_weights.safetensors")
+    torch.testing.assert_close(output(pipe.transformer), want, rtol=1e-5, atol=1e-5)

@@ -4,7 +4,7 @@
   a pipeline folder, its other components (VAE, text encoders, tokenizers, scheduler, model_index.json) copied beside
   it, so `from_pretrained` loads the whole pipeline; `--out X.safetensors`: the backbone alone, diffusers' names.
 - LoRA: written by the family's diffusers pipeline's own `save_lora_weights` (`ModelFamily.diffusers_lora_pipeline`:
-  SD, SDXL, Flux, SD3), with the LoRA config (rank, alpha, targets) in the header.
+  SD, SDXL, Flux, SD3, Wan), with the LoRA config (rank, alpha, targets) in the header.
 """
 from __future__ import annotations
 

@@ -86,6 +86,11 @@ class WanFamily(ModelFamily):
     component = "transformer"
     presets = WAN_PRESETS
 
+    def diffusers_lora_pipeline(self, cfg):
+        import diffusers
+
+        return diffusers.WanPipeline
+
     def check_supported(self, model):
         cfg = model.config
         if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None or cfg.pos_embed_seq_len is not None:
