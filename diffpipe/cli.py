@@ -8,7 +8,7 @@
     diffpipe report runs/digits
     diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
     diffpipe cache examples/photos.toml [--processes N]               # image folders: latents and text ahead
-    diffpipe export runs/photos --format diffusers|kohya|original --out PATH   # for diffusers, ComfyUI, A1111, kohya
+    diffpipe export runs/photos --format diffusers|kohya|original --out PATH [--step N]  # diffusers, ComfyUI, kohya
     diffpipe config [--markdown]                                      # every config key, its default and help
     torchrun --nnodes 2 --nproc-per-node 4 ... -m diffpipe train CONFIG   # multi-node: one process per GPU
 
@@ -50,7 +50,7 @@ def _cache(args) -> None:
 def _export(args) -> None:
     from .export.run import export_run
 
-    written = export_run(Path(args.run_dir), args.format, Path(args.out), force=args.force)  # ExportError: one line
+    written = export_run(Path(args.run_dir), args.format, Path(args.out), force=args.force, step=args.step)
     print(f"wrote {written}")
 
 
@@ -142,6 +142,8 @@ def _parser() -> argparse.ArgumentParser:
                              "original: the UNet as one file in the original layout")
     export.add_argument("--out", required=True, help="folder (diffusers) or .safetensors file")
     export.add_argument("--force", action="store_true", help="replace an existing --out (never the run's own files)")
+    export.add_argument("--step", type=int, help="export the run's checkpoint after this step instead of its final "
+                                                 "weights (the run may still be training)")
     export.set_defaults(run=_export)
     config = sub.add_parser("config", help="every config key: section, type, default and what it does")
     config.add_argument("--markdown", action="store_true", help="as docs/config.md")

@@ -99,3 +99,22 @@ def test_full_exports_load_as_a_diffusers_pipeline_and_as_one_original_file(tiny
                                                    subfolder="unet")
     torch.testing.assert_close(_output(single, True), want, rtol=0, atol=0)
     assert main(["export", str(run), "--format", "kohya", "--out", str(tmp_path / "x")]) == 2  # no adapters to write
+
+
+def test_a_checkpoint_exports_as_the_finished_run_would(tiny, photos, tmp_path, capsys):
+    """`diffpipe export RUN --step N`: the LoRA of the checkpoint after the last step is the finished run's, tensor
+    for tensor; an earlier checkpoint's differs; a step without a checkpoint is refused naming those there are."""
+    run = _train(tiny, photos, tmp_path / "run", "sd15", "--set", "adapter.type=\"lora\"", "--set", "adapter.rank=4",
+                 "--set", "checkpoint.every=2")
+    files = {}
+    for step in (None, 3, 2):
+        out = tmp_path / f"kohya-{step}.safetensors"
+        assert main(["export", str(run), "--format", "kohya", "--out", str(out),
+                     *(["--step", str(step)] if step else [])]) == 0
+        files[step] = load_file(str(out))
+    assert files[None].keys() == files[3].keys() == files[2].keys()
+    assert all(torch.equal(files[None][k], files[3][k]) for k in files[None])
+    assert any(not torch.equal(files[3][k], files[2][k]) for k in files[3] if k.endswith("lora_up.weight"))
+    capsys.readouterr()
+    assert main(["export", str(run), "--format", "kohya", "--out", str(tmp_path / "x"), "--step", "1"]) == 2
+    assert "no checkpoint after step 1; the checkpoints there are after steps 2, 3" in capsys.readouterr().err

@@ -40,20 +40,35 @@ class ExportedRun:
         return self.config.adapter.type == "lora"
 
 
-def export_run(run_dir: Path, fmt: str, out: Path, force: bool = False) -> Path:
+def export_run(run_dir: Path, fmt: str, out: Path, force: bool = False, step: int | None = None) -> Path:
     """Writes the export (refusing an existing `out` unless `force`, and ever the run's or its base model's own
-    files); returns the path written. `out` ending in .safetensors is one file, in every format."""
-    for name in ("config.toml", "model.safetensors", "model_config.json"):
+    files); returns the path written. `out` ending in .safetensors is one file, in every format. `step`: the run's
+    checkpoint after that step instead of its final weights (export/checkpoint.py)."""
+    needed = ("config.toml",) if step is not None else ("config.toml", "model.safetensors", "model_config.json")
+    for name in needed:
         if not (run_dir / name).is_file():
             raise ExportError(f"{run_dir} is not a finished run folder: {name} is missing")
     writer = importlib.import_module(f"{__package__}.{FORMATS[fmt]}")
     out = writer.target(out)
     config = load_config(run_dir / "config.toml")
     _check_target(out, run_dir, config.model.path, force)
+    if step is None:
+        return _export(run_dir, config, writer, out)
+    from .checkpoint import checkpoint_folder, write_checkpoint_weights
+
+    checkpoint_folder(run_dir, step)  # says which steps there are, before any work
+    writer.check(ExportedRun(run_dir, config, family_for(config.model.architecture), {}))  # what the format holds
+    with tempfile.TemporaryDirectory(prefix="diffpipe-export-") as folder:
+        write_checkpoint_weights(run_dir, step, Path(folder))
+        return _export(Path(folder), config, writer, out)
+
+
+def _export(folder: Path, config: RunConfig, writer, out: Path) -> Path:
+    """The export of the run files in `folder` (the run's own, or a checkpoint's written as the run writes them)."""
     for name in ("model.safetensors", "lora.safetensors"):
-        _check_readable(run_dir / name)
-    run = ExportedRun(run_dir, config, family_for(config.model.architecture),
-                      json.loads((run_dir / "model_config.json").read_text()))
+        _check_readable(folder / name)
+    run = ExportedRun(folder, config, family_for(config.model.architecture),
+                      json.loads((folder / "model_config.json").read_text()))
     writer.check(run)
     return writer.write(run, out)
 

@@ -18,7 +18,7 @@ from ..pipeline.data_parallel import full
 from ..precision import frozen_storage
 from ..written_files import save_tensors
 
-__all__ = ["gather_weights", "original_base", "save_run_weights"]
+__all__ = ["gather_weights", "original_base", "save_run_weights", "write_weights"]
 
 
 def gather_weights(modules, topo: Topology) -> dict[str, torch.Tensor] | None:
@@ -67,19 +67,27 @@ def save_run_weights(trainer) -> None:
         return
     merged = gather_weights(trainer.modules, topo)
     if topo.is_main:
-        if config.adapter.type == "lora":  # the adapters alone, and the base with them merged in
-            save_tensors(lora_weights(merged), run_dir / "lora.safetensors",
-                         metadata=lora_metadata(config, trainer.feed.family.lora_targets))
-            # merged in fp32 into the base as model.path holds it, whatever memory.base_dtype stored it in: a
-            # bf16 sum would round the update away, and a stored copy's rounding would stay in the result
-            stored = frozen_storage(config, topo.device.type)
-            if stored.dtype != torch.float32 or stored.linear:
-                merged = original_base(config, merged)
-            merged = {k: v.float() if v.is_floating_point() else v for k, v in merged.items()}
-            merged = merge_lora(merged, lora_scale(config.adapter))
-        save_tensors(merged, run_dir / "model.safetensors")
-        (run_dir / "model_config.json").write_text(json.dumps(trainer.model_config, indent=1, default=list))
+        write_weights(config, merged, trainer.model_config, run_dir, topo.device.type,
+                      trainer.feed.family.lora_targets)
         if isinstance(trainer.text, TextEncoder):  # a pipeline folder's text encoders stay in it
             trainer.text.to("cpu")
             trainer.text.save(run_dir / "text_encoder")
     dist.barrier()
+
+
+def write_weights(config, weights: dict[str, torch.Tensor], model_config: dict, folder, device_kind: str,
+                  lora_targets: tuple[str, ...]) -> None:
+    """A run's weight files in `folder` from the whole model's `weights` (peft's names with LoRA): model.safetensors
+    (with LoRA, the adapters merged in fp32 into the base as model.path holds it, whatever memory.base_dtype stored it
+    in: a bf16 sum would round the update away, and a stored copy's rounding would stay in the result), the adapters
+    alone in lora.safetensors, and model_config.json. `device_kind`: where the weights were trained (how "auto"
+    stored the base)."""
+    if config.adapter.type == "lora":
+        save_tensors(lora_weights(weights), folder / "lora.safetensors", metadata=lora_metadata(config, lora_targets))
+        stored = frozen_storage(config, device_kind)
+        if stored.dtype != torch.float32 or stored.linear:
+            weights = original_base(config, weights)
+        weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+        weights = merge_lora(weights, lora_scale(config.adapter))
+    save_tensors(weights, folder / "model.safetensors")
+    (folder / "model_config.json").write_text(json.dumps(model_config, indent=1, default=list))
