@@ -48,9 +48,9 @@ def _cache(args) -> None:
 
 
 def _export(args) -> None:
-    from .export.run import export_run
+    from .commands.export import export_command
 
-    written = export_run(Path(args.run_dir), args.format, Path(args.out), force=args.force, step=args.step)
+    written = export_command(Path(args.run_dir), args.format, Path(args.out), args.force, args.step)
     print(f"wrote {written}")
 
 

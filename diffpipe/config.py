@@ -167,6 +167,8 @@ class CheckpointConfig(_Section):
     every_minutes: float = Field(0.0, ge=0, description="Also write one when this many minutes have passed since the last (the main process's clock decides for all); 0: off.")
     keep: int = Field(2, ge=1, description="Newest checkpoints kept in RUN_DIR/checkpoints; older ones are removed.")
     asynchronous: bool = Field(False, description="Copy the checkpoint to host memory and write it in the background while training goes on (sealed before the next one and at the end); needs host memory for one checkpoint.")
+    export_every: int = Field(0, ge=0, description="LoRA runs: every N steps, and after the last, also write the adapters as RUN_DIR/exports/lora-step-0000N.safetensors in checkpoint.export_format, ready to load (kohya's per-epoch saves); 0: off. Any run's checkpoint exports later with `diffpipe export RUN --step N`.")
+    export_format: Literal["diffusers", "kohya"] = Field("diffusers", description="Layout of checkpoint.export_every's files: diffusers (pipe.load_lora_weights; every family with a diffusers LoRA loader) or kohya (ComfyUI, A1111, kohya's tools; UNets).")
 
 
 class OutputConfig(_Section):
@@ -256,6 +258,10 @@ class RunConfig(_Section):
         if self.memory.optimizer_state == "8bit" and p.data_parallel_shard and p.data_parallel > 1:
             raise ValueError("memory.optimizer_state = \"8bit\" updates whole tensors (bitsandbytes' kernels), which "
                              "pipeline.data_parallel_shard cuts across replicas: set one of them off")
+        if self.checkpoint.export_every and self.adapter.type != "lora":
+            raise ValueError("checkpoint.export_every writes a LoRA's adapters, and adapter.type is \"none\": set "
+                             "checkpoint.every and export a checkpoint with `diffpipe export RUN --step N`, or train "
+                             "a LoRA (adapter.type = \"lora\")")
         if isinstance(p.checkpointing, list) and any(not 0 <= i < chunks for i in p.checkpointing):
             raise ValueError(f"pipeline.checkpointing={p.checkpointing} names stages outside 0..{chunks - 1}")
         return self

@@ -103,9 +103,11 @@ def test_full_exports_load_as_a_diffusers_pipeline_and_as_one_original_file(tiny
 
 def test_a_checkpoint_exports_as_the_finished_run_would(tiny, photos, tmp_path, capsys):
     """`diffpipe export RUN --step N`: the LoRA of the checkpoint after the last step is the finished run's, tensor
-    for tensor; an earlier checkpoint's differs; a step without a checkpoint is refused naming those there are."""
+    for tensor; an earlier checkpoint's differs; a step without a checkpoint is refused naming those there are.
+    checkpoint.export_every's files, written while training, are the same as the checkpoints' exports."""
     run = _train(tiny, photos, tmp_path / "run", "sd15", "--set", "adapter.type=\"lora\"", "--set", "adapter.rank=4",
-                 "--set", "checkpoint.every=2")
+                 "--set", "checkpoint.every=2", "--set", "checkpoint.export_every=2",
+                 "--set", "checkpoint.export_format=\"kohya\"")
     files = {}
     for step in (None, 3, 2):
         out = tmp_path / f"kohya-{step}.safetensors"
@@ -115,6 +117,25 @@ def test_a_checkpoint_exports_as_the_finished_run_would(tiny, photos, tmp_path, 
     assert files[None].keys() == files[3].keys() == files[2].keys()
     assert all(torch.equal(files[None][k], files[3][k]) for k in files[None])
     assert any(not torch.equal(files[3][k], files[2][k]) for k in files[3] if k.endswith("lora_up.weight"))
+    # checkpoint.export_every wrote the same files while it trained: after step 2 and after the last
+    during = {step: load_file(str(run / "exports" / f"lora-step-{step:08d}.safetensors")) for step in (2, 3)}
+    for step in (2, 3):
+        assert during[step].keys() == files[step].keys()
+        assert all(torch.equal(during[step][k], files[step][k]) for k in files[step])
     capsys.readouterr()
     assert main(["export", str(run), "--format", "kohya", "--out", str(tmp_path / "x"), "--step", "1"]) == 2
     assert "no checkpoint after step 1; the checkpoints there are after steps 2, 3" in capsys.readouterr().err
+
+
+def test_export_every_is_refused_before_launch_where_it_cannot_be_written(tmp_path, capsys):
+    """A full fine-tune has no adapters to export every N steps; kohya's layout holds UNet LoRAs only: both said
+    before any process starts."""
+    flux = Path(__file__).parent.parent / "examples" / "flux_tiny.toml"
+    full = ["train", str(flux), "--output-dir", str(tmp_path / "a"), "--set", "checkpoint.export_every=5"]
+    assert main(full) == 2
+    assert "checkpoint.export_every writes a LoRA's adapters" in capsys.readouterr().err
+    kohya = ["train", str(flux), "--output-dir", str(tmp_path / "b"), "--set", "checkpoint.export_every=5",
+             "--set", "adapter.type=\"lora\"", "--set", "checkpoint.export_format=\"kohya\""]
+    assert main(kohya) == 2
+    assert "--format kohya writes UNet layouts" in capsys.readouterr().err
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()

@@ -23,6 +23,7 @@ def _prepare_run(args) -> tuple:
     prepare_to_launch(config.world_size)  # the processes' imports run while this one checks (below)
 
     from ..build import boundary_traffic
+    from ..export.run import ExportedRun, format_writer
     from ..preflight import check_before_launch
     from ..pipeline.traffic import format_crossings
     from ..run_folder import RunLock, prepare_new_run
@@ -34,6 +35,9 @@ def _prepare_run(args) -> tuple:
     elif args.output_dir:
         config.output.dir = args.output_dir
     checked = check_before_launch(config)
+    if config.checkpoint.export_every:  # the format can hold this run's adapters: asked now, not at the first export
+        format_writer(config.checkpoint.export_format).check(ExportedRun(Path(config.output.dir), config,
+                                                                         checked.backbone.family, {}))
     config.pipeline.split, config.pipeline.checkpointing = checked.split, checked.checkpointing
     for key, value in checked.memory.items():  # chosen by the planner ("auto")
         setattr(config.memory, key, value)

@@ -25,7 +25,7 @@ from ..models.registry import family_for
 from ..written_files import give_user_mode
 from . import FORMATS
 
-__all__ = ["ExportedRun", "export_run", "replacing"]
+__all__ = ["ExportedRun", "export_run", "prepare_export", "export_files", "format_writer", "replacing"]
 
 
 @dataclass(frozen=True)
@@ -40,31 +40,35 @@ class ExportedRun:
         return self.config.adapter.type == "lora"
 
 
-def export_run(run_dir: Path, fmt: str, out: Path, force: bool = False, step: int | None = None) -> Path:
-    """Writes the export (refusing an existing `out` unless `force`, and ever the run's or its base model's own
-    files); returns the path written. `out` ending in .safetensors is one file, in every format. `step`: the run's
-    checkpoint after that step instead of its final weights (export/checkpoint.py)."""
-    needed = ("config.toml",) if step is not None else ("config.toml", "model.safetensors", "model_config.json")
+def export_run(run_dir: Path, fmt: str, out: Path, force: bool = False) -> Path:
+    """Writes the export of a finished run (refusing an existing `out` unless `force`, and ever the run's or its base
+    model's own files); returns the path written. `out` ending in .safetensors is one file, in every format."""
+    config, writer, out = prepare_export(run_dir, fmt, out, force)
+    return export_files(run_dir, config, writer, out)
+
+
+def prepare_export(run_dir: Path, fmt: str, out: Path, force: bool, finished: bool = True):
+    """(the run's config, the format's writer module, the target as the format names it), after checking the run
+    folder (`finished`: its final weights are there) and the target."""
+    needed = ("config.toml", "model.safetensors", "model_config.json") if finished else ("config.toml",)
     for name in needed:
         if not (run_dir / name).is_file():
             raise ExportError(f"{run_dir} is not a finished run folder: {name} is missing")
-    writer = importlib.import_module(f"{__package__}.{FORMATS[fmt]}")
+    writer = format_writer(fmt)
     out = writer.target(out)
     config = load_config(run_dir / "config.toml")
     _check_target(out, run_dir, config.model.path, force)
-    if step is None:
-        return _export(run_dir, config, writer, out)
-    from .checkpoint import checkpoint_folder, write_checkpoint_weights
-
-    checkpoint_folder(run_dir, step)  # says which steps there are, before any work
-    writer.check(ExportedRun(run_dir, config, family_for(config.model.architecture), {}))  # what the format holds
-    with tempfile.TemporaryDirectory(prefix="diffpipe-export-") as folder:
-        write_checkpoint_weights(run_dir, step, Path(folder))
-        return _export(Path(folder), config, writer, out)
+    return config, writer, out
 
 
-def _export(folder: Path, config: RunConfig, writer, out: Path) -> Path:
-    """The export of the run files in `folder` (the run's own, or a checkpoint's written as the run writes them)."""
+def format_writer(fmt: str):
+    """The module under export/ that writes format `fmt` (its target, check and write)."""
+    return importlib.import_module(f"{__package__}.{FORMATS[fmt]}")
+
+
+def export_files(folder: Path, config: RunConfig, writer, out: Path) -> Path:
+    """The export of the weight files in `folder` as a run writes them (model.safetensors, lora.safetensors,
+    model_config.json): the run's own, or those made from a checkpoint or during training."""
     for name in ("model.safetensors", "lora.safetensors"):
         _check_readable(folder / name)
     run = ExportedRun(folder, config, family_for(config.model.architecture),

@@ -27,7 +27,7 @@ from .optim import clip_gradients, global_grad_norm, step_optimizer
 from .records import StepReport, on_host_when_ready, read_record, step_end
 from .run_parts import build_run
 from .stopping import NonFiniteSteps, TrainingStopped
-from .weights import save_run_weights
+from .weights import export_adapters, save_run_weights
 
 __all__ = ["Trainer"]
 
@@ -210,6 +210,10 @@ class Trainer:
             record.update(evaluate(self))
         if self._due(step, self.config.sample.every):
             write_samples(self, step)
+        if self._due(step, self.config.checkpoint.export_every):
+            written = export_adapters(self, step + 1)
+            if written is not None:
+                print(f"exported {written}", flush=True)
         interrupted = record.pop("stop_asked") > 0
         overdue = record.pop("checkpoint_asked") > 0
         action = self.observer.after_step(step, record, times) if times is not None else "continue"

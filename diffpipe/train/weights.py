@@ -7,25 +7,30 @@ holds one tensor of another stage at a time.
 from __future__ import annotations
 
 import json
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..distributed import Topology
+from ..export.run import export_files, format_writer
 from ..models.lora import lora_metadata, lora_scale, lora_weights, merge_lora
 from ..models.text import TextEncoder
 from ..pipeline.data_parallel import full
 from ..precision import frozen_storage
 from ..written_files import save_tensors
 
-__all__ = ["gather_weights", "original_base", "save_run_weights", "write_weights"]
+__all__ = ["gather_weights", "original_base", "save_run_weights", "write_weights", "export_adapters"]
 
 
-def gather_weights(modules, topo: Topology) -> dict[str, torch.Tensor] | None:
-    """Every weight of the model under its diffusers name, on the host of rank 0; None on the other ranks.
-    Collective over every process: replicas that cut their stages' weights (pipeline.data_parallel_shard) make each
-    whole together, one at a time, in the same order; replica 0's pipeline ranks send them."""
-    own = {name: t for m in modules for name, t in m.full_state_dict().items()}
+def gather_weights(modules, topo: Topology, trained_only: bool = False) -> dict[str, torch.Tensor] | None:
+    """Every weight of the model (`trained_only`: every trained one) under its diffusers name, on the host of rank 0;
+    None on the other ranks. Collective over every process: replicas that cut their stages' weights
+    (pipeline.data_parallel_shard) make each whole together, one at a time, in the same order; replica 0's pipeline
+    ranks send them."""
+    own = ({name: p.detach() for m in modules for name, p in m.full_named_parameters() if p.requires_grad}
+           if trained_only else {name: t for m in modules for name, t in m.full_state_dict().items()})
     if topo.dp_rank != 0:
         for t in own.values():
             full(t)  # this replica's part in making each whole
@@ -91,3 +96,20 @@ def write_weights(config, weights: dict[str, torch.Tensor], model_config: dict, 
         weights = merge_lora(weights, lora_scale(config.adapter))
     save_tensors(weights, folder / "model.safetensors")
     (folder / "model_config.json").write_text(json.dumps(model_config, indent=1, default=list))
+
+
+def export_adapters(trainer, steps_done: int) -> Path | None:
+    """checkpoint.export_every: the adapters after `steps_done` steps as RUN/exports/lora-step-N.safetensors in
+    checkpoint.export_format (the export a finished run's `diffpipe export` writes); its path on rank 0. Every
+    process takes part: only the trained weights travel to rank 0."""
+    adapters = gather_weights(trainer.modules, trainer.topo, trained_only=True)
+    if not trainer.topo.is_main:
+        return None
+    config = trainer.config
+    writer = format_writer(config.checkpoint.export_format)
+    out = trainer.run_dir / "exports" / f"lora-step-{steps_done:08d}.safetensors"
+    with tempfile.TemporaryDirectory(prefix="diffpipe-export-") as folder:
+        save_tensors(lora_weights(adapters), Path(folder) / "lora.safetensors",
+                     metadata=lora_metadata(config, trainer.feed.family.lora_targets))
+        (Path(folder) / "model_config.json").write_text(json.dumps(trainer.model_config, indent=1, default=list))
+        return export_files(Path(folder), config, writer, writer.target(out))

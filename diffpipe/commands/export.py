@@ -1,5 +1,11 @@
-"""`diffpipe export RUN --step N`: a checkpoint exported as the finished run would be, while the run trains on or after
-it ended (kohya's per-epoch saves, chosen afterwards).
+"""`diffpipe export RUN --format FORMAT --out PATH [--step N]`: a finished run's weights, or a checkpoint's, in the
+layouts other tools load (export/: one module per format).
+
+    diffpipe export runs/lora --format kohya --out lora.safetensors
+    diffpipe export runs/lora --format kohya --out step2000.safetensors --step 2000
+
+With --step, a checkpoint is exported as the finished run would be, while the run trains on or after it ended
+(kohya's per-epoch saves, chosen afterwards).
 
 The checkpoint after step N (RUN/checkpoints/step-0000000N, verified file by file) is read into the model built as
 one stage on this machine's CPU, whatever layout wrote it: full fine-tunes take every trained weight from it, LoRA
@@ -9,6 +15,7 @@ written as the run writes them at its end (train/weights.py) into a folder of th
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -17,11 +24,25 @@ from safetensors import safe_open
 from ..build import build_backbone, build_stages
 from ..config import load_config
 from ..errors import CheckpointError, ExportError
+from ..export.run import ExportedRun, export_files, export_run, prepare_export
+from ..models.registry import family_for
 from ..pipeline.split import stage_specs
 from ..train.checkpoint import CHECKPOINTS, model_shapes, verify_checkpoint
 from ..train.weights import write_weights
 
-__all__ = ["checkpoint_folder", "write_checkpoint_weights"]
+__all__ = ["export_command", "checkpoint_folder", "write_checkpoint_weights"]
+
+
+def export_command(run_dir: Path, fmt: str, out: Path, force: bool = False, step: int | None = None) -> Path:
+    """The export written (its path): of the run's final weights, or with `step` of its checkpoint after that step."""
+    if step is None:
+        return export_run(run_dir, fmt, out, force)
+    config, writer, out = prepare_export(run_dir, fmt, out, force, finished=False)
+    checkpoint_folder(run_dir, step)  # says which steps there are, before any work
+    writer.check(ExportedRun(run_dir, config, family_for(config.model.architecture), {}))  # what the format holds
+    with tempfile.TemporaryDirectory(prefix="diffpipe-export-") as folder:
+        write_checkpoint_weights(run_dir, step, Path(folder))
+        return export_files(Path(folder), config, writer, out)
 
 
 def checkpoint_folder(run_dir: Path, step: int) -> Path:
