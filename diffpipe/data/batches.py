@@ -125,6 +125,9 @@ class BatchMaker:
         t = sample_timesteps(self.train.timestep_sampling, len(idx), gen, logit_mean=self.train.logit_mean,
                              logit_std=self.train.logit_std, shift=self.train.shift)
         noise = torch.randn((len(idx), *item_shape), generator=gen)
+        if self.train.noise_offset:  # drawn last: without it every run keeps the same numbers
+            per_channel = torch.randn((len(idx), item_shape[0]) + (1,) * (len(item_shape) - 1), generator=gen)
+            noise = noise + self.train.noise_offset * per_channel
         return StepDraw(idx, captions, t, noise)
 
     def make(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:
