@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -91,8 +91,8 @@ def probe_plan(config: RunConfig, meta: Backbone, plan: Plan, device: torch.devi
     rows, unsplit_peak = [], None
     if unsplit:
         row = {"stage": "unsplit", "units": "all", "micro_batch": micro, "in_flight": 1, "checkpointed": False}
-        seconds, unsplit_peak = _probe_built(config, [], 0, [], [inputs["sample"].shape], torch.float32, conditions,
-                                             device, 1, repeats, optimizer)
+        whole = _StageToProbe([], 0, [], [(inputs["sample"].shape, torch.float32)], held=1)
+        seconds, unsplit_peak = _probe_built(config, whole, conditions, device, repeats, optimizer)
         rows.append({**row, **_probed(seconds, unsplit_peak)})
     checkpointed = [s.index for s in plan.planned.stages if s.checkpointed]
     specs = stage_specs(meta, plan.planned.starts)
@@ -100,11 +100,11 @@ def probe_plan(config: RunConfig, meta: Backbone, plan: Plan, device: torch.devi
         if only is not None and spec.index not in only:
             continue
         shapes = shapes_after[spec.first - 1] if spec.first > 0 else {}
-        received = [inputs[n].shape if n in inputs else shapes[n] for n in spec.receives]
-        dtypes = [torch.float32 if n in inputs else boundary_dtype for n in spec.receives]
+        received = [(inputs[n].shape, torch.float32) if n in inputs else (shapes[n], boundary_dtype)
+                    for n in spec.receives]
         held = plan.planned.schedule.in_flight(spec.index, plan.stages, plan.microbatches)
-        seconds, peak = _probe_built(config, plan.planned.starts, spec.index, checkpointed, received, dtypes,
-                                     conditions, device, held, repeats, optimizer)
+        stage = _StageToProbe(plan.planned.starts, spec.index, checkpointed, received, held)
+        seconds, peak = _probe_built(config, stage, conditions, device, repeats, optimizer)
         planned_s = predicted.forward_s + predicted.backward_s
         units = f"{meta.units[spec.first].name}..{meta.units[spec.last - 1].name}"
         row = {"stage": spec.index, "units": units, "micro_batch": micro, "in_flight": held,
@@ -118,18 +118,25 @@ def probe_plan(config: RunConfig, meta: Backbone, plan: Plan, device: torch.devi
     return rows
 
 
-def _probe_built(config: RunConfig, starts: list[int], index: int, checkpointed: list[int], received_shapes,
-                 received_dtypes, conditions, device: torch.device, held: int, repeats: int, optimizer: bool):
-    """`probe_stage` of stage `index` of the split at `starts`, built here and freed after; (None, None) where it
-    runs out of the device's memory."""
+@dataclass(frozen=True)
+class _StageToProbe:
+    starts: list[int]  # the plan's split
+    index: int
+    checkpointed: list[int]  # the plan's checkpointed stages
+    received: list[tuple[torch.Size, torch.dtype]]  # the shape and dtype of each tensor the stage receives
+    held: int  # micro-batches in flight
+
+
+def _probe_built(config: RunConfig, stage: _StageToProbe, conditions, device: torch.device, repeats: int,
+                 optimizer: bool):
+    """`probe_stage` of a stage built here and freed after; (None, None) where it runs out of the device's memory."""
     backbone = build_backbone(config, "meta")
-    if isinstance(received_dtypes, torch.dtype):
-        received_dtypes = [received_dtypes] * len(received_shapes)
     module = None
     try:
-        module = build_stages(config, backbone, stage_specs(backbone, starts), [index], device, checkpointed)[0]
-        received = [torch.randn(shape, device=device, dtype=dt) for shape, dt in zip(received_shapes, received_dtypes)]
-        return probe_stage(module, received, conditions, device, held, repeats, optimizer, config)
+        module = build_stages(config, backbone, stage_specs(backbone, stage.starts), [stage.index], device,
+                              stage.checkpointed)[0]
+        received = [torch.randn(shape, device=device, dtype=dtype) for shape, dtype in stage.received]
+        return probe_stage(module, received, conditions, device, stage.held, repeats, optimizer, config)
     except torch.cuda.OutOfMemoryError:
         return None, None
     finally:
