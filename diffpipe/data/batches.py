@@ -102,14 +102,26 @@ def square_size_ids(n: int, height: int, width: int) -> torch.Tensor:
     return torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32).expand(n, 6).contiguous()
 
 
+def _shuffled_tags(caption: str, kept: int, gen: torch.Generator) -> str:
+    """The caption's comma-separated tags after the first `kept` in a random order (kohya's shuffle_caption)."""
+    tags = [tag.strip() for tag in caption.split(",")]
+    if len(tags) - kept < 2:
+        return caption
+    rest = tags[kept:]
+    return ", ".join(tags[:kept] + [rest[i] for i in torch.randperm(len(rest), generator=gen).tolist()])
+
+
 class BatchMaker:
     """A step's batch from a dataset with `captions`, `batch_indices(step, batch_size, seed)`, `x0(indices)` and
     `size_ids(indices)` (TensorImages, data/images.py's FolderImages), fed as the model's family asks (`feed`:
     its named conditions and its latent layout)."""
 
-    def __init__(self, data, text: CaptionEncoder, train: TrainConfig, caption_dropout: float, feed: Feed):
+    def __init__(self, data, text: CaptionEncoder, train: TrainConfig, caption_dropout: float, feed: Feed,
+                 shuffled_after: int | None = None):
+        """`shuffled_after`: shuffle each caption's comma-separated tags after the first this many (None: never)."""
         self.data, self.text = data, text
         self.train, self.caption_dropout, self.feed = train, caption_dropout, feed
+        self.shuffled_after = shuffled_after
 
     def text_conditions(self, captions: list[str], size_ids: torch.Tensor,
                         latent_size: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -125,9 +137,11 @@ class BatchMaker:
         t = sample_timesteps(self.train.timestep_sampling, len(idx), gen, logit_mean=self.train.logit_mean,
                              logit_std=self.train.logit_std, shift=self.train.shift)
         noise = torch.randn((len(idx), *item_shape), generator=gen)
-        if self.train.noise_offset:  # drawn last: without it every run keeps the same numbers
+        if self.train.noise_offset:  # drawn after the rest: without it every run keeps the same numbers
             per_channel = torch.randn((len(idx), item_shape[0]) + (1,) * (len(item_shape) - 1), generator=gen)
             noise = noise + self.train.noise_offset * per_channel
+        if self.shuffled_after is not None:  # last, for the same reason
+            captions = [_shuffled_tags(c, self.shuffled_after, gen) for c in captions]
         return StepDraw(idx, captions, t, noise)
 
     def make(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:

@@ -27,3 +27,30 @@ def test_the_noise_offset_is_one_number_per_sample_and_channel_on_top_of_the_sam
     per_channel = flat[..., 0]
     assert per_channel.std() == pytest.approx(0.1, rel=0.25)  # 64 x C draws of 0.1 N(0, 1)
     assert (per_channel[:, 0] - per_channel[:, 1]).abs().max() > 1e-3  # each channel its own
+
+
+def _drawn_captions(shuffled_after: int | None, steps: range) -> list[list[str]]:
+    from diffpipe.data.batches import TensorImages
+
+    config = build_config({"data": {"dataset": "synthetic"}, "train": {"batch_size": 4}})
+    captions = ["sks dog, red collar, on grass, sunny, photo", "sks dog, sitting", "a plain caption"] * 4
+    data = TensorImages(torch.zeros(len(captions), 1, 2, 2), captions)
+    maker = BatchMaker(data, None, config.train, 0.0, None, shuffled_after)
+    return [maker.draw(step, (1, 2, 2)).captions for step in steps]
+
+
+def test_caption_shuffle_reorders_the_tags_after_the_kept_ones_and_nothing_else():
+    """kohya's shuffle_caption with keep_tokens = 1: the trigger word stays first, the other tags change places from
+    step to step, no tag is lost or made; a caption of one tag after the kept ones, or none, is left as written."""
+    plain, shuffled = _drawn_captions(None, range(12)), _drawn_captions(1, range(12))
+    orders = set()
+    for written, drawn in zip(sum(plain, []), sum(shuffled, [])):
+        tags = [t.strip() for t in written.split(",")]
+        got = drawn.split(", ")
+        assert got[0] == tags[0] and sorted(got) == sorted(tags)
+        if len(tags) <= 2:
+            assert drawn == written
+        else:
+            orders.add(drawn)
+    assert len(orders) > 3  # the four-tag caption came in several orders
+    assert _drawn_captions(1, range(12)) == shuffled  # drawn from (seed, step): every process alike, every run
