@@ -79,7 +79,8 @@ class DataConfig(_Section):
     latent_size: list[Annotated[int, Field(ge=1)]] | None = Field(None, min_length=2, max_length=2, description="digits, moving_digits and synthetic data, and plans: [height, width] of the latents trained on (for a real-width model, pixels / 8: [60, 104] is 480x832); unset: the family's default (a 1024 square for image models, 480x480 for Wan). Folders: set by data.resolution and the buckets.")
     caption_dropout: float = Field(0.1, ge=0.0, le=1.0, description="Fraction of captions replaced by the empty caption (enables guidance).")
     caption_shuffle: bool = Field(False, description="Shuffle each training caption's comma-separated tags every step, the first data.keep_tokens staying in place (kohya's shuffle_caption): the model stops learning the tags' order. The text encoders then stay on the device and encode each shuffled caption as it comes (the cache holds the captions as written). Eval and samples use the captions as written.")
-    keep_tokens: int = Field(0, ge=0, description="With data.caption_shuffle: this many leading tags stay in place (a trigger word, the subject).")
+    keep_tokens: int = Field(0, ge=0, description="With data.caption_shuffle or data.tag_dropout: this many leading tags stay in place and are never dropped (a trigger word, the subject).")
+    tag_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Drop each comma-separated tag of a training caption after the first data.keep_tokens with this probability, every step (kohya's caption_tag_dropout_rate); the text encoders then encode such captions as they come, as with data.caption_shuffle.")
     text_cache_gib: float = Field(1.0, ge=0, description="digits and synthetic: encode each distinct caption once and keep the text encoder's outputs on its device when they all fit in this many GiB; 0: encode every step's captions.")
 
     @model_validator(mode="after")

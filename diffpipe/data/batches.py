@@ -102,13 +102,32 @@ def square_size_ids(n: int, height: int, width: int) -> torch.Tensor:
     return torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32).expand(n, 6).contiguous()
 
 
-def _shuffled_tags(caption: str, kept: int, gen: torch.Generator) -> str:
-    """The caption's comma-separated tags after the first `kept` in a random order (kohya's shuffle_caption)."""
-    tags = [tag.strip() for tag in caption.split(",")]
-    if len(tags) - kept < 2:
+def _retagged(caption: str, tags: "CaptionTags", gen: torch.Generator) -> str:
+    """The caption's comma-separated tags after the first `tags.kept`, each dropped with probability `tags.dropout`
+    and the rest put in a random order when `tags.shuffle` (kohya's caption_tag_dropout_rate, shuffle_caption)."""
+    parts = [tag.strip() for tag in caption.split(",")]
+    head, rest = parts[:tags.kept], parts[tags.kept:]
+    if not rest:
         return caption
-    rest = tags[kept:]
-    return ", ".join(tags[:kept] + [rest[i] for i in torch.randperm(len(rest), generator=gen).tolist()])
+    if tags.dropout:
+        rest = [tag for tag, u in zip(rest, torch.rand(len(rest), generator=gen).tolist()) if u >= tags.dropout]
+    if tags.shuffle and len(rest) > 1:
+        rest = [rest[i] for i in torch.randperm(len(rest), generator=gen).tolist()]
+    return ", ".join(head + rest)
+
+
+@dataclass(frozen=True)
+class CaptionTags:
+    """How a training caption's comma-separated tags change every step (data.caption_shuffle, tag_dropout,
+    keep_tokens)."""
+
+    shuffle: bool = False
+    dropout: float = 0.0
+    kept: int = 0
+
+    @property
+    def changes(self) -> bool:
+        return self.shuffle or self.dropout > 0
 
 
 class BatchMaker:
@@ -117,11 +136,10 @@ class BatchMaker:
     its named conditions and its latent layout)."""
 
     def __init__(self, data, text: CaptionEncoder, train: TrainConfig, caption_dropout: float, feed: Feed,
-                 shuffled_after: int | None = None):
-        """`shuffled_after`: shuffle each caption's comma-separated tags after the first this many (None: never)."""
+                 tags: CaptionTags = CaptionTags()):
         self.data, self.text = data, text
         self.train, self.caption_dropout, self.feed = train, caption_dropout, feed
-        self.shuffled_after = shuffled_after
+        self.tags = tags
 
     def text_conditions(self, captions: list[str], size_ids: torch.Tensor,
                         latent_size: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -140,8 +158,8 @@ class BatchMaker:
         if self.train.noise_offset:  # drawn after the rest: without it every run keeps the same numbers
             per_channel = torch.randn((len(idx), item_shape[0]) + (1,) * (len(item_shape) - 1), generator=gen)
             noise = noise + self.train.noise_offset * per_channel
-        if self.shuffled_after is not None:  # last, for the same reason
-            captions = [_shuffled_tags(c, self.shuffled_after, gen) for c in captions]
+        if self.tags.changes:  # last, for the same reason
+            captions = [_retagged(c, self.tags, gen) for c in captions]
         return StepDraw(idx, captions, t, noise)
 
     def make(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:

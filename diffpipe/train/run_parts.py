@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..build import (boundary_traffic, build_backbone, build_dataset, build_stages, build_text_encoder, feed,
                      sample_shape)
 from ..config import RunConfig
-from ..data.batches import BatchMaker
+from ..data.batches import BatchMaker, CaptionTags
 from ..distributed import Topology
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
@@ -109,8 +109,9 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     prompts = grid_prompts(config, lambda: data.captions)
     text.keep(prompts, config.data.text_cache_gib)
     asked = [*data.captions, "", *(held_out.captions if held_out is not None else []), *prompts]
-    shuffled = config.data.keep_tokens if config.data.caption_shuffle else None
-    if shuffled is None and text.park(asked) and topo.is_main:  # shuffled captions are encoded as they come
+    d = config.data
+    tags = CaptionTags(d.caption_shuffle, d.tag_dropout, d.keep_tokens)
+    if not tags.changes and text.park(asked) and topo.is_main:  # changed captions are encoded as they come
         print("text encoders moved to host memory: every caption is encoded already", flush=True)
     summary = data.summary(held_out)
     if topo.is_main and summary:
@@ -120,7 +121,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     return RunParts(model_config, shapes, modules, [q for params, _ in groups for q in params],
                     tied_gradients, scaler, runner, optimizer,
                     lr_schedule, text, data, family_feed,
-                    BatchMaker(data, text, config.train, config.data.caption_dropout, family_feed, shuffled), held_out,
+                    BatchMaker(data, text, config.train, d.caption_dropout, family_feed, tags), held_out,
                     sample_shape(config, backbone), moved)
 
 

@@ -1,13 +1,14 @@
 """A step's random numbers (`BatchMaker.draw`): train.noise_offset adds one Gaussian number per sample and channel,
-the same over every pixel and frame, and leaves every other number of the step as it was."""
+the same over every pixel and frame; data.caption_shuffle and data.tag_dropout change each caption's tags after the
+kept ones; each leaves every other number of the step as it was."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from diffpipe.config import build_config
-from diffpipe.data.batches import BatchMaker
 from diffpipe.data import make_dataset
+from diffpipe.data.batches import BatchMaker, CaptionTags
 
 
 def _draw(noise_offset: float, item_shape: tuple[int, ...], step: int = 3):
@@ -29,20 +30,24 @@ def test_the_noise_offset_is_one_number_per_sample_and_channel_on_top_of_the_sam
     assert (per_channel[:, 0] - per_channel[:, 1]).abs().max() > 1e-3  # each channel its own
 
 
-def _drawn_captions(shuffled_after: int | None, steps: range) -> list[list[str]]:
+TAGGED = "sks dog, red collar, on grass, sunny, photo"
+
+
+def _drawn_captions(tags: CaptionTags, steps: range, written: tuple[str, ...] = (TAGGED, "sks dog, sitting",
+                                                                                 "a plain caption")) -> list[list[str]]:
     from diffpipe.data.batches import TensorImages
 
     config = build_config({"data": {"dataset": "synthetic"}, "train": {"batch_size": 4}})
-    captions = ["sks dog, red collar, on grass, sunny, photo", "sks dog, sitting", "a plain caption"] * 4
+    captions = list(written) * 4
     data = TensorImages(torch.zeros(len(captions), 1, 2, 2), captions)
-    maker = BatchMaker(data, None, config.train, 0.0, None, shuffled_after)
+    maker = BatchMaker(data, None, config.train, 0.0, None, tags)
     return [maker.draw(step, (1, 2, 2)).captions for step in steps]
 
 
 def test_caption_shuffle_reorders_the_tags_after_the_kept_ones_and_nothing_else():
     """kohya's shuffle_caption with keep_tokens = 1: the trigger word stays first, the other tags change places from
     step to step, no tag is lost or made; a caption of one tag after the kept ones, or none, is left as written."""
-    plain, shuffled = _drawn_captions(None, range(12)), _drawn_captions(1, range(12))
+    plain, shuffled = _drawn_captions(CaptionTags(), range(12)), _drawn_captions(CaptionTags(True, 0.0, 1), range(12))
     orders = set()
     for written, drawn in zip(sum(plain, []), sum(shuffled, [])):
         tags = [t.strip() for t in written.split(",")]
@@ -53,4 +58,15 @@ def test_caption_shuffle_reorders_the_tags_after_the_kept_ones_and_nothing_else(
         else:
             orders.add(drawn)
     assert len(orders) > 3  # the four-tag caption came in several orders
-    assert _drawn_captions(1, range(12)) == shuffled  # drawn from (seed, step): every process alike, every run
+    assert _drawn_captions(CaptionTags(True, 0.0, 1), range(12)) == shuffled  # from (seed, step): every process alike
+
+
+def test_tag_dropout_drops_tags_after_the_kept_ones_at_its_rate_and_keeps_their_order():
+    written = TAGGED.split(", ")
+    drawn = [c for step in _drawn_captions(CaptionTags(False, 0.5, 1), range(40), (TAGGED,)) for c in step]
+    for caption in drawn:
+        got = caption.split(", ")
+        assert got[0] == written[0]  # the kept tag: never dropped
+        assert got[1:] == [t for t in written[1:] if t in got[1:]]  # the rest in their written order
+    kept = sum(len(c.split(", ")) - 1 for c in drawn)
+    assert 0.4 < kept / (4 * len(drawn)) < 0.6  # 640 tags, each kept with probability 0.5
