@@ -63,24 +63,15 @@ def _plan(args) -> None:
 
 
 def _timeline(args) -> None:
-    import json
+    from .commands.observe import timeline_command
 
-    from .observe.timeline import chrome_trace, draw_timeline, read_step_intervals
-
-    record = read_step_intervals(args.run_dir, args.step)
-    draw_timeline(record, args.out)
-    trace = Path(args.out).with_suffix(".json")
-    trace.write_text(json.dumps(chrome_trace(record)))
-    print(f"wrote {args.out} and {trace} (open it in ui.perfetto.dev) for step {record['step']}")
+    timeline_command(args.run_dir, args.step, args.out)
 
 
 def _report(args) -> None:
-    from .observe.report import draw_report, summarise_run
+    from .commands.observe import report_command
 
-    print(summarise_run(args.run_dir))
-    out = args.out or str(Path(args.run_dir) / "report.png")
-    draw_report(args.run_dir, out)
-    print(f"wrote {out}")
+    report_command(args.run_dir, args.out)
 
 
 def _config(args) -> None:
