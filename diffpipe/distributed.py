@@ -97,7 +97,7 @@ _KNOCK_ON = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 
 # imported once by the fork server instead of by every process it starts: the training worker's module brings
 # torch, diffusers, transformers, peft and bitsandbytes (about 7 s a process on a 2-core machine)
-_IMPORTED_ONCE = ("diffpipe.train.trainer",)
+_IMPORTED_ONCE = ("diffpipe.train.worker",)  # and through it the trainer
 
 
 def _forks() -> bool:
