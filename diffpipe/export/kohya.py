@@ -12,19 +12,16 @@ from safetensors.torch import load_file
 from ..errors import ExportError
 from ..models.original_layout import ORIGINAL_PREFIX, to_original_layout
 from ..written_files import save_tensors
+from .run import one_file, only_unets
 
 __all__ = ["check", "target", "write"]
 
 
-def target(out: Path) -> Path:
-    """A .safetensors file: what loaders recognise."""
-    return out if out.suffix == ".safetensors" else out.with_name(out.name + ".safetensors")
+target = one_file
 
 
 def check(run) -> None:
-    if run.family.name != "unet2d":
-        raise ExportError(f"--format kohya writes UNet layouts, and {run.folder} trained a {run.family.name} model; "
-                          "use --format diffusers (diffusers' own loaders, and ComfyUI's for diffusers LoRA files)")
+    only_unets(run, "kohya")
     if not run.lora:
         raise ExportError(f"--format kohya writes LoRA adapters, and {run.folder} trained every weight "
                           "(adapter.type = \"none\"); use --format diffusers or original")

@@ -6,22 +6,18 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from ..errors import ExportError
 from ..models.original_layout import to_original_layout
 from ..written_files import save_tensors
+from .run import one_file, only_unets
 
 __all__ = ["check", "target", "write"]
 
 
-def target(out: Path) -> Path:
-    """A .safetensors file: what loaders recognise (diffusers would try a pickle)."""
-    return out if out.suffix == ".safetensors" else out.with_name(out.name + ".safetensors")
+target = one_file
 
 
 def check(run) -> None:
-    if run.family.name != "unet2d":
-        raise ExportError(f"--format original writes UNet layouts, and {run.folder} trained a {run.family.name} model; "
-                          "use --format diffusers (diffusers' own loaders, and ComfyUI's for diffusers LoRA files)")
+    only_unets(run, "original")
 
 
 def write(run, out: Path) -> Path:

@@ -25,7 +25,8 @@ from ..models.registry import family_for
 from ..written_files import give_user_mode
 from . import FORMATS
 
-__all__ = ["ExportedRun", "export_run", "prepare_export", "export_files", "format_writer", "replacing"]
+__all__ = ["ExportedRun", "export_run", "prepare_export", "export_files", "format_writer", "replacing",
+           "one_file", "only_unets"]
 
 
 @dataclass(frozen=True)
@@ -116,3 +117,15 @@ def replacing(out: Path, write) -> Path:
         if partial.exists():
             shutil.rmtree(partial)
     return out
+
+
+def one_file(out: Path) -> Path:
+    """`out` as a .safetensors file: what loaders recognise (diffusers would try a pickle)."""
+    return out if out.suffix == ".safetensors" else out.with_name(out.name + ".safetensors")
+
+
+def only_unets(run: ExportedRun, fmt: str) -> None:
+    """Refuse a format that holds UNet layouts only for a run of another family."""
+    if run.family.name != "unet2d":
+        raise ExportError(f"--format {fmt} writes UNet layouts, and {run.folder} trained a {run.family.name} model; "
+                          "use --format diffusers (diffusers' own loaders, and ComfyUI's for diffusers LoRA files)")
