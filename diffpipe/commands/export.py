@@ -14,7 +14,6 @@ written as the run writes them at its end (train/weights.py) into a folder of th
 """
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from ..build import build_backbone, build_stages
-from ..config import load_config
+from ..config import RunConfig
 from ..errors import CheckpointError, ExportError
 from ..export.run import ExportedRun, export_files, export_run, prepare_export
 from ..models.registry import family_for
@@ -38,10 +37,10 @@ def export_command(run_dir: Path, fmt: str, out: Path, force: bool = False, step
     if step is None:
         return export_run(run_dir, fmt, out, force)
     config, writer, out = prepare_export(run_dir, fmt, out, force, finished=False)
-    checkpoint_folder(run_dir, step)  # says which steps there are, before any work
+    checkpoint = checkpoint_folder(run_dir, step)  # says which steps there are, before any work
     writer.check(ExportedRun(run_dir, config, family_for(config.model.architecture), {}))  # what the format holds
     with tempfile.TemporaryDirectory(prefix="diffpipe-export-") as folder:
-        write_checkpoint_weights(run_dir, step, Path(folder))
+        write_checkpoint_weights(config, checkpoint, Path(folder))
         return export_files(Path(folder), config, writer, out)
 
 
@@ -56,11 +55,9 @@ def checkpoint_folder(run_dir: Path, step: int) -> Path:
     return path
 
 
-def write_checkpoint_weights(run_dir: Path, step: int, into: Path) -> None:
-    """The run's config.toml and weight files (model.safetensors, lora.safetensors, model_config.json) as of the
-    checkpoint after `step`, in the folder `into`."""
-    path = checkpoint_folder(run_dir, step)
-    config = load_config(run_dir / "config.toml")
+def write_checkpoint_weights(config: RunConfig, path: Path, into: Path) -> None:
+    """The weight files of the run of `config` (model.safetensors, lora.safetensors, model_config.json) as of its
+    checkpoint at `path`, in the folder `into`."""
     one = config.model_copy(update={  # one stage on this CPU, nothing swapped or compiled: the plain model
         "pipeline": config.pipeline.model_copy(update={"stages": 1, "data_parallel": 1, "virtual_stages": 1,
                                                         "split": [], "checkpointing": [], "compile": False}),
@@ -85,5 +82,4 @@ def write_checkpoint_weights(run_dir: Path, step: int, into: Path) -> None:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} trained weight(s) (first: {missing[0]}); "
                               "export another step")
     into.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(run_dir / "config.toml", into / "config.toml")
     write_weights(config, stage.full_state_dict(), model_config, into, "cpu", backbone.family.lora_targets)
