@@ -3,7 +3,7 @@
 # run through the launcher's fork server, a short GPU train); (2) Flux.1-dev
 # LoRA with every memory setting left to the planner on a card capped to 12 GiB (what it chooses, and whether that
 # trains there); (3) SDXL full fine-tune, 100 steps, AdamW moments in fp32 against 8 bits (peak and losses).
-# PARTS="1 2 3" picks parts.
+# PARTS="1 2 3" picks parts; 6: each unit's saved bytes counted against the GPU's, and the uncheckpointed Flux stage.
 #   OUT=runs/levers bash bench/levers_gpu.sh
 # On the lent device machine, install the carried wheels first (see the session notes) and put them on PYTHONPATH.
 set -u
@@ -47,5 +47,14 @@ if [[ " $PARTS " == *" 5 "* ]]; then
     timeout 280 python3 bench/stage_probe.py examples/wan_14b.toml --stage $stage --gib ${WAN_GIB:-24} --repeats 1 > $OUT/wan14b_stage$stage.jsonl 2> $OUT/wan14b_stage$stage.err
     say "wan14b 4x24 stage $stage probed capped ${WAN_GIB:-24} rc=$?"
   done
+fi
+if [[ " $PARTS " == *" 6 "* ]]; then  # what each unit saves, counted against the GPU (bench/unit_memory.py)
+  L="--set adapter.type=\"lora\" --set adapter.rank=16 --set adapter.alpha=16.0 --set adapter.target_modules=[\"to_q\",\"to_k\",\"to_v\",\"to_out.0\"] --set memory.base_dtype=\"bf16\""
+  timeout 200 python3 bench/unit_memory.py examples/flux_dev.toml $L --set train.batch_size=1 --set pipeline.microbatches=1 --set pipeline.stages=1 --units embed double.0 double.1 single.0 single.1 out --detail > $OUT/units_flux.jsonl 2> $OUT/units_flux.err; say "unit memory flux rc=$?"
+  timeout 200 python3 bench/unit_memory.py examples/wan_14b.toml --units embed block.0 block.39 out --detail > $OUT/units_wan.jsonl 2> $OUT/units_wan.err; say "unit memory wan rc=$?"
+  timeout 200 python3 bench/unit_memory.py examples/sdxl_unet.toml --set train.batch_size=4 --set pipeline.microbatches=1 --set pipeline.stages=1 --units down.1.0 down.2.0 mid.0 mid.1 up.0.0 up.0.up up.2.0 > $OUT/units_sdxl.jsonl 2> $OUT/units_sdxl.err; say "unit memory sdxl rc=$?"
+  F="--set pipeline.stages=2 --set pipeline.microbatches=4 --set train.batch_size=4 $L --set plan.memory_gib=139 --set pipeline.split=[28] --set pipeline.checkpointing=[0]"
+  timeout 280 python3 bench/stage_probe.py examples/flux_dev.toml $F --stage 1 --repeats 2 > $OUT/flux_stage1_unchecked.jsonl 2> $OUT/flux_stage1_unchecked.err
+  say "flux-dev lora stage 1 unchecked probed rc=$?"
 fi
 cat $OUT/summary.txt $OUT/rows.jsonl $OUT/*.jsonl 2>/dev/null

@@ -27,6 +27,7 @@ ONE_FLUX = ["pipeline.stages=1", "pipeline.microbatches=1", "train.batch_size=1"
 TWO_FLUX = ["pipeline.stages=2", "pipeline.microbatches=4", "train.batch_size=4", *FLUX_LORA,
             'memory.base_dtype="bf16"']
 SDXL_ONE = ["pipeline.stages=1", "pipeline.microbatches=1"]
+SDXL_V = ["train.batch_size=64", "pipeline.stages=2", "pipeline.virtual_stages=2", 'pipeline.checkpointing="none"']
 
 # (what, example, settings, split, checkpointed stages, measured peak GiB of each stage; None: not measured)
 MEASURED = [
@@ -52,6 +53,14 @@ MEASURED = [
     ("SDXL LoRA r16, batch 8, fp32 base, none checkpointed (14th)", "sdxl_unet.toml",
      [*SDXL_ONE, "train.batch_size=8", 'adapter.type="lora"', "adapter.rank=16", "adapter.alpha=16.0",
       'memory.base_dtype="fp32"'], [], [], [72.2]),
+    # two H200s, one process each holding two stages (peaks by process)
+    ("SDXL full, dualpipev, 8 micro-batches of 8, two GPUs (8th)", "sdxl_unet.toml",
+     [*SDXL_V, 'pipeline.schedule="dualpipev"', "pipeline.microbatches=8"], [9, 12, 14], [], [107.9, 113.2]),
+    ("SDXL full, dualpipev, 16 micro-batches of 4, two GPUs (8th)", "sdxl_unet.toml",
+     [*SDXL_V, 'pipeline.schedule="dualpipev"', "pipeline.microbatches=16"], [10, 13, 16], [], [78.8, 79.5]),
+    ("SDXL full, interleaved 1F1B, 8 micro-batches of 8, two GPUs (8th)", "sdxl_unet.toml",
+     [*SDXL_V, 'pipeline.schedule="interleaved_1f1b"', "pipeline.microbatches=8"], [9, 12, 14], [],
+     [106.2, 83.2]),
 ]
 
 

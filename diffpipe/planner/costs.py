@@ -13,15 +13,18 @@ forward leaves alive; its result is saved as JSON that later plans reuse (`diffp
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from .autocast import CountedAutocast
 from ..models.storage import PRODUCT_LAYERS, quantisable
 from ..models.units import Backbone
 from ..torch_support import (fused_attention, kept_storage_key, split_backward_input, split_backward_weight,
@@ -50,6 +53,9 @@ class UnitCost:
     # and convolution layers (stored in fp32, autocast's bf16 copy of each is kept for backward per micro-batch)
     frozen_linear_params: int = 0
     frozen_product_params: int = 0
+    # per micro-batch whatever its size: under autocast, the bf16/fp16 copies of trained weights that backward keeps
+    # (made once per micro-batch's forward, planner/autocast.py)
+    trained_copy_bytes: int = 0
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -81,48 +87,68 @@ def _unit_inputs(named: dict[str, torch.Tensor], reads, grad_names: set[str]) ->
     return {k: named[k].detach().requires_grad_(k in grad_names and named[k].is_floating_point()) for k in reads}
 
 
-def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor],
-                     conditions: dict[str, torch.Tensor], activation_scale: float = 1.0) -> list[UnitCost]:
-    """Costs from running the units on meta tensors; `backbone` must be on the meta device.
-
-    activation_scale: bytes factor for reduced precision (meta tensors see no autocast: 0.5 for bf16/fp16).
-    """
+def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor], conditions: dict[str, torch.Tensor],
+                     autocast_dtype: torch.dtype | None = None,
+                     frozen_dtype: torch.dtype | None = None) -> list[UnitCost]:
+    """Costs from running the units on meta tensors; `backbone` must be on the meta device. With `autocast_dtype`,
+    each op runs in the dtype CUDA's autocast gives it (planner/autocast.py), so what is saved for backward is
+    counted in the dtypes training saves it in; `frozen_dtype`: how frozen weights are stored (memory.base_dtype),
+    which decides, for one, whether a norm meets its weight in its input's dtype and takes torch's fused kernel,
+    which saves less."""
     named = {k: v.to("meta") for k, v in {**inputs, **conditions}.items()}
     grad_names = _needs_grad(backbone)
-    costs = []
-    for unit in backbone.units:
-        own = {id(p) for p in unit.module.parameters()}
-        saved: dict[int, torch.Tensor] = {}  # by identity; holding each keeps its identity from being reused
+    return [_count_unit(unit, named, grad_names, autocast_dtype, frozen_dtype) for unit in backbone.units]
 
-        def pack(t: torch.Tensor):
-            base = view_base(t)
-            if id(base) not in own:  # weights are counted once, as parameters
-                saved[id(base)] = base
-            # a detached alias: the graph then holds no tensor that holds the graph (a saved output would, and the
-            # parts the split backward's input pass retains would never be freed, nor the weights they saved)
-            return t.detach()
 
-        args = _unit_inputs(named, unit.reads, grad_names)
-        with FlopCounterMode(display=False) as forward, _FusedAttention(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = unit(args)
-        with FlopCounterMode(display=False) as backward:
-            weight_pass = _split_backward(out, args, unit.module)
-        params = list(unit.module.parameters())
-        layers = list(unit.module.modules())
-        frozen_products = {id(m.weight): m.weight.numel() for m in layers
-                           if isinstance(m, PRODUCT_LAYERS) and not m.weight.requires_grad}
-        costs.append(UnitCost(
-            name=unit.name, params=sum(p.numel() for p in params),
-            trainable_params=sum(p.numel() for p in params if p.requires_grad),
-            forward_flops=forward.get_total_flops(), backward_flops=backward.get_total_flops(),
-            activation_bytes=int(sum(t.numel() * t.element_size() for t in saved.values()) * activation_scale),
-            output_bytes={k: int(v.numel() * v.element_size() * activation_scale) for k, v in out.items()},
-            weight_pass_bytes=int(weight_pass * activation_scale),
-            frozen_linear_params=sum(m.weight.numel() for m in layers if quantisable(m)),
-            frozen_product_params=sum(frozen_products.values())))
-        named.update({k: v.detach() for k, v in out.items()})
-    return costs
+def _stored(module: torch.nn.Module, frozen_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The module's parameters as a run holds them: frozen floating-point ones in `frozen_dtype` (meta tensors)."""
+    return {name: (p.to(frozen_dtype) if frozen_dtype is not None and not p.requires_grad and p.is_floating_point()
+                   else p)
+            for name, p in module.named_parameters()}
+
+
+def _count_unit(unit, named: dict[str, torch.Tensor], grad_names: set[str], autocast_dtype: torch.dtype | None,
+                frozen_dtype: torch.dtype | None = None) -> UnitCost:
+    """One unit's costs; its outputs join `named` for the units after it."""
+    params = list(unit.module.parameters())
+    stored = _stored(unit.module, frozen_dtype)
+    own = {id(p) for p in stored.values()}
+    autocast = CountedAutocast(autocast_dtype, list(stored.values())) if autocast_dtype is not None else None
+    saved: dict[int, torch.Tensor] = {}  # by identity; holding each keeps its identity from being reused
+    copies: dict[int, torch.Tensor] = {}  # trained weights' autocast copies, saved once per micro-batch
+
+    def pack(t: torch.Tensor):
+        base = view_base(t)
+        if autocast is not None and id(base) in autocast.trained_copies:
+            copies[id(base)] = base
+        elif id(base) not in own and (autocast is None or id(base) not in autocast.frozen_copies):
+            saved[id(base)] = base  # weights are counted as parameters, frozen ones' copies apart (partition.py)
+        # a detached alias: the graph then holds no tensor that holds the graph (a saved output would, and the
+        # parts the split backward's input pass retains would never be freed, nor the weights they saved)
+        return t.detach()
+
+    args = _unit_inputs(named, unit.reads, grad_names)
+    with FlopCounterMode(display=False) as forward, _FusedAttention(), autocast or contextlib.nullcontext(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = functional_call(unit.module, stored, args=(), kwargs=args)
+    if set(out) != set(unit.writes):
+        raise RuntimeError(f"unit {unit.name} wrote {sorted(out)}, declared {sorted(unit.writes)}")
+    with FlopCounterMode(display=False) as backward:
+        weight_pass = _split_backward(out, args, unit.module)
+    layers = list(unit.module.modules())
+    frozen_products = {id(m.weight): m.weight.numel() for m in layers
+                       if isinstance(m, PRODUCT_LAYERS) and not m.weight.requires_grad}
+    named.update({k: v.detach() for k, v in out.items()})
+    return UnitCost(
+        name=unit.name, params=sum(p.numel() for p in params),
+        trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        forward_flops=forward.get_total_flops(), backward_flops=backward.get_total_flops(),
+        activation_bytes=sum(t.numel() * t.element_size() for t in saved.values()),
+        output_bytes={k: v.numel() * v.element_size() for k, v in out.items()},
+        weight_pass_bytes=weight_pass,
+        frozen_linear_params=sum(m.weight.numel() for m in layers if quantisable(m)),
+        frozen_product_params=sum(frozen_products.values()),
+        trained_copy_bytes=sum(t.numel() * t.element_size() for t in copies.values()))
 
 
 def _split_backward(out: dict[str, torch.Tensor], args: dict[str, torch.Tensor], module: torch.nn.Module) -> int:

@@ -72,12 +72,14 @@ class Replicas:
         return [units[i] for i in last_holding([c.params > c.trainable_params for c in units], self.block_swap)]
 
     def kept_copies_bytes(self, unit: UnitCost) -> float:
-        """Per micro-batch in flight: under autocast, the bf16/fp16 copy of each frozen fp32 weight that a linear or
-        convolution layer's backward keeps (autocast caches no copy of a frozen weight; a bf16, fp8, int8 or nf4
-        base needs none). Copies of trained weights are left to AUTOCAST_SAVED_FRACTION, which was fitted to full fine-tunes."""
+        """Per micro-batch in flight, under autocast: the bf16/fp16 copies of the unit's trained weights that its
+        backward keeps (counted, planner/autocast.py), and of its frozen fp32 weights that a linear or convolution
+        layer's backward keeps (autocast caches no copy of a frozen weight; a bf16, fp8, int8 or nf4 base needs
+        none)."""
+        trained = unit.trained_copy_bytes
         if self.frozen.dtype != torch.float32 or self.frozen.linear:
-            return 0
-        return unit.frozen_product_params * self.autocast_bytes
+            return trained
+        return trained + unit.frozen_product_params * self.autocast_bytes
 
     def state_bytes(self, units: list[UnitCost]) -> float:
         """Weights, gradients and AdamW state of a stage of these units, per device."""

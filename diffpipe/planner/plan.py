@@ -66,28 +66,20 @@ def profile_key(config: RunConfig, micro_batch: int, device: str) -> dict:
 
 
 def scaled(costs: list[UnitCost], factor: float) -> list[UnitCost]:
-    """Costs at `factor` times the micro-batch they were measured at (FLOPs, bytes, times: linear)."""
+    """Costs at `factor` times the micro-batch they were measured at (FLOPs, bytes, times: linear; the copies of
+    trained weights are made once per micro-batch, whatever its size)."""
     def t(x):
         return None if x is None else x * factor
     return [UnitCost(c.name, c.params, c.trainable_params, int(c.forward_flops * factor), int(c.backward_flops * factor),
                      int(c.activation_bytes * factor), {k: int(v * factor) for k, v in c.output_bytes.items()},
                      t(c.forward_s), t(c.backward_s), int(c.weight_pass_bytes * factor), c.frozen_linear_params,
-                     c.frozen_product_params) for c in costs]
-
-
-# What a bf16/fp16 autocast step saves for backward, as a fraction of the fp32 bytes counted on the meta device
-# (which sees no autocast): not 0.5, since norms' inputs, the residual stream and softmax statistics stay fp32.
-# Fitted to the peaks measured on H200s: with 0.5, a two-stage SDXL UNet under 1F1B (8 micro-batches of 8) held
-# 1.40x (stage 0) and 1.55x (stage 1) the planned activations, one GPU 1.18x, the Wan 14B-width slice 1.34x; the
-# interleaved layout the planner said fits ran out of memory (issue 18). With 0.7 the planned activations are
-# +0 %, -10 %, +18 % and +4 % off those measured.
-AUTOCAST_SAVED_FRACTION = 0.7
+                     c.frozen_product_params, c.trained_copy_bytes) for c in costs]
 
 
 def unit_costs(config: RunConfig, meta: Backbone, micro_batch: int) -> list[UnitCost]:
     """Per-unit costs at `micro_batch`: profiled times when `plan.profile` exists, FLOP counts otherwise."""
-    reduced = AUTOCAST_SAVED_FRACTION if config.train.precision != "fp32" else 1.0
-    counted = count_unit_costs(meta, *example_inputs(config, meta, 1), activation_scale=reduced)
+    stored = frozen_storage(config, "cpu" if config.train.device == "cpu" else "cuda").dtype
+    counted = count_unit_costs(meta, *example_inputs(config, meta, 1), AUTOCAST_DTYPES[config.train.precision], stored)
     profile = config.plan.profile
     if profile and Path(profile).is_file():
         saved_batch = json.loads(Path(profile).read_text())["key"]["micro_batch"]
