@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from .autocast import CountedAutocast
+from .live_bytes import LiveBytes
 from ..models.storage import PRODUCT_LAYERS, quantisable
 from ..models.units import Backbone
 from ..torch_support import (fused_attention, kept_storage_key, split_backward_input, split_backward_weight,
@@ -56,6 +57,9 @@ class UnitCost:
     # per micro-batch whatever its size: under autocast, the bf16/fp16 copies of trained weights that backward keeps
     # (made once per micro-batch's forward, planner/autocast.py)
     trained_copy_bytes: int = 0
+    # per micro-batch: the most the unit holds at once beyond what it keeps, in its forward or its backward (its
+    # intermediates; planner/live_bytes.py), charged once per stage
+    working_bytes: int = 0
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -128,13 +132,21 @@ def _count_unit(unit, named: dict[str, torch.Tensor], grad_names: set[str], auto
         return t.detach()
 
     args = _unit_inputs(named, unit.reads, grad_names)
+    trained = [p for p in params if p.requires_grad]
+    live = LiveBytes(lambda: sum(p.grad.untyped_storage().nbytes() for p in trained if p.grad is not None))
     with FlopCounterMode(display=False) as forward, _FusedAttention(), autocast or contextlib.nullcontext(), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
         out = functional_call(unit.module, stored, args=(), kwargs=args)
     if set(out) != set(unit.writes):
         raise RuntimeError(f"unit {unit.name} wrote {sorted(out)}, declared {sorted(unit.writes)}")
-    with FlopCounterMode(display=False) as backward:
+    forward_working = live.peak - live.live
+    live.restart()
+    before_backward = live.live
+    with FlopCounterMode(display=False) as backward, live:
         weight_pass = _split_backward(out, args, unit.module)
+    # less the gradients the split input pass keeps for the weight pass (charged apart, and only to the zero-bubble
+    # schedules that split: a whole backward frees each as it goes)
+    backward_working = live.peak - before_backward - weight_pass
     layers = list(unit.module.modules())
     frozen_products = {id(m.weight): m.weight.numel() for m in layers
                        if isinstance(m, PRODUCT_LAYERS) and not m.weight.requires_grad}
@@ -148,7 +160,8 @@ def _count_unit(unit, named: dict[str, torch.Tensor], grad_names: set[str], auto
         weight_pass_bytes=weight_pass,
         frozen_linear_params=sum(m.weight.numel() for m in layers if quantisable(m)),
         frozen_product_params=sum(frozen_products.values()),
-        trained_copy_bytes=sum(t.numel() * t.element_size() for t in copies.values()))
+        trained_copy_bytes=sum(t.numel() * t.element_size() for t in copies.values()),
+        working_bytes=max(forward_working, backward_working))
 
 
 def _split_backward(out: dict[str, torch.Tensor], args: dict[str, torch.Tensor], module: torch.nn.Module) -> int:

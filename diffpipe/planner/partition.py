@@ -189,9 +189,11 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
         # keeps whole (measured: zbv ran out of memory when they were not counted)
         kept = received + sum(sum(c.output_bytes.values()) for c in costs[first:last])
         dynamic = (held * kept + awaiting * (whole + weight_pass)
-                   + max(c.activation_bytes + replicas.kept_copies_bytes(c) for c in costs[first:last]))
-    else:
-        dynamic = held * whole + awaiting * weight_pass + max((c.activation_bytes for c in swapped), default=0)
+                   + max(c.activation_bytes + replicas.kept_copies_bytes(c) + c.working_bytes
+                         for c in costs[first:last]))
+    else:  # and, once, the most any unit holds at once beyond what it keeps (its intermediates)
+        dynamic = (held * whole + awaiting * weight_pass + max((c.activation_bytes for c in swapped), default=0)
+                   + max(c.working_bytes for c in costs[first:last]))
     return StageEstimate(index, first, last, forward, backward, send, static + dynamic, checkpointed)
 
 

@@ -70,10 +70,12 @@ def scaled(costs: list[UnitCost], factor: float) -> list[UnitCost]:
     trained weights are made once per micro-batch, whatever its size)."""
     def t(x):
         return None if x is None else x * factor
-    return [UnitCost(c.name, c.params, c.trainable_params, int(c.forward_flops * factor), int(c.backward_flops * factor),
-                     int(c.activation_bytes * factor), {k: int(v * factor) for k, v in c.output_bytes.items()},
-                     t(c.forward_s), t(c.backward_s), int(c.weight_pass_bytes * factor), c.frozen_linear_params,
-                     c.frozen_product_params, c.trained_copy_bytes) for c in costs]
+    return [replace(c, forward_flops=int(c.forward_flops * factor), backward_flops=int(c.backward_flops * factor),
+                    activation_bytes=int(c.activation_bytes * factor),
+                    output_bytes={k: int(v * factor) for k, v in c.output_bytes.items()},
+                    forward_s=t(c.forward_s), backward_s=t(c.backward_s),
+                    weight_pass_bytes=int(c.weight_pass_bytes * factor), working_bytes=int(c.working_bytes * factor))
+            for c in costs]
 
 
 def unit_costs(config: RunConfig, meta: Backbone, micro_batch: int) -> list[UnitCost]:

@@ -1,0 +1,55 @@
+"""The bytes of tensors alive at each moment while a unit runs on the meta device, and their peak: what a unit needs
+beyond what it keeps for backward (its working memory: a Wan 14B block at 32,760 tokens holds ~3 GiB of
+intermediates at once in its forward, measured on an H200, that it frees before it returns).
+
+Each storage an op makes is counted from when the op returns it until torch frees it (a weak reference to the
+storage says when); weights and inputs made before are not counted.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["LiveBytes"]
+
+
+class LiveBytes(TorchDispatchMode):
+    """Inside it, `live` is the bytes of the storages made inside it and still alive, `peak` the most there were
+    (reset it with `restart`) less what `held_apart()` says is held for other reasons at that moment (a trained
+    weight's gradient, which the planner counts with the weights)."""
+
+    def __init__(self, held_apart=lambda: 0) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.held_apart = held_apart
+        self._counted: set[int] = set()
+
+    def restart(self) -> None:
+        """Peak from now on."""
+        self.peak = self.live
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._counted.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        given = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key in self._counted or key in given:  # counted already, a view, or an op writing in place
+                continue
+            nbytes = storage.nbytes()
+            self._counted.add(key)
+            self.live += nbytes
+            weakref.finalize(storage, self._freed, key, nbytes)
+        self.peak = max(self.peak, self.live - self.held_apart())
+        return out
