@@ -27,7 +27,7 @@ from torch.func import functional_call  # noqa: E402
 
 from diffpipe.pipeline.split import stage_specs  # noqa: E402
 from diffpipe.planner.autocast import CountedAutocast  # noqa: E402
-from diffpipe.planner.costs import _count_unit, _FusedAttention, _needs_grad, _stored, _unit_inputs  # noqa: E402
+from diffpipe.planner.costs import _count_unit, _FusedAttention, needs_grad, _stored, _unit_inputs  # noqa: E402
 from diffpipe.precision import AUTOCAST_DTYPES, frozen_storage  # noqa: E402
 from diffpipe.torch_support import view_base  # noqa: E402
 
@@ -106,7 +106,8 @@ def chain_memory(real, first: int, last: int, named_meta: dict, grad_names: set[
             "peak_gib": round(torch.cuda.max_memory_allocated() / GIB, 3)}
 
 
-def stage_memory(config, first: int, named_meta: dict, device: torch.device, rounds: int = 3) -> dict:
+def stage_memory(config, first: int, named_meta: dict, grad_names: set[str], device: torch.device,
+                 rounds: int = 3) -> dict:
     """The last stage from unit `first` on, built as runs build it (build.build_stages: memory.base_dtype, LoRA),
     uncheckpointed, one micro-batch forward then backward, `rounds` times: the memory allocated before, after each
     forward, and the peak of each round, in GiB (to tell the stage's runtime apart from the units it runs)."""
@@ -120,7 +121,7 @@ def stage_memory(config, first: int, named_meta: dict, device: torch.device, rou
     row = {"stage_from": meta.units[first].name, "before_gib": round(torch.cuda.memory_allocated() / GIB, 3)}
     for r in range(rounds):
         torch.cuda.reset_peak_memory_stats()
-        args = [t.detach().requires_grad_(True) for t in received]
+        args = [t.detach().requires_grad_(n in grad_names) for t, n in zip(received, specs[1].receives)]
         out = module(*args, **conditions)
         out = out if isinstance(out, tuple) else (out,)
         torch.cuda.synchronize()
@@ -161,12 +162,12 @@ def main() -> None:
     choose_attention(real, device)
     inputs, conditions = example_inputs(config, backbone, config.micro_batch_size)
     named = {k: v.to("meta") for k, v in {**inputs, **conditions}.items()}
-    grad_names = _needs_grad(backbone)
+    grad_names = needs_grad(backbone)
     counted_chain = 0
     for index, unit in enumerate(backbone.units):
         meta_args = {k: named[k] for k in unit.reads}
         if args.stage_from and index == names.index(args.stage_from):
-            print(json.dumps(stage_memory(config, index, dict(named), device)), flush=True)
+            print(json.dumps(stage_memory(config, index, dict(named), grad_names, device)), flush=True)
         if chain and index == chain[0]:
             chain_row = chain_memory(real, chain[0], chain[1], dict(named), grad_names, autocast_dtype, device)
         if index in shown:

@@ -31,7 +31,7 @@ from ..models.units import Backbone
 from ..torch_support import (fused_attention, kept_storage_key, split_backward_input, split_backward_weight,
                              view_base)
 
-__all__ = ["UnitCost", "count_unit_costs", "kept_for_weight_pass", "profile_unit_costs", "save_profile", "load_profile"]
+__all__ = ["UnitCost", "count_unit_costs", "needs_grad", "kept_for_weight_pass", "profile_unit_costs", "save_profile", "load_profile"]
 
 
 @dataclass
@@ -77,7 +77,7 @@ class _FusedAttention(TorchFunctionMode):
                                named.get("is_causal", False), named.get("scale"))
 
 
-def _needs_grad(backbone: Backbone) -> set[str]:
+def needs_grad(backbone: Backbone) -> set[str]:
     """Names whose value depends on trainable parameters (their gradients flow back across boundaries)."""
     out = set()
     for unit in backbone.units:
@@ -100,7 +100,7 @@ def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor], condit
     which decides, for one, whether a norm meets its weight in its input's dtype and takes torch's fused kernel,
     which saves less."""
     named = {k: v.to("meta") for k, v in {**inputs, **conditions}.items()}
-    grad_names = _needs_grad(backbone)
+    grad_names = needs_grad(backbone)
     return [_count_unit(unit, named, grad_names, autocast_dtype, frozen_dtype) for unit in backbone.units]
 
 
@@ -203,7 +203,7 @@ def profile_unit_costs(backbone: Backbone, costs: list[UnitCost], inputs: dict[s
     """Time each unit's forward and backward on `device`: the fastest of `repeats` runs after `warmup` runs
     (the fastest is the least disturbed by other work on a shared machine)."""
     named = {k: v.to(device) for k, v in {**inputs, **conditions}.items()}
-    grad_names = _needs_grad(backbone)
+    grad_names = needs_grad(backbone)
     autocast = torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)
     for unit, cost in zip(backbone.units, costs):
         unit.module.to(device)

@@ -22,7 +22,7 @@ from ..pipeline.split import stage_specs
 from ..pipeline.stage import StageModule
 from ..pipeline.traffic import trace_shapes
 from ..precision import AUTOCAST_DTYPES
-from ..planner.costs import sync
+from ..planner.costs import needs_grad, sync
 from ..planner.plan import Plan, plan_memory
 from .optim import make_optimizer
 
@@ -35,8 +35,8 @@ def probe_stage(module: StageModule, received: list[torch.Tensor], conditions: d
                 device: torch.device, held: int, repeats: int = 3, optimizer: bool = True,
                 config: RunConfig | None = None) -> tuple[float, int | None]:
     """Best-of-`repeats` seconds of forward+backward per micro-batch with `held` micro-batches in flight, and
-    peak bytes allocated (None off CUDA). Two unmeasured rounds come first (allocator and kernel warm-up). The
-    optimizer is the run's (`config`: memory.optimizer_state), else torch's AdamW."""
+    peak bytes allocated (None off CUDA). Each of `received` needs a gradient where the pipeline's would. Two
+    unmeasured rounds come first (allocator and kernel warm-up). The optimizer is the run's (`config`: memory.optimizer_state), else torch's AdamW."""
     params = [p for p in module.parameters() if p.requires_grad]
     opt = None
     if optimizer and params:
@@ -51,7 +51,7 @@ def probe_stage(module: StageModule, received: list[torch.Tensor], conditions: d
         start = time.perf_counter()
         outputs = []
         for _ in range(held):  # the forwards of the micro-batches in flight, then their backwards
-            args = [t.detach().requires_grad_(module.spec.index > 0) for t in received]
+            args = [t.detach().requires_grad_(t.requires_grad) for t in received]
             out = module(*args, **conditions)
             outputs.append(out if isinstance(out, tuple) else (out,))
         for outs in outputs:  # a LoRA run's stage may send tensors no trained weight made (Flux's rope)
@@ -88,10 +88,11 @@ def probe_plan(config: RunConfig, meta: Backbone, plan: Plan, device: torch.devi
     boundary_dtype = dtype if dtype is not None else torch.float32
     micro = plan.micro_batch_size
     inputs, conditions, shapes_after = _synthetic(config, meta, micro, device)
+    grad_names = needs_grad(meta)
     rows, unsplit_peak = [], None
     if unsplit:
         row = {"stage": "unsplit", "units": "all", "micro_batch": micro, "in_flight": 1, "checkpointed": False}
-        whole = _StageToProbe([], 0, [], [(inputs["sample"].shape, torch.float32)], held=1)
+        whole = _StageToProbe([], 0, [], [(inputs["sample"].shape, torch.float32, False)], held=1)
         seconds, unsplit_peak = _probe_built(config, whole, conditions, device, repeats, optimizer)
         rows.append({**row, **_probed(seconds, unsplit_peak)})
     checkpointed = [s.index for s in plan.planned.stages if s.checkpointed]
@@ -100,8 +101,10 @@ def probe_plan(config: RunConfig, meta: Backbone, plan: Plan, device: torch.devi
         if only is not None and spec.index not in only:
             continue
         shapes = shapes_after[spec.first - 1] if spec.first > 0 else {}
-        received = [(inputs[n].shape, torch.float32) if n in inputs else (shapes[n], boundary_dtype)
-                    for n in spec.receives]
+        # a received tensor needs a gradient only where a trained weight made it, as the pipeline carries it (a
+        # LoRA run's Flux rope does not: given one, every block keeps fp32 copies of its queries and keys for it)
+        received = [(inputs[n].shape, torch.float32, False) if n in inputs
+                    else (shapes[n], boundary_dtype, n in grad_names) for n in spec.receives]
         held = plan.planned.schedule.in_flight(spec.index, plan.stages, plan.microbatches)
         stage = _StageToProbe(plan.planned.starts, spec.index, checkpointed, received, held)
         seconds, peak = _probe_built(config, stage, conditions, device, repeats, optimizer)
@@ -123,7 +126,8 @@ class _StageToProbe:
     starts: list[int]  # the plan's split
     index: int
     checkpointed: list[int]  # the plan's checkpointed stages
-    received: list[tuple[torch.Size, torch.dtype]]  # the shape and dtype of each tensor the stage receives
+    # the shape and dtype of each tensor the stage receives, and whether it needs a gradient
+    received: list[tuple[torch.Size, torch.dtype, bool]]
     held: int  # micro-batches in flight
 
 
@@ -135,7 +139,8 @@ def _probe_built(config: RunConfig, stage: _StageToProbe, conditions, device: to
     try:
         module = build_stages(config, backbone, stage_specs(backbone, stage.starts), [stage.index], device,
                               stage.checkpointed)[0]
-        received = [torch.randn(shape, device=device, dtype=dtype) for shape, dtype in stage.received]
+        received = [torch.randn(shape, device=device, dtype=dtype).requires_grad_(grad)
+                    for shape, dtype, grad in stage.received]
         return probe_stage(module, received, conditions, device, stage.held, repeats, optimizer, config)
     except torch.cuda.OutOfMemoryError:
         return None, None

@@ -11,7 +11,7 @@ import torch
 
 from diffpipe.build import build_backbone, example_inputs, give_weights
 from diffpipe.config import build_config, load_config
-from diffpipe.planner.costs import (_FusedAttention, _needs_grad, _unit_inputs, count_unit_costs,
+from diffpipe.planner.costs import (_FusedAttention, needs_grad, _unit_inputs, count_unit_costs,
                                     kept_for_weight_pass)
 from diffpipe.torch_support import split_backward_input
 
@@ -23,7 +23,7 @@ EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 def _kept_by_a_stage(backbone, inputs, conditions, first: int) -> int:
     """Bytes torch's input pass keeps for the weight pass when units first.. run as one stage (one graph)."""
     named = {k: v.to("meta") for k, v in {**inputs, **conditions}.items()}
-    grad_names = _needs_grad(backbone)
+    grad_names = needs_grad(backbone)
     for unit in backbone.units[:first]:
         with torch.no_grad():
             named.update(unit(_unit_inputs(named, unit.reads, grad_names)))
