@@ -36,7 +36,8 @@ def probe_stage(module: StageModule, received: list[torch.Tensor], conditions: d
                 config: RunConfig | None = None) -> tuple[float, int | None]:
     """Best-of-`repeats` seconds of forward+backward per micro-batch with `held` micro-batches in flight, and
     peak bytes allocated (None off CUDA). Each of `received` needs a gradient where the pipeline's would. Two
-    unmeasured rounds come first (allocator and kernel warm-up). The optimizer is the run's (`config`: memory.optimizer_state), else torch's AdamW."""
+    unmeasured rounds come first (allocator and kernel warm-up). The optimizer is the run's (`config`:
+    memory.optimizer_state), else torch's AdamW."""
     params = [p for p in module.parameters() if p.requires_grad]
     opt = None
     if optimizer and params:
