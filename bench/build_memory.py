@@ -34,7 +34,7 @@ def _peak_bytes() -> int:
 
 def _build(config_path: str, sets: list[str], units: list[int] | None, device_kind: str) -> dict:
     from diffpipe.build import build_backbone, give_weights
-    from diffpipe.config import load_config
+    from diffpipe.config_files import load_config
     from diffpipe.precision import frozen_storage
 
     config = load_config(config_path, sets)
@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="the device kind trained on")
     args = parser.parse_args()
     from diffpipe.build import build_backbone
-    from diffpipe.config import load_config
+    from diffpipe.config_files import load_config
     from diffpipe.pipeline.split import stage_specs
     from diffpipe.planner.plan import resolve_stages
 

@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from diffpipe.config import build_config  # noqa: E402
+from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.data.images import prepare_folder_images  # noqa: E402
 from diffpipe.models.pipeline_folder import PipelineText  # noqa: E402
 from diffpipe.models.vae import load_vae  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from diffpipe.config import load_config  # noqa: E402
+from diffpipe.config_files import load_config  # noqa: E402
 from diffpipe.distributed import resolve_device_kind, single_process_topology  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from diffpipe.config import build_config, load_config  # noqa: E402
+from diffpipe.config_files import build_config, load_config  # noqa: E402
 from diffpipe.distributed import single_process_topology  # noqa: E402
 from diffpipe.models.lora import add_lora  # noqa: E402
 from diffpipe.models.presets import UNET_PRESETS  # noqa: E402

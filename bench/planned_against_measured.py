@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from diffpipe.build import build_backbone  # noqa: E402
-from diffpipe.config import load_config  # noqa: E402
+from diffpipe.config_files import load_config  # noqa: E402
 from diffpipe.planner.plan import planned_figures  # noqa: E402
 
 GIB = 2**30

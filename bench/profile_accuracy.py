@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from diffpipe.build import build_backbone, example_inputs  # noqa: E402
-from diffpipe.config import build_config  # noqa: E402
+from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.pipeline.split import balanced_by_parameters, stage_specs  # noqa: E402
 from diffpipe.pipeline.stage import build_stage_modules  # noqa: E402
 from diffpipe.pipeline.schedules import ScheduleChoice

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from diffpipe.config import load_config  # noqa: E402
+from diffpipe.config_files import load_config  # noqa: E402
 from diffpipe.distributed import init_topology, resolve_device_kind  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 from profile_step import WARMUP, _kernels, _step_ends  # noqa: E402

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from diffpipe.config import load_config  # noqa: E402
+from diffpipe.config_files import load_config  # noqa: E402
 from diffpipe.distributed import resolve_device_kind, single_process_topology  # noqa: E402
 from diffpipe.models.presets import UNET_PRESETS  # noqa: E402
 from diffpipe.models.unet import UNet2DFamily  # noqa: E402

@@ -97,7 +97,7 @@ def planned_gib_per_gpu(config: str, overrides: dict, common: dict, extra: list[
     """The planner's peak memory for each GPU of a pipeline (its stages' sum), as the run plans it: to set beside
     the measured peaks. None when the configuration cannot be planned (the run then says why)."""
     from diffpipe.build import build_backbone
-    from diffpipe.config import load_config
+    from diffpipe.config_files import load_config
     from diffpipe.planner.plan import planned_figures, resolve_stages
 
     sets = [f"{key}={value}" for key, value in {**common, **overrides}.items()] + extra

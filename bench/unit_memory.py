@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from diffpipe.build import build_backbone, build_stages, choose_attention, example_inputs, give_weights  # noqa: E402
-from diffpipe.config import load_config  # noqa: E402
+from diffpipe.config_files import load_config  # noqa: E402
 from torch.func import functional_call  # noqa: E402
 
 from diffpipe.pipeline.split import stage_specs  # noqa: E402

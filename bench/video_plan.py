@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from diffpipe.build import build_backbone  # noqa: E402
-from diffpipe.config import build_config  # noqa: E402
+from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.planner.partition import Hardware, Infeasible  # noqa: E402
 from diffpipe.planner.plan import make_plan  # noqa: E402
 

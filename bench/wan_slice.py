@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from diffpipe.config import build_config  # noqa: E402
+from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.distributed import single_process_topology  # noqa: E402
 from diffpipe.models.wan import WAN_PRESETS  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402

@@ -55,7 +55,7 @@ def _export(args) -> None:
 
 
 def _plan(args) -> None:
-    from .config import load_config
+    from .config_files import load_config
     from .commands.plan import plan_command
 
     config = load_config(args.config, args.set or [])

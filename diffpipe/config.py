@@ -1,7 +1,8 @@
 """The run configuration: TOML sections validated by pydantic, with a default and a line of help per field.
 
 Every wrong key, type or value fails here, before any process starts, with a message that names the key
-and what to change. `load_config` reads a TOML file and applies `--set section.key=value` overrides.
+and what to change. Schema only: `validate_config` applies `--set section.key=value` overrides and validates;
+reading a TOML file and what a model folder decides (its backbone's family, its objective) is config_files.py's.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from .errors import ConfigError
 
 __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TrainConfig", "AdapterConfig", "PipelineConfig",
-    "PlanConfig", "ObserveConfig", "CheckpointConfig", "OutputConfig", "SampleConfig", "MemoryConfig", "load_config", "save_config",
-    "make_paths_absolute",
+    "PlanConfig", "ObserveConfig", "CheckpointConfig", "OutputConfig", "SampleConfig", "MemoryConfig", "validate_config",
+    "save_config", "make_paths_absolute",
 ]
 
 
@@ -308,8 +309,9 @@ def _parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
-    """Validate a config mapping after applying `section.key=value` overrides."""
+def validate_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
+    """Validate a config mapping after applying `section.key=value` overrides: the schema alone (what a model folder
+    decides, config_files.build_config adds)."""
     for text in overrides:
         path, value = _parse_override(text)
         node = data
@@ -319,67 +321,10 @@ def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
                 raise ConfigError(f"--set {text!r}: {part} is not a section")
         node[path[-1]] = value
     try:  # strict: "64" is not 64 (a quoted --set value is a string); an int is still a valid float
-        config = RunConfig.model_validate(data, strict=True)
+        return RunConfig.model_validate(data, strict=True)
     except ValidationError as exc:
         lines = [_describe(e, RunConfig) for e in exc.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
-    _resolve_architecture(config)
-    _resolve_objective(config)
-    return config
-
-
-def _resolve_architecture(config: RunConfig) -> None:
-    """A pipeline folder names its backbone's class (model_index.json): model.architecture unset, that class's family
-    is used; set to another family, the run is refused before anything loads."""
-    from .models.pipeline_folder import is_pipeline_folder, pipeline_index
-    from .models.registry import BUILTIN_FAMILIES, family_for
-
-    if not is_pipeline_folder(config.model.path):
-        return
-    index = pipeline_index(Path(config.model.path))
-    classes = {entry[1] for key, entry in index.items() if key in ("unet", "transformer") and isinstance(entry, list)}
-    families = {name for name in BUILTIN_FAMILIES if family_for(name).model_class.__name__ in classes}
-    if len(families) != 1 or config.model.architecture in families:
-        return
-    (found,) = families
-    if "architecture" not in config.model.model_fields_set:
-        config.model.architecture = found
-        return
-    raise ConfigError(f"model.architecture = {config.model.architecture!r} but model.path={config.model.path} is a "
-                      f"{index.get('_class_name', 'pipeline')} folder whose backbone is {' '.join(classes)} "
-                      f"(architecture {found!r}); set model.architecture = \"{found}\" or leave it out")
-
-
-def _resolve_objective(config: RunConfig) -> None:
-    """train.objective unset: the pipeline folder's scheduler decides (through the model's family), else the family's
-    default (flow matching)."""
-    from .models.loading import CheckpointError
-    from .models.pipeline_folder import is_pipeline_folder
-    from .models.registry import ArchitectureError, family_for
-
-    if config.train.objective is not None:
-        return
-    try:
-        family = family_for(config.model.architecture)
-        if is_pipeline_folder(config.model.path):
-            config.train.objective = family.objective_of_folder(Path(config.model.path))
-        else:
-            config.train.objective = family.default_objective
-    except (CheckpointError, ArchitectureError) as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not a text file; give a TOML config such as examples/digits.toml") from None
-    return build_config(data, overrides)
 
 
 def make_paths_absolute(config: RunConfig) -> RunConfig:

@@ -14,7 +14,8 @@ import torch
 from PIL import Image
 
 from .build import build_backbone, build_text_encoder, feed, sample_shape
-from .config import RunConfig, load_config
+from .config import RunConfig
+from .config_files import load_config
 from .data.batches import BatchMaker, square_size_ids
 from .data.sources import source_of
 from .diffusion.samplers import sample

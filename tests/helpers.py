@@ -46,3 +46,19 @@ def run_command(args: list[str]) -> Ran:
         os.chdir(folder)
     print(out.getvalue())  # shown by pytest when the test fails
     return Ran(code, out.getvalue())
+
+
+def example_module(name: str):
+    """A script of examples/ (not part of the package) imported as a module: `example_module("digits_quality")`."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import does (its dataclasses look their module up there)
+    spec.loader.exec_module(module)
+    return module

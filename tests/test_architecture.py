@@ -14,10 +14,10 @@ ROOMS = [
     {"config", "seeds", "diffusion"},
     {"models", "data", "precision"},
     {"pipeline"},
-    {"build", "observe"},
+    {"build", "observe", "config_files"},
     {"planner"},
     {"preflight", "sampling"},
-    {"train", "export", "quality", "run_folder", "config_reference"},
+    {"train", "export", "run_folder", "config_reference"},
     {"commands", "cli", "api", "__main__", "__init__"},
 ]
 LEVEL = {room: level for level, rooms in enumerate(ROOMS) for room in rooms}
@@ -26,7 +26,7 @@ LEVEL = {room: level for level, rooms in enumerate(ROOMS) for room in rooms}
 ARGUED = {
     ("config", "data"),      # data/sources.py's SOURCES: the registry that gives data.dataset its names
     ("config", "pipeline"),  # pipeline/schedules.py's SCHEDULES: the names of pipeline.schedule
-    ("config", "models"),    # the registry's family names; reading model folders in build_config (to move)
+    ("config", "models"),    # the registry's family names (model.architecture's help)
 }
 
 

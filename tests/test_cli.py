@@ -195,7 +195,7 @@ def test_a_run_that_could_not_save_its_weights_does_not_start(tmp_path, monkeypa
     from diffpipe.commands.train import _check_free_space
     from diffpipe.errors import CommandError
     from diffpipe.build import build_backbone
-    from diffpipe.config import build_config
+    from diffpipe.config_files import build_config
 
     config = build_config({})
     backbone = build_backbone(config, "meta")

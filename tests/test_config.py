@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from diffpipe.config import ConfigError, build_config, load_config, save_config
+from diffpipe.config import ConfigError, save_config
+from diffpipe.config_files import build_config, load_config
 from diffpipe.models.presets import UNET_PRESETS
 
 
@@ -74,7 +75,8 @@ def test_docs_config_md_is_the_generated_reference():
 
 def test_a_saved_config_names_its_folders_absolutely(tmp_path, monkeypatch):
     """`diffpipe sample RUN` from another directory read model.path and data paths relative to the new one."""
-    from diffpipe.config import build_config, load_config, make_paths_absolute, save_config
+    from diffpipe.config import make_paths_absolute, save_config
+    from diffpipe.config_files import build_config, load_config
 
     monkeypatch.chdir(tmp_path)
     config = make_paths_absolute(build_config({

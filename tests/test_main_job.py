@@ -1,4 +1,4 @@
-"""The main job exactly as the README runs it, then the quality checks of `python -m diffpipe.quality`: a classifier
+"""The main job exactly as the README runs it, then the quality checks of `python examples/digits_quality.py`: a classifier
 fitted on held-out digits the model never saw recognises at least 80 % of the samples as the prompted digit, at
 most 10 % of them copy a training image, and every digit's samples vary at least 0.5x as much as real ones (measured:
 0.62, LoRA 0.60).
@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from diffpipe.quality import digit_quality
+from .helpers import example_module
+
+digit_quality = example_module("digits_quality").digit_quality
 
 ROOT = Path(__file__).parent.parent
 

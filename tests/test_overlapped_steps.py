@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from diffpipe.config import build_config
+from diffpipe.config_files import build_config
 
 from .helpers import run_workers
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from diffpipe.quality import DigitJudge
+from .helpers import example_module
+
+DigitJudge = example_module("digits_quality").DigitJudge
 
 
 @pytest.fixture(scope="module")

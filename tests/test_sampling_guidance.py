@@ -7,7 +7,7 @@ import torch
 
 import diffpipe.sampling
 from diffpipe.build import build_backbone, build_text_encoder, feed, sample_shape
-from diffpipe.config import build_config
+from diffpipe.config_files import build_config
 from diffpipe.sampling import Generator
 
 from .planted import planted

@@ -39,7 +39,7 @@ def test_a_wan_lora_exports_for_diffusers_and_loads_to_the_trained_output(tmp_pa
     from safetensors.torch import load_file
 
     from diffpipe.build import build_backbone
-    from diffpipe.config import load_config
+    from diffpipe.config_files import load_config
 
     run = tmp_path / "lora"
     cmd = ["train", str(ROOT / "examples" / "video_tiny.toml"), "--output-dir", str(run), "--set",

@@ -15,7 +15,7 @@ import os
 import torch.distributed as dist
 
 from ..build import build_backbone, build_dataset, build_text_encoder
-from ..config import build_config, load_config
+from ..config_files import build_config, load_config
 from ..data.sources import source_of
 from ..distributed import init_topology, launch, resolve_device_kind, under_torchrun
 from ..errors import ConfigError

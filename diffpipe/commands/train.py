@@ -16,7 +16,8 @@ __all__ = ["train_command"]
 
 
 def _prepare_run(args) -> tuple:
-    from ..config import load_config, make_paths_absolute, save_config
+    from ..config import make_paths_absolute, save_config
+    from ..config_files import load_config
     from ..distributed import prepare_to_launch
 
     config = make_paths_absolute(load_config(args.config, args.set or []))
@@ -118,7 +119,8 @@ def _readable_size(nbytes: float) -> str:
 
 def _check_resumable(config, run_dir: Path, backbone) -> None:
     """Refuse, before any process starts, a resume whose run folder, checkpoint or config does not fit."""
-    from ..config import load_config, make_paths_absolute
+    from ..config import make_paths_absolute
+    from ..config_files import load_config
     from ..train.checkpoint import latest_checkpoint, model_shapes, unsafe_changes, verify_checkpoint
 
     if not (run_dir / "config.toml").is_file():

@@ -1,7 +1,7 @@
 """scikit-learn's handwritten digits (1,797 images, 8x8, grey) with captions such as "a handwritten digit seven".
 
-Every fourth image (449 of them) is held out: the model never trains on them, so `diffpipe.quality` can judge
-generated digits with a classifier fitted on digits the model has not seen.
+Every fourth image (449 of them) is held out: the model never trains on them, so `examples/digits_quality.py` can
+judge generated digits with a classifier fitted on digits the model has not seen.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from ..config import RunConfig, load_config
+from ..config import RunConfig
+from ..config_files import load_config
 from ..errors import ExportError
 from ..models.family import ModelFamily
 from ..models.registry import family_for

@@ -17,7 +17,7 @@ __all__ = ["train_worker"]
 
 def train_worker(config_data: dict, run_dir: str, resume: bool = False) -> None:
     """Entry point of each process (spawned or under torchrun)."""
-    from ..config import build_config
+    from ..config_files import build_config
     from transformers.utils import logging as transformers_logging
 
     from ..distributed import resolve_device_kind

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffpipe.config import build_config
+from diffpipe.config_files import build_config
 from diffpipe.data import make_dataset
 from diffpipe.data.batches import BatchMaker, CaptionTags
 

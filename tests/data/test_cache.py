@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from diffpipe.build import build_backbone, feed
-from diffpipe.config import build_config
+from diffpipe.config_files import build_config
 from diffpipe.data.batches import BatchMaker
 from diffpipe.data.buckets import to_pixels
 from diffpipe.data.cache import ShardStore, fill_store

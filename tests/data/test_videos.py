@@ -98,7 +98,7 @@ def test_an_image_vae_encodes_a_clip_frame_by_frame():
 
 
 def _dataset(tiny_video, clips, vae, **data):
-    from diffpipe.config import build_config
+    from diffpipe.config_files import build_config
     from diffpipe.data.images import prepare_folder_images
     from diffpipe.models.dit_text import WanText
 
@@ -142,7 +142,8 @@ def test_a_video_folder_is_bucketed_cached_and_broken_files_counted(tiny_video, 
 
 
 def test_a_pipeline_folder_names_its_family_and_a_wrong_one_is_refused(tiny_video):
-    from diffpipe.config import ConfigError, build_config
+    from diffpipe.config import ConfigError
+    from diffpipe.config_files import build_config
 
     assert build_config({"model": {"path": str(tiny_video / "wan")}}).model.architecture == "wan"
     with pytest.raises(ConfigError, match="WanTransformer3DModel .architecture 'wan'."):

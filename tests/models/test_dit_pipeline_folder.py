@@ -14,7 +14,8 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from diffpipe.build import build_backbone, build_text_encoder, example_inputs, sample_shape
-from diffpipe.config import ConfigError, build_config
+from diffpipe.config import ConfigError
+from diffpipe.config_files import build_config
 from diffpipe.models.dit_text import FluxText, SD3Text
 from diffpipe.models.loading import CheckpointError
 from diffpipe.preflight import check_before_launch

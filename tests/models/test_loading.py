@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 from diffpipe.build import build_backbone
 from diffpipe.preflight import check_before_launch
-from diffpipe.config import ModelConfig, build_config
+from diffpipe.config import ModelConfig
+from diffpipe.config_files import build_config
 from diffpipe.models.loading import CheckpointError, build_model
 from diffpipe.models.unet import UNet2DFamily
 from diffpipe.models.presets import UNET_PRESETS

@@ -7,7 +7,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from diffpipe.build import build_backbone, example_inputs, give_weights
-from diffpipe.config import build_config
+from diffpipe.config_files import build_config
 from diffpipe.models.lora import add_lora, lora_scale, merge_lora
 from diffpipe.models.presets import UNET_PRESETS
 from diffpipe.models.unet import UNet2DFamily

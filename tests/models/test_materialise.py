@@ -6,7 +6,7 @@ from diffusers import UNet2DConditionModel
 from safetensors.torch import save_file
 
 from diffpipe.build import build_backbone, give_weights
-from diffpipe.config import build_config
+from diffpipe.config_files import build_config
 from diffpipe.models.presets import UNET_PRESETS
 
 

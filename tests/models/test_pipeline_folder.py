@@ -10,7 +10,8 @@ import torch
 from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
 from diffpipe.build import build_backbone, build_text_encoder, example_inputs, sample_shape
-from diffpipe.config import ConfigError, build_config
+from diffpipe.config import ConfigError
+from diffpipe.config_files import build_config
 from diffpipe.models.loading import CheckpointError
 from diffpipe.models.pipeline_folder import PipelineText, scheduler_objective
 from diffpipe.models.vae import load_vae, vae_scale_factor

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from diffpipe.build import build_backbone, example_inputs, sample_shape
-from diffpipe.config import ConfigError, build_config
+from diffpipe.config import ConfigError
+from diffpipe.config_files import build_config
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.tied import tied_parameters
 from diffpipe.preflight import check_before_launch

@@ -58,7 +58,7 @@ def _sleep_pipeline(topo, schedule: str, m: int):
 def _worker(cases: list[tuple[str, int]], out_dir: str) -> None:
     from pathlib import Path
 
-    from diffpipe.config import build_config
+    from diffpipe.config_files import build_config
     from diffpipe.distributed import init_topology
     from diffpipe.observe.observer import PipelineObserver
     torch.set_num_threads(1)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from diffpipe.build import build_backbone, example_inputs, give_weights
-from diffpipe.config import ConfigError, build_config, load_config
+from diffpipe.config import ConfigError
+from diffpipe.config_files import build_config, load_config
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
 from diffpipe.train.checkpoint import unsafe_changes

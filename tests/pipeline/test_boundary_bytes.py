@@ -9,7 +9,7 @@ import torch
 
 import diffpipe.build
 from diffpipe.build import boundary_traffic, build_backbone, example_inputs
-from diffpipe.config import build_config, load_config
+from diffpipe.config_files import build_config, load_config
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
 

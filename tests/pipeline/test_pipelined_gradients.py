@@ -54,7 +54,7 @@ import pytest
 import torch
 
 from diffpipe.build import build_backbone, sample_shape
-from diffpipe.config import build_config
+from diffpipe.config_files import build_config
 from diffpipe.data import make_dataset
 from diffpipe.data.batches import BatchMaker
 from diffpipe.data.moving_digits import MOTION_WORDS

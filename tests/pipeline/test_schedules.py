@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from diffpipe.config import ConfigError, build_config
+from diffpipe.config import ConfigError
+from diffpipe.config_files import build_config
 from diffpipe.pipeline.schedules import SCHEDULES, ideal_bubble, in_flight
 
 

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from diffpipe.config import build_config
+from diffpipe.config_files import build_config
 
 from ..helpers import run_workers
 

@@ -35,7 +35,7 @@ def test_parameters_reached_only_from_inputs_without_gradient_are_found():
 def _gradients_of_one_step(payload: dict, out_dir: str, guarded: bool) -> None:
     from pathlib import Path
 
-    from diffpipe.config import build_config
+    from diffpipe.config_files import build_config
     from diffpipe.distributed import init_topology
     from diffpipe.pipeline.stage import StageModule
     from diffpipe.train.trainer import Trainer

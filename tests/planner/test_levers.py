@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from diffpipe.build import build_backbone
-from diffpipe.config import load_config
+from diffpipe.config_files import load_config
 from diffpipe.planner.plan import planned_figures, resolve_memory, resolve_stages
 
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"

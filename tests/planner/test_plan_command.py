@@ -75,7 +75,7 @@ def test_gpu_memory_sizes(text, gib):
 
 def test_auto_checkpointing_only_where_a_stage_would_not_fit():
     from diffpipe.build import build_backbone
-    from diffpipe.config import load_config
+    from diffpipe.config_files import load_config
     from diffpipe.planner.plan import resolve_stages
 
     for memory, expect in ((80, "none"), (40, "some")):  # stage 0 needs ~53 GiB without
@@ -91,7 +91,7 @@ def test_auto_checkpointing_only_where_a_stage_would_not_fit():
 def test_the_plan_leaves_the_headroom_free():
     """Stage 0 needs ~51 GiB unchecked: 55 GiB fits it with no headroom, not with the default 10 % kept free."""
     from diffpipe.build import build_backbone
-    from diffpipe.config import load_config
+    from diffpipe.config_files import load_config
     from diffpipe.planner.plan import resolve_stages
 
     for headroom, expect in ((0.0, []), (0.1, [0])):

@@ -8,7 +8,7 @@ import math
 import torch
 
 from diffpipe.build import build_backbone, example_inputs
-from diffpipe.config import build_config
+from diffpipe.config_files import build_config
 from diffpipe.pipeline.schedules import ScheduleChoice
 from diffpipe.planner.costs import count_unit_costs, profile_unit_costs, save_profile
 from diffpipe.planner.partition import Hardware, partition

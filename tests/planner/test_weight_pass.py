@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diffpipe.build import build_backbone, example_inputs, give_weights
-from diffpipe.config import build_config, load_config
+from diffpipe.config_files import build_config, load_config
 from diffpipe.planner.costs import (_FusedAttention, needs_grad, _unit_inputs, count_unit_costs,
                                     kept_for_weight_pass)
 from diffpipe.torch_support import split_backward_input

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from diffpipe.build import build_backbone, give_weights
-from diffpipe.config import ConfigError, build_config, load_config
+from diffpipe.config import ConfigError
+from diffpipe.config_files import build_config, load_config
 from diffpipe.planner.partition import Replicas
 from diffpipe.planner.plan import _replicas
 from diffpipe.models.storage import Fp8Linear, FrozenStorage

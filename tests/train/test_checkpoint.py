@@ -246,7 +246,7 @@ _SPLIT_SAVE = """
 import sys, torch
 from pathlib import Path
 import diffpipe.train.checkpoint as checkpoint
-from diffpipe.config import load_config
+from diffpipe.config_files import load_config
 from diffpipe.distributed import single_process_topology
 from diffpipe.train.trainer import Trainer
 
@@ -271,7 +271,7 @@ def test_a_checkpoint_is_cut_into_files_of_about_a_gib_and_reads_back_whole(tmp_
     """DCP's safetensors writer builds each file in memory: one file per process doubled a save's memory (and
     tripled a background one's), so files are cut at about 1 GiB; every tensor reads back from the pieces."""
     from diffpipe.build import build_backbone
-    from diffpipe.config import load_config
+    from diffpipe.config_files import load_config
     from diffpipe.train.checkpoint import file_of_each_tensor, model_shapes
 
     sdxl = model_shapes(build_backbone(load_config(EXAMPLE.parent / "sdxl_unet.toml"), "meta").model)

@@ -17,7 +17,7 @@ from ..helpers import run_workers
 
 
 def _trainer(root: str, machine_folders: bool):
-    from diffpipe.config import build_config
+    from diffpipe.config_files import build_config
     from diffpipe.distributed import init_topology
     from diffpipe.train.trainer import Trainer
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from scipy import stats
 
 from diffpipe.build import build_backbone, build_text_encoder
-from diffpipe.config import load_config
+from diffpipe.config_files import load_config
 from diffpipe.diffusion.timesteps import sample_timesteps, timestep_quantiles
 
 from ..pipeline.reference_loop import Text, digits, noised

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffpipe.config import build_config
+from diffpipe.config_files import build_config
 
 from ..helpers import run_workers
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from diffpipe.config import ConfigError, build_config
+from diffpipe.config import ConfigError
+from diffpipe.config_files import build_config
 from tests.train.test_checkpoint import _cut_short, _losses, _train
 
 EIGHT_BIT = ["--set", 'memory.optimizer_state="8bit"']

@@ -11,7 +11,7 @@ import torch
 
 from diffpipe.build import build_backbone, choose_attention
 from diffpipe.cli import main
-from diffpipe.config import load_config
+from diffpipe.config_files import load_config
 from diffpipe.train import probe
 from diffpipe.planner.plan import hardware, make_plan
 

@@ -1,6 +1,6 @@
 """Does a trained digits run draw new, varied digits of the kind it is asked for? Three checks judge it.
 
-    python -m diffpipe.quality runs/digits [--per-digit 10] [--steps 30]
+    python examples/digits_quality.py runs/digits [--per-digit 10] [--steps 30]
 
 For each digit 0-9 it generates --per-digit images from the run (as `diffpipe sample` does) and measures:
 - recognised: the share that a classifier fitted on the held-out digits (which the model never trained on)
@@ -24,7 +24,7 @@ import torch
 from sklearn.linear_model import LogisticRegression
 from sklearn.neighbors import NearestNeighbors
 
-from .data.digits import DIGIT_WORDS, DigitsDataset, digit_caption
+from diffpipe.data.digits import DIGIT_WORDS, DigitsDataset, digit_caption
 
 __all__ = ["Bars", "QualityReport", "DigitJudge", "digit_quality"]
 
@@ -110,7 +110,7 @@ class DigitJudge:
 def digit_quality(run_dir: str | Path, per_digit: int = 10, steps: int | None = None, seed: int = 1000,
                   judge: DigitJudge | None = None) -> QualityReport:
     """Generate `per_digit` samples of each digit from the run (seeds seed + 100 d + i) and judge them."""
-    from .sampling import load_generator, quantise
+    from diffpipe.sampling import load_generator, quantise
 
     gen = load_generator(run_dir)
     prompts = [digit_caption(d) for d in range(len(DIGIT_WORDS)) for _ in range(per_digit)]

@@ -1,0 +1,74 @@
+"""A config file read: TOML parsed, `--set section.key=value` overrides applied, validated (config.py's schema), and
+what the model folder decides filled in: a pipeline folder names its backbone's class, so its family
+(model.architecture), and its scheduler the objective (train.objective), when the config leaves them unset.
+
+    config = load_config("examples/digits.toml", ["train.max_steps=10"])
+"""
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from .config import RunConfig, validate_config
+from .errors import ArchitectureError, CheckpointError, ConfigError
+from .models.pipeline_folder import is_pipeline_folder, pipeline_index
+from .models.registry import BUILTIN_FAMILIES, family_for
+
+__all__ = ["load_config", "build_config"]
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """The config in TOML file `path`, with `overrides` applied, validated and resolved against its model folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file; give a TOML config such as examples/digits.toml") from None
+    return build_config(data, overrides)
+
+
+def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
+    """A config mapping with `overrides` applied, validated and resolved against its model folder."""
+    config = validate_config(data, overrides)
+    _resolve_architecture(config)
+    _resolve_objective(config)
+    return config
+
+
+def _resolve_architecture(config: RunConfig) -> None:
+    """A pipeline folder names its backbone's class (model_index.json): model.architecture unset, that class's family
+    is used; set to another family, the run is refused before anything loads."""
+    if not is_pipeline_folder(config.model.path):
+        return
+    index = pipeline_index(Path(config.model.path))
+    classes = {entry[1] for key, entry in index.items() if key in ("unet", "transformer") and isinstance(entry, list)}
+    families = {name for name in BUILTIN_FAMILIES if family_for(name).model_class.__name__ in classes}
+    if len(families) != 1 or config.model.architecture in families:
+        return
+    (found,) = families
+    if "architecture" not in config.model.model_fields_set:
+        config.model.architecture = found
+        return
+    raise ConfigError(f"model.architecture = {config.model.architecture!r} but model.path={config.model.path} is a "
+                      f"{index.get('_class_name', 'pipeline')} folder whose backbone is {' '.join(classes)} "
+                      f"(architecture {found!r}); set model.architecture = \"{found}\" or leave it out")
+
+
+def _resolve_objective(config: RunConfig) -> None:
+    """train.objective unset: the pipeline folder's scheduler decides (through the model's family), else the family's
+    default (flow matching)."""
+    if config.train.objective is not None:
+        return
+    try:
+        family = family_for(config.model.architecture)
+        if is_pipeline_folder(config.model.path):
+            config.train.objective = family.objective_of_folder(Path(config.model.path))
+        else:
+            config.train.objective = family.default_objective
+    except (CheckpointError, ArchitectureError) as exc:
+        raise ConfigError(str(exc)) from None
