@@ -39,17 +39,32 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        given = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        given = None
         for tensor in tree_flatten(out)[0]:
             if not isinstance(tensor, torch.Tensor):
                 continue
             storage = tensor.untyped_storage()
             key = storage._cdata
-            if key in self._counted or key in given:  # counted already, a view, or an op writing in place
+            if key in self._counted:  # counted already, or a view of what was
+                continue
+            if given is None:
+                given = _storages(args, kwargs)
+            if key in given:  # an op writing in place, or returning its input
                 continue
             nbytes = storage.nbytes()
             self._counted.add(key)
             self.live += nbytes
             weakref.finalize(storage, self._freed, key, nbytes)
-        self.peak = max(self.peak, self.live - self.held_apart())
+        if self.live > self.peak:  # (what is held apart is never negative: no peak to check otherwise)
+            self.peak = max(self.peak, self.live - self.held_apart())
         return out
+
+
+def _storages(args, kwargs) -> set[int]:
+    """The storages of the tensors an op was given (flat arguments and lists of them, as aten ops take them)."""
+    found = set()
+    for value in (*args, *kwargs.values()):
+        for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(tensor, torch.Tensor):
+                found.add(tensor.untyped_storage()._cdata)
+    return found
