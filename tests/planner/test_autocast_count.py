@@ -7,22 +7,12 @@ import pytest
 import torch
 from torch import nn
 
-from diffpipe.models.units import Backbone, Unit
 from diffpipe.planner.costs import count_unit_costs
+
+from .lifted import lifted
 
 B, T, D = 2, 8, 16  # batch, tokens, width
 ROWS = B * T
-
-
-class _Lift(nn.Module):
-    """A trained scale: what it writes needs a gradient, as a unit's input does inside a model."""
-
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(D))
-
-    def forward(self, x):
-        return {"h": x * self.scale}
 
 
 class _Block(nn.Module):
@@ -55,10 +45,7 @@ def _composite_rms_norm_bytes() -> int:
 
 
 def _count(frozen_dtype):
-    with torch.device("meta"):
-        lift, block = _Lift(), _Block()
-    units = [Unit("lift", lift, ("x",), ("h",)), Unit("block", block, ("h",), ("y",))]
-    backbone = Backbone(units, ("x",), (), "y", nn.ModuleList([lift, block]))
+    backbone = lifted(_Block, D)
     return count_unit_costs(backbone, {"x": torch.zeros(B, T, D)}, {}, torch.bfloat16, frozen_dtype)[1]
 
 
@@ -78,10 +65,7 @@ def test_a_unit_is_counted_in_the_dtypes_cuda_autocast_saves(base):
 
 
 def test_fp32_compute_saves_fp32():
-    with torch.device("meta"):
-        lift, block = _Lift(), _Block()
-    units = [Unit("lift", lift, ("x",), ("h",)), Unit("block", block, ("h",), ("y",))]
-    backbone = Backbone(units, ("x",), (), "y", nn.ModuleList([lift, block]))
+    backbone = lifted(_Block, D)
     cost = count_unit_costs(backbone, {"x": torch.zeros(B, T, D)}, {})[1]
     assert cost.trained_copy_bytes == 0
     assert cost.output_bytes == {"y": ROWS * D * 4}

@@ -6,20 +6,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.units import Backbone, Unit
 from diffpipe.planner.costs import count_unit_costs
 from diffpipe.planner.live_bytes import LiveBytes
 
+from .lifted import lifted
+
 ROWS, D, WIDE = 64, 32, 1024
-
-
-class _Lift(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(D))
-
-    def forward(self, x):
-        return {"h": x * self.scale}
 
 
 class _Wide(nn.Module):
@@ -35,10 +27,7 @@ class _Wide(nn.Module):
 
 
 def test_a_unit_is_charged_the_intermediates_it_frees_before_it_returns():
-    with torch.device("meta"):
-        lift, wide = _Lift(), _Wide()
-    units = [Unit("lift", lift, ("x",), ("h",)), Unit("wide", wide, ("h",), ("y",))]
-    backbone = Backbone(units, ("x",), (), "y", nn.ModuleList([lift, wide]))
+    backbone = lifted(_Wide, D)
     cost = count_unit_costs(backbone, {"x": torch.zeros(ROWS, D)}, {})[1]
     wide_bytes = ROWS * WIDE * 4
     assert wide_bytes <= cost.working_bytes < 2 * wide_bytes
@@ -65,10 +54,7 @@ def test_a_stage_is_charged_its_largest_working_memory_once():
     from diffpipe.pipeline.schedules import ScheduleChoice
     from diffpipe.planner.partition import Hardware, estimate_stages
 
-    with torch.device("meta"):
-        lift, wide = _Lift(), _Wide()
-    units = [Unit("lift", lift, ("x",), ("h",)), Unit("wide", wide, ("h",), ("y",))]
-    backbone = Backbone(units, ("x",), (), "y", nn.ModuleList([lift, wide]))
+    backbone = lifted(_Wide, D)
     costs = count_unit_costs(backbone, {"x": torch.zeros(ROWS, D)}, {})
     none = [replace(c, working_bytes=0) for c in costs]
     for checkpointing in ("none", "all"):
