@@ -7,7 +7,10 @@ torch's zero-bubble schedules split it, which tells the gradients kept for the w
 torch decomposes attention into matrix products that save the whole (tokens x tokens) probability matrix, which no
 fused kernel holds (at 32,760 video tokens that alone is 86 GB per Wan 14B block); attention without a mask is
 therefore counted as the fused (memory-efficient) kernel runs it, saving queries, keys, values, output and the
-log-sum-exp, with that kernel's FLOPs (its backward recomputes the scores). Profiled
+log-sum-exp, with that kernel's FLOPs (its backward recomputes the scores). Under bf16/fp16 training each op runs in
+the dtype CUDA's autocast gives it (planner/autocast.py), so saved tensors are counted in their training dtypes, the
+copies of trained weights apart (once per micro-batch); and each unit's working memory, what it holds at once beyond
+what it keeps, is counted as its tensors live and die (planner/live_bytes.py). Profiled
 mode runs them on the real device and times forward and backward, and on CUDA also measures the memory a
 forward leaves alive; its result is saved as JSON that later plans reuse (`diffpipe plan --profile`).
 """
@@ -31,7 +34,8 @@ from ..models.units import Backbone
 from ..torch_support import (fused_attention, kept_storage_key, split_backward_input, split_backward_weight,
                              view_base)
 
-__all__ = ["UnitCost", "count_unit_costs", "needs_grad", "kept_for_weight_pass", "profile_unit_costs", "save_profile", "load_profile"]
+__all__ = ["UnitCost", "count_unit_costs", "needs_grad", "kept_for_weight_pass", "profile_unit_costs", "save_profile",
+           "load_profile"]
 
 
 @dataclass

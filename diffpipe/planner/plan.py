@@ -89,6 +89,7 @@ def unit_costs(config: RunConfig, meta: Backbone, micro_batch: int) -> list[Unit
         measured = load_profile(profile, profile_key(config, saved_batch, device))
         for m, c in zip(measured, counted):  # counted for one sample; the profile is scaled from its micro-batch
             m.weight_pass_bytes = c.weight_pass_bytes * saved_batch  # counted, never measured
+            m.working_bytes, m.trained_copy_bytes = c.working_bytes * saved_batch, c.trained_copy_bytes
             if device == "cpu":  # CPU memory is not measured per unit: keep the counted activation bytes
                 m.activation_bytes = c.activation_bytes * saved_batch
         return scaled(measured, micro_batch / saved_batch)
