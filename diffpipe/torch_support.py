@@ -106,6 +106,11 @@ def kept_storage_key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
 
 
+def dispatch_mode_class():
+    """torch's base class for a mode that sees every aten op below autograd (the planner's count of live memory)."""
+    return _private("torch.utils._python_dispatch", "TorchDispatchMode", "the planner's count of working memory")
+
+
 def view_base(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor a view was made from (itself where it is no view)."""
     return tensor._base if tensor._base is not None else tensor

@@ -23,7 +23,6 @@ import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
 __all__ = ["CountedAutocast"]
 
@@ -65,11 +64,14 @@ class CountedAutocast(TorchFunctionMode):
         target = self.dtype if name in _REDUCED else torch.float32 if name in _FP32 else None
         if target is None:
             return func(*args, **kwargs)
-        cast = lambda t: self._cast(t, target)  # noqa: E731
-        return func(*tree_map(cast, args), **tree_map(cast, kwargs))
+        return func(*(self._cast(a, target) for a in args), **{k: self._cast(v, target) for k, v in kwargs.items()})
 
     def _cast(self, value, target: torch.dtype):
-        if not (isinstance(value, torch.Tensor) and value.is_floating_point()) or value.dtype in (target, torch.float64):
+        """`value` as autocast hands it to the op: a floating-point tensor in `target`, each of a list's too."""
+        if isinstance(value, (list, tuple)):  # einsum's and chain_matmul's operands
+            return type(value)(self._cast(v, target) for v in value)
+        eligible = isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+        if not eligible or value.dtype == target:
             return value
         key = (id(value), target)
         if key in self._cached:
@@ -77,12 +79,11 @@ class CountedAutocast(TorchFunctionMode):
         copy = value.to(target)
         if value.is_leaf and value.requires_grad:  # autocast keeps one copy of a trained weight per region
             self._cached[key] = copy
-        if id(value) in self.frozen or id(value) in self.trained:
+        kind = (self.frozen_copies if id(value) in self.frozen
+                else self.trained_copies if id(value) in self.trained else None)
+        if kind is not None:
+            kind.add(id(copy))
             self._copies.append(copy)
-        if id(value) in self.frozen:
-            self.frozen_copies.add(id(copy))
-        elif id(value) in self.trained:
-            self.trained_copies.add(id(copy))
         return copy
 
 

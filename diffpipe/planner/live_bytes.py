@@ -10,13 +10,13 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-__all__ = ["LiveBytes"]
+from ..torch_support import dispatch_mode_class, kept_storage_key
+
+__all__ = ["LiveBytes", "tensors_in"]
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(dispatch_mode_class()):
     """Inside it, `live` is the bytes of the storages made inside it and still alive, `peak` the most there were
     (reset it with `restart`) less what `held_apart()` says is held for other reasons at that moment (a trained
     weight's gradient, which the planner counts with the weights)."""
@@ -40,15 +40,13 @@ class LiveBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         given = None
-        for tensor in tree_flatten(out)[0]:
-            if not isinstance(tensor, torch.Tensor):
-                continue
+        for tensor in tensors_in((out,)):
             storage = tensor.untyped_storage()
-            key = storage._cdata
+            key = kept_storage_key(tensor)
             if key in self._counted:  # counted already, or a view of what was
                 continue
             if given is None:
-                given = _storages(args, kwargs)
+                given = {kept_storage_key(t) for t in tensors_in((*args, *kwargs.values()))}
             if key in given:  # an op writing in place, or returning its input
                 continue
             nbytes = storage.nbytes()
@@ -60,11 +58,10 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def _storages(args, kwargs) -> set[int]:
-    """The storages of the tensors an op was given (flat arguments and lists of them, as aten ops take them)."""
-    found = set()
-    for value in (*args, *kwargs.values()):
-        for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
-            if isinstance(tensor, torch.Tensor):
-                found.add(tensor.untyped_storage()._cdata)
-    return found
+def tensors_in(values):
+    """The tensors among `values` and the lists and tuples in them, one level deep (as aten ops take and return
+    them)."""
+    for value in values:
+        for item in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(item, torch.Tensor):
+                yield item
