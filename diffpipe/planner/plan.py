@@ -78,10 +78,15 @@ def scaled(costs: list[UnitCost], factor: float) -> list[UnitCost]:
             for c in costs]
 
 
+def planned_storage(config: RunConfig) -> FrozenStorage:
+    """How the planned run stores its frozen weights: plans are for GPUs unless train.device = "cpu"."""
+    return frozen_storage(config, "cpu" if config.train.device == "cpu" else "cuda")
+
+
 def unit_costs(config: RunConfig, meta: Backbone, micro_batch: int) -> list[UnitCost]:
     """Per-unit costs at `micro_batch`: profiled times when `plan.profile` exists, FLOP counts otherwise."""
-    stored = frozen_storage(config, "cpu" if config.train.device == "cpu" else "cuda").dtype
-    counted = count_unit_costs(meta, *example_inputs(config, meta, 1), AUTOCAST_DTYPES[config.train.precision], stored)
+    counted = count_unit_costs(meta, *example_inputs(config, meta, 1), AUTOCAST_DTYPES[config.train.precision],
+                               planned_storage(config).dtype)
     profile = config.plan.profile
     if profile and Path(profile).is_file():
         saved_batch = json.loads(Path(profile).read_text())["key"]["micro_batch"]
@@ -200,7 +205,7 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
 def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
     """How the layout's replicas hold a stage's state: a stage alone gathers each unit as it computes when sharded
     (pipeline/data_parallel.py, where the processes of a pipeline decide the same)."""
-    frozen = frozen_storage(config, "cpu" if config.train.device == "cpu" else "cuda")  # plans are for GPUs
+    frozen = planned_storage(config)
     autocast = AUTOCAST_DTYPES[config.train.precision]
     held = unchanged(config)  # each "auto" at its unchanged value: the planner changes it only where needed
     return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1,
