@@ -3,7 +3,8 @@
 # run through the launcher's fork server, a short GPU train); (2) Flux.1-dev
 # LoRA with every memory setting left to the planner on a card capped to 12 GiB (what it chooses, and whether that
 # trains there); (3) SDXL full fine-tune, 100 steps, AdamW moments in fp32 against 8 bits (peak and losses).
-# PARTS="1 2 3" picks parts; 6: each unit's saved bytes counted against the GPU's, and the uncheckpointed Flux stage.
+# PARTS="1 2 3" picks parts; 6: each unit's saved bytes counted against the GPU's, and the uncheckpointed Flux stage;
+# 7: every measured peak against the planner on this torch; 8: Flux.1-dev LoRA's step profiled against the plain loop.
 #   OUT=runs/levers bash bench/levers_gpu.sh
 # On the lent device machine, install the carried wheels first (see the session notes) and put them on PYTHONPATH.
 set -u
@@ -56,5 +57,12 @@ if [[ " $PARTS " == *" 6 "* ]]; then  # what each unit saves, counted against th
   F="--set pipeline.stages=2 --set pipeline.microbatches=4 --set train.batch_size=4 $L --set plan.memory_gib=139 --set pipeline.split=[28] --set pipeline.checkpointing=[0]"
   timeout 280 python3 bench/stage_probe.py examples/flux_dev.toml $F --stage 1 --repeats 2 > $OUT/flux_stage1_unchecked.jsonl 2> $OUT/flux_stage1_unchecked.err
   say "flux-dev lora stage 1 unchecked probed rc=$?"
+fi
+if [[ " $PARTS " == *" 7 "* ]]; then
+  timeout 150 python3 bench/planned_against_measured.py > $OUT/planned_against_measured.txt 2>&1; say "planned against measured rc=$?"
+fi
+if [[ " $PARTS " == *" 8 "* ]]; then
+  timeout 330 python3 bench/profile_step.py examples/flux_dev.toml --batch 1 --lora 16 --steps 4 --top 25 --set memory.base_dtype=\"bf16\" > $OUT/profile_flux_lora.jsonl 2> $OUT/profile_flux_lora.err
+  say "profile flux-dev lora bf16 rc=$?"
 fi
 cat $OUT/summary.txt $OUT/rows.jsonl $OUT/*.jsonl 2>/dev/null

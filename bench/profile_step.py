@@ -5,9 +5,13 @@ span on the GPU, the time its kernels keep it busy, the idle gaps (with the kern
 that take the most time; then the kernels whose time differs most between the two.
 
     python bench/profile_step.py examples/sdxl_unet.toml [--steps 4] [--top 20] [--compile] [--lora RANK] [--set KEY=VALUE ...]
+    python bench/profile_step.py examples/flux_dev.toml --batch 1 --lora 16 --set 'memory.base_dtype="bf16"'
 
-With --lora RANK both loops train a LoRA of that rank (alpha = rank) on the UNet's LoRA targets: the plain loop
-injects it with peft as a user would, diffpipe through its adapter settings.
+With --lora RANK both loops train a LoRA of that rank (alpha = rank) on the family's LoRA targets (Flux: to_q, to_k,
+to_v, to_out.0, issue 33's anchor): the plain loop injects it with peft as a user would, diffpipe through its adapter
+settings. The config's model.architecture picks the plain loop (a diffusers UNet2DConditionModel at the SDXL preset,
+or a FluxTransformer2DModel at the config's size, 1024x1024); with a LoRA and `memory.base_dtype="bf16"` the plain
+loop's base is cast to bf16 too.
 
 Steps are told apart on the GPU by the fused AdamW kernels that end each one; the first 3 steps (warm-up and,
 with --compile, compiling) are left out.
@@ -35,6 +39,8 @@ from diffpipe.models.presets import UNET_PRESETS  # noqa: E402
 from diffpipe.models.unet import UNet2DFamily  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 from sdxl_one_gpu import _inputs  # noqa: E402
+
+FLUX_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
 WARMUP = 3
 
@@ -100,23 +106,43 @@ def _label(loop: str, compiled: bool, lora_rank: int | None) -> str:
     return loop + (" compiled" if compiled else "") + (f" lora r{lora_rank}" if lora_rank else "")
 
 
-def plain(steps: int, top: int, compiled: bool, lora_rank: int | None) -> dict[str, float]:
-    from diffusers import UNet2DConditionModel
+def _plain_model(config, batch: int, lora_rank: int | None, bf16_base: bool):
+    """The family's diffusers model on the GPU, its inputs, and the trained parameters, as a user sets them up."""
+    if config.model.architecture == "flux":
+        from diffusers import FluxTransformer2DModel
+        from diffpipe.models.flux import FLUX_PRESETS
+        from flux_slice import _inputs as flux_inputs
 
-    model = UNet2DConditionModel(**UNET_PRESETS["sdxl"]).to("cuda").train()
+        size = config.model.config or FLUX_PRESETS[config.model.preset]
+        with torch.device("cuda"):  # 12 B random weights: drawn on the GPU, not the host
+            model = FluxTransformer2DModel(**size)
+        inputs, targets = flux_inputs(batch), FLUX_LORA_TARGETS
+    else:
+        from diffusers import UNet2DConditionModel
+
+        model, inputs = UNet2DConditionModel(**UNET_PRESETS["sdxl"]), _inputs(batch, "cuda")
+        targets = list(UNet2DFamily.lora_targets)
+    model = model.to("cuda", torch.bfloat16 if bf16_base and lora_rank else torch.float32).train()
     if lora_rank is not None:
         from peft import LoraConfig, inject_adapter_in_model
 
         model.requires_grad_(False)
-        inject_adapter_in_model(LoraConfig(r=lora_rank, lora_alpha=lora_rank,
-                                           target_modules=list(UNet2DFamily.lora_targets)), model)
+        inject_adapter_in_model(LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=targets), model)
+        for p in model.parameters():  # peft keeps adapters in the base's dtype here; trained weights stay fp32
+            if p.requires_grad:
+                p.data = p.data.float()
+    return model, inputs
+
+
+def plain(config, batch: int, steps: int, top: int, compiled: bool, lora_rank: int | None,
+          bf16_base: bool) -> dict[str, float]:
+    model, inp = _plain_model(config, batch, lora_rank, bf16_base)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     fwd = torch.compile(model) if compiled else model
-    inp = _inputs(8, "cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(WARMUP + steps):
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = fwd(**inp).sample
+                out = fwd(**inp, return_dict=False)[0]
             out.float().pow(2).mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -126,14 +152,19 @@ def plain(steps: int, top: int, compiled: bool, lora_rank: int | None) -> dict[s
     return kernels
 
 
-def diffpipe(config_path: str, sets: list[str], steps: int, top: int, compiled: bool,
-             lora_rank: int | None) -> dict[str, float]:
+def _config(config_path: str, sets: list[str], batch: int, steps: int, compiled: bool, lora_rank: int | None):
     if lora_rank is not None:
         sets = ['adapter.type="lora"', f"adapter.rank={lora_rank}", f"adapter.alpha={float(lora_rank)}", *sets]
-    config = load_config(config_path, ["pipeline.stages=1", "pipeline.microbatches=1", "train.batch_size=8",
+        if load_config(config_path).model.architecture == "flux":
+            sets = ['adapter.target_modules=["to_q","to_k","to_v","to_out.0"]', *sets]
+    return load_config(config_path, ["pipeline.stages=1", "pipeline.microbatches=1", f"train.batch_size={batch}",
                                        "pipeline.checkpointing=\"none\"", "plan.memory_gib=139",
                                        f"train.max_steps={WARMUP + steps}", f"pipeline.compile={str(compiled).lower()}",
-                                       "output.save_weights=false", "output.sample_every_end=false", *sets])
+                                       "output.save_weights=false", "output.sample_every_end=false",
+                                       "train.device=\"cuda\"", *sets])
+
+
+def diffpipe(config, compiled: bool, lora_rank: int | None, top: int) -> dict[str, float]:
     topo = single_process_topology(resolve_device_kind(config.train.device))
     trainer = Trainer(config, topo, Path(tempfile.mkdtemp()))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -148,13 +179,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--compile", action="store_true", help="diffpipe with pipeline.compile, the plain loop compiled")
+    parser.add_argument("--batch", type=int, default=8, help="samples a step, one micro-batch (default 8)")
     parser.add_argument("--lora", type=int, default=None, metavar="RANK", help="both loops train a LoRA of this rank")
     parser.add_argument("--set", action="append", default=[])
     args = parser.parse_args()
-    mine = diffpipe(args.config, args.set, args.steps, args.top, args.compile, args.lora)
+    # torch 2.11 on an H200: cuDNN's attention backward fails on Flux's shapes (bench/flux_slice.py); flash for both
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    config = _config(args.config, args.set, args.batch, args.steps, args.compile, args.lora)
+    mine = diffpipe(config, args.compile, args.lora, args.top)
     gc.collect()  # the trainer's modules, so the plain loop has the GPU's memory
     torch.cuda.empty_cache()
-    theirs = plain(args.steps, args.top, args.compile, args.lora)
+    theirs = plain(config, args.batch, args.steps, args.top, args.compile, args.lora,
+                   bf16_base=config.memory.base_dtype in ("bf16", "auto"))
     diff = {k: mine.get(k, 0.0) - theirs.get(k, 0.0) for k in set(mine) | set(theirs)}
     ranked = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:args.top]
     print(json.dumps({"what": "diffpipe minus plain, ms per step", "kernels": [[k, round(v, 2)] for k, v in ranked]}),
