@@ -5,6 +5,12 @@ weights, bf16 autocast, fused AdamW, the whole batch as one micro-batch. Also ti
 the Flux adapter computes once and sends across stage boundaries, against the bytes it adds to a boundary.
 
     python bench/flux_slice.py [--double 4] [--single 8] [--batch 2] [--steps 8]
+    python bench/flux_slice.py --double 19 --single 38 --batch 1 --steps 20 --lora 16 --base-dtype bf16 --gc both
+
+With --lora RANK both loops train a LoRA of that rank on to_q/to_k/to_v/to_out.0 (issue 33's anchor) over a base
+stored in --base-dtype. Each diffpipe run also lists the host's garbage collections of the oldest generation (a
+pause of the whole host, every Python object scanned) and the steps they fell in; --gc both runs diffpipe twice,
+as it runs and with `gc.freeze()` before training (what it held after building never scanned again).
 
 Prints one JSON line per measurement: median step after the first two, samples/s, TFLOP/s (the FLOPs of one
 forward counted by torch's FlopCounterMode on the meta device, times 3 for forward and backward, over the median
@@ -13,6 +19,7 @@ step) and the peak allocated memory.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -65,15 +72,32 @@ def _report(what: str, batch: int, steps: list[float], flops: float, **extra) ->
                       "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), **extra}), flush=True)
 
 
+def _config(args):
+    table = {
+        "model": {"architecture": "flux", "config": _slice(args), "text_max_length": TOKENS},
+        "data": {"dataset": "synthetic"},
+        "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
+                  "objective": "flow_matching", "device": "cuda"},
+        "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "none"},
+        "memory": {"base_dtype": args.base_dtype},
+        "observe": {"every": 1000, "timeline_step": 0, "log_every": 0},
+        "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0}}
+    if args.lora:
+        table["adapter"] = {"type": "lora", "rank": args.lora, "alpha": float(args.lora),
+                            "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+    return build_config(table)
+
+
 def plain_loop(args, flops: float) -> None:
-    """diffusers' model, its own forward, AdamW: the loop a user writes."""
-    from diffusers import FluxTransformer2DModel
+    """diffusers' model, its own forward, AdamW: the loop a user writes (peft's LoRA with --lora)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from profile_step import _plain_model
 
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
-    model = FluxTransformer2DModel(**_slice(args)).to("cuda").train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    inputs, target = _inputs(args.batch), torch.randn(args.batch, (LATENT // 2) ** 2, 64, device="cuda")
+    model, inputs = _plain_model(_config(args), args.batch, args.lora, bf16_base=args.base_dtype == "bf16")
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+    target = torch.randn(args.batch, (LATENT // 2) ** 2, 64, device="cuda")
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -90,25 +114,51 @@ def plain_loop(args, flops: float) -> None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters())
-    _report("plain FluxTransformer2DModel loop", args.batch, times, flops, params_B=round(params / 1e9, 2))
+    _report("plain FluxTransformer2DModel loop", args.batch, times, flops, params_B=round(params / 1e9, 2),
+            step_ms=[round(t * 1e3, 1) for t in times])
     del model, opt
 
 
-def diffpipe_run(args, flops: float) -> None:
+class OldestCollections:
+    """The garbage collections of the oldest generation while in use: (when, milliseconds)."""
+
+    def __init__(self):
+        self.seen: list[tuple[float, float]] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seen.append((self._start, (time.perf_counter() - self._start) * 1e3))
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+def diffpipe_run(args, flops: float, freeze: bool) -> None:
     torch.cuda.reset_peak_memory_stats()
-    config = build_config({
-        "model": {"architecture": "flux", "config": _slice(args), "text_max_length": TOKENS},
-        "data": {"dataset": "synthetic"},
-        "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
-                  "objective": "flow_matching", "device": "cuda"},
-        "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "none"},
-        "observe": {"every": 1000, "timeline_step": 0, "log_every": 0},
-        "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0}})
     run_dir = Path(tempfile.mkdtemp())
-    trainer = Trainer(config, single_process_topology("cuda"), run_dir)
-    trainer.fit()
+    trainer = Trainer(_config(args), single_process_topology("cuda"), run_dir)
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    with OldestCollections() as collections:
+        started = time.perf_counter()
+        trainer.fit()
+    gc.unfreeze()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    _report("diffpipe, one stage", args.batch, [r["step_time_s"] for r in rows], flops)
+    times = [r["step_time_s"] for r in rows]
+    _report(f"diffpipe, one stage{', gc frozen' if freeze else ''}", args.batch, times, flops,
+            step_ms=[round(t * 1e3, 1) for t in times], tracked_objects=len(gc.get_objects()),
+            oldest_collections=[[round(at - started, 2), round(ms, 1)] for at, ms in collections.seen])
+    del trainer
 
 
 def rotary_cost() -> None:
@@ -137,6 +187,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--only", choices=["plain", "diffpipe"], default=None)
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK")
+    parser.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--gc", choices=["default", "frozen", "both"], default="default",
+                        help="diffpipe as it runs, with gc.freeze() before training, or both")
     args = parser.parse_args()
     # torch 2.11 on an H200: cuDNN's attention backward fails on Flux's shapes ("mha_graph.execute(...).is_good()",
     # seen as CUBLAS_STATUS_EXECUTION_FAILED without CUDA_LAUNCH_BLOCKING) in the plain loop and in diffpipe alike;
@@ -146,12 +200,13 @@ def main() -> None:
     flops = step_flops(args)
     if args.only != "diffpipe":
         plain_loop(args, flops)
-    import gc
-
     gc.collect()
     torch.cuda.empty_cache()
     if args.only != "plain":
-        diffpipe_run(args, flops)
+        for freeze in {"default": [False], "frozen": [True], "both": [False, True]}[args.gc]:
+            diffpipe_run(args, flops, freeze)
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
