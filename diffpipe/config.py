@@ -173,7 +173,7 @@ class CheckpointConfig(_Section):
     keep: int = Field(2, ge=1, description="Newest checkpoints kept in RUN_DIR/checkpoints; older ones are removed.")
     asynchronous: bool = Field(False, description="Copy the checkpoint to host memory and write it in the background while training goes on (sealed before the next one and at the end); needs host memory for one checkpoint.")
     export_every: int = Field(0, ge=0, description="LoRA runs: every N steps, and after the last, also write the adapters as RUN_DIR/exports/lora-step-0000N.safetensors in checkpoint.export_format, ready to load (kohya's per-epoch saves); 0: off. Any run's checkpoint exports later with `diffpipe export RUN --step N`.")
-    export_format: Literal["diffusers", "kohya"] = Field("diffusers", description="Layout of checkpoint.export_every's files: diffusers (pipe.load_lora_weights; every family with a diffusers LoRA loader) or kohya (ComfyUI, A1111, kohya's tools; UNets).")
+    export_format: Literal["diffusers", "kohya", "comfyui"] = Field("diffusers", description="Layout of checkpoint.export_every's files: diffusers (pipe.load_lora_weights; every family with a diffusers LoRA loader), kohya (ComfyUI, A1111, kohya's tools; UNets) or comfyui (ComfyUI's LoRA loader: UNets, Flux, SD3, Wan).")
 
 
 class OutputConfig(_Section):

@@ -69,11 +69,12 @@ def test_lora_exports_load_in_diffusers_and_reproduce_the_trained_model(tiny, ph
                  "--set", "adapter.alpha=8.0", "--set", f"pipeline.stages={stages}", *targets)
     want = _output(_trained(run), sdxl)  # the base with the adapters merged, as diffpipe samples with it
     pipeline_class = StableDiffusionXLPipeline if sdxl else StableDiffusionPipeline
-    for fmt, out in (("diffusers", tmp_path / "lora"), ("kohya", tmp_path / "lora_kohya.safetensors")):
+    for fmt, out in (("diffusers", tmp_path / "lora"), ("kohya", tmp_path / "lora_kohya.safetensors"),
+                     ("comfyui", tmp_path / "lora_comfyui.safetensors")):  # ComfyUI reads kohya's UNet files
         assert main(["export", str(run), "--format", fmt, "--out", str(out)]) == 0
         pipe = pipeline_class.from_pretrained(tiny / layout)
         base = _output(pipe.unet, sdxl)
-        pipe.load_lora_weights(out if fmt == "kohya" else out / "pytorch_lora_weights.safetensors")
+        pipe.load_lora_weights(out / "pytorch_lora_weights.safetensors" if fmt == "diffusers" else out)
         got = _output(pipe.unet, sdxl)
         assert (base - want).abs().max() > 1e-3  # the adapters matter
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

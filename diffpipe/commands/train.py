@@ -37,8 +37,10 @@ def _prepare_run(args) -> tuple:
         config.output.dir = args.output_dir
     checked = check_before_launch(config)
     if config.checkpoint.export_every:  # the format can hold this run's adapters: asked now, not at the first export
-        format_writer(config.checkpoint.export_format).check(ExportedRun(Path(config.output.dir), config,
-                                                                         checked.backbone.family, {}))
+        adapted = tuple(n.removesuffix(".lora_A") for n, _ in checked.backbone.model.named_modules()
+                        if n.endswith(".lora_A"))
+        format_writer(config.checkpoint.export_format).check(ExportedRun(
+            Path(config.output.dir), config, checked.backbone.family, dict(checked.backbone.model.config), adapted))
     config.pipeline.split, config.pipeline.checkpointing = checked.split, checked.checkpointing
     for key, value in checked.memory.items():  # chosen by the planner ("auto")
         setattr(config.memory, key, value)

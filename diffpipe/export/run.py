@@ -36,10 +36,21 @@ class ExportedRun:
     config: RunConfig
     family: ModelFamily
     model_config: dict  # the backbone's diffusers config (model_config.json)
+    adapted: tuple[str, ...] | None = None  # the modules given adapters, before lora.safetensors exists (at launch)
 
     @property
     def lora(self) -> bool:
         return self.config.adapter.type == "lora"
+
+    def adapted_modules(self) -> list[str]:
+        """The modules given LoRA adapters (`transformer_blocks.0.attn.to_q`), from lora.safetensors' names (none
+        before the file is written: the export checks again once it is)."""
+        if self.adapted is not None:
+            return sorted(self.adapted)
+        if not (self.folder / "lora.safetensors").is_file():
+            return []
+        with safe_open(str(self.folder / "lora.safetensors"), framework="pt") as f:
+            return sorted({k.split(".lora_A.")[0] for k in f.keys() if ".lora_A." in k})
 
 
 def export_run(run_dir: Path, fmt: str, out: Path, force: bool = False) -> Path:

@@ -51,6 +51,7 @@ class ModelFamily:
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     default_objective: ClassVar[str] = "flow_matching"  # when neither train.objective nor a scheduler decides
     cudnn_attention: ClassVar[bool] = True  # False: cuDNN's attention kernels fail on this family's shapes (CUDA)
+    comfyui_lora_alpha: ClassVar[bool] = True  # False: --format comfyui writes no `.alpha` (the scale is in lora_up)
 
     def backbone(self, model: nn.Module, granularity: str) -> Backbone:
         """`model` checked (`check_supported`) and described as units, with this family attached."""
@@ -130,6 +131,12 @@ class ModelFamily:
     def diffusers_lora_pipeline(self, cfg: Any):
         """The diffusers pipeline class whose `save_lora_weights` writes this family's LoRA files (export
         --format diffusers), or None where none is known."""
+        return None
+
+    def comfyui_lora_names(self, cfg: Any, modules: list[str]) -> dict[str, str] | None:
+        """Module path -> the name ComfyUI's LoRA loader maps onto that module (comfy/lora.py,
+        `model_lora_keys_unet`), before `.lora_down.weight`; None where ComfyUI loads no LoRA of this family
+        (export --format comfyui). Raise ValueError naming a module it would leave unloaded."""
         return None
 
     def reset_own_parameters(self, module: nn.Module) -> bool:

@@ -130,6 +130,11 @@ class FluxFamily(ModelFamily):
 
         return diffusers.FluxPipeline
 
+    def comfyui_lora_names(self, cfg, modules):
+        """diffusers' names under `transformer.`: ComfyUI maps every linear layer of diffusers' Flux onto its fused
+        layout (comfy/utils.py `flux_to_diffusers`: to_q/to_k/to_v as rows of `qkv`, `proj_mlp` of `linear1`)."""
+        return {m: f"transformer.{m}" for m in modules}
+
     def check_supported(self, model):
         if model.config.patch_size != 1:
             raise ValueError(f"Flux config patch_size={model.config.patch_size} is not supported: diffusers' Flux packs "

@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-__all__ = ["ORIGINAL_PREFIX", "is_original_layout", "converted_unet_file", "to_original_layout"]
+__all__ = ["ORIGINAL_PREFIX", "is_original_layout", "converted_unet_file", "to_original_layout", "kohya_lora_names"]
 
 ORIGINAL_PREFIX = "model.diffusion_model."
 _RESNET_PARTS = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
@@ -114,3 +114,15 @@ def to_original_layout(state_dict: dict[str, torch.Tensor], config: dict) -> dic
         else:
             raise KeyError(f"{key}: no original-layout name known for it")
     return out
+
+
+def kohya_lora_names(modules: list[str], unet_config: dict) -> dict[str, str]:
+    """Module path -> kohya's LoRA name (`lora_unet_` and the module's path, dots turned to underscores): SD 1.x/2.x
+    name diffusers' path, kohya's SDXL networks the original layout's. ComfyUI, A1111 and kohya's tools read both."""
+    if unet_config.get("addition_embed_type") == "text_time":
+        renamed = to_original_layout({f"{m}.weight": torch.empty(0) for m in modules}, unet_config)
+        originals = [k.removeprefix(ORIGINAL_PREFIX).removesuffix(".weight") for k in renamed]
+        pairs = zip(modules, originals)
+    else:
+        pairs = ((m, m) for m in modules)
+    return {m: "lora_unet_" + name.replace(".", "_") for m, name in pairs}

@@ -10,6 +10,8 @@ Timesteps reach the model as diffusers' SD3 pipelines give them, t x 1000.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 from diffusers import SD3Transformer2DModel
 from diffusers.models.embeddings import PatchEmbed
@@ -74,6 +76,13 @@ def sd3_backbone(model: SD3Transformer2DModel) -> Backbone:
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 
+# the layers comfy/utils.py `mmdit_to_diffusers` names (its MMDIT_MAP_BLOCK, MMDIT_MAP_BASIC and the fused qkv rows)
+_COMFYUI_SD3 = re.compile(
+    r"transformer_blocks\.\d+\.(attn\.(to_[qkv]|add_[qkv]_proj|to_out\.0|to_add_out)|norm1(_context)?\.linear"
+    r"|ff(_context)?\.net\.(0\.proj|2))"
+    r"|context_embedder|time_text_embed\.(timestep|text)_embedder\.linear_[12]|pos_embed\.proj|norm_out\.linear|proj_out")
+
+
 class SD3Family(ModelFamily):
     """SD3 / SD3.5: two CLIPs' penultimate states and T5's along one sequence, both CLIPs' pooled projections;
     flow matching."""
@@ -87,6 +96,16 @@ class SD3Family(ModelFamily):
         import diffusers
 
         return diffusers.StableDiffusion3Pipeline
+
+    def comfyui_lora_names(self, cfg, modules):
+        """diffusers' names under `transformer.`, for the layers ComfyUI maps onto SAI's layout (comfy/utils.py
+        `mmdit_to_diffusers`); SD3.5's second attention (`attn2`) and the query/key norms are not among them."""
+        unmapped = [m for m in modules if not _COMFYUI_SD3.fullmatch(m)]
+        if unmapped:
+            raise ValueError(f"ComfyUI's SD3 LoRA loader maps no layer named {unmapped[0]!r} (of {len(unmapped)}): "
+                             "train adapter.target_modules among to_q/to_k/to_v/to_out.0, add_q_proj/add_k_proj/"
+                             "add_v_proj/to_add_out, ff, ff_context, norm1, norm1_context, the embedders")
+        return {m: f"transformer.{m}" for m in modules}
 
     def describe(self, model, granularity):
         return sd3_backbone(model)

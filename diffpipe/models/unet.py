@@ -13,6 +13,7 @@ from diffusers import UNet2DConditionModel
 from torch import nn
 
 from .family import ModelFamily, TextBatch
+from .original_layout import kohya_lora_names
 from .presets import UNET_PRESETS
 from .unet_layers import LAYERED_BLOCKS, down_layers, mid_layers, up_layers
 from .units import Backbone, Unit
@@ -193,6 +194,10 @@ class UNet2DFamily(ModelFamily):
 
         sdxl = cfg.get("addition_embed_type") == "text_time"
         return diffusers.StableDiffusionXLPipeline if sdxl else diffusers.StableDiffusionPipeline
+
+    def comfyui_lora_names(self, cfg, modules):
+        """kohya's names (ComfyUI reads kohya's UNet LoRAs: `lora_unet_` and the original or diffusers path)."""
+        return kohya_lora_names(modules, dict(cfg))
 
     def check_supported(self, model):
         check_unet_supported(model)

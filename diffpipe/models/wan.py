@@ -18,7 +18,7 @@ from torch import nn
 from .family import ModelFamily, TextBatch
 from .units import Backbone, Unit
 
-__all__ = ["WanFamily", "wan_backbone", "WAN_PRESETS"]
+__all__ = ["WanFamily", "wan_backbone", "WAN_PRESETS", "original_wan_name"]
 
 WAN_PRESETS = {
     "t2v-1.3b": dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
@@ -77,6 +77,30 @@ def wan_backbone(model: WanTransformer3DModel) -> Backbone:
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 
+# diffusers' Wan module -> the same module in Wan's own release files (the layout ComfyUI and diffusion-pipe use),
+# as diffusers' converters pair them (loaders/lora_conversion_utils.py `_convert_non_diffusers_wan_lora_to_diffusers`)
+_WAN_BLOCK_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
+                    "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
+                    "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o", "attn2.add_k_proj": "cross_attn.k_img",
+                    "attn2.add_v_proj": "cross_attn.v_img", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
+_WAN_NAMES = {"patch_embedding": "patch_embedding", "proj_out": "head.head", "condition_embedder.time_proj": "time_projection.1",
+              "condition_embedder.text_embedder.linear_1": "text_embedding.0",
+              "condition_embedder.text_embedder.linear_2": "text_embedding.2",
+              "condition_embedder.time_embedder.linear_1": "time_embedding.0",
+              "condition_embedder.time_embedder.linear_2": "time_embedding.2",
+              "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
+              "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3"}
+
+
+def original_wan_name(module: str) -> str:
+    """A linear layer's path in diffusers' WanTransformer3DModel as Wan's own files name it (`blocks.3.attn1.to_q` ->
+    `blocks.3.self_attn.q`); KeyError for a layer with no known counterpart."""
+    parts = module.split(".")
+    if parts[0] == "blocks" and len(parts) > 2:
+        return f"blocks.{parts[1]}.{_WAN_BLOCK_NAMES['.'.join(parts[2:])]}"
+    return _WAN_NAMES[module]
+
+
 class WanFamily(ModelFamily):
     """Wan 2.1 text-to-video: umT5's hidden states (from a WanPipeline folder; a tiny stand-in encoder of its width
     without one); flow matching. Latents are clips (B, C, F, H, W)."""
@@ -85,11 +109,26 @@ class WanFamily(ModelFamily):
     model_class = WanTransformer3DModel
     component = "transformer"
     presets = WAN_PRESETS
+    # Wan LoRA files in this layout carry no `.alpha` outside the blocks (diffusion-pipe's; diffusers' reader of them
+    # refuses a `head.head.alpha`): the scale goes into lora_up, which ComfyUI and diffusers then take at 1
+    comfyui_lora_alpha = False
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers
 
         return diffusers.WanPipeline
+
+    def comfyui_lora_names(self, cfg, modules):
+        """`diffusion_model.` and Wan's own layout: ComfyUI maps every weight of its Wan model under that name (and
+        diffusers and diffusion-pipe read the same files)."""
+        names = {}
+        for m in modules:
+            try:
+                names[m] = f"diffusion_model.{original_wan_name(m)}"
+            except KeyError:
+                raise ValueError(f"no layer of Wan's own layout is known for {m!r}: train adapter.target_modules "
+                                 "among the attention projections (to_q/to_k/to_v/to_out.0), ffn.net.0.proj/ffn.net.2 and the embedders")
+        return names
 
     def check_supported(self, model):
         cfg = model.config
