@@ -3,7 +3,6 @@ sample, plan and the checks before launch."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
@@ -14,7 +13,6 @@ from .models.lora import add_lora, base_module_name, load_adapters, seed_lora
 from .models.loading import CheckpointError, build_model, checked_weights
 from .models.materialise import is_meta, materialise
 from .models.storage import FrozenStorage
-from .models.pipeline_folder import is_pipeline_folder
 from .models.registry import ArchitectureError, family_for
 from .models.text import CaptionEncoder, TextEncoder
 from .models.units import Backbone, full_parameter_names
@@ -128,15 +126,17 @@ def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, ...]:
 
 def text_length(config: RunConfig) -> int:
     """Tokens per caption: a pipeline folder's tokenizer decides, else model.text_max_length."""
-    if is_pipeline_folder(config.model.path):
-        return model_family(config).folder_text_length(Path(config.model.path))
+    folder = config.model.pipeline_folder()
+    if folder is not None:
+        return model_family(config).folder_text_length(folder)
     return config.model.text_max_length
 
 
 def build_text_encoder(config: RunConfig, backbone: Backbone) -> CaptionEncoder:
     """A pipeline folder's own text encoders, else model.text_encoder (tiny-clip or a CLIP folder)."""
-    if is_pipeline_folder(config.model.path):
-        return backbone.family.folder_text_encoder(Path(config.model.path))
+    folder = config.model.pipeline_folder()
+    if folder is not None:
+        return backbone.family.folder_text_encoder(folder)
     if config.model.text_encoder == "tiny-clip":
         hidden, pooled = backbone.family.text_widths(backbone.model.config)
         return TextEncoder.tiny(hidden, max(pooled, 1), config.model.text_max_length, config.train.seed + 1,

@@ -34,7 +34,8 @@ class ModelConfig(_Section):
     architecture: str = Field("unet2d", description="Backbone family: unet2d (diffusers UNet2DConditionModel: SD 1.x/2.x, SDXL), flux (FluxTransformer2DModel), sd3 (SD3Transformer2DModel: SD3, SD3.5), wan (WanTransformer3DModel: Wan 2.1), unet3d (UNet3DConditionModel: text-to-video UNets), or a ModelFamily subclass of your own as \"package.module:Class\".")
     preset: str | None = Field("digits", description="Built-in backbone config of the family (unet2d: digits, sd15, sdxl; flux: digits, tiny, dev; sd3: digits, tiny, medium); ignored when `config` or `path` is set.")
     config: dict[str, Any] | None = Field(None, description="Backbone config as keyword arguments of the diffusers class (inline table).")
-    path: str | None = Field(None, description="Local diffusers pipeline folder (model_index.json, unet/, vae/, text encoders: SD 1.x/2.x, SDXL), UNet folder (config.json), or single .safetensors file to load weights from.")
+    path: str | None = Field(None, description="Local diffusers pipeline folder (model_index.json, unet/ or transformer/, vae/, text encoders), backbone folder (config.json), or single .safetensors file of the backbone (diffusers' names, or the family's original layout: A1111/ComfyUI UNets, BFL's Flux) to load weights from.")
+    components: str | None = Field(None, description="Local diffusers pipeline folder whose VAE, text encoders, tokenizers and scheduler the run uses when model.path is a single backbone file (e.g. the base model's folder, as ComfyUI users keep a fine-tune beside it); its backbone's config.json gives the architecture unless model.config is set. Unset: model.path's own, where it is a pipeline folder.")
     units: Literal["layers", "blocks"] = Field(
         "layers", description="Unit granularity the planner may cut at: layers (each resnet/transformer) or blocks.")
     text_encoder: str = Field("tiny-clip", description="Frozen text encoder: tiny-clip (built locally from a small config) or a local transformers CLIP folder.")
@@ -49,6 +50,15 @@ class ModelConfig(_Section):
             raise ValueError(f"model.architecture={self.architecture!r} is unknown; choose one of "
                              f"{sorted(BUILTIN_FAMILIES)}, or name a ModelFamily subclass as \"package.module:Class\"")
         return self
+
+    def pipeline_folder(self) -> Path | None:
+        """The diffusers pipeline folder of the run's VAE, text encoders, tokenizers and scheduler: model.components,
+        else model.path where it is one."""
+        if self.components is not None:
+            return Path(self.components)
+        if self.path is not None and (Path(self.path) / "model_index.json").is_file():
+            return Path(self.path)
+        return None
 
     def describe(self) -> str:
         """The model in the user's words: where its architecture comes from (the preset only when it is used)."""

@@ -43,9 +43,13 @@ def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
 def _resolve_architecture(config: RunConfig) -> None:
     """A pipeline folder names its backbone's class (model_index.json): model.architecture unset, that class's family
     is used; set to another family, the run is refused before anything loads."""
-    if not is_pipeline_folder(config.model.path):
+    folder = config.model.pipeline_folder()
+    if config.model.components is not None and not is_pipeline_folder(folder):
+        raise ConfigError(f"model.components = {config.model.components!r} is not a diffusers pipeline folder (no "
+                          "model_index.json there): name the folder holding vae/, the text encoders and scheduler/")
+    if folder is None:
         return
-    index = pipeline_index(Path(config.model.path))
+    index = pipeline_index(folder)
     classes = {entry[1] for key, entry in index.items() if key in ("unet", "transformer") and isinstance(entry, list)}
     families = {name for name in BUILTIN_FAMILIES if family_for(name).model_class.__name__ in classes}
     if len(families) != 1 or config.model.architecture in families:
@@ -54,7 +58,7 @@ def _resolve_architecture(config: RunConfig) -> None:
     if "architecture" not in config.model.model_fields_set:
         config.model.architecture = found
         return
-    raise ConfigError(f"model.architecture = {config.model.architecture!r} but model.path={config.model.path} is a "
+    raise ConfigError(f"model.architecture = {config.model.architecture!r} but {folder} is a "
                       f"{index.get('_class_name', 'pipeline')} folder whose backbone is {' '.join(classes)} "
                       f"(architecture {found!r}); set model.architecture = \"{found}\" or leave it out")
 
@@ -66,8 +70,9 @@ def _resolve_objective(config: RunConfig) -> None:
         return
     try:
         family = family_for(config.model.architecture)
-        if is_pipeline_folder(config.model.path):
-            config.train.objective = family.objective_of_folder(Path(config.model.path))
+        folder = config.model.pipeline_folder()
+        if folder is not None:
+            config.train.objective = family.objective_of_folder(folder)
         else:
             config.train.objective = family.default_objective
     except (CheckpointError, ArchitectureError) as exc:

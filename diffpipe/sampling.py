@@ -22,7 +22,6 @@ from .diffusion.samplers import sample
 from .diffusion.timesteps import NUM_TRAIN_TIMESTEPS
 from .models.family import Feed
 from .models.loading import CheckpointError
-from .models.pipeline_folder import is_pipeline_folder
 from .models.vae import decode_latents, load_vae, vae_scale_factor
 from .models.text import CaptionEncoder, TextEncoder
 from .pipeline.split import stage_specs
@@ -113,7 +112,7 @@ def load_generator(run_dir: str | Path) -> Generator:
         raise CheckpointError(f"{run_dir} is not a finished run folder: config.toml is missing "
                               "(train first with `diffpipe train CONFIG`)")
     config = load_config(run_dir / "config.toml")
-    pipeline = Path(config.model.path) if is_pipeline_folder(config.model.path) else None
+    pipeline = config.model.pipeline_folder()
     needed = ("model.safetensors",) if pipeline is not None else ("model.safetensors", "text_encoder")
     for name in needed:
         if not (run_dir / name).exists():
@@ -128,7 +127,7 @@ def load_generator(run_dir: str | Path) -> Generator:
     if pipeline is None:
         return Generator(config, forward, TextEncoder.from_folder(run_dir / "text_encoder", config.model.text_max_length),
                          feed(config, backbone), sample_shape(config, backbone))
-    config.model.path = str(pipeline)
+    config.model.path = str(pipeline)  # back to the folder its text encoders, VAE and sample size come from
     return Generator(config, forward, build_text_encoder(config, backbone), feed(config, backbone),
                      sample_shape(config, backbone), load_vae(pipeline))
 

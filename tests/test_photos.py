@@ -76,7 +76,7 @@ def test_bad_folder_setups_are_one_line_before_anything_starts(tiny, tmp_path, c
     vae_config.write_text(vae_config.read_text().replace('"latent_channels": 4', '"latent_channels": 16'))
     cases = [
         ([f"model.path=\"{tiny / 'sdxl'}\"", f"data.path=\"{tmp_path / 'nowhere'}\""], "is not a folder"),
-        ([f"model.path=\"{tiny / 'sdxl' / 'unet'}\"", f"data.path=\"{tiny / 'photos'}\""], "needs model.path to be a diffusers pipeline folder"),
+        ([f"model.path=\"{tiny / 'sdxl' / 'unet'}\"", f"data.path=\"{tiny / 'photos'}\""], "needs a diffusers pipeline folder (with model_index.json"),
         ([f"model.path=\"{mixed}\"", f"data.path=\"{tiny / 'photos'}\""], "16-channel latents but the UNet takes 4"),
         ([f"model.path=\"{tiny / 'sdxl'}\"", "data.path=[\"a\", \"b\"]", "data.repeats=[1]"], "data.repeats lists 1"),
     ]

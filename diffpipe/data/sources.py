@@ -7,7 +7,6 @@ Imports here stay light (the config reads `SOURCES`): each source imports its da
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 from ..errors import DataError
@@ -156,15 +155,14 @@ class FolderSource(DataSource):
     def check(self, config, backbone, shape):
         """Image folders need a pipeline folder whose VAE and text encoders fit the UNet, and folders that exist."""
         from ..models.loading import CheckpointError
-        from ..models.pipeline_folder import is_pipeline_folder
         from ..models.vae import vae_frame_factor, vae_latent_channels, vae_scale_factor
         from .images import data_folders
 
-        if not is_pipeline_folder(config.model.path):
-            raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
-                                  "model_index.json, unet/, vae/ and text encoders), whose VAE turns the images "
-                                  "into latents")
-        folder = Path(config.model.path)
+        folder = config.model.pipeline_folder()
+        if folder is None:
+            raise CheckpointError("data.dataset = 'folder' needs a diffusers pipeline folder (with model_index.json, "
+                                  "vae/ and text encoders) whose VAE turns the images into latents: model.path, or "
+                                  "model.components beside a single backbone file")
         for key, eval_split in (("data.path", False), ("data.eval_path", True)):
             for path, _ in data_folders(config.data, eval_split):
                 if not path.is_dir():
@@ -199,33 +197,33 @@ class FolderSource(DataSource):
                                   f"{wanted[1]}; the folder mixes components of different models")
 
     def latent_size(self, config):
-        from ..models.pipeline_folder import is_pipeline_folder
         from ..models.vae import vae_scale_factor
 
-        if not is_pipeline_folder(config.model.path):
+        folder = config.model.pipeline_folder()
+        if folder is None:
             return None
-        return (config.data.resolution // vae_scale_factor(Path(config.model.path)),) * 2
+        return (config.data.resolution // vae_scale_factor(folder),) * 2
 
     def latent_frames(self, config):
-        from ..models.pipeline_folder import is_pipeline_folder
         from ..models.vae import latent_frames, vae_frame_factor
 
-        if not is_pipeline_folder(config.model.path):
+        folder = config.model.pipeline_folder()
+        if folder is None:
             return None
-        return latent_frames(max(config.data.frame_buckets), vae_frame_factor(Path(config.model.path)))
+        return latent_frames(max(config.data.frame_buckets), vae_frame_factor(folder))
 
     def build(self, config, backbone, shape, text, device, rank, world, barrier):
         from ..models.loading import CheckpointError
-        from ..models.pipeline_folder import is_pipeline_folder
         from ..models.vae import load_vae
         from .images import prepare_folder_images
 
-        if not is_pipeline_folder(config.model.path):
-            raise CheckpointError("data.dataset = 'folder' needs model.path to be a diffusers pipeline folder (with "
-                                  "model_index.json and vae/), whose VAE turns the images into latents")
-        vae = load_vae(Path(config.model.path)).to(device)
+        folder = config.model.pipeline_folder()
+        if folder is None:
+            raise CheckpointError("data.dataset = 'folder' needs a diffusers pipeline folder (with model_index.json "
+                                  "and vae/) whose VAE turns the images into latents: model.path or model.components")
+        vae = load_vae(folder).to(device)
         video = backbone.family.latent_frames(backbone.model.config) is not None
-        return prepare_folder_images(config.data, Path(config.model.path), vae, text, rank, world, barrier,
+        return prepare_folder_images(config.data, folder, vae, text, rank, world, barrier,
                                      frame_buckets=sorted(set(config.data.frame_buckets)) if video else None)
 
     def cached(self, config):

@@ -19,7 +19,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..errors import ExportError
-from ..models.pipeline_folder import is_pipeline_folder
 from ..written_files import give_user_mode, save_tensors
 from .run import replacing
 
@@ -48,7 +47,7 @@ def _write_folder(run, out: Path) -> Path:
     model.load_state_dict(load_file(str(run.folder / "model.safetensors")), assign=True)
     if out.suffix == ".safetensors":  # the backbone alone, in diffusers' names (from_single_file, ComfyUI)
         return save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, out, metadata={"format": "pt"})
-    base = Path(run.config.model.path) if is_pipeline_folder(run.config.model.path) else None
+    base = run.config.model.pipeline_folder()
 
     def write_into(folder: Path) -> None:
         if base is not None:

@@ -1,14 +1,15 @@
-"""--format original: the UNet's weights under `model.diffusion_model.` (with LoRA merged), for ComfyUI's and A1111's
-loaders. UNets only so far."""
+"""--format original: the backbone's weights (with LoRA merged) in its family's own release layout, one file, for
+ComfyUI's and A1111's loaders: UNets under `model.diffusion_model.` (the SGM layout), Flux in BFL's layout
+(models/flux_layout.py), as ComfyUI's "Load Diffusion Model" reads Flux.1's own files."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from safetensors.torch import load_file
 
-from ..models.original_layout import to_original_layout
+from ..errors import ExportError
 from ..written_files import save_tensors
-from .run import one_file, only_unets
+from .run import one_file
 
 __all__ = ["check", "target", "write"]
 
@@ -17,10 +18,13 @@ target = one_file
 
 
 def check(run) -> None:
-    only_unets(run, "original")
+    if run.family.original_layout_name is None:
+        raise ExportError(f"--format original: diffpipe knows no release layout of {run.family.name!r} models other "
+                          "than diffusers'; use --format diffusers (--out MODEL.safetensors: the backbone alone in "
+                          "diffusers' names, which ComfyUI also loads)")
 
 
 def write(run, out: Path) -> Path:
     weights = load_file(str(run.folder / "model.safetensors"))
-    return save_tensors({k: v.contiguous() for k, v in to_original_layout(weights, run.model_config).items()}, out,
-                        metadata={"format": "pt"})
+    original = run.family.to_original_layout(weights, run.model_config)
+    return save_tensors({k: v.contiguous() for k, v in original.items()}, out, metadata={"format": "pt"})

@@ -140,4 +140,4 @@ def only_unets(run: ExportedRun, fmt: str) -> None:
     """Refuse a format that holds UNet layouts only for a run of another family."""
     if run.family.name != "unet2d":
         raise ExportError(f"--format {fmt} writes UNet layouts, and {run.folder} trained a {run.family.name} model; "
-                          "use --format diffusers (diffusers' own loaders, and ComfyUI's for diffusers LoRA files)")
+                          "use --format comfyui (ComfyUI's LoRA loader) or diffusers (diffusers' own loaders)")

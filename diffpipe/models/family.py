@@ -133,6 +133,20 @@ class ModelFamily:
         --format diffusers), or None where none is known."""
         return None
 
+    original_layout_name: ClassVar[str | None] = None  # the layout of the family's own releases ("SGM", "BFL")
+
+    def is_original_layout(self, keys: list[str]) -> bool:
+        """Whether a single file's weight names are the family's original (non-diffusers) layout."""
+        return False
+
+    def from_original_layout(self, weights: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+        """Original-layout weights under diffusers' names, for the model of config `cfg`."""
+        raise NotImplementedError
+
+    def to_original_layout(self, weights: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+        """diffusers-named weights in the original layout (export --format original)."""
+        raise NotImplementedError
+
     def comfyui_lora_names(self, cfg: Any, modules: list[str]) -> dict[str, str] | None:
         """Module path -> the name ComfyUI's LoRA loader maps onto that module (comfy/lora.py,
         `model_lora_keys_unet`), before `.lora_down.weight`; None where ComfyUI loads no LoRA of this family

@@ -21,7 +21,8 @@ __all__ = ["CheckpointError", "PICKLE_SUFFIXES", "component_weights", "load_toke
 
 
 def model_kwargs(cfg: ModelConfig, family: ModelFamily) -> dict:
-    """The backbone's constructor arguments: `config`, else a folder's config.json, else `preset`."""
+    """The backbone's constructor arguments: `config`, else a folder's config.json, else that of model.components'
+    backbone, else `preset`."""
     if cfg.config is not None:
         return dict(cfg.config)
     path = Path(cfg.path) if cfg.path is not None else None
@@ -32,9 +33,13 @@ def model_kwargs(cfg: ModelConfig, family: ModelFamily) -> dict:
         raise CheckpointError(f"model.path={cfg.path}: no config.json there (nor in its {family.component}/ subfolder)")
     if path is not None and not path.exists():
         raise CheckpointError(f"model.path={cfg.path} does not exist")
+    components = cfg.pipeline_folder()
+    if components is not None and (components / family.component / "config.json").is_file():
+        config = json.loads((components / family.component / "config.json").read_text())
+        return {k: v for k, v in config.items() if not k.startswith("_")}
     if cfg.preset is None:
         raise CheckpointError(f"model.path={cfg.path} is a single weights file: give the architecture too, "
-                              "with model.preset or model.config")
+                              "with model.components (the base model's pipeline folder), model.preset or model.config")
     if cfg.preset not in family.presets:
         raise CheckpointError(f"model.preset={cfg.preset!r} is not a {family.name} preset; choose one of "
                               f"{sorted(family.presets)}")
@@ -105,25 +110,22 @@ def build_model(cfg: ModelConfig, family: ModelFamily) -> torch.nn.Module:
 
 
 def checked_weights(model: torch.nn.Module, cfg: ModelConfig, family: ModelFamily) -> Path | None:
-    """The weights file of `cfg.path` (an original-layout single file converted first: original_layout.py), refused
-    before anything is read if written for another architecture."""
-    from .original_layout import converted_unet_file, is_original_layout
+    """The weights file of `cfg.path` (a single file in the family's original layout converted first:
+    original_layout.py), refused before anything is read if written for another architecture."""
+    from .original_layout import converted_file
 
     if cfg.path is None:
         return None
     path = weights_file(Path(cfg.path), family.component)
-    _file_shapes(path)  # an unreadable file is named as such
-    if Path(cfg.path).is_file() and is_original_layout(path):
-        if family.name != "unet2d":
-            raise CheckpointError(f"model.path={cfg.path}: a single file in the original (non-diffusers) layout; only "
-                                  "UNets convert from it yet: give the diffusers folder of the model "
-                                  f"(model_index.json, {family.component}/, ...)")
+    keys = list(_file_shapes(path))  # an unreadable file is named as such
+    if Path(cfg.path).is_file() and family.is_original_layout(keys):
         try:
-            path = converted_unet_file(path, dict(model.config))
+            path = converted_file(path, family, dict(model.config))
         except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as exc:
-            raise CheckpointError(f"model.path={cfg.path}: an original-layout (A1111 / ComfyUI) checkpoint that does not "
-                                  f"convert to the UNet of model.preset / model.config ({type(exc).__name__}: {exc}); "
-                                  "check that they describe the same model (sd15, sdxl)") from None
+            raise CheckpointError(f"model.path={cfg.path}: a {family.original_layout_name}-layout checkpoint that does "
+                                  f"not convert to the {family.backbone_name} of the run's architecture "
+                                  f"({type(exc).__name__}: {exc}); check that model.components / model.preset / "
+                                  "model.config describe the same model") from None
     check_checkpoint(model, path)
     return path
 

@@ -1,10 +1,11 @@
 """UNet weights in the original Stable Diffusion key layout (Stability's releases, A1111, ComfyUI and most shared
 fine-tunes: `model.diffusion_model.input_blocks.1.0.in_layers.0.weight`, ...) and diffusers' layout.
 
-Reading: a single .safetensors file in the original layout is converted once by diffusers' own key map
-(`convert_ldm_unet_checkpoint`, what `from_single_file` uses) for the architecture of model.preset / model.config,
-and written as a diffusers-named file under ~/.cache/diffpipe/converted (keyed by the file's name, size, time and
-header), which every process then reads tensor by tensor as any other weights file.
+Reading: a single .safetensors file in a family's original layout (this UNet layout, or Flux's BFL layout:
+flux_layout.py) is converted once by the family (`ModelFamily.from_original_layout`; for UNets diffusers' own key
+map `convert_ldm_unet_checkpoint`, what `from_single_file` uses) for the architecture of the run, and written as a
+diffusers-named file under ~/.cache/diffpipe/converted (keyed by the file's name, size, time and header and the
+architecture), which every process then reads tensor by tensor as any other weights file.
 
 Writing (`to_original_layout`): the inverse map, derived from the UNet's config (levels, layers per level, which
 levels attend), so a trained UNet can go back to the layout ComfyUI and A1111 load. The round trip through
@@ -18,19 +19,13 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-__all__ = ["ORIGINAL_PREFIX", "is_original_layout", "converted_unet_file", "to_original_layout", "kohya_lora_names"]
+__all__ = ["ORIGINAL_PREFIX", "converted_file", "to_original_layout", "kohya_lora_names"]
 
 ORIGINAL_PREFIX = "model.diffusion_model."
 _RESNET_PARTS = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
                  "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
-
-
-def is_original_layout(path: Path) -> bool:
-    with safe_open(str(path), framework="pt") as f:
-        return any(k.startswith(ORIGINAL_PREFIX) for k in f.keys())
 
 
 def _cache_root() -> Path:
@@ -45,18 +40,16 @@ def _file_identity(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}/{stat.st_size}/{stat.st_mtime_ns}".encode() + header).hexdigest()[:16]
 
 
-def converted_unet_file(path: Path, config: dict) -> Path:
-    """The diffusers-named UNet weights of an original-layout file, converted on first use."""
-    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
-
+def converted_file(path: Path, family, config: dict) -> Path:
+    """The diffusers-named weights of a file in `family`'s original layout (`ModelFamily.from_original_layout`),
+    converted on first use."""
     # keyed by the file and the architecture it is read as: a conversion for a wrong config is never reused for the
-    # right one (the UNet config decides which original keys become which diffusers names)
-    architecture = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    # right one (a UNet's config decides which original keys become which diffusers names)
+    architecture = hashlib.sha256(json.dumps([family.name, config], sort_keys=True, default=str).encode()).hexdigest()[:12]
     target = _cache_root() / f"{path.stem}-{_file_identity(path)}-{architecture}.safetensors"
     if target.is_file():
         return target
-    checkpoint = {k: v for k, v in load_file(str(path)).items() if k.startswith(ORIGINAL_PREFIX)}
-    converted = convert_ldm_unet_checkpoint(checkpoint, config)
+    converted = family.from_original_layout(load_file(str(path)), config)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.{os.getpid()}")
     save_file({k: v.contiguous() for k, v in converted.items()}, str(temporary))

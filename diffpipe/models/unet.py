@@ -13,7 +13,7 @@ from diffusers import UNet2DConditionModel
 from torch import nn
 
 from .family import ModelFamily, TextBatch
-from .original_layout import kohya_lora_names
+from .original_layout import ORIGINAL_PREFIX, kohya_lora_names, to_original_layout
 from .presets import UNET_PRESETS
 from .unet_layers import LAYERED_BLOCKS, down_layers, mid_layers, up_layers
 from .units import Backbone, Unit
@@ -194,6 +194,19 @@ class UNet2DFamily(ModelFamily):
 
         sdxl = cfg.get("addition_embed_type") == "text_time"
         return diffusers.StableDiffusionXLPipeline if sdxl else diffusers.StableDiffusionPipeline
+
+    original_layout_name = "original (SGM)"
+
+    def is_original_layout(self, keys):
+        return any(k.startswith(ORIGINAL_PREFIX) for k in keys)
+
+    def from_original_layout(self, weights, cfg):
+        from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+
+        return convert_ldm_unet_checkpoint({k: v for k, v in weights.items() if k.startswith(ORIGINAL_PREFIX)}, cfg)
+
+    def to_original_layout(self, weights, cfg):
+        return to_original_layout(weights, cfg)
 
     def comfyui_lora_names(self, cfg, modules):
         """kohya's names (ComfyUI reads kohya's UNet LoRAs: `lora_unet_` and the original or diffusers path)."""

@@ -127,8 +127,9 @@ def _flux_output(transformer) -> torch.Tensor:
 
 def test_the_tiny_flux_example_trains_lora_and_its_export_loads_in_diffusers(tiny, tmp_path, capsys):
     """The Flux example as LoRA (the SD3 one above trains every weight): samples, and a diffusers-layout LoRA file
-    that FluxPipeline.load_lora_weights turns into the trained model's output."""
+    that FluxPipeline.load_lora_weights turns into the trained model's output; the merged model in BFL's layout."""
     from diffpipe.cli import main
+    from diffpipe.models.flux_layout import flux_from_bfl
 
     run = tmp_path / "lora"
     result = _train("flux_tiny", tiny, run, "--set", "train.max_steps=20", "--set", "train.learning_rate=1e-2",
@@ -150,3 +151,9 @@ def test_the_tiny_flux_example_trains_lora_and_its_export_loads_in_diffusers(tin
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert main(["export", str(run), "--format", "kohya", "--out", str(tmp_path / "k.safetensors")]) == 2  # UNets only
     assert "--format kohya writes UNet layouts" in capsys.readouterr().err
+    original = tmp_path / "flux1-finetune.safetensors"  # the merged model in BFL's layout, as ComfyUI loads Flux.1
+    assert main(["export", str(run), "--format", "original", "--out", str(original)]) == 0
+    bfl = load_file(str(original))
+    assert "double_blocks.0.img_attn.qkv.weight" in bfl and "single_blocks.0.linear1.weight" in bfl
+    merged = load_file(str(run / "model.safetensors"))
+    assert all(torch.equal(tensor, merged[name]) for name, tensor in flux_from_bfl(bfl).items())

@@ -150,14 +150,15 @@ def test_a_text_encoder_folder_of_pickles_is_refused_unread(tmp_path):
 
 def test_a_single_file_converted_for_one_architecture_is_not_reused_for_another(tmp_path, monkeypatch):
     """The conversion cache was keyed by the file alone: a first conversion under a wrong config was used forever."""
-    from diffpipe.models.original_layout import converted_unet_file
+    from diffpipe.models.original_layout import converted_file
+    from diffpipe.models.unet import UNet2DFamily
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     config = dict(UNET_PRESETS["digits"])
     torch.manual_seed(5)
     unet = UNet2DConditionModel(**config)
     path = _original_layout_file(tmp_path, unet)
-    first = converted_unet_file(path, dict(unet.config))
-    other = converted_unet_file(path, dict(unet.config, upcast_attention=not unet.config.upcast_attention))
+    first = converted_file(path, UNet2DFamily(), dict(unet.config))
+    other = converted_file(path, UNet2DFamily(), dict(unet.config, upcast_attention=not unet.config.upcast_attention))
     assert first != other and first.is_file() and other.is_file()
-    assert converted_unet_file(path, dict(unet.config)) == first  # the same file and architecture: reused
+    assert converted_file(path, UNet2DFamily(), dict(unet.config)) == first  # the same file and architecture: reused

@@ -1,0 +1,85 @@
+"""Backbones as users share them (issue 29): one .safetensors file in the family's own release layout (BFL's Flux,
+the A1111/ComfyUI SDXL layout), trained on a folder of images with the VAE, text encoders and scheduler of their
+base model's diffusers folder (`model.components`)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from diffpipe.errors import ConfigError
+from diffpipe.models.flux import FLUX_PRESETS
+from diffpipe.models.flux_layout import flux_from_bfl, flux_to_bfl, is_bfl_layout
+
+from ..helpers import run_command
+
+ROOT = Path(__file__).parent.parent.parent
+
+
+def test_a_bfl_flux_file_reads_as_diffusers_own_reader_reads_it_at_flux1_width():
+    """diffusers' reader (`convert_flux_transformer_checkpoint_to_diffusers`) assumes Flux.1's width of 3072, so the
+    two are compared there: one double and one single block of Flux.1-dev's size, in bf16 (1.1 GB)."""
+    from diffusers import FluxTransformer2DModel
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    with torch.device("meta"):
+        shapes = FluxTransformer2DModel(**dict(FLUX_PRESETS["dev"], num_layers=1, num_single_layers=1)).state_dict()
+    gen = torch.Generator().manual_seed(0)
+    ours = {k: torch.randn(v.shape, generator=gen, dtype=torch.bfloat16) for k, v in shapes.items()}
+    bfl = flux_to_bfl(ours)
+    assert is_bfl_layout(bfl) and "single_blocks.0.linear1.weight" in bfl and "double_blocks.0.img_attn.qkv.bias" in bfl
+    theirs = convert_flux_transformer_checkpoint_to_diffusers(dict(bfl))
+    mine = flux_from_bfl({f"model.diffusion_model.{k}": v for k, v in bfl.items()})  # ComfyUI's saved prefix too
+    assert set(theirs) == set(mine) == set(ours)
+    for key in ours:
+        assert torch.equal(mine[key], theirs[key]) and torch.equal(mine[key], ours[key]), key
+
+
+def _single_file(tiny: Path, layout: str, out: Path) -> Path:
+    """The tiny pipeline's backbone as one file in its family's release layout."""
+    if layout == "flux":
+        weights = flux_to_bfl(load_file(str(tiny / "flux" / "transformer" / "diffusion_pytorch_model.safetensors")))
+    else:
+        from diffpipe.models.original_layout import to_original_layout
+
+        config = json.loads((tiny / "sdxl" / "unet" / "config.json").read_text())
+        weights = to_original_layout(load_file(str(tiny / "sdxl" / "unet" / "diffusion_pytorch_model.safetensors")),
+                                     config)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out))
+    return out
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("layout,example", [("flux", "flux_tiny"), ("sdxl", "photos")])
+def test_a_single_file_trains_on_photos_with_its_base_folders_components(tiny, tmp_path, monkeypatch, layout, example):
+    """The same first losses as the base folder itself gives: the file's weights became the same model."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    single = _single_file(tiny, layout, tmp_path / f"{layout}-finetune.safetensors")
+    photos = shutil.copytree(tiny / "photos", tmp_path / "photos")  # its latent cache is written beside the images
+    common = ["--set", f"data.path=\"{photos}\"", "--set", "train.max_steps=2", "--set", "pipeline.stages=1",
+              "--set", "checkpoint.every=0", "--set", "output.sample_every_end=false"]
+    runs = {}
+    for name, model in (("folder", [f"model.path=\"{tiny / layout}\""]),
+                        ("file", [f"model.path=\"{single}\"", f"model.components=\"{tiny / layout}\""])):
+        runs[name] = tmp_path / name
+        cmd = ["train", str(ROOT / "examples" / f"{example}.toml"), "--output-dir", str(runs[name]), *common]
+        for setting in model:
+            cmd += ["--set", setting]
+        result = run_command(cmd)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert _losses(runs["file"]) == _losses(runs["folder"])
+    assert len(list((tmp_path / "cache" / "diffpipe" / "converted").glob(f"{layout}-finetune-*"))) == 1
+
+
+def test_components_that_are_not_a_pipeline_folder_are_refused_with_the_reason(tmp_path):
+    from diffpipe.config_files import load_config
+
+    with pytest.raises(ConfigError, match="model.components = .* is not a diffusers pipeline folder"):
+        load_config(ROOT / "examples" / "flux_tiny.toml", [f"model.components=\"{tmp_path}\""])
