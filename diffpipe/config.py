@@ -118,6 +118,7 @@ class TrainConfig(_Section):
     logit_mean: float = Field(0.0, description="Mean of the logit-normal density.")
     logit_std: float = Field(1.0, gt=0, description="Standard deviation of the logit-normal density.")
     shift: float = Field(3.0, gt=0, description="Shift factor for timestep_sampling = shift (SD3's t' = s t / (1 + (s - 1) t)).")
+    min_snr_gamma: float = Field(0.0, ge=0, description="Min-SNR-gamma loss weighting (Hang et al., arXiv:2303.09556; kohya's and diffusers' min_snr_gamma): each sample's loss times min(SNR(t), gamma) / SNR(t) for epsilon prediction, / (SNR(t) + 1) for v-prediction, so the easy low-noise timesteps stop dominating (5 is the paper's value). epsilon and v_prediction objectives only; the eval loss stays unweighted. 0: off.")
     noise_offset: float = Field(0.0, ge=0, description="Add this times one Gaussian number per sample and channel (the same over every pixel and frame) to the training noise, as diffusers' and kohya's trainers do (0.05-0.1 for SD 1.5 and SDXL: the model learns to change an image's overall brightness); eval batches keep plain noise. 0: off.")
     seed: int = Field(0, ge=0, description="Seed for weights, data order, timesteps and noise.")
     dropout: bool = Field(True, description="Keep the model's own dropout layers in training (the spatio-temporal UNet's temporal convolutions drop 10 %); false: off, so a step is a deterministic function of the batch.")

@@ -65,15 +65,16 @@ def _resolve_architecture(config: RunConfig) -> None:
 
 def _resolve_objective(config: RunConfig) -> None:
     """train.objective unset: the pipeline folder's scheduler decides (through the model's family), else the family's
-    default (flow matching)."""
-    if config.train.objective is not None:
-        return
-    try:
-        family = family_for(config.model.architecture)
-        folder = config.model.pipeline_folder()
-        if folder is not None:
-            config.train.objective = family.objective_of_folder(folder)
-        else:
-            config.train.objective = family.default_objective
-    except (CheckpointError, ArchitectureError) as exc:
-        raise ConfigError(str(exc)) from None
+    default (flow matching). Then what the objective rules out (min-SNR weighting of flow matching)."""
+    if config.train.objective is None:
+        try:
+            family = family_for(config.model.architecture)
+            folder = config.model.pipeline_folder()
+            config.train.objective = family.objective_of_folder(folder) if folder else family.default_objective
+        except (CheckpointError, ArchitectureError) as exc:
+            raise ConfigError(str(exc)) from None
+    if config.train.min_snr_gamma and config.train.objective == "flow_matching":
+        raise ConfigError(f"train.min_snr_gamma = {config.train.min_snr_gamma}: min-SNR weighting is defined for "
+                          "epsilon and v-prediction models (SD 1.x/2.x, SDXL), and this run trains flow matching; flow "
+                          "matching weighs timesteps by how it samples them (train.timestep_sampling)")
+

@@ -12,7 +12,7 @@ import torch
 
 from .. import seeds
 from ..config import TrainConfig
-from ..diffusion.objectives import make_targets
+from ..diffusion.objectives import make_targets, min_snr_weights, with_weights
 from ..diffusion.timesteps import sample_timesteps
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
@@ -183,11 +183,17 @@ class BatchMaker:
         x0 = data.x0(mine)
         noise = torch.randn((len(indices), *x0.shape[1:]), generator=torch.Generator().manual_seed(noise_seed))[part]
         conditions = self.text_conditions([data.captions[i] for i in mine], data.size_ids(mine), x0.shape[2:])
-        return [self._batch(x0, noise, torch.full((len(mine),), t), conditions) for t in ts]
+        return [self._batch(x0, noise, torch.full((len(mine),), t), conditions, weighted=False) for t in ts]
 
     def _batch(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
-               conditions: dict[str, torch.Tensor]) -> StepBatch:
-        """This replica's items noised to timesteps t, with their text conditions, in the layout the backbone reads."""
+               conditions: dict[str, torch.Tensor], weighted: bool = True) -> StepBatch:
+        """This replica's items noised to timesteps t, with their text conditions, in the layout the backbone reads.
+        With train.min_snr_gamma the target carries each sample's loss weight (`with_weights`): min-SNR's when
+        `weighted`, else 1 (eval)."""
         targets = make_targets(self.train.objective, x0, noise, t)
         noisy, target = self.feed.pack(targets.noisy), self.feed.pack_prediction(targets.target)
+        if self.train.min_snr_gamma:
+            weights = (min_snr_weights(self.train.objective, t, self.train.min_snr_gamma) if weighted
+                       else torch.ones(len(t)))
+            target = with_weights(target, weights)
         return StepBatch(noisy.contiguous(), target.contiguous(), dict(conditions, timestep=targets.model_timestep))

@@ -12,7 +12,8 @@ import torch
 
 from .timesteps import NUM_TRAIN_TIMESTEPS
 
-__all__ = ["TrainingTargets", "make_targets", "alphas_cumprod", "discrete_step"]
+__all__ = ["TrainingTargets", "make_targets", "alphas_cumprod", "discrete_step", "min_snr_weights", "with_weights",
+           "weighted_mse"]
 
 
 @dataclass
@@ -51,3 +52,29 @@ def make_targets(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch
     else:
         raise ValueError(f"unknown objective {objective!r}")
     return TrainingTargets(noisy, step.float(), target)
+
+
+def min_snr_weights(objective: str, t: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Each sample's loss weight under min-SNR-gamma (Hang et al., arXiv:2303.09556), as diffusers' training scripts
+    compute it: min(SNR, gamma) / SNR for epsilon, / (SNR + 1) for v-prediction; SNR = abar / (1 - abar)."""
+    abar = alphas_cumprod()[discrete_step(t)]
+    snr = abar / (1 - abar)
+    clipped = torch.minimum(snr, torch.full_like(snr, gamma))
+    if objective == "epsilon":
+        return (clipped / snr).float()
+    if objective == "v_prediction":
+        return (clipped / (snr + 1)).float()
+    raise ValueError(f"min-SNR weighting is defined for epsilon and v_prediction, not {objective!r}")
+
+
+def with_weights(target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`target` (B, ..., W) with each sample's loss weight appended along its last dimension (B, ..., W + 1): the
+    pipeline splits only the target among micro-batches and hands it to the loss, so the weights travel in it."""
+    column = weights.to(target.dtype).view(-1, *([1] * (target.dim() - 1))).expand(*target.shape[:-1], 1)
+    return torch.cat([target, column], dim=-1)
+
+
+def weighted_mse(output: torch.Tensor, weighted_target: torch.Tensor) -> torch.Tensor:
+    """The mean over samples of weight x (that sample's mean squared error), from a target made by `with_weights`."""
+    target, weight = weighted_target[..., :-1], weighted_target[..., -1:]
+    return (weight.float() * (output.float() - target.float()).square()).mean()

@@ -18,6 +18,7 @@ from ..build import (boundary_traffic, build_backbone, build_dataset, build_stag
                      sample_shape)
 from ..config import RunConfig
 from ..data.batches import BatchMaker, CaptionTags
+from ..diffusion.objectives import weighted_mse
 from ..distributed import Topology
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
@@ -59,12 +60,15 @@ class RunParts:
 
 
 class _ScaledMSE:
-    """Mean squared error in fp32, times the current loss scale (1 unless fp16)."""
+    """Mean squared error in fp32 (with train.min_snr_gamma, each sample's weighted by the weight its target carries:
+    diffusion/objectives.py `with_weights`), times the current loss scale (1 unless fp16)."""
 
-    def __init__(self, scaler: LossScaler):
-        self.scaler = scaler
+    def __init__(self, scaler: LossScaler, weighted: bool):
+        self.scaler, self.weighted = scaler, weighted
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.weighted:
+            return weighted_mse(output, target) * self.scaler.scale
         return F.mse_loss(output.float(), target.float()) * self.scaler.scale
 
 
@@ -99,7 +103,8 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     tied_gradients = TiedGradients(tied, held, mine, topo, p.data_parallel_shard)
     scaler = LossScaler(config.train.precision == "fp16")
     runner = PipelineRunner(modules, mine, len(specs), topo.pp_group, topo.device, p.schedule, p.microbatches,
-                            _ScaledMSE(scaler), timeable=config.observe.enabled, send_group=topo.send_group)
+                            _ScaledMSE(scaler, weighted=config.train.min_snr_gamma > 0), timeable=config.observe.enabled,
+                            send_group=topo.send_group)
     optimizer, lr_schedule = make_optimizer(groups, config.train, config.memory.optimizer_state)
     text = build_text_encoder(config, backbone).to(topo.device)
     data = build_dataset(config, backbone, text, topo.device, topo.rank, topo.world_size, dist.barrier)
