@@ -149,6 +149,13 @@ def scale_in_place(tensors: list[torch.Tensor], factor: float) -> None:
         _private("torch", "_foreach_mul_", "scaling gradients")(tensors, factor)
 
 
+def lerp_in_place(tensors: list[torch.Tensor], toward: list[torch.Tensor], weight: torch.Tensor) -> None:
+    """Each tensor moved `weight` (a 0-d tensor, read on the device) of the way toward its partner, one fused kernel
+    per dtype and device."""
+    if tensors:
+        _private("torch", "_foreach_lerp_", "the moving average of trained weights")(tensors, toward, weight)
+
+
 def fused_attention(query, key, value, dropout_p: float, is_causal: bool, scale) -> torch.Tensor:
     """Attention as the fused memory-efficient kernel computes it (its meta kernel saves what that kernel saves)."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_efficient_attention", None)

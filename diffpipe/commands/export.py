@@ -69,12 +69,13 @@ def write_checkpoint_weights(config: RunConfig, path: Path, into: Path) -> None:
     stage = build_stages(one, backbone, stage_specs(backbone, []), [0], torch.device("cpu"), [])[0]
     trained = {name: p for name, p in stage.full_named_parameters() if p.requires_grad}
     found = set()
+    kind = "ema." if config.train.ema_decay > 0 else "model."  # a moving average's run exports the average
     with torch.no_grad():
         for shard in sorted(path.glob("*.safetensors")):
             with safe_open(str(shard), framework="pt") as f:
                 for key in f.keys():
-                    name = key.removeprefix("model.")
-                    if key.startswith("model.") and name in trained:
+                    name = key.removeprefix(kind)
+                    if key.startswith(kind) and name in trained:
                         trained[name].copy_(f.get_tensor(key))
                         found.add(name)
     if found != set(trained):

@@ -2,8 +2,9 @@
 
 Written through `torch.distributed.checkpoint` (DCP) with its safetensors storage (`HuggingFaceStorageWriter`:
 no pickle anywhere, readable by any safetensors tool), as one flat map of tensors under diffusers' parameter names:
-`model.NAME`, `optim.NAME.exp_avg | exp_avg_sq | step` (AdamW; 8-bit AdamW's keys are in optim.STATE_KEYS) and
-`progress.*` (the next step, the learning-rate schedule's position, the fp16 loss scale). A pipeline rank writes its
+`model.NAME`, `optim.NAME.exp_avg | exp_avg_sq | step` (AdamW; 8-bit AdamW's keys are in optim.STATE_KEYS),
+`ema.NAME` (train.ema_decay's moving average) and `progress.*` (the next step, the learning-rate schedule's position,
+the fp16 loss scale, the steps the moving average has seen). A pipeline rank writes its
 own stages; data-parallel replicas hold the same names and DCP writes one copy. Loading asks DCP for the names this
 process holds now, so a checkpoint of 2 stages resumes on 1, 3 or 4 stages or another data-parallel degree. The
 batches need no state: every step's data, noise and timesteps are drawn from (seed, step) (data/batches.py).
@@ -67,6 +68,10 @@ def _state(trainer, next_step: int) -> dict[str, torch.Tensor]:
         state[f"model.{name}"] = p.detach()
         for key, value in state_tensors(trainer.optimizer, p).items():
             state[f"optim.{name}.{key}"] = value
+    if trainer.ema is not None:  # the moving average beside each weight, and the steps it has seen
+        average_of = {id(p): a for p, a in zip(trainer.ema.params, trainer.ema.averages)}
+        state.update({f"ema.{name}": average_of[id(p)] for name, p in _held(trainer)})
+        state["progress.ema_steps"] = trainer.ema.steps
     state["progress.next_step"] = torch.tensor(next_step, dtype=torch.int64)
     state["progress.lr_schedule_steps"] = torch.tensor(trainer.lr_schedule.last_epoch, dtype=torch.int64)
     state["progress.loss_scale"] = torch.tensor(trainer.scaler.scale, dtype=torch.float64)
@@ -74,8 +79,8 @@ def _state(trainer, next_step: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]], state_keys: tuple[str, ...] = STATE_KEYS["fp32"]
-                        ) -> dict[str, int]:
+def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]], state_keys: tuple[str, ...] = STATE_KEYS["fp32"],
+                        moving_average: bool = False) -> dict[str, int]:
     """The file (1, 2, ...) each checkpoint tensor goes to: parameters in order, with their AdamW moments, about
     `_FILE_BYTES` a file (fp32 counted), the run's progress in the first. The same on every process (rank 0's decides
     for all); a name it lacks (the second name of a tied weight) goes to file 0."""
@@ -88,8 +93,12 @@ def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]], state_keys: tu
         size += nbytes
         files[f"model.{name}"] = index
         files.update({f"optim.{name}.{key}": index for key in state_keys})
+        if moving_average:
+            files[f"ema.{name}"] = index
     for key in ("next_step", "lr_schedule_steps", "loss_scale", "loss_scale_good_steps"):  # as `_state` names them
         files[f"progress.{key}"] = 1
+    if moving_average:
+        files["progress.ema_steps"] = 1
     return files
 
 
@@ -135,7 +144,8 @@ def save_checkpoint(trainer, next_step: int, keep: int, background_group: dist.P
     dist.barrier()
     writer = HuggingFaceStorageWriter(str(partial), save_distributed=True,
                                       fqn_to_index_mapping=file_of_each_tensor(
-                                          trainer.model_shapes, STATE_KEYS[trainer.config.memory.optimizer_state]))
+                                          trainer.model_shapes, STATE_KEYS[trainer.config.memory.optimizer_state],
+                                          moving_average=trainer.ema is not None))
     if background_group is not None:
         future = dcp.async_save(_state(trainer, next_step), storage_writer=writer, process_group=background_group)
         return PendingCheckpoint(trainer, next_step, future, partial, final, keep)

@@ -8,6 +8,7 @@ train/stopping.py; its final weights, train/weights.py (replica 0's pipeline ran
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from ..pipeline.timing import StepTimes
 from ..observe.writers import ScalarWriters, make_writers
 from ..pipeline.data_parallel import full, local
 from .checkpointing import Checkpoints
+from .ema import MovingAverage
 from .evaluation import evaluate, write_samples
 from .optim import clip_gradients, global_grad_norm, step_optimizer
 from .records import StepReport, on_host_when_ready, read_record, step_end
@@ -51,6 +53,8 @@ class Trainer:
         self.checkpoints = Checkpoints(config, topo, run_dir)
         self.stop_requested = False  # set by SIGTERM / SIGINT (train/worker.py): checkpoint after this step and stop
         self.overlap_steps = topo.device.type == "cuda"  # read each step's figures only once the next is queued
+        decay = config.train.ema_decay
+        self.ema = MovingAverage(self.params, decay) if decay > 0 else None
 
     def _timed(self, step: int) -> bool:
         obs = self.config.observe
@@ -121,6 +125,8 @@ class Trainer:
         if not overflow:
             factor = clip_gradients(self.params, norm, train.max_grad_norm, unscale=self._unscale())
             step_optimizer(self.optimizer, self.params, factor, skip=None if self.scaler.enabled else nonfinite)
+            if self.ema is not None:
+                self.ema.update(skipped=None if self.scaler.enabled else nonfinite)
         if times is not None:
             if topo.device.type == "cuda":
                 torch.cuda.synchronize(topo.device)
@@ -147,8 +153,14 @@ class Trainer:
         return self.checkpoints.resume(self)
 
     def save(self) -> None:
-        """The run's final weights (train/weights.py)."""
-        save_run_weights(self)
+        """The run's final weights (train/weights.py): the moving average's, with train.ema_decay."""
+        with self.outputs_weights():
+            save_run_weights(self)
+
+    def outputs_weights(self):
+        """A context in which the parameters hold the weights the run's outputs show (samples, exports, the final
+        weights): the moving average's with train.ema_decay, else the trained ones."""
+        return self.ema.swapped_in() if self.ema is not None else nullcontext()
 
     def _due(self, step: int, every: int) -> bool:
         """Every `every` steps and after the last one (0: never)."""
@@ -209,9 +221,11 @@ class Trainer:
         if self._due(step, self.config.train.eval_every):  # its time counts in the next step's
             record.update(evaluate(self))
         if self._due(step, self.config.sample.every):
-            write_samples(self, step)
+            with self.outputs_weights():
+                write_samples(self, step)
         if self._due(step, self.config.checkpoint.export_every):
-            written = export_adapters(self, step + 1)
+            with self.outputs_weights():
+                written = export_adapters(self, step + 1)
             if written is not None:
                 print(f"exported {written}", flush=True)
         interrupted = record.pop("stop_asked") > 0
