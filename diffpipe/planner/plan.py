@@ -20,7 +20,7 @@ from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partit
 from ..pipeline.schedules import choice_of
 from .costs import UnitCost, count_unit_costs, load_profile
 from .levers import MemoryChoice, choose, fewest_swapped, leaves_any, unchanged
-from .partition import Hardware, Infeasible, Partition, Replicas, estimate_stages, partition
+from .partition import BYTES_PER_WEIGHT, Hardware, Infeasible, Partition, Replicas, estimate_stages, partition
 
 __all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
            "planned_figures", "resolve_memory", "plan_memory", "search_layouts", "profile_key", "scaled"]
@@ -210,7 +210,8 @@ def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
     held = unchanged(config)  # each "auto" at its unchanged value: the planner changes it only where needed
     return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1,
                     frozen=frozen, autocast_bytes=0 if autocast is None else element_bytes(autocast),
-                    moment_bytes=moment_bytes(held.optimizer_state), block_swap=held.block_swap)
+                    moment_bytes=moment_bytes(held.optimizer_state), block_swap=held.block_swap,
+                    average_bytes=BYTES_PER_WEIGHT if config.train.ema_decay > 0 else 0.0)
 
 
 def _memory_levers(costs: list[UnitCost], replicas: Replicas) -> list[tuple[str, Replicas]]:

@@ -71,3 +71,13 @@ def test_the_printed_choice_says_how_an_auto_base_is_held():
 
     assert 'memory.base_dtype = "auto" (bf16)' in MemoryChoice("auto", "fp32", 48).words("bf16")
     assert 'memory.base_dtype = "fp8",' in MemoryChoice("fp8", "fp32", 0).words("bf16")
+
+
+def test_a_moving_average_of_the_weights_is_charged_as_one_more_fp32_copy_of_the_trained_ones():
+    """train.ema_decay keeps the average beside each trained weight on the device (train/ema.py): 4 bytes each."""
+    from diffpipe.build import build_backbone as built
+
+    full = ["pipeline.stages=1", 'train.device="cpu"']
+    trained = sum(p.numel() for p in built(load_config(EXAMPLES / "digits.toml", full), "meta").model.parameters())
+    extra = _peak("digits.toml", [*full, "train.ema_decay=0.999"]) - _peak("digits.toml", full)
+    assert extra * 2**30 == pytest.approx(4 * trained, rel=1e-6)
