@@ -16,9 +16,10 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from torch import nn
 
 from .family import ModelFamily, TextBatch
+from .wan_layout import is_wan_layout, original_wan_name, wan_from_original, wan_to_original
 from .units import Backbone, Unit
 
-__all__ = ["WanFamily", "wan_backbone", "WAN_PRESETS", "original_wan_name"]
+__all__ = ["WanFamily", "wan_backbone", "WAN_PRESETS"]
 
 WAN_PRESETS = {
     "t2v-1.3b": dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
@@ -77,30 +78,6 @@ def wan_backbone(model: WanTransformer3DModel) -> Backbone:
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 
-# diffusers' Wan module -> the same module in Wan's own release files (the layout ComfyUI and diffusion-pipe use),
-# as diffusers' converters pair them (loaders/lora_conversion_utils.py `_convert_non_diffusers_wan_lora_to_diffusers`)
-_WAN_BLOCK_NAMES = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
-                    "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
-                    "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o", "attn2.add_k_proj": "cross_attn.k_img",
-                    "attn2.add_v_proj": "cross_attn.v_img", "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2"}
-_WAN_NAMES = {"patch_embedding": "patch_embedding", "proj_out": "head.head", "condition_embedder.time_proj": "time_projection.1",
-              "condition_embedder.text_embedder.linear_1": "text_embedding.0",
-              "condition_embedder.text_embedder.linear_2": "text_embedding.2",
-              "condition_embedder.time_embedder.linear_1": "time_embedding.0",
-              "condition_embedder.time_embedder.linear_2": "time_embedding.2",
-              "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
-              "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3"}
-
-
-def original_wan_name(module: str) -> str:
-    """A linear layer's path in diffusers' WanTransformer3DModel as Wan's own files name it (`blocks.3.attn1.to_q` ->
-    `blocks.3.self_attn.q`); KeyError for a layer with no known counterpart."""
-    parts = module.split(".")
-    if parts[0] == "blocks" and len(parts) > 2:
-        return f"blocks.{parts[1]}.{_WAN_BLOCK_NAMES['.'.join(parts[2:])]}"
-    return _WAN_NAMES[module]
-
-
 class WanFamily(ModelFamily):
     """Wan 2.1 text-to-video: umT5's hidden states (from a WanPipeline folder; a tiny stand-in encoder of its width
     without one); flow matching. Latents are clips (B, C, F, H, W)."""
@@ -117,6 +94,17 @@ class WanFamily(ModelFamily):
         import diffusers
 
         return diffusers.WanPipeline
+
+    original_layout_name = "Wan's own"
+
+    def is_original_layout(self, keys):
+        return is_wan_layout(keys)
+
+    def from_original_layout(self, weights, cfg):
+        return wan_from_original(weights)
+
+    def to_original_layout(self, weights, cfg):
+        return wan_to_original(weights)
 
     def comfyui_lora_names(self, cfg, modules):
         """`diffusion_model.` and Wan's own layout: ComfyUI maps every weight of its Wan model under that name (and

@@ -1,6 +1,6 @@
 """Backbones as users share them (issue 29): one .safetensors file in the family's own release layout (BFL's Flux,
-the A1111/ComfyUI SDXL layout), trained on a folder of images with the VAE, text encoders and scheduler of their
-base model's diffusers folder (`model.components`)."""
+Wan's own, the A1111/ComfyUI SDXL layout), trained on a folder of images or clips with the VAE, text encoders and
+scheduler of their base model's diffusers folder (`model.components`)."""
 from __future__ import annotations
 
 import json
@@ -39,10 +39,35 @@ def test_a_bfl_flux_file_reads_as_diffusers_own_reader_reads_it_at_flux1_width()
         assert torch.equal(mine[key], theirs[key]) and torch.equal(mine[key], ours[key]), key
 
 
+def test_wans_own_layout_round_trips_through_diffusers_reader():
+    """Every tensor of a Wan transformer (text-to-video, and image-to-video with its image embedder and image
+    keys) written in Wan's layout and read back by diffusers' `convert_wan_transformer_to_diffusers`."""
+    from diffusers import WanTransformer3DModel
+
+    from diffpipe.models.wan import WAN_PRESETS
+    from diffpipe.models.wan_layout import is_wan_layout, wan_from_original, wan_to_original
+
+    for extra in ({}, {"image_dim": 32, "added_kv_proj_dim": 48}):
+        torch.manual_seed(0)
+        model = WanTransformer3DModel(**dict(WAN_PRESETS["digits"], **extra))
+        ours = model.state_dict()
+        original = wan_to_original(ours)
+        assert is_wan_layout(original) and "blocks.0.norm3.weight" in original and "head.modulation" in original
+        if extra:
+            assert {"img_emb.proj.0.weight", "blocks.0.cross_attn.k_img.weight"} <= set(original)
+        back = wan_from_original({f"model.diffusion_model.{k}": v for k, v in original.items()})
+        assert set(back) == set(ours)
+        assert all(torch.equal(back[k], ours[k]) for k in ours)
+
+
 def _single_file(tiny: Path, layout: str, out: Path) -> Path:
     """The tiny pipeline's backbone as one file in its family's release layout."""
     if layout == "flux":
         weights = flux_to_bfl(load_file(str(tiny / "flux" / "transformer" / "diffusion_pytorch_model.safetensors")))
+    elif layout == "wan":
+        from diffpipe.models.wan_layout import wan_to_original
+
+        weights = wan_to_original(load_file(str(tiny / "wan" / "transformer" / "diffusion_pytorch_model.safetensors")))
     else:
         from diffpipe.models.original_layout import to_original_layout
 
@@ -57,17 +82,20 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("layout,example", [("flux", "flux_tiny"), ("sdxl", "photos")])
-def test_a_single_file_trains_on_photos_with_its_base_folders_components(tiny, tmp_path, monkeypatch, layout, example):
+@pytest.mark.parametrize("layout,example,data", [("flux", "flux_tiny", "photos"), ("sdxl", "photos", "photos"),
+                                                ("wan", "wan_clips", "clips")])
+def test_a_single_file_trains_with_its_base_folders_components(tiny, tiny_video, tmp_path, monkeypatch, layout,
+                                                               example, data):
     """The same first losses as the base folder itself gives: the file's weights became the same model."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    single = _single_file(tiny, layout, tmp_path / f"{layout}-finetune.safetensors")
-    photos = shutil.copytree(tiny / "photos", tmp_path / "photos")  # its latent cache is written beside the images
-    common = ["--set", f"data.path=\"{photos}\"", "--set", "train.max_steps=2", "--set", "pipeline.stages=1",
+    base = tiny_video if layout == "wan" else tiny
+    single = _single_file(base, layout, tmp_path / f"{layout}-finetune.safetensors")
+    folder = shutil.copytree(base / data, tmp_path / data)  # its latent cache is written beside the images
+    common = ["--set", f"data.path=\"{folder}\"", "--set", "train.max_steps=2", "--set", "pipeline.stages=1",
               "--set", "checkpoint.every=0", "--set", "output.sample_every_end=false"]
     runs = {}
-    for name, model in (("folder", [f"model.path=\"{tiny / layout}\""]),
-                        ("file", [f"model.path=\"{single}\"", f"model.components=\"{tiny / layout}\""])):
+    for name, model in (("folder", [f"model.path=\"{base / layout}\""]),
+                        ("file", [f"model.path=\"{single}\"", f"model.components=\"{base / layout}\""])):
         runs[name] = tmp_path / name
         cmd = ["train", str(ROOT / "examples" / f"{example}.toml"), "--output-dir", str(runs[name]), *common]
         for setting in model:
