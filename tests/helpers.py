@@ -62,3 +62,17 @@ def example_module(name: str):
     sys.modules[name] = module  # as an import does (its dataclasses look their module up there)
     spec.loader.exec_module(module)
     return module
+
+
+def wan_output(transformer):
+    """A Wan transformer's output on two fixed clips of 4 frames of 8x8 latents (its config's widths), one near the
+    start of sampling and one near its end: for comparing a loaded export with the trained model."""
+    import torch
+
+    cfg = transformer.config
+    gen = torch.Generator().manual_seed(0)
+    clips = torch.randn(2, cfg.in_channels, 4, 8, 8, generator=gen)
+    text = torch.randn(2, 8, cfg.text_dim, generator=gen)
+    with torch.no_grad():
+        return transformer.eval()(hidden_states=clips, timestep=torch.tensor([500, 20]),
+                                  encoder_hidden_states=text).sample

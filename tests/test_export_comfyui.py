@@ -23,7 +23,7 @@ from diffpipe.cli import main
 from diffpipe.models.family import Feed
 from diffpipe.models.registry import family_for
 
-from .helpers import run_command
+from .helpers import run_command, wan_output
 
 ROOT = Path(__file__).parent.parent
 
@@ -156,19 +156,9 @@ def test_a_wan_lora_loads_through_diffusers_reader_of_wans_own_layout(tmp_path):
     assert {"diffusion_model.blocks.0.self_attn.q.lora_down.weight", "diffusion_model.blocks.1.cross_attn.o.lora_up.weight",
             "diffusion_model.blocks.0.ffn.2.lora_up.weight", "diffusion_model.head.head.lora_down.weight"} <= keys
     assert not any(k.endswith(".alpha") for k in keys)  # the scale alpha / rank is in lora_up
-    config = {k: v for k, v in json.loads((run / "model_config.json").read_text()).items() if not k.startswith("_")}
-
-    @torch.no_grad()
-    def output(transformer) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(0)
-        clips = torch.randn(2, config["in_channels"], 4, 8, 8, generator=gen)
-        text = torch.randn(2, 8, config["text_dim"], generator=gen)
-        return transformer.eval()(hidden_states=clips, timestep=torch.tensor([500, 20]),
-                                  encoder_hidden_states=text).sample
-
-    want = output(_trained(run, "wan"))
+    want = wan_output(_trained(run, "wan"))
     base = build_backbone(load_config(run / "config.toml"), "cpu").model  # the seeded base the run started from
-    assert (output(base) - want).abs().max() > 1e-3  # the adapters matter
+    assert (wan_output(base) - want).abs().max() > 1e-3  # the adapters matter
     pipe = WanPipeline(transformer=base, vae=None, text_encoder=None, tokenizer=None, scheduler=None)
     pipe.load_lora_weights(out)
-    torch.testing.assert_close(output(pipe.transformer), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wan_output(pipe.transformer), want, rtol=1e-5, atol=1e-5)

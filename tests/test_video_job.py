@@ -7,7 +7,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from .helpers import run_command
+from .helpers import run_command, wan_output
 
 ROOT = Path(__file__).parent.parent
 
@@ -48,20 +48,11 @@ def test_a_wan_lora_exports_for_diffusers_and_loads_to_the_trained_output(tmp_pa
     assert run_command(cmd).returncode == 0
     assert run_command(["export", str(run), "--format", "diffusers", "--out", str(tmp_path / "out")]).returncode == 0
     config = {k: v for k, v in json.loads((run / "model_config.json").read_text()).items() if not k.startswith("_")}
-
-    @torch.no_grad()
-    def output(transformer) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(0)
-        clips = torch.randn(2, config["in_channels"], 4, 8, 8, generator=gen)
-        text = torch.randn(2, 8, config["text_dim"], generator=gen)
-        return transformer.eval()(hidden_states=clips, timestep=torch.tensor([500, 20]),
-                                  encoder_hidden_states=text).sample
-
     trained = WanTransformer3DModel(**config)
     trained.load_state_dict(load_file(str(run / "model.safetensors")))  # the base with the adapters merged
-    want = output(trained)
+    want = wan_output(trained)
     base = build_backbone(load_config(run / "config.toml"), "cpu").model  # the seeded base the run started from
     pipe = WanPipeline(transformer=base, vae=None, text_encoder=None, tokenizer=None, scheduler=None)
-    assert (output(base) - want).abs().max() > 1e-3  # the adapters matter
+    assert (wan_output(base) - want).abs().max() > 1e-3  # the adapters matter
     pipe.load_lora_weights(tmp_path / "out" / "pytorch_lora_weights.safetensors")
-    torch.testing.assert_close(output(pipe.transformer), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(wan_output(pipe.transformer), want, rtol=1e-5, atol=1e-5)

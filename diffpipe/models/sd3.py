@@ -18,6 +18,7 @@ from diffusers.models.embeddings import PatchEmbed
 from torch import nn
 
 from .family import ModelFamily, TextBatch
+from .sd3_layout import is_sai_layout, sd3_from_sai, sd3_to_sai
 from .units import Backbone, Unit
 
 __all__ = ["SD3Family", "sd3_backbone", "SD3_PRESETS"]
@@ -96,6 +97,17 @@ class SD3Family(ModelFamily):
         import diffusers
 
         return diffusers.StableDiffusion3Pipeline
+
+    original_layout_name = "Stability's SD3"
+
+    def is_original_layout(self, keys):
+        return is_sai_layout(keys)
+
+    def from_original_layout(self, weights, cfg):
+        return sd3_from_sai(weights)
+
+    def to_original_layout(self, weights, cfg):
+        return sd3_to_sai(weights)
 
     def comfyui_lora_names(self, cfg, modules):
         """diffusers' names under `transformer.`, for the layers ComfyUI maps onto SAI's layout (comfy/utils.py

@@ -1,5 +1,5 @@
 """Backbones as users share them (issue 29): one .safetensors file in the family's own release layout (BFL's Flux,
-Wan's own, the A1111/ComfyUI SDXL layout), trained on a folder of images or clips with the VAE, text encoders and
+Stability's SD3, Wan's own, the A1111/ComfyUI SDXL layout), trained on a folder of images or clips with the VAE, text encoders and
 scheduler of their base model's diffusers folder (`model.components`)."""
 from __future__ import annotations
 
@@ -60,10 +60,34 @@ def test_wans_own_layout_round_trips_through_diffusers_reader():
         assert all(torch.equal(back[k], ours[k]) for k in ours)
 
 
+def test_stabilitys_sd3_layout_round_trips_through_diffusers_reader():
+    """Every tensor of an SD3 transformer, and of an SD3.5 one (query/key norms, a second attention in block 0),
+    written in Stability's layout and read back by diffusers' `convert_sd3_transformer_checkpoint_to_diffusers`."""
+    from diffusers import SD3Transformer2DModel
+
+    from diffpipe.models.sd3 import SD3_PRESETS
+    from diffpipe.models.sd3_layout import is_sai_layout, sd3_from_sai, sd3_to_sai
+
+    for extra in ({}, {"qk_norm": "rms_norm", "dual_attention_layers": (0,)}):
+        torch.manual_seed(0)
+        ours = SD3Transformer2DModel(**dict(SD3_PRESETS["digits"], **extra)).state_dict()
+        original = sd3_to_sai(ours)
+        assert is_sai_layout(original) and "final_layer.adaLN_modulation.1.weight" in original
+        if extra:
+            assert {"joint_blocks.0.x_block.attn2.qkv.weight", "joint_blocks.0.x_block.attn.ln_q.weight"} <= set(original)
+        back = sd3_from_sai({f"model.diffusion_model.{k}": v for k, v in original.items()})
+        assert set(back) == set(ours)
+        assert all(torch.equal(back[k], ours[k]) for k in ours)
+
+
 def _single_file(tiny: Path, layout: str, out: Path) -> Path:
     """The tiny pipeline's backbone as one file in its family's release layout."""
     if layout == "flux":
         weights = flux_to_bfl(load_file(str(tiny / "flux" / "transformer" / "diffusion_pytorch_model.safetensors")))
+    elif layout == "sd3":
+        from diffpipe.models.sd3_layout import sd3_to_sai
+
+        weights = sd3_to_sai(load_file(str(tiny / "sd3" / "transformer" / "diffusion_pytorch_model.safetensors")))
     elif layout == "wan":
         from diffpipe.models.wan_layout import wan_to_original
 
@@ -83,7 +107,7 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("layout,example,data", [("flux", "flux_tiny", "photos"), ("sdxl", "photos", "photos"),
-                                                ("wan", "wan_clips", "clips")])
+                                                ("sd3", "sd3_tiny", "photos"), ("wan", "wan_clips", "clips")])
 def test_a_single_file_trains_with_its_base_folders_components(tiny, tiny_video, tmp_path, monkeypatch, layout,
                                                                example, data):
     """The same first losses as the base folder itself gives: the file's weights became the same model."""
