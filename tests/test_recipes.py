@@ -54,8 +54,8 @@ def test_a_recipe_trains_on_the_tiny_pipeline_and_exports_as_its_header_says(nam
     assert (run / "exports" / "lora-step-00000002.safetensors").is_file()  # checkpoint.export_every: the last step
     export = _header_command(recipe, "export")
     fmt = export[export.index("--format") + 1]
-    out = tmp_path / ("lora.safetensors" if fmt == "kohya" else "lora")
+    out = tmp_path / ("lora" if fmt == "diffusers" else "lora.safetensors")  # kohya, comfyui: one file
     assert run_command(["export", str(run), "--format", fmt, "--out", str(out)]).returncode == 0
-    written = out if fmt == "kohya" else out / "pytorch_lora_weights.safetensors"
+    written = out / "pytorch_lora_weights.safetensors" if fmt == "diffusers" else out
     with safe_open(str(written), framework="pt") as f:
         assert len(list(f.keys())) > 0
