@@ -26,7 +26,7 @@ from diffpipe.config_files import load_config  # noqa: E402
 from torch.func import functional_call  # noqa: E402
 
 from diffpipe.pipeline.split import stage_specs  # noqa: E402
-from diffpipe.planner.autocast import CountedAutocast  # noqa: E402
+from diffpipe.precision.autocast import CountedAutocast  # noqa: E402
 from diffpipe.planner.costs import _count_unit, _FusedAttention, needs_grad, _stored, _unit_inputs  # noqa: E402
 from diffpipe.precision import AUTOCAST_DTYPES, frozen_storage  # noqa: E402
 from diffpipe.torch_support import view_base  # noqa: E402

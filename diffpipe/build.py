@@ -19,7 +19,7 @@ from .models.units import Backbone, full_parameter_names
 from .pipeline.split import StageSpec, stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 from .precision import AUTOCAST_DTYPES, frozen_storage
-from .pipeline.traffic import Crossing, boundary_crossings, trace_shapes
+from .pipeline.traffic import Crossing, boundary_crossings, trace_tensors
 
 __all__ = ["build_backbone", "give_weights", "build_stages", "choose_attention", "build_text_encoder", "sample_shape", "example_inputs",
            "boundary_traffic", "text_length", "build_dataset", "model_family", "feed"]
@@ -156,11 +156,12 @@ def example_inputs(config: RunConfig, backbone: Backbone, batch: int) -> tuple[d
 
 
 def boundary_traffic(config: RunConfig, backbone: Backbone, split: list[int]) -> list[Crossing]:
-    """Bytes each boundary sends per micro-batch, from shapes traced on the meta device."""
+    """Bytes each boundary sends per micro-batch, from tensors traced on the meta device in their training dtypes
+    (under train.precision's autocast as CUDA gives them, as the planner counts them)."""
     meta = backbone if is_meta(backbone.model) else build_backbone(config, "meta")
-    shapes = trace_shapes(meta, *example_inputs(config, meta, config.micro_batch_size))
-    element = 4 if config.train.precision == "fp32" else 2
-    return boundary_crossings(stage_specs(meta, split), shapes, element)
+    inputs, conditions = example_inputs(config, meta, config.micro_batch_size)
+    tensors = trace_tensors(meta, inputs, conditions, AUTOCAST_DTYPES[config.train.precision])
+    return boundary_crossings(stage_specs(meta, split), tensors)
 
 
 def build_dataset(config: RunConfig, backbone: Backbone, text: CaptionEncoder, device: torch.device, rank: int = 0,

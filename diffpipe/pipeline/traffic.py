@@ -1,31 +1,40 @@
-"""Shapes of every named tensor (traced on the meta device: no memory, no compute) and the bytes that
-cross each stage boundary per micro-batch."""
+"""Every named tensor (traced on the meta device: no memory, no compute) and the bytes that cross each stage
+boundary per micro-batch, each tensor in the dtype it has in training: under bf16 or fp16 autocast as CUDA's autocast
+gives it (precision/autocast.py, which the planner counts with too), so a residual stream that an fp32 input keeps in
+fp32 crosses as fp32 and a projection's output as bf16."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from ..models.units import Backbone
+from ..precision.autocast import CountedAutocast
 from .split import StageSpec
 
-__all__ = ["trace_shapes", "Crossing", "boundary_crossings", "format_crossings"]
+__all__ = ["trace_shapes", "trace_tensors", "Crossing", "boundary_crossings", "format_crossings"]
+
+
+def trace_tensors(backbone: Backbone, inputs: dict[str, torch.Tensor], conditions: dict[str, torch.Tensor],
+                  autocast_dtype: torch.dtype | None = None) -> list[dict[str, torch.Tensor]]:
+    """Every live name's tensor after each unit (a name such as "h" is rewritten, so shapes and dtypes change), from
+    running the units on meta tensors, under autocast to `autocast_dtype` where given; `backbone` must live on the
+    meta device too."""
+    named = {k: v.to("meta") for k, v in {**inputs, **conditions}.items()}
+    after = []
+    autocast = CountedAutocast(autocast_dtype, []) if autocast_dtype is not None else nullcontext()
+    with torch.no_grad(), autocast:
+        for unit in backbone.units:
+            named.update(unit(named))
+            after.append(dict(named))
+    return after
 
 
 def trace_shapes(backbone: Backbone, inputs: dict[str, torch.Tensor],
                  conditions: dict[str, torch.Tensor]) -> list[dict[str, torch.Size]]:
-    """Shapes of every live name after each unit (a name such as "h" is rewritten, so shapes change),
-    from running the units on meta tensors; `backbone` must live on the meta device too."""
-    named = {k: v.to("meta") for k, v in {**inputs, **conditions}.items()}
-    shapes = {k: v.shape for k, v in named.items()}
-    after = []
-    with torch.no_grad():
-        for unit in backbone.units:
-            out = unit(named)
-            named.update(out)
-            shapes.update({k: v.shape for k, v in out.items()})
-            after.append(dict(shapes))
-    return after
+    """Shapes of every live name after each unit (`trace_tensors` without autocast)."""
+    return [{k: v.shape for k, v in named.items()} for named in trace_tensors(backbone, inputs, conditions)]
 
 
 @dataclass(frozen=True)
@@ -35,11 +44,13 @@ class Crossing:
     bytes: int
 
 
-def boundary_crossings(specs: list[StageSpec], shapes_after: list[dict[str, torch.Size]],
-                       bytes_per_element: int) -> list[Crossing]:
-    """What each stage sends: shapes as they are after its last unit."""
-    return [Crossing(s.index, s.sends, sum(shapes_after[s.last - 1][n].numel() for n in s.sends) * bytes_per_element)
-            for s in specs[:-1]]
+def boundary_crossings(specs: list[StageSpec], tensors_after: list[dict[str, torch.Tensor]]) -> list[Crossing]:
+    """What each stage sends: its tensors as they are after its last unit (`trace_tensors`)."""
+    return [Crossing(s.index, s.sends, sum(_bytes(tensors_after[s.last - 1][n]) for n in s.sends)) for s in specs[:-1]]
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def format_crossings(crossings: list[Crossing]) -> str:

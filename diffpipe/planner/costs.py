@@ -8,7 +8,7 @@ torch decomposes attention into matrix products that save the whole (tokens x to
 fused kernel holds (at 32,760 video tokens that alone is 86 GB per Wan 14B block); attention without a mask is
 therefore counted as the fused (memory-efficient) kernel runs it, saving queries, keys, values, output and the
 log-sum-exp, with that kernel's FLOPs (its backward recomputes the scores). Under bf16/fp16 training each op runs in
-the dtype CUDA's autocast gives it (planner/autocast.py), so saved tensors are counted in their training dtypes, the
+the dtype CUDA's autocast gives it (precision/autocast.py), so saved tensors are counted in their training dtypes, the
 copies of trained weights apart (once per micro-batch); and each unit's working memory, what it holds at once beyond
 what it keeps, is counted as its tensors live and die (planner/live_bytes.py). Profiled
 mode runs them on the real device and times forward and backward, and on CUDA also measures the memory a
@@ -27,7 +27,7 @@ from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from .autocast import CountedAutocast
+from ..precision.autocast import CountedAutocast
 from .live_bytes import LiveBytes
 from ..models.storage import PRODUCT_LAYERS, quantisable
 from ..models.units import Backbone
@@ -59,7 +59,7 @@ class UnitCost:
     frozen_linear_params: int = 0
     frozen_product_params: int = 0
     # per micro-batch whatever its size: under autocast, the bf16/fp16 copies of trained weights that backward keeps
-    # (made once per micro-batch's forward, planner/autocast.py)
+    # (made once per micro-batch's forward, precision/autocast.py)
     trained_copy_bytes: int = 0
     # per micro-batch: the most the unit holds at once beyond what it keeps, in its forward or its backward (its
     # intermediates; planner/live_bytes.py), charged once per stage
@@ -99,7 +99,7 @@ def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor], condit
                      autocast_dtype: torch.dtype | None = None,
                      frozen_dtype: torch.dtype | None = None) -> list[UnitCost]:
     """Costs from running the units on meta tensors; `backbone` must be on the meta device. With `autocast_dtype`,
-    each op runs in the dtype CUDA's autocast gives it (planner/autocast.py), so what is saved for backward is
+    each op runs in the dtype CUDA's autocast gives it (precision/autocast.py), so what is saved for backward is
     counted in the dtypes training saves it in; `frozen_dtype`: how frozen weights are stored (memory.base_dtype),
     which decides, for one, whether a norm meets its weight in its input's dtype and takes torch's fused kernel,
     which saves less."""

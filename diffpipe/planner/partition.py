@@ -74,7 +74,7 @@ class Replicas:
 
     def kept_copies_bytes(self, unit: UnitCost) -> float:
         """Per micro-batch in flight, under autocast: the bf16/fp16 copies of the unit's trained weights that its
-        backward keeps (counted, planner/autocast.py), and of its frozen fp32 weights that a linear or convolution
+        backward keeps (counted, precision/autocast.py), and of its frozen fp32 weights that a linear or convolution
         layer's backward keeps (autocast caches no copy of a frozen weight; a bf16, fp8, int8 or nf4 base needs
         none)."""
         trained = unit.trained_copy_bytes

@@ -12,6 +12,7 @@ from diffpipe.build import boundary_traffic, build_backbone, example_inputs
 from diffpipe.config_files import build_config, load_config
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
+from diffpipe.pipeline.traffic import trace_tensors
 
 from ..planted import planted
 
@@ -40,6 +41,30 @@ def test_boundary_bytes_are_the_bytes_each_stage_sends(example, split, crossings
 
 
 def test_bytes_of_the_wrong_unit_fail_the_check(monkeypatch):
-    wrong = planted("diffpipe.pipeline.traffic", "shapes_after[s.last - 1]", "shapes_after[-1]")  # the last unit's
+    wrong = planted("diffpipe.pipeline.traffic", "tensors_after[s.last - 1]", "tensors_after[-1]")  # the last unit's
     with pytest.raises(AssertionError):
         test_boundary_bytes_are_the_bytes_each_stage_sends("digits.toml", [3, 8], wrong.boundary_crossings, monkeypatch)
+
+
+def test_under_autocast_each_tensor_crosses_in_its_own_dtype():
+    """Under bf16 autocast a boundary's bytes are each tensor's in the dtype CUDA's autocast gives it (counted as the
+    planner counts it): Flux's rotary table stays fp32 while its projected streams are bf16. The run's header used
+    to charge 2 bytes an element for all; the planner agrees where no tensor is shared by the micro-batch's samples
+    (digits, SD3; Flux's and Wan's rotary tables are one per micro-batch, which the planner scales with its size)."""
+    from diffpipe.planner.plan import boundary_bytes, scaled, unit_costs
+
+    bf16 = ['train.precision="bf16"', "pipeline.stages=3"]
+    flux = load_config(EXAMPLES / "flux_tiny.toml", [*bf16, "pipeline.split=[2, 5]"])
+    meta = build_backbone(flux, "meta")
+    tensors = trace_tensors(meta, *example_inputs(flux, meta, flux.micro_batch_size), torch.bfloat16)
+    crossing = boundary_traffic(flux, meta, [2, 5])[0]
+    sent = {n: tensors[1][n] for n in crossing.names}
+    assert sent["rope"].dtype == torch.float32 and sent["h"].dtype == torch.bfloat16
+    assert crossing.bytes == sum(t.numel() * (4 if n == "rope" else 2) for n, t in sent.items())
+    for example, split in (("digits.toml", [3, 8]), ("sd3_tiny.toml", [2, 3])):
+        config = load_config(EXAMPLES / example, [*bf16, f"pipeline.split={split}"])
+        meta = build_backbone(config, "meta")
+        micro = config.micro_batch_size
+        planned = boundary_bytes(meta, scaled(unit_costs(config, meta, 1), micro),
+                                 example_inputs(config, meta, micro)[0])
+        assert [c.bytes for c in boundary_traffic(config, meta, split)] == [planned[k - 1] for k in split], example

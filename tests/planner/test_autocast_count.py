@@ -1,4 +1,4 @@
-"""The planner counts what a unit saves for backward in the dtypes CUDA's autocast gives each op (planner/autocast.py),
+"""The planner counts what a unit saves for backward in the dtypes CUDA's autocast gives each op (precision/autocast.py),
 on the meta device. The expected bytes below are worked out by hand from torch's autocast lists for CUDA; the
 per-unit figures of Flux.1-dev and Wan 14B blocks were checked against an H200 (bench/unit_memory.py, docs)."""
 from __future__ import annotations

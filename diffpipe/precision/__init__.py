@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import RunConfig
-from .models.storage import LINEAR_FORMATS, FrozenStorage, element_bytes
+from ..config import RunConfig
+from ..models.storage import LINEAR_FORMATS, FrozenStorage, element_bytes
 
 __all__ = ["AUTOCAST_DTYPES", "frozen_storage", "element_bytes", "moment_bytes"]
 
