@@ -19,7 +19,7 @@ target = one_file
 
 
 def check(run) -> None:
-    if run.family.original_layout_name is None:
+    if run.family.release_layout is None:
         raise ExportError(f"--format original: diffpipe knows no release layout of {run.family.name!r} models other "
                           "than diffusers'; use --format diffusers (--out MODEL.safetensors: the backbone alone in "
                           "diffusers' names, which ComfyUI also loads)")
@@ -27,5 +27,5 @@ def check(run) -> None:
 
 def write(run, out: Path) -> Path:
     weights = load_file(str(run.folder / "model.safetensors"))
-    original = run.family.to_original_layout(weights, run.model_config)
+    original = run.family.release_layout.from_diffusers(weights, run.model_config)
     return save_tensors({k: v.contiguous() for k, v in original.items()}, out, metadata={"format": "pt"})

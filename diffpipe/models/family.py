@@ -12,14 +12,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
 
 from .units import Backbone
 
-__all__ = ["ModelFamily", "TextBatch", "Feed"]
+__all__ = ["ModelFamily", "TextBatch", "Feed", "ReleaseLayout", "unprefixed"]
+
+# what ComfyUI puts before a backbone's names in the checkpoints it saves; the families' own releases have none
+_SAVED_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+
+
+def unprefixed(key: str) -> str:
+    """A weight's name without ComfyUI's saved-checkpoint prefix."""
+    for prefix in _SAVED_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+@dataclass(frozen=True)
+class ReleaseLayout:
+    """How a family's own releases name its backbone's weights in one file (the SGM UNet layout, BFL's Flux, ...):
+    whether a file's names are that layout, and the conversions to and from diffusers' names, for the model of a
+    config. Single-file loading reads it (models/original_layout.py's cache), `export --format original` writes it."""
+
+    name: str
+    recognises: Callable[[list[str]], bool]
+    to_diffusers: Callable[[dict[str, torch.Tensor], dict], dict[str, torch.Tensor]]
+    from_diffusers: Callable[[dict[str, torch.Tensor], dict], dict[str, torch.Tensor]]
 
 
 @dataclass
@@ -133,19 +156,7 @@ class ModelFamily:
         --format diffusers), or None where none is known."""
         return None
 
-    original_layout_name: ClassVar[str | None] = None  # the layout of the family's own releases ("SGM", "BFL")
-
-    def is_original_layout(self, keys: list[str]) -> bool:
-        """Whether a single file's weight names are the family's original (non-diffusers) layout."""
-        return False
-
-    def from_original_layout(self, weights: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
-        """Original-layout weights under diffusers' names, for the model of config `cfg`."""
-        raise NotImplementedError
-
-    def to_original_layout(self, weights: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
-        """diffusers-named weights in the original layout (export --format original)."""
-        raise NotImplementedError
+    release_layout: ClassVar[ReleaseLayout | None] = None  # the family's own single-file layout, where known
 
     def comfyui_lora_names(self, cfg: Any, modules: list[str]) -> dict[str, str] | None:
         """Module path -> the name ComfyUI's LoRA loader maps onto that module (comfy/lora.py,

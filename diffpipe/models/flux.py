@@ -20,7 +20,7 @@ from diffusers import FluxTransformer2DModel
 from torch import nn
 
 from .family import ModelFamily, TextBatch
-from .flux_layout import flux_from_bfl, flux_to_bfl, is_bfl_layout
+from .flux_layout import BFL
 from .units import Backbone, Unit
 
 __all__ = ["FluxFamily", "flux_backbone", "FLUX_PRESETS", "pack_latents", "unpack_latents", "image_ids"]
@@ -122,6 +122,7 @@ class FluxFamily(ModelFamily):
     model_class = FluxTransformer2DModel
     component = "transformer"
     presets = FLUX_PRESETS
+    release_layout = BFL  # its own releases' single-file layout
     # torch 2.11 on an H200: cuDNN's attention backward fails on Flux's 1024x1024 shapes ("mha_graph.execute(...)
     # .is_good()", reported as CUBLAS_STATUS_EXECUTION_FAILED), in a plain diffusers loop too; flash attention works
     cudnn_attention = False
@@ -130,17 +131,6 @@ class FluxFamily(ModelFamily):
         import diffusers
 
         return diffusers.FluxPipeline
-
-    original_layout_name = "BFL"
-
-    def is_original_layout(self, keys):
-        return is_bfl_layout(keys)
-
-    def from_original_layout(self, weights, cfg):
-        return flux_from_bfl(weights)
-
-    def to_original_layout(self, weights, cfg):
-        return flux_to_bfl(weights)
 
     def comfyui_lora_names(self, cfg, modules):
         """diffusers' names under `transformer.`: ComfyUI maps every linear layer of diffusers' Flux onto its fused

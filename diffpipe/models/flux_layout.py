@@ -13,9 +13,9 @@ import re
 
 import torch
 
-__all__ = ["is_bfl_layout", "flux_from_bfl", "flux_to_bfl"]
+from .family import ReleaseLayout, unprefixed
 
-_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI's saved checkpoints; BFL's files have none
+__all__ = ["BFL", "is_bfl_layout", "flux_from_bfl", "flux_to_bfl"]
 
 _TOP = {"img_in": "x_embedder", "txt_in": "context_embedder", "final_layer.linear": "proj_out",
         "time_in.in_layer": "time_text_embed.timestep_embedder.linear_1",
@@ -67,21 +67,14 @@ def _count(keys, pattern: str) -> int:
     return max(found) + 1 if found else 0
 
 
-def _strip(key: str) -> str:
-    for prefix in _PREFIXES:
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    return key
-
-
 def is_bfl_layout(keys) -> bool:
     """Whether weight names are BFL's Flux layout (with or without ComfyUI's `model.diffusion_model.` prefix)."""
-    return any(_strip(k).startswith("double_blocks.") and ".img_attn.qkv." in k for k in keys)
+    return any(unprefixed(k).startswith("double_blocks.") and ".img_attn.qkv." in k for k in keys)
 
 
 def flux_from_bfl(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A BFL-layout Flux state dict under diffusers' names; KeyError naming a weight it does not know or lacks."""
-    theirs = {_strip(k): v for k, v in weights.items()}
+    theirs = {unprefixed(k): v for k, v in weights.items()}
     double, single = _count(theirs, r"double_blocks\.(\d+)\."), _count(theirs, r"single_blocks\.(\d+)\.")
     width = theirs["img_in.weight"].shape[0]
     out = {}
@@ -124,3 +117,7 @@ def flux_to_bfl(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if mine:
         raise KeyError(f"{sorted(mine)[0]}: no BFL-layout name known for it ({len(mine)} such)")
     return out
+
+
+BFL = ReleaseLayout("BFL", is_bfl_layout, lambda weights, cfg: flux_from_bfl(weights),
+                    lambda weights, cfg: flux_to_bfl(weights))

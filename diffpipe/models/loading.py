@@ -118,11 +118,12 @@ def checked_weights(model: torch.nn.Module, cfg: ModelConfig, family: ModelFamil
         return None
     path = weights_file(Path(cfg.path), family.component)
     keys = list(_file_shapes(path))  # an unreadable file is named as such
-    if Path(cfg.path).is_file() and family.is_original_layout(keys):
+    layout = family.release_layout
+    if Path(cfg.path).is_file() and layout is not None and layout.recognises(keys):
         try:
             path = converted_file(path, family, dict(model.config))
         except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as exc:
-            raise CheckpointError(f"model.path={cfg.path}: a {family.original_layout_name}-layout checkpoint that does "
+            raise CheckpointError(f"model.path={cfg.path}: a {layout.name}-layout checkpoint that does "
                                   f"not convert to the {family.backbone_name} of the run's architecture "
                                   f"({type(exc).__name__}: {exc}); check that model.components / model.preset / "
                                   "model.config describe the same model") from None

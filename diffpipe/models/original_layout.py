@@ -2,7 +2,7 @@
 fine-tunes: `model.diffusion_model.input_blocks.1.0.in_layers.0.weight`, ...) and diffusers' layout.
 
 Reading: a single .safetensors file in a family's original layout (this UNet layout, or Flux's BFL layout:
-flux_layout.py) is converted once by the family (`ModelFamily.from_original_layout`; for UNets diffusers' own key
+flux_layout.py, ...) is converted once by the family's `ReleaseLayout` (for UNets `SGM` here: diffusers' own key
 map `convert_ldm_unet_checkpoint`, what `from_single_file` uses) for the architecture of the run, and written as a
 diffusers-named file under ~/.cache/diffpipe/converted (keyed by the file's name, size, time and header and the
 architecture), which every process then reads tensor by tensor as any other weights file.
@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["ORIGINAL_PREFIX", "converted_file", "to_original_layout", "kohya_lora_names"]
+from .family import ReleaseLayout
+
+__all__ = ["ORIGINAL_PREFIX", "SGM", "converted_file", "to_original_layout", "kohya_lora_names"]
 
 ORIGINAL_PREFIX = "model.diffusion_model."
 _RESNET_PARTS = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
@@ -41,15 +43,15 @@ def _file_identity(path: Path) -> str:
 
 
 def converted_file(path: Path, family, config: dict) -> Path:
-    """The diffusers-named weights of a file in `family`'s original layout (`ModelFamily.from_original_layout`),
-    converted on first use."""
+    """The diffusers-named weights of a file in `family`'s release layout (`ModelFamily.release_layout`), converted
+    on first use."""
     # keyed by the file and the architecture it is read as: a conversion for a wrong config is never reused for the
     # right one (a UNet's config decides which original keys become which diffusers names)
     architecture = hashlib.sha256(json.dumps([family.name, config], sort_keys=True, default=str).encode()).hexdigest()[:12]
     target = _cache_root() / f"{path.stem}-{_file_identity(path)}-{architecture}.safetensors"
     if target.is_file():
         return target
-    converted = family.from_original_layout(load_file(str(path)), config)
+    converted = family.release_layout.to_diffusers(load_file(str(path)), config)
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.{os.getpid()}")
     save_file({k: v.contiguous() for k, v in converted.items()}, str(temporary))
@@ -107,6 +109,16 @@ def to_original_layout(state_dict: dict[str, torch.Tensor], config: dict) -> dic
         else:
             raise KeyError(f"{key}: no original-layout name known for it")
     return out
+
+
+def _unet_from_sgm(weights: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+
+    return convert_ldm_unet_checkpoint({k: v for k, v in weights.items() if k.startswith(ORIGINAL_PREFIX)}, config)
+
+
+SGM = ReleaseLayout("original (SGM)", lambda keys: any(k.startswith(ORIGINAL_PREFIX) for k in keys), _unet_from_sgm,
+                    to_original_layout)
 
 
 def kohya_lora_names(modules: list[str], unet_config: dict) -> dict[str, str]:

@@ -18,7 +18,7 @@ from diffusers.models.embeddings import PatchEmbed
 from torch import nn
 
 from .family import ModelFamily, TextBatch
-from .sd3_layout import is_sai_layout, sd3_from_sai, sd3_to_sai
+from .sd3_layout import SAI
 from .units import Backbone, Unit
 
 __all__ = ["SD3Family", "sd3_backbone", "SD3_PRESETS"]
@@ -92,22 +92,12 @@ class SD3Family(ModelFamily):
     model_class = SD3Transformer2DModel
     component = "transformer"
     presets = SD3_PRESETS
+    release_layout = SAI  # its own releases' single-file layout
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers
 
         return diffusers.StableDiffusion3Pipeline
-
-    original_layout_name = "Stability's SD3"
-
-    def is_original_layout(self, keys):
-        return is_sai_layout(keys)
-
-    def from_original_layout(self, weights, cfg):
-        return sd3_from_sai(weights)
-
-    def to_original_layout(self, weights, cfg):
-        return sd3_to_sai(weights)
 
     def comfyui_lora_names(self, cfg, modules):
         """diffusers' names under `transformer.`, for the layers ComfyUI maps onto SAI's layout (comfy/utils.py

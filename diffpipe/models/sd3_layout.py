@@ -13,9 +13,10 @@ import re
 
 import torch
 
-__all__ = ["is_sai_layout", "sd3_from_sai", "sd3_to_sai"]
+from .family import ReleaseLayout, unprefixed
 
-_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+__all__ = ["SAI", "is_sai_layout", "sd3_from_sai", "sd3_to_sai"]
+
 _TOP = {"pos_embed.proj": "x_embedder.proj", "context_embedder": "context_embedder", "proj_out": "final_layer.linear",
         "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
         "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
@@ -49,12 +50,7 @@ def sd3_from_sai(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Stability's SD3 layout under diffusers' names, by diffusers' converter."""
     from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 
-    stripped = {}
-    for key, tensor in weights.items():
-        for prefix in _PREFIXES:
-            key = key.removeprefix(prefix)
-        stripped[key] = tensor
-    return convert_sd3_transformer_checkpoint_to_diffusers(stripped)
+    return convert_sd3_transformer_checkpoint_to_diffusers({unprefixed(k): v for k, v in weights.items()})
 
 
 def sd3_to_sai(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -86,3 +82,7 @@ def sd3_to_sai(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if mine:
         raise KeyError(f"{sorted(mine)[0]}: no name in Stability's SD3 layout is known for it ({len(mine)} such)")
     return out
+
+
+SAI = ReleaseLayout("Stability's SD3", is_sai_layout, lambda weights, cfg: sd3_from_sai(weights),
+                    lambda weights, cfg: sd3_to_sai(weights))

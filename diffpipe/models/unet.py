@@ -13,7 +13,7 @@ from diffusers import UNet2DConditionModel
 from torch import nn
 
 from .family import ModelFamily, TextBatch
-from .original_layout import ORIGINAL_PREFIX, kohya_lora_names, to_original_layout
+from .original_layout import SGM, kohya_lora_names
 from .presets import UNET_PRESETS
 from .unet_layers import LAYERED_BLOCKS, down_layers, mid_layers, up_layers
 from .units import Backbone, Unit
@@ -188,25 +188,13 @@ class UNet2DFamily(ModelFamily):
     component = "unet"
     backbone_name = "UNet"
     presets = UNET_PRESETS
+    release_layout = SGM  # its own releases' single-file layout
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers
 
         sdxl = cfg.get("addition_embed_type") == "text_time"
         return diffusers.StableDiffusionXLPipeline if sdxl else diffusers.StableDiffusionPipeline
-
-    original_layout_name = "original (SGM)"
-
-    def is_original_layout(self, keys):
-        return any(k.startswith(ORIGINAL_PREFIX) for k in keys)
-
-    def from_original_layout(self, weights, cfg):
-        from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
-
-        return convert_ldm_unet_checkpoint({k: v for k, v in weights.items() if k.startswith(ORIGINAL_PREFIX)}, cfg)
-
-    def to_original_layout(self, weights, cfg):
-        return to_original_layout(weights, cfg)
 
     def comfyui_lora_names(self, cfg, modules):
         """kohya's names (ComfyUI reads kohya's UNet LoRAs: `lora_unet_` and the original or diffusers path)."""

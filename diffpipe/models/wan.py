@@ -16,7 +16,7 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from torch import nn
 
 from .family import ModelFamily, TextBatch
-from .wan_layout import is_wan_layout, original_wan_name, wan_from_original, wan_to_original
+from .wan_layout import WAN, original_wan_name
 from .units import Backbone, Unit
 
 __all__ = ["WanFamily", "wan_backbone", "WAN_PRESETS"]
@@ -86,6 +86,7 @@ class WanFamily(ModelFamily):
     model_class = WanTransformer3DModel
     component = "transformer"
     presets = WAN_PRESETS
+    release_layout = WAN  # its own releases' single-file layout
     # Wan LoRA files in this layout carry no `.alpha` outside the blocks (diffusion-pipe's; diffusers' reader of them
     # refuses a `head.head.alpha`): the scale goes into lora_up, which ComfyUI and diffusers then take at 1
     comfyui_lora_alpha = False
@@ -94,17 +95,6 @@ class WanFamily(ModelFamily):
         import diffusers
 
         return diffusers.WanPipeline
-
-    original_layout_name = "Wan's own"
-
-    def is_original_layout(self, keys):
-        return is_wan_layout(keys)
-
-    def from_original_layout(self, weights, cfg):
-        return wan_from_original(weights)
-
-    def to_original_layout(self, weights, cfg):
-        return wan_to_original(weights)
 
     def comfyui_lora_names(self, cfg, modules):
         """`diffusion_model.` and Wan's own layout: ComfyUI maps every weight of its Wan model under that name (and

@@ -12,7 +12,9 @@ import re
 
 import torch
 
-__all__ = ["is_wan_layout", "original_wan_name", "wan_from_original", "wan_to_original"]
+from .family import ReleaseLayout, unprefixed
+
+__all__ = ["WAN", "is_wan_layout", "original_wan_name", "wan_from_original", "wan_to_original"]
 
 _BLOCK_LAYERS = {"attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v",
                  "attn1.to_out.0": "self_attn.o", "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k",
@@ -32,7 +34,6 @@ _TOP_LAYERS = {"patch_embedding": "patch_embedding", "proj_out": "head.head",
                "condition_embedder.image_embedder.ff.net.0.proj": "img_emb.proj.1",
                "condition_embedder.image_embedder.ff.net.2": "img_emb.proj.3",
                "condition_embedder.image_embedder.norm2": "img_emb.proj.4"}
-_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 
 def original_wan_name(module: str) -> str:
@@ -62,12 +63,7 @@ def wan_from_original(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     """Wan's own layout under diffusers' names, by diffusers' converter."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-    stripped = {}
-    for key, tensor in weights.items():
-        for prefix in _PREFIXES:
-            key = key.removeprefix(prefix)
-        stripped[key] = tensor
-    return convert_wan_transformer_to_diffusers(stripped)
+    return convert_wan_transformer_to_diffusers({unprefixed(k): v for k, v in weights.items()})
 
 
 def wan_to_original(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -77,3 +73,7 @@ def wan_to_original(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         return {_original_key(k): v for k, v in weights.items()}
     except KeyError as exc:
         raise KeyError(f"{exc.args[0]}: no name in Wan's own layout is known for this layer") from None
+
+
+WAN = ReleaseLayout("Wan's own", is_wan_layout, lambda weights, cfg: wan_from_original(weights),
+                    lambda weights, cfg: wan_to_original(weights))
