@@ -282,6 +282,12 @@ def test_a_checkpoint_is_cut_into_files_of_about_a_gib_and_reads_back_whole(tmp_
         sizes[files[f"model.{name}"]] = sizes.get(files[f"model.{name}"], 0) + 12 * torch.Size(shape).numel()
     assert 28 <= len(sizes) <= 31 and max(sizes.values()) <= 2**30  # 28.7 GiB of weights and moments
     assert files["a second name of a tied weight"] == 0
+    averaged = file_of_each_tensor(sdxl, moving_average=True)  # train.ema_decay: an average beside each weight
+    sizes = {}
+    for name, shape in sdxl.items():
+        assert averaged[f"ema.{name}"] == averaged[f"model.{name}"]
+        sizes[averaged[f"model.{name}"]] = sizes.get(averaged[f"model.{name}"], 0) + 16 * torch.Size(shape).numel()
+    assert max(sizes.values()) <= 2**30
     result = subprocess.run([sys.executable, "-c", _SPLIT_SAVE, str(EXAMPLE), str(tmp_path / "run")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
