@@ -81,9 +81,9 @@ def _state(trainer, next_step: int) -> dict[str, torch.Tensor]:
 
 def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]], state_keys: tuple[str, ...] = STATE_KEYS["fp32"],
                         moving_average: bool = False) -> dict[str, int]:
-    """The file (1, 2, ...) each checkpoint tensor goes to: parameters in order, with their AdamW moments, about
-    `_FILE_BYTES` a file (fp32 counted, with train.ema_decay's average), the run's progress in the first. The same on every process (rank 0's decides
-    for all); a name it lacks (the second name of a tied weight) goes to file 0."""
+    """The file (1, 2, ...) each checkpoint tensor goes to: parameters in order, with their AdamW moments (and
+    train.ema_decay's average), about `_FILE_BYTES` a file (fp32 counted), the run's progress in the first. The same on
+    every process (rank 0's decides for all); a name it lacks (the second name of a tied weight) goes to file 0."""
     files: dict[str, int] = defaultdict(int)
     index, size = 1, 0
     for name, shape in model_shapes.items():
