@@ -34,8 +34,9 @@ class MovingAverage:
     @torch.no_grad()
     def update(self, skipped: torch.Tensor | None = None) -> None:
         """After an optimizer step; `skipped` (0-d on the device, 1 where the step was skipped for non-finite
-        gradients) leaves the average alone without the host waiting for it. A skipped step is still counted
-        (the host cannot know); the weights it averages toward are then last step's."""
+        gradients) leaves the average where it was without the host waiting for it. A skipped step is still counted
+        (the host does not read it), so the decay schedule moves on one step where diffusers' EMAModel, not called
+        for a skipped step, would not."""
         self.steps += 1
         weight = torch.tensor(self.weight(int(self.steps)), device=self.averages[0].device if self.averages else None)
         if skipped is not None:
