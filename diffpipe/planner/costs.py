@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -64,6 +64,9 @@ class UnitCost:
     # per micro-batch: the most the unit holds at once beyond what it keeps, in its forward or its backward (its
     # intermediates; planner/live_bytes.py), charged once per stage
     working_bytes: int = 0
+    # the part of output_bytes that does not grow with the micro-batch: a tensor that one micro-batch's samples share
+    # (Flux's and Wan's rotary tables), by name (plan.py's `shared_outputs` finds them)
+    shared_output_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class _FusedAttention(TorchFunctionMode):

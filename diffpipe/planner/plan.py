@@ -18,6 +18,7 @@ from ..models.units import Backbone
 from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, moment_bytes
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
 from ..pipeline.schedules import choice_of
+from ..pipeline.traffic import trace_shapes
 from .costs import UnitCost, count_unit_costs, load_profile
 from .levers import MemoryChoice, choose, fewest_swapped, leaves_any, unchanged
 from .partition import BYTES_PER_WEIGHT, Hardware, Infeasible, Partition, Replicas, estimate_stages, partition
@@ -67,12 +68,15 @@ def profile_key(config: RunConfig, micro_batch: int, device: str) -> dict:
 
 def scaled(costs: list[UnitCost], factor: float) -> list[UnitCost]:
     """Costs at `factor` times the micro-batch they were measured at (FLOPs, bytes, times: linear; the copies of
-    trained weights are made once per micro-batch, whatever its size)."""
+    trained weights and the outputs a micro-batch's samples share are one per micro-batch, whatever its size)."""
     def t(x):
         return None if x is None else x * factor
+
+    def outputs(c: UnitCost) -> dict[str, int]:
+        shared = c.shared_output_bytes
+        return {k: shared.get(k, 0) + int((v - shared.get(k, 0)) * factor) for k, v in c.output_bytes.items()}
     return [replace(c, forward_flops=int(c.forward_flops * factor), backward_flops=int(c.backward_flops * factor),
-                    activation_bytes=int(c.activation_bytes * factor),
-                    output_bytes={k: int(v * factor) for k, v in c.output_bytes.items()},
+                    activation_bytes=int(c.activation_bytes * factor), output_bytes=outputs(c),
                     forward_s=t(c.forward_s), backward_s=t(c.backward_s),
                     weight_pass_bytes=int(c.weight_pass_bytes * factor), working_bytes=int(c.working_bytes * factor))
             for c in costs]
@@ -87,18 +91,28 @@ def unit_costs(config: RunConfig, meta: Backbone, micro_batch: int) -> list[Unit
     """Per-unit costs at `micro_batch`: profiled times when `plan.profile` exists, FLOP counts otherwise."""
     counted = count_unit_costs(meta, *example_inputs(config, meta, 1), AUTOCAST_DTYPES[config.train.precision],
                                planned_storage(config).dtype)
+    for cost, shared in zip(counted, shared_outputs(config, meta)):
+        cost.shared_output_bytes = {k: cost.output_bytes[k] for k in shared}
     profile = config.plan.profile
     if profile and Path(profile).is_file():
         saved_batch = json.loads(Path(profile).read_text())["key"]["micro_batch"]
         device = planning_device(config).type
         measured = load_profile(profile, profile_key(config, saved_batch, device))
         for m, c in zip(measured, counted):  # counted for one sample; the profile is scaled from its micro-batch
+            m.shared_output_bytes = c.shared_output_bytes
             m.weight_pass_bytes = c.weight_pass_bytes * saved_batch  # counted, never measured
             m.working_bytes, m.trained_copy_bytes = c.working_bytes * saved_batch, c.trained_copy_bytes
             if device == "cpu":  # CPU memory is not measured per unit: keep the counted activation bytes
                 m.activation_bytes = c.activation_bytes * saved_batch
         return scaled(measured, micro_batch / saved_batch)
     return scaled(counted, micro_batch)
+
+
+def shared_outputs(config: RunConfig, meta: Backbone) -> list[set[str]]:
+    """The names each unit writes that a micro-batch's samples share: the same size at micro-batches 1 and 2 (traced
+    on the meta device, shapes only)."""
+    one, two = (trace_shapes(meta, *example_inputs(config, meta, b)) for b in (1, 2))
+    return [{k for k in unit.writes if a[k].numel() == b[k].numel()} for unit, a, b in zip(meta.units, one, two)]
 
 
 def boundary_bytes(meta: Backbone, costs: list[UnitCost], inputs: dict[str, torch.Tensor]) -> list[int]:
