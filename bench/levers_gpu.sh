@@ -4,7 +4,9 @@
 # LoRA with every memory setting left to the planner on a card capped to 12 GiB (what it chooses, and whether that
 # trains there); (3) SDXL full fine-tune, 100 steps, AdamW moments in fp32 against 8 bits (peak and losses).
 # PARTS="1 2 3" picks parts; 6: each unit's saved bytes counted against the GPU's, and the uncheckpointed Flux stage;
-# 7: every measured peak against the planner on this torch; 8: Flux.1-dev LoRA's step profiled against the plain loop.
+# 7: every measured peak against the planner on this torch; 8: Flux.1-dev LoRA's step profiled against the plain loop;
+# 9: SDXL LoRA's host time (cProfile) in the plain loop and in diffpipe's step, fp32 base (row 3); 10: row 3 measured
+# twice in one call, plain loop and diffpipe alternating.
 #   OUT=runs/levers bash bench/levers_gpu.sh
 # On the lent device machine, install the carried wheels first (see the session notes) and put them on PYTHONPATH.
 set -u
@@ -64,5 +66,13 @@ fi
 if [[ " $PARTS " == *" 8 "* ]]; then
   timeout 330 python3 bench/profile_step.py examples/flux_dev.toml --batch 1 --lora 16 --steps 4 --top 25 --set memory.base_dtype=\"bf16\" > $OUT/profile_flux_lora.jsonl 2> $OUT/profile_flux_lora.err
   say "profile flux-dev lora bf16 rc=$?"
+fi
+if [[ " $PARTS " == *" 9 "* ]]; then
+  timeout 300 python3 bench/lora_sdxl.py --ranks 16 --steps 12 --base-dtypes fp32 --host-profile > $OUT/host_profile_sdxl_lora.txt 2>&1
+  say "host profile sdxl lora fp32 rc=$?"
+fi
+if [[ " $PARTS " == *" 10 "* ]]; then
+  timeout 400 python3 bench/lora_sdxl.py --ranks 16,16 --steps 16 --skip-full --base-dtypes fp32 > $OUT/lora_sdxl_twice.jsonl 2> $OUT/lora_sdxl_twice.err
+  say "sdxl lora fp32 twice rc=$?"
 fi
 cat $OUT/summary.txt $OUT/rows.jsonl $OUT/*.jsonl 2>/dev/null

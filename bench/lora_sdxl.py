@@ -11,6 +11,10 @@ plain loop keeps it in fp32, as a user's loop does).
 read_record), in two ways: the batch made in the training thread each step (no background thread competing for
 the GIL), and one batch made once and reused (as the plain loop does): where the LoRA step's time goes.
 
+--host-profile runs the plain loop and diffpipe's step by hand (one batch made once, each step waited for) under
+cProfile and prints each one's host seconds a step and the functions that take the most of it: where a host-bound step
+(SDXL with LoRA launches many small kernels) spends what the other does not.
+
 Prints one JSON line per configuration: the median step over the steps after the first two, samples/s and the
 device's peak allocated memory over the run.
 """
@@ -46,7 +50,24 @@ def _report(what: str, rank: int | None, steps: list[float]) -> None:
                       "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}), flush=True)
 
 
-def plain_peft_loop(rank: int, steps: int) -> None:
+def _host_profile(what: str, run_steps, steps: int, top: int = 25) -> None:
+    """`run_steps(steps)` under cProfile (after two unprofiled steps): host seconds a step and the top functions."""
+    import cProfile
+    import io
+    import pstats
+
+    run_steps(2)
+    profiler = cProfile.Profile()
+    profiler.runcall(run_steps, steps)
+    stream = io.StringIO()
+    stats = pstats.Stats(profiler, stream=stream)
+    print(json.dumps({"what": f"host profile: {what}", "host_s_per_step": round(stats.total_tt / steps, 4),
+                      "calls_per_step": stats.total_calls // steps}), flush=True)
+    stats.sort_stats("tottime").print_stats(top)
+    print(stream.getvalue(), flush=True)
+
+
+def plain_peft_loop(rank: int, steps: int, host_profile: bool = False) -> None:
     """diffusers' UNet with peft's LoRA layers (the same injection), AdamW on the adapters: the loop a user writes."""
     from diffusers import UNet2DConditionModel
 
@@ -63,16 +84,22 @@ def plain_peft_loop(rank: int, steps: int) -> None:
                                          time_ids=torch.randn(BATCH, 6, device="cuda")))
     target = torch.randn(BATCH, 4, 128, 128, device="cuda")
     times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(**inputs).sample
-        torch.nn.functional.mse_loss(out.float(), target).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+
+    def run_steps(count: int) -> None:
+        for _ in range(count):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(**inputs).sample
+            torch.nn.functional.mse_loss(out.float(), target).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    if host_profile:
+        _host_profile("plain peft loop", run_steps, steps)
+        return
+    run_steps(steps)
     _report("plain peft loop", rank, times)
     del model, opt
 
@@ -97,7 +124,7 @@ def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32") -> None
     del trainer
 
 
-def diffpipe_by_hand(rank: int, steps: int, base_dtype: str, fixed_batch: bool) -> None:
+def diffpipe_by_hand(rank: int, steps: int, base_dtype: str, fixed_batch: bool, host_profile: bool = False) -> None:
     """diffpipe's LoRA step run by hand, each step waited for: the batch made in this thread each step, or once."""
     torch.cuda.reset_peak_memory_stats()
     sets = ["pipeline.stages=1", "pipeline.microbatches=1", f"train.batch_size={BATCH}", f"train.max_steps={steps}",
@@ -111,12 +138,19 @@ def diffpipe_by_hand(rank: int, steps: int, base_dtype: str, fixed_batch: bool) 
 
     batch = trainer.batch_for(0) if fixed_batch else None
     times = []
-    for step in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss, _ = trainer.forward_backward(step, batch if fixed_batch else trainer.batch_for(step))
-        read_record(trainer.apply_gradients(step, loss))
-        times.append(time.perf_counter() - start)
+
+    def run_steps(count: int) -> None:
+        for _ in range(count):
+            step = len(times)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss, _ = trainer.forward_backward(step, batch if fixed_batch else trainer.batch_for(step))
+            read_record(trainer.apply_gradients(step, loss))
+            times.append(time.perf_counter() - start)
+    if host_profile:
+        _host_profile(f"diffpipe lora by hand, {base_dtype} base", run_steps, steps)
+        return
+    run_steps(steps)
     how = "one batch made once" if fixed_batch else "batch made in the training thread"
     _report(f"diffpipe lora by hand, {base_dtype} base, {how}", rank, times)
     del trainer
@@ -136,7 +170,17 @@ def main() -> None:
     parser.add_argument("--skip-full", action="store_true")
     parser.add_argument("--base-dtypes", default="bf16,fp32", help="memory.base_dtype of diffpipe's LoRA runs")
     parser.add_argument("--loops", action="store_true", help="also diffpipe's step by hand (see above)")
+    parser.add_argument("--host-profile", action="store_true", help="the plain loop and diffpipe's step by hand "
+                        "under cProfile (see above), nothing else")
     args = parser.parse_args()
+    if args.host_profile:
+        for rank in [int(r) for r in args.ranks.split(",") if r]:
+            plain_peft_loop(rank, args.steps, host_profile=True)
+            _free()
+            for base_dtype in args.base_dtypes.split(","):
+                diffpipe_by_hand(rank, args.steps, base_dtype, fixed_batch=True, host_profile=True)
+                _free()
+        return
     for rank in [int(r) for r in args.ranks.split(",") if r]:
         plain_peft_loop(rank, args.steps)
         _free()
