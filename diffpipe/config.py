@@ -101,7 +101,8 @@ class DataConfig(_Section):
 
 
 class TrainConfig(_Section):
-    max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to run (unless train.epochs is set).")
+    epochs: int = Field(0, ge=0, description="Passes over the training data, instead of train.max_steps: the run takes this many epochs' steps, counted once the data is read and printed at the start (an image folder's epoch is, over its aspect-ratio buckets, each bucket's items / batch_size rounded up: a bucket's last batch is filled from its start; digits and synthetic data: items / batch_size, the run's total rounded up). The epoch is in metrics.jsonl and the progress bar. 0: train.max_steps decides.")
     batch_size: int = Field(32, ge=1, description="Global batch: micro-batch size x pipeline.microbatches x pipeline.data_parallel.")
     learning_rate: float = Field(1e-3, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")

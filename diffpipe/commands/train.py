@@ -138,7 +138,7 @@ def _check_resumable(config, run_dir: Path, backbone) -> None:
     if changed:
         raise CommandError(f"--resume {run_dir}: the config differs from the run's in what a resumed run must keep: "
                         + "; ".join(changed) + ". Use the run's config (its config.toml), or start a new run")
-    if step >= config.train.max_steps:
+    if step >= config.train.max_steps and not config.train.epochs:  # epochs: steps known once the data is read
         raise CommandError(f"--resume {run_dir}: the checkpoint is at step {step}, train.max_steps is "
                         f"{config.train.max_steps}; raise it to train on (--set train.max_steps=N)")
     print(f"resuming {run_dir} from {path} (step {step})", flush=True)

@@ -65,6 +65,10 @@ class TensorImages:
     def summary(self, held_out) -> str | None:
         return None
 
+    def steps_per_epoch(self, batch_size: int) -> float:
+        """Batches are taken in turn across epochs: an epoch is a fraction of a step past a whole number of them."""
+        return len(self.images) / batch_size
+
     def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
         n = len(self.images)
         start = step * batch_size

@@ -126,12 +126,16 @@ class FolderImages:
             groups.setdefault((p.bucket, p.frames), []).append(i)
         return [groups[b] for b in sorted(groups)]
 
+    def steps_per_epoch(self, batch_size: int) -> int:
+        """Each bucket's items in batches, the last one filled up from the bucket's start (`batch_indices`)."""
+        return sum(-(-len(g) // batch_size) for g in self.groups())
+
     def batch_indices(self, step: int, batch_size: int, seed: int) -> list[int]:
         """The step's items, all from one bucket. Each epoch shuffles every bucket's items, cuts them into batches
         (a bucket's last batch filled up from its start) and shuffles the batches; seeded by (seed, epoch), so every
         process draws the same."""
         groups = self.groups()
-        per_epoch = sum(-(-len(g) // batch_size) for g in groups)
+        per_epoch = self.steps_per_epoch(batch_size)
         epoch, position = divmod(step, per_epoch)
         gen = torch.Generator().manual_seed(seeds.of_epoch(seed, epoch))
         batches = []

@@ -44,7 +44,7 @@ CHECKPOINTS = "checkpoints"
 _COMPLETE = "complete.json"
 _FILE_BYTES = 1 << 30  # a checkpoint file's size, about
 # what a resumed run may change: its length, logging, outputs and the layout (a checkpoint reshards by name)
-_SAFE_TO_CHANGE = ("train.max_steps", "train.learning_rate", "train.log_every", "train.device",
+_SAFE_TO_CHANGE = ("train.max_steps", "train.epochs", "train.learning_rate", "train.log_every", "train.device",
                    "train.collective_timeout_minutes", "pipeline.", "plan.", "observe.", "checkpoint.", "output.",
                    "sample.", "data.text_cache_gib", "memory.block_swap")
 

@@ -70,7 +70,8 @@ class NullProgress:
 
 
 def make_progress() -> Progress:
-    return Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+    return Progress(TextColumn("step {task.completed}/{task.total}"), TextColumn("epoch {task.fields[epoch]}"),
+                    BarColumn(),
                     TextColumn("loss {task.fields[loss]}"),
                     TextColumn("{task.fields[samples_per_s]} samples/s (global batch {task.fields[batch]})"),
                     TextColumn("ETA"), TimeRemainingColumn())
@@ -86,9 +87,9 @@ class StepReport:
     progress bar (on the main rank; elsewhere only the time)."""
 
     def __init__(self, run_dir: Path, max_steps: int, batch_size: int, log_every: int, writers, is_main: bool,
-                 device: torch.device, start_step: int = 0):
+                 device: torch.device, start_step: int = 0, steps_per_epoch: float = 1.0):
         self.max_steps, self.batch_size, self.log_every, self.writers = max_steps, batch_size, log_every, writers
-        self.start_step = start_step
+        self.start_step, self.steps_per_epoch = start_step, steps_per_epoch
         self.log = MetricsLog(run_dir / "metrics.jsonl", start_step) if is_main else None
         self.progress = make_progress() if is_main else NullProgress()
         self.device, self.task, self.last = device, 0, None
@@ -96,7 +97,7 @@ class StepReport:
     def __enter__(self) -> "StepReport":
         self.progress.__enter__()
         self.task = self.progress.add_task("train", total=self.max_steps, completed=self.start_step, loss="-",
-                                           samples_per_s="-", batch=self.batch_size)
+                                           samples_per_s="-", batch=self.batch_size, epoch=self._epoch(self.start_step))
         self.last = Mark(self.device)  # the loop begins: the first step is timed from here
         return self
 
@@ -110,7 +111,12 @@ class StepReport:
         seconds, self.last = end.seconds_since(self.last), end
         record.update(step_time_s=round(seconds, 5), samples_per_s=self.batch_size / seconds)
 
+    def _epoch(self, steps_done: int) -> float:
+        """Epochs of the training data gone through after `steps_done` steps."""
+        return round(steps_done / self.steps_per_epoch, 3)
+
     def write(self, step: int, record: dict) -> None:
+        record["epoch"] = self._epoch(step + 1)
         if self.log is not None and is_logged(step, self.max_steps, self.log_every):
             self.log.write(record)
             for key in ("loss", "lr", "grad_norm", "samples_per_s"):
@@ -119,7 +125,7 @@ class StepReport:
             for key in (k for k in record if k.startswith("eval_loss")):
                 self.writers.add_scalar(f"eval/{key.removeprefix('eval_')}", record[key], step)
         self.progress.update(self.task, completed=step + 1, loss=f"{record['loss']:.4f}",
-                             samples_per_s=f"{record['samples_per_s']:.1f}")
+                             samples_per_s=f"{record['samples_per_s']:.1f}", epoch=record["epoch"])
 
 
 _END = "_end"  # the record's Mark: where on the device the step ended, after its figures were copied to the host

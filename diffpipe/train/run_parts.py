@@ -7,6 +7,7 @@ module seeded alike whatever the stage count: models/materialise.py), then moves
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from ..build import (boundary_traffic, build_backbone, build_dataset, build_stages, build_text_encoder, feed,
                      sample_shape)
-from ..config import RunConfig
+from ..config import RunConfig, TrainConfig
 from ..data.batches import BatchMaker, CaptionTags
 from ..diffusion.objectives import weighted_mse
 from ..distributed import Topology
@@ -36,7 +37,7 @@ from .checkpoint import model_shapes
 from .evaluation import held_out_data
 from .optim import LossScaler, make_optimizer
 
-__all__ = ["RunParts", "build_run", "resolve_layout"]
+__all__ = ["RunParts", "build_run", "resolve_layout", "resolve_epochs"]
 
 
 @dataclass
@@ -83,6 +84,16 @@ def resolve_layout(config: RunConfig, backbone: Backbone) -> None:
         p.split, p.checkpointing = resolve_stages(config, backbone)
 
 
+def resolve_epochs(train: TrainConfig, data, say: bool) -> None:
+    """train.epochs: train.max_steps set (in `train`) to that many of the data's epochs, rounded up to a whole step."""
+    if train.epochs:
+        per_epoch = data.steps_per_epoch(train.batch_size)
+        train.max_steps = math.ceil(train.epochs * per_epoch - 1e-9)
+        if say:
+            print(f"train.epochs = {train.epochs}: {train.max_steps} steps ({per_epoch:g} an epoch of "
+                  f"{len(data.captions)} items at batch {train.batch_size})", flush=True)
+
+
 def build_run(config: RunConfig, topo: Topology) -> RunParts:
     """This process's parts of the run (rank 0 prints what the data and the text encoders came to)."""
     p = config.pipeline
@@ -108,6 +119,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     optimizer, lr_schedule = make_optimizer(groups, config.train, config.memory.optimizer_state)
     text = build_text_encoder(config, backbone).to(topo.device)
     data = build_dataset(config, backbone, text, topo.device, topo.rank, topo.world_size, dist.barrier)
+    resolve_epochs(config.train, data, topo.is_main)  # the learning-rate schedule reads max_steps as it goes
     family_feed = feed(config, backbone)
     held_out = held_out_data(config, data)
     # every caption the run will ask for computed already (cached or kept): the text encoders leave the GPU

@@ -172,10 +172,13 @@ class Trainer:
         for the host between steps; the next batch is made in the background. On a CPU the host is the device:
         each step is read as it ends."""
         train, topo = self.config.train, self.topo
+        if start_step >= train.max_steps:  # the launcher checks max_steps; epochs are counted only here
+            raise TrainingStopped(f"resuming at step {start_step}, but the run is {train.max_steps} steps long "
+                                  f"(train.epochs = {train.epochs}); raise train.epochs to train on")
         self.next_step = start_step  # the step after the last one finished: what a checkpoint resumes at
         prefetcher = BatchPrefetcher(self.batch_for, topo.device)
         report = StepReport(self.run_dir, train.max_steps, train.batch_size, train.log_every, self.writers,
-                            topo.is_main, topo.device, start_step)
+                            topo.is_main, topo.device, start_step, self.data.steps_per_epoch(train.batch_size))
         try:
             with report:
                 waiting = None  # the previous step: (step, record, times)
