@@ -1,7 +1,8 @@
 """Generate images from a run folder through the same stage modules that trained, chained in one process; a run
 on a pipeline folder decodes the latents with that folder's VAE into RGB images.
 
-Used by `diffpipe sample RUN_DIR --prompt TEXT --out FILE.png` and for `samples.png` at the end of training.
+Used by `diffpipe sample RUN_DIR --prompt TEXT --out FILE.png` and for `samples.png` at the end of training (the
+grids as files: grids.py).
 """
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 from .precision import AUTOCAST_DTYPES
 
-__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "save_grid", "run_stages", "grid_prompts",
-           "grid_scale"]
+__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "run_stages", "grid_prompts"]
 
 
 def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: dict[str, torch.Tensor],
@@ -154,32 +154,3 @@ def grid_prompts(config: RunConfig, data_captions: Callable[[], list[str]]) -> l
     """The columns of a grid of samples (at the end of training and during it), as data.dataset's source chooses
     them: every digit, a digit in each motion, else sample.prompts or up to four distinct captions of the data."""
     return source_of(config).grid_prompts(config, data_captions)
-
-
-def grid_scale(config: RunConfig) -> int:
-    """How much a grid of samples is enlarged: 8x8 digits 4x, images as they are."""
-    return source_of(config).grid_scale
-
-
-def save_grid(images: torch.Tensor, rows: int, path: str | Path, scale: int = 1) -> Path:
-    """Images (rows x cols, row-major) tiled edge to edge, each scaled by `scale` (nearest neighbour); clips
-    (N, C, F, H, W) as an animated GIF of such grids, beside `path` with the suffix .gif. Returns the file written."""
-    if images.dim() == 5:
-        frames = [_grid(images[:, :, f], rows, scale) for f in range(images.shape[2])]
-        path = Path(path).with_suffix(".gif")
-        frames[0].save(path, save_all=True, append_images=frames[1:], duration=250, loop=0)
-        return path
-    _grid(images, rows, scale).save(path)
-    return Path(path)
-
-
-def _grid(images: torch.Tensor, rows: int, scale: int) -> Image.Image:
-    tiles = images_to_pil(images)
-    cols = len(tiles) // rows
-    w, h = tiles[0].size
-    grid = Image.new(tiles[0].mode, (cols * w, rows * h))
-    for i, tile in enumerate(tiles):
-        grid.paste(tile, ((i % cols) * w, (i // cols) * h))
-    if scale != 1:
-        grid = grid.resize((cols * w * scale, rows * h * scale), Image.NEAREST)
-    return grid

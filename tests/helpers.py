@@ -26,6 +26,15 @@ class Ran:
     stderr: str = "(in this process: its errors are in pytest's captured output)"
 
 
+def grid_size(columns: int, rows: int, tile: tuple[int, int], seeds: list[int]) -> tuple[int, int]:
+    """The size of a labelled grid of samples (diffpipe/grids.py): tiles of `tile` pixels (as enlarged) with each
+    column's prompt above and each row's "seed N" at its left."""
+    from diffpipe.grids import label_margins
+
+    left, top = label_margins([f"seed {s}" for s in seeds])
+    return left + columns * tile[0], top + rows * tile[1]
+
+
 def run_command(args: list[str]) -> Ran:
     """`diffpipe ARGS` through the CLI's own entry point, in this process: the same code as the command line less a
     new interpreter and its imports, and, for several processes, forked from one fork server that pytest's process

@@ -11,7 +11,7 @@ from PIL import Image
 
 from diffpipe.cli import main
 
-from .helpers import Ran, run_command
+from .helpers import Ran, grid_size, run_command
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "digits.toml"
 QUICK = ["--set", "train.max_steps=4", "--set", "train.batch_size=16", "--set", "sample.steps=2",
@@ -46,7 +46,7 @@ def test_one_and_two_stages_and_torchrun_give_the_same_losses_and_a_usable_run_f
     assert len(_losses(one)) == 4
     for name in ("config.toml", "model.safetensors", "metrics.jsonl", "samples.png", "loss.png"):
         assert (two / name).is_file(), name
-    assert Image.open(two / "samples.png").size == (10 * 8 * 4, 8 * 4)  # 10 digits x 1 seed, scaled 4x
+    assert Image.open(two / "samples.png").size == grid_size(10, 1, (64, 64), [0])  # 10 digits, 1 seed, 8x
 
     _check_observability(two)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from .helpers import run_command
+from .helpers import grid_size, run_command
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "photos.toml"
@@ -42,7 +42,7 @@ def test_one_and_two_stages_train_the_photo_folder_to_the_same_losses(tiny, tmp_
     one, two = _rows(runs[1]), _rows(runs[2])
     assert [r["loss"] for r in one] == pytest.approx([r["loss"] for r in two], rel=1e-5)
     assert all(r["skipped_images"] == 1 for r in two)
-    assert Image.open(runs[2] / "samples.png").size == (2 * 128, 128)  # 2 prompts x 1 seed, decoded RGB pixels
+    assert Image.open(runs[2] / "samples.png").size == grid_size(2, 1, (128, 128), [0])  # decoded RGB pixels
     out = tmp_path / "flower.png"
     cmd = [sys.executable, "-m", "diffpipe", "sample", str(runs[2]), "--prompt", "a close photo of a pink flower",
            "--num", "2", "--steps", "2", "--out", str(out)]

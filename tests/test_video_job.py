@@ -7,7 +7,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from .helpers import run_command, wan_output
+from .helpers import grid_size, run_command, wan_output
 
 ROOT = Path(__file__).parent.parent
 
@@ -21,8 +21,8 @@ def test_video_job_trains_across_two_stages_and_samples_animated_clips(tmp_path)
     assert "2 stage(s)" in result.stdout and "(h, context, temb, tproj, rope)" in result.stdout
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 200 and sum(losses[-50:]) < 0.65 * sum(losses[:50])  # measured 0.57 (1.32 -> 0.75)
-    gif = Image.open(run / "samples.gif")  # 2 seeds x 4 prompts, each clip 4 frames of 8x8 shown 4x
-    assert gif.is_animated and gif.n_frames == 4 and gif.size == (4 * 32, 2 * 32)
+    gif = Image.open(run / "samples.gif")  # 2 seeds x 4 prompts, each clip 4 frames of 8x8 shown 8x, labelled
+    assert gif.is_animated and gif.n_frames == 4 and gif.size == grid_size(4, 2, (64, 64), [0, 1])
     out = tmp_path / "three.gif"
     cmd = ["sample", str(run), "--prompt", "a handwritten digit three moving left",
            "--num", "2", "--steps", "3", "--out", str(out)]

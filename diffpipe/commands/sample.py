@@ -10,12 +10,10 @@ from ..errors import CommandError
 
 __all__ = ["sample_command"]
 
-_MIN_SIDE_PX = 64  # `diffpipe sample` enlarges smaller images (nearest neighbour) to at least this height
-
-
 def sample_command(args) -> None:
     """Images (or clips) from a finished run, enlarged when tiny."""
-    from ..sampling import load_generator, save_grid
+    from ..grids import enlargement, save_grid
+    from ..sampling import load_generator
 
     for name, value in (("--num", args.num), ("--steps", args.steps)):
         if value is not None and value < 1:
@@ -27,8 +25,8 @@ def sample_command(args) -> None:
     seeds = [args.seed + i for i in range(args.num)]
     images = gen.generate([args.prompt] * args.num, seeds, steps, guidance)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    scale = -(-_MIN_SIDE_PX // images.shape[-2])  # tiny images (8x8 digits) enlarged to be seen when opened
-    written = save_grid(images, 1, args.out, scale=scale)
+    scale = enlargement(images.shape[-2])  # tiny images (8x8 digits) enlarged to be seen when opened
+    written = save_grid(images, 1, args.out)  # the user's own picture: unlabelled
     print(f"wrote {args.num} image(s) to {written}" + (f", each enlarged {scale}x" if scale > 1 else ""))
 
 

@@ -161,7 +161,8 @@ def train_command(args) -> None:
 
 def _finish(config, run_dir: Path) -> None:
     from ..data.sources import source_of
-    from ..sampling import grid_prompts, grid_scale, load_generator, save_grid
+    from ..grids import save_grid
+    from ..sampling import grid_prompts, load_generator
     from ..train.records import plot_loss
 
     plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
@@ -172,7 +173,7 @@ def _finish(config, run_dir: Path) -> None:
         prompts = [p for _ in seeds for p in columns]
         row_seeds = [s for s in seeds for _ in columns]
         images = gen.generate(prompts, row_seeds, config.sample.steps, config.sample.guidance_scale)
-        written = save_grid(images, len(seeds), run_dir / "samples.png", scale=grid_scale(config))
+        written = save_grid(images, len(seeds), run_dir / "samples.png", columns, [f"seed {s}" for s in seeds])
         print(f"samples: {written}", flush=True)
     print(f"done: {run_dir}", flush=True)
 

@@ -27,7 +27,6 @@ class DataSource:
     name: ClassVar[str]
     fixed_shape: ClassVar[bool] = True  # every item has the sample shape (folders: buckets of about its area)
     samples: ClassVar[bool] = True  # a grid of samples at the end means something (random latents: nothing)
-    grid_scale: ClassVar[int] = 1  # how much a grid of samples is enlarged
     words: ClassVar[tuple[str, ...]] = ()  # words the tiny text encoder must know beyond its own
     held_out_split: ClassVar[bool] = False  # data never trained on, for the eval loss
 
@@ -74,7 +73,6 @@ class DataSource:
 
 class DigitsSource(DataSource):
     name = "digits"
-    grid_scale = 4
     held_out_split = True  # every fourth digit
 
     def check(self, config, backbone, shape):
@@ -98,7 +96,6 @@ class DigitsSource(DataSource):
 
 class MovingDigitsSource(DataSource):
     name = "moving_digits"
-    grid_scale = 4
 
     @property
     def words(self) -> tuple[str, ...]:

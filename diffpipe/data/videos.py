@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import av
 from PIL import Image
 
 from .folder import BadImage
@@ -18,20 +17,30 @@ from .folder import BadImage
 __all__ = ["VIDEO_SUFFIXES", "probe_video", "read_clip", "clip_frames"]
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
-_DECODE_ERRORS = (av.FFmpegError, OSError, ValueError, IndexError, EOFError)
+
+
+def _pyav():
+    """PyAV, imported where a video is read: a run on images never loads FFmpeg's libraries (nor needs them)."""
+    import av
+
+    return av
+
+
+def _decode_errors() -> tuple[type[BaseException], ...]:
+    return (_pyav().FFmpegError, OSError, ValueError, IndexError, EOFError)
 
 
 def probe_video(path: Path) -> tuple[int, int, int]:
     """(width, height, frames) of the first video stream, from the container without decoding pictures; counts the
     stream's packets where the container does not say (webm)."""
     try:
-        with av.open(str(path)) as container:
+        with _pyav().open(str(path)) as container:
             if not container.streams.video:
                 raise BadImage("no video stream")
             stream = container.streams.video[0]
             frames = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
             return stream.codec_context.width, stream.codec_context.height, frames
-    except _DECODE_ERRORS as exc:
+    except _decode_errors() as exc:
         raise BadImage(f"not a readable video ({type(exc).__name__})") from None
 
 
@@ -39,12 +48,12 @@ def read_clip(path: Path, count: int) -> list[Image.Image]:
     """The first `count` frames as 8-bit RGB images; `BadImage` when fewer can be decoded."""
     frames: list[Image.Image] = []
     try:
-        with av.open(str(path)) as container:
+        with _pyav().open(str(path)) as container:
             for frame in container.decode(video=0):
                 frames.append(frame.to_image())
                 if len(frames) == count:
                     break
-    except _DECODE_ERRORS as exc:
+    except _decode_errors() as exc:
         raise BadImage(f"cannot be decoded after {len(frames)} frames ({type(exc).__name__})") from None
     if len(frames) < count:
         raise BadImage(f"only {len(frames)} of the {count} frames its clip needs could be decoded (truncated?)")

@@ -15,7 +15,8 @@ from ..config import RunConfig
 from ..data.batches import fixed_batches
 from ..data.sources import source_of
 from ..diffusion.timesteps import timestep_quantiles
-from ..sampling import Generator, grid_prompts, grid_scale, save_grid
+from ..grids import save_grid
+from ..sampling import Generator, grid_prompts
 
 __all__ = ["evaluate", "held_out_data", "write_samples"]
 
@@ -78,5 +79,5 @@ def write_samples(trainer, step: int) -> None:
         folder = trainer.run_dir / "samples"
         folder.mkdir(exist_ok=True)
         path = folder / f"step-{step + 1:06d}.png"
-        path = save_grid(images, len(seeds), path, scale=grid_scale(cfg))
+        path = save_grid(images, len(seeds), path, prompts, [f"seed {s}" for s in seeds])
         trainer.writers.add_image("samples", path, step)

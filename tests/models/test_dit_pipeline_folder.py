@@ -20,7 +20,7 @@ from diffpipe.models.dit_text import FluxText, SD3Text
 from diffpipe.models.loading import CheckpointError
 from diffpipe.preflight import check_before_launch
 
-from ..helpers import Ran, run_command
+from ..helpers import Ran, grid_size, run_command
 
 ROOT = Path(__file__).parent.parent.parent
 CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]
@@ -102,7 +102,7 @@ def test_the_tiny_sd3_example_trains_samples_and_exports_as_a_user_runs_it(tiny,
     losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 30 and all(l == l for l in losses)
     assert sum(losses[-10:]) < sum(losses[:10])  # it learns: flow matching's loss starts near 2 (noise - x0)
-    assert Image.open(run / "samples.png").size == (2 * 128, 128)  # 2 prompts x 1 seed, decoded by the VAE
+    assert Image.open(run / "samples.png").size == grid_size(2, 1, (128, 128), [0])  # 2 prompts x 1 seed, decoded by the VAE
     out = tmp_path / "pipeline"
     export = ["export", str(run), "--format", "diffusers", "--out", str(out)]
     assert run_command(export).returncode == 0
@@ -138,7 +138,7 @@ def test_the_tiny_flux_example_trains_lora_and_its_export_loads_in_diffusers(tin
                     "--set", "sample.seeds=[0]")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 stage(s)" in result.stdout
-    assert Image.open(run / "samples.png").size == (2 * 128, 128)
+    assert Image.open(run / "samples.png").size == grid_size(2, 1, (128, 128), [0])
     trained = FluxPipeline.from_pretrained(tiny / "flux").transformer
     trained.load_state_dict(load_file(str(run / "model.safetensors")))  # the base with the adapters merged
     want = _flux_output(trained)
