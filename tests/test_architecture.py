@@ -16,7 +16,7 @@ ROOMS = [
     {"pipeline"},
     {"build", "observe", "config_files"},
     {"planner"},
-    {"preflight", "sampling"},
+    {"preflight", "sampling", "grids"},
     {"train", "export", "run_folder", "config_reference"},
     {"commands", "cli", "api", "__main__", "__init__"},
 ]
