@@ -22,7 +22,7 @@ from diffpipe.diffusion.timesteps import sample_timesteps, timestep_quantiles
 
 from ..pipeline.reference_loop import Text, digits, noised
 
-from ..helpers import run_command
+from ..helpers import grid_size, run_command
 
 EXAMPLE = Path(__file__).parent.parent.parent / "examples" / "digits.toml"
 
@@ -108,6 +108,7 @@ def test_eval_loss_and_samples_through_the_pipeline_equal_the_unsplit_model(tmp_
     through_pipeline = np.asarray(Image.open(run / "samples" / "step-000004.png"), dtype=np.int16)
     assert (run / "samples" / "step-000002.png").is_file()
     chained = np.asarray(Image.open(run / "samples.png"), dtype=np.int16)  # written by load_generator at the end
-    assert through_pipeline.shape == chained.shape == (2 * 8 * 4, 10 * 8 * 4)
+    width, height = grid_size(10, 2, (64, 64), [0, 1])  # 10 digits x 2 seeds, 8x8 shown 8x, labelled
+    assert through_pipeline.shape == chained.shape == (height, width)
     assert np.abs(through_pipeline - chained).max() <= 1  # 8-bit rounding at most
     assert through_pipeline.std() > 10  # not a blank image
