@@ -6,7 +6,8 @@
 # PARTS="1 2 3" picks parts; 6: each unit's saved bytes counted against the GPU's, and the uncheckpointed Flux stage;
 # 7: every measured peak against the planner on this torch; 8: Flux.1-dev LoRA's step profiled against the plain loop;
 # 9: SDXL LoRA's host time (cProfile) in the plain loop and in diffpipe's step, fp32 base (row 3); 10: row 3 measured
-# twice in one call, plain loop and diffpipe alternating.
+# twice in one call, plain loop and diffpipe alternating; 11: train.optimizer (AdamW, Prodigy, Adafactor) on an SDXL
+# UNet LoRA r16, one stage on CUDA: losses, samples/s and each one's optimizer time a step, and a Prodigy run resumed.
 #   OUT=runs/levers bash bench/levers_gpu.sh
 # On the lent device machine, install the carried wheels first (see the session notes) and put them on PYTHONPATH.
 set -u
@@ -74,5 +75,18 @@ fi
 if [[ " $PARTS " == *" 10 "* ]]; then
   timeout 400 python3 bench/lora_sdxl.py --ranks 16,16 --steps 16 --skip-full --base-dtypes fp32 > $OUT/lora_sdxl_twice.jsonl 2> $OUT/lora_sdxl_twice.err
   say "sdxl lora fp32 twice rc=$?"
+fi
+if [[ " $PARTS " == *" 11 "* ]]; then
+  O="--set adapter.type=\"lora\" --set adapter.rank=16 --set pipeline.stages=1 --set pipeline.microbatches=1 --set pipeline.split=[] --set pipeline.checkpointing=\"none\" --set train.batch_size=4 --set train.max_steps=12 --set checkpoint.every=6 --set output.save_weights=false --set train.device=\"cuda\" --set observe.every=1 --set observe.log_every=1 --set train.warmup_steps=0"
+  for o in adamw:1e-4 prodigy:1.0 adafactor:1e-4; do
+    timeout 150 python3 -m diffpipe train examples/sdxl_unet.toml $O --set train.optimizer=\"${o%%:*}\" --set train.learning_rate=${o#*:} --output-dir $OUT/opt_${o%%:*} --overwrite > $OUT/opt_${o%%:*}.log 2>&1
+    say "sdxl lora ${o%%:*} cuda rc=$? losses $(losses $OUT/opt_${o%%:*}/metrics.jsonl)"
+    python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])][4:]; print('  samples/s', round(sum(x.get('samples_per_s',0) for x in r)/max(1,len(r)),2))" $OUT/opt_${o%%:*}/metrics.jsonl >> $OUT/summary.txt 2>&1
+    grep -o '"optimizer_s": [0-9.e-]*' $OUT/opt_${o%%:*}/stage_times.jsonl | tail -6 | tr '\n' ' ' >> $OUT/summary.txt; echo >> $OUT/summary.txt
+  done
+  rm -rf $OUT/opt_resumed && cp -r $OUT/opt_prodigy $OUT/opt_resumed && rm -rf $OUT/opt_resumed/checkpoints/step-00000012
+  python3 -c "import json,sys; p=sys.argv[1]; rows=[l for l in open(p) if json.loads(l).get('step', 99) <= 7]; open(p,'w').writelines(rows)" $OUT/opt_resumed/metrics.jsonl
+  timeout 150 python3 -m diffpipe train examples/sdxl_unet.toml $O --set train.optimizer=\"prodigy\" --set train.learning_rate=1.0 --resume $OUT/opt_resumed > $OUT/opt_resumed.log 2>&1
+  say "sdxl lora prodigy resumed at 6 rc=$? losses $(losses $OUT/opt_resumed/metrics.jsonl)"
 fi
 cat $OUT/summary.txt $OUT/rows.jsonl $OUT/*.jsonl 2>/dev/null

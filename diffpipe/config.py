@@ -104,10 +104,12 @@ class TrainConfig(_Section):
     max_steps: int = Field(100, ge=1, description="Optimizer steps to run (unless train.epochs is set).")
     epochs: int = Field(0, ge=0, description="Passes over the training data, instead of train.max_steps: the run takes this many epochs' steps, counted once the data is read and printed at the start (an image folder's epoch is, over its aspect-ratio buckets, each bucket's items / batch_size rounded up: a bucket's last batch is filled from its start; digits and synthetic data: items / batch_size, the run's total rounded up). The epoch is in metrics.jsonl and the progress bar. 0: train.max_steps decides.")
     batch_size: int = Field(32, ge=1, description="Global batch: micro-batch size x pipeline.microbatches x pipeline.data_parallel.")
-    learning_rate: float = Field(1e-3, gt=0, description="Peak AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.999], min_length=2, max_length=2, description="AdamW betas, each in [0, 1).")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon (added to the root of the second moment).")
+    optimizer: Literal["adamw", "adafactor", "prodigy"] = Field("adamw", description="adamw (torch's fused AdamW; memory.optimizer_state may hold its moments in 8 bits); adafactor (transformers' Adafactor with the learning rate and schedule given here, as kohya's `relative_step=False scale_parameter=False warmup_init=False`: a matrix's second moment kept as a row and a column mean, no first moment; learning rates about 1e-5 to 4e-7 for full fine-tunes); prodigy (Prodigy, step size estimated by the run over every weight of every stage: set train.learning_rate = 1.0, its multiplier, as its users do). adafactor and prodigy: not with pipeline.data_parallel_shard; prodigy: not with train.stage_lr_scale.")
+    optimizer_args: dict[str, float | bool | None] = Field({}, description="Settings of adafactor or prodigy beyond the ones above, by their own names: adafactor's clip_threshold (1.0), decay_rate (-0.8), beta1 (unset: no first moment), scale_parameter (false); prodigy's d_coef (1.0), d0 (1e-6), growth_rate (unlimited), beta3 (the square root of betas[1]), use_bias_correction (false), safeguard_warmup (false; true with warm-up, as its authors suggest). AdamW takes none (its are betas, adam_eps, weight_decay).")
+    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate (Prodigy: the multiplier of the step size it estimates, 1.0 as a rule).")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW, Adafactor, Prodigy).")
+    betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.999], min_length=2, max_length=2, description="AdamW's and Prodigy's betas, each in [0, 1).")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW's and Prodigy's epsilon (added to the root of the second moment).")
     lr_schedule: Literal["constant", "cosine"] = Field("cosine", description="Learning-rate schedule after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip gradients to this global norm over all stages; 0 turns clipping off.")
@@ -276,6 +278,7 @@ class RunConfig(_Section):
         if self.memory.optimizer_state == "8bit" and p.data_parallel_shard and p.data_parallel > 1:
             raise ValueError("memory.optimizer_state = \"8bit\" updates whole tensors (bitsandbytes' kernels), which "
                              "pipeline.data_parallel_shard cuts across replicas: set one of them off")
+        _check_optimizer(t, self.memory, p)
         if self.checkpoint.export_every and self.adapter.type != "lora":
             raise ValueError("checkpoint.export_every writes a LoRA's adapters, and adapter.type is \"none\": set "
                              "checkpoint.every and export a checkpoint with `diffpipe export RUN --step N`, or train "
@@ -291,6 +294,37 @@ class RunConfig(_Section):
     @property
     def micro_batch_size(self) -> int:
         return self.train.batch_size // (self.pipeline.microbatches * self.pipeline.data_parallel)
+
+
+# train.optimizer_args each optimizer takes (train/optim.py, train/prodigy.py)
+OPTIMIZER_ARGS = {"adamw": (), "adafactor": ("clip_threshold", "decay_rate", "beta1", "scale_parameter"),
+                  "prodigy": ("d_coef", "d0", "growth_rate", "beta3", "use_bias_correction", "safeguard_warmup")}
+
+
+def _check_optimizer(t: TrainConfig, memory: MemoryConfig, p: PipelineConfig) -> None:
+    unknown = sorted(set(t.optimizer_args) - set(OPTIMIZER_ARGS[t.optimizer]))
+    if unknown:
+        takes = ", ".join(OPTIMIZER_ARGS[t.optimizer]) or "none"
+        raise ValueError(f"train.optimizer_args: {', '.join(unknown)} is not a setting of train.optimizer = "
+                         f"{t.optimizer!r} (it takes: {takes})")
+    if t.optimizer == "adamw":
+        return
+    if memory.optimizer_state != "fp32":
+        raise ValueError(f"memory.optimizer_state = {memory.optimizer_state!r} is AdamW's (bitsandbytes' AdamW8bit) "
+                         f"and train.optimizer is {t.optimizer!r}: set memory.optimizer_state = \"fp32\" or "
+                         "train.optimizer = \"adamw\"")
+    if p.data_parallel_shard and p.data_parallel > 1:
+        raise ValueError(f"train.optimizer = {t.optimizer!r} needs each weight whole (Adafactor's row and column "
+                         "means, Prodigy's sums), which pipeline.data_parallel_shard cuts across replicas: set "
+                         "pipeline.data_parallel_shard = false, or train.optimizer = \"adamw\"")
+    if t.optimizer == "adafactor" and p.data_parallel > 1 and p.stages > 1:
+        raise ValueError("train.optimizer = \"adafactor\" with data-parallel replicas of a pipeline: their weights "
+                         "are DTensors (FSDP2's replicate), which transformers' Adafactor cannot step. Use "
+                         "pipeline.stages = 1 with data parallel (torch's DDP engine), pipeline.data_parallel = 1, "
+                         "or train.optimizer = \"prodigy\" or \"adamw\"")
+    if t.optimizer == "prodigy" and t.stage_lr_scale is not None and len(set(t.stage_lr_scale)) > 1:
+        raise ValueError("train.optimizer = \"prodigy\" estimates one step size for the whole model, so stages "
+                         "cannot have learning rates of their own: leave train.stage_lr_scale unset, or use adamw")
 
 
 def _describe(error: dict, model: type[BaseModel]) -> str:

@@ -38,6 +38,13 @@ __all__ = ["UnitCost", "count_unit_costs", "needs_grad", "kept_for_weight_pass",
            "load_profile"]
 
 
+def _factored(shape: torch.Size) -> int:
+    """Elements of Adafactor's second moment of a weight of this shape (transformers' Adafactor)."""
+    if len(shape) < 2:
+        return shape.numel()
+    return shape[:-1].numel() + (shape[:-2] + shape[-1:]).numel()
+
+
 @dataclass
 class UnitCost:
     """Costs of one unit for one micro-batch. Times are seconds; None until profiled or derived from FLOPs."""
@@ -58,6 +65,9 @@ class UnitCost:
     # and convolution layers (stored in fp32, autocast's bf16 copy of each is kept for backward per micro-batch)
     frozen_linear_params: int = 0
     frozen_product_params: int = 0
+    # Adafactor's second moment of the unit's trained weights: a row and a column mean per matrix (the last two
+    # dimensions), every element of a vector
+    factored_state_params: int = 0
     # per micro-batch whatever its size: under autocast, the bf16/fp16 copies of trained weights that backward keeps
     # (made once per micro-batch's forward, precision/autocast.py)
     trained_copy_bytes: int = 0
@@ -161,6 +171,7 @@ def _count_unit(unit, named: dict[str, torch.Tensor], grad_names: set[str], auto
     return UnitCost(
         name=unit.name, params=sum(p.numel() for p in params),
         trainable_params=sum(p.numel() for p in params if p.requires_grad),
+        factored_state_params=sum(_factored(p.shape) for p in params if p.requires_grad),
         forward_flops=forward.get_total_flops(), backward_flops=backward.get_total_flops(),
         activation_bytes=sum(t.numel() * t.element_size() for t in saved.values()),
         output_bytes={k: v.numel() * v.element_size() for k, v in out.items()},

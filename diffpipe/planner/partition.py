@@ -53,7 +53,8 @@ class Replicas:
     gathered_per_unit: bool = False
     frozen: FrozenStorage = FrozenStorage()  # how frozen weights are held (memory.base_dtype)
     autocast_bytes: int = 0  # an element in the autocast dtype (2 for bf16/fp16); 0 for fp32 compute
-    moment_bytes: float = 8.0  # AdamW's two moments per trained parameter (precision.moment_bytes)
+    moment_bytes: float = 8.0  # the optimizer's state per trained parameter (precision.optimizer_state_bytes)
+    factored: bool = False  # and Adafactor's factored second moment (UnitCost.factored_state_params, fp32)
     average_bytes: float = 0.0  # train.ema_decay's moving average per trained parameter (fp32; sharded like moments)
     block_swap: int = 0  # units of each stage whose frozen weights live in host memory (pipeline/block_swap.py)
 
@@ -83,9 +84,10 @@ class Replicas:
         return trained + unit.frozen_product_params * self.autocast_bytes
 
     def state_bytes(self, units: list[UnitCost]) -> float:
-        """Weights, gradients, AdamW state and any moving average of a stage of these units, per device."""
+        """Weights, gradients, optimizer state and any moving average of a stage of these units, per device."""
         weights, trainable = sum(self.weight_bytes(c) for c in units), sum(c.trainable_params for c in units)
-        whole = weights + trainable * (BYTES_PER_GRADIENT + self.moment_bytes + self.average_bytes)
+        factored = 4 * sum(c.factored_state_params for c in units) if self.factored else 0
+        whole = weights + trainable * (BYTES_PER_GRADIENT + self.moment_bytes + self.average_bytes) + factored
         if not self.sharded or self.count == 1:
             return whole
         if self.gathered_per_unit:

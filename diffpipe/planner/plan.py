@@ -15,7 +15,7 @@ from ..config import RunConfig
 from ..models.materialise import is_meta
 from ..models.storage import LINEAR_FORMATS, FrozenStorage
 from ..models.units import Backbone
-from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, moment_bytes
+from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, moment_bytes, optimizer_state_bytes
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
 from ..pipeline.schedules import choice_of
 from ..pipeline.traffic import trace_shapes
@@ -182,7 +182,7 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
             fixes.append("activation checkpointing (pipeline.checkpointing = \"auto\" fits)")
         except Infeasible:
             fixes.append("activation checkpointing (not enough alone)")
-    levers = _memory_levers(costs, replicas)
+    levers = _memory_levers(costs, replicas, adamw=config.train.optimizer == "adamw")
     fits = _fits(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing)
     # not with data-parallel replicas (config.py refuses it)
     swap = fewest_swapped(replicas, fits, _holding(costs)) if replicas.count == 1 else None
@@ -222,14 +222,16 @@ def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
     frozen = planned_storage(config)
     autocast = AUTOCAST_DTYPES[config.train.precision]
     held = unchanged(config)  # each "auto" at its unchanged value: the planner changes it only where needed
+    state, factored = optimizer_state_bytes(config.train, held.optimizer_state)
     return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1,
                     frozen=frozen, autocast_bytes=0 if autocast is None else element_bytes(autocast),
-                    moment_bytes=moment_bytes(held.optimizer_state), block_swap=held.block_swap,
+                    moment_bytes=state, factored=factored, block_swap=held.block_swap,
                     average_bytes=BYTES_PER_WEIGHT if config.train.ema_decay > 0 else 0.0)
 
 
-def _memory_levers(costs: list[UnitCost], replicas: Replicas) -> list[tuple[str, Replicas]]:
-    """The [memory] settings not in use that would hold the same layout's state in less memory."""
+def _memory_levers(costs: list[UnitCost], replicas: Replicas, adamw: bool) -> list[tuple[str, Replicas]]:
+    """The [memory] settings not in use that would hold the same layout's state in less memory (8-bit moments are
+    AdamW's alone)."""
     levers = []
     frozen, autocast = any(c.params > c.trainable_params for c in costs), replicas.autocast_bytes > 0
     if frozen and autocast and replicas.frozen.dtype == torch.float32 and not replicas.frozen.linear:
@@ -239,7 +241,7 @@ def _memory_levers(costs: list[UnitCost], replicas: Replicas) -> list[tuple[str,
     words = {"fp8": '"fp8" or "int8" (changes the model slightly)', "nf4": '"nf4" (changes the model more)'}
     for format in (f for f in words if LINEAR_FORMATS[f] < replicas.frozen.linear_bytes(1)) if frozen else []:
         levers.append((f"memory.base_dtype = {words[format]}", replace(replicas, frozen=FrozenStorage(rest, format))))
-    if any(c.trainable_params for c in costs) and replicas.moment_bytes > moment_bytes("8bit") and not (
+    if adamw and any(c.trainable_params for c in costs) and replicas.moment_bytes > moment_bytes("8bit") and not (
             replicas.sharded and replicas.count > 1):
         levers.append(('memory.optimizer_state = "8bit"', replace(replicas, moment_bytes=moment_bytes("8bit"))))
     return levers
@@ -383,7 +385,8 @@ def plan_memory(config: RunConfig, plan: Plan) -> MemoryChoice:
     it left them to it."""
     held = plan.replicas
     return MemoryChoice(held.frozen.linear or unchanged(config).base_dtype,
-                        "8bit" if held.moment_bytes < moment_bytes("fp32") else "fp32", held.block_swap)
+                        "8bit" if config.memory.optimizer_state != "fp32" and held.moment_bytes < moment_bytes("fp32")
+                        else "fp32", held.block_swap)
 
 
 def _most_saving(config: RunConfig, meta: Backbone) -> MemoryChoice:

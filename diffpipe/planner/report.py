@@ -7,7 +7,7 @@ import re
 import torch
 
 from ..build import build_backbone, choose_attention, example_inputs
-from ..precision import AUTOCAST_DTYPES
+from ..precision import AUTOCAST_DTYPES, moment_bytes
 from ..config import ConfigError, RunConfig
 from ..models.units import Backbone
 from ..pipeline.split import live_after
@@ -70,7 +70,7 @@ def format_plan(plan: Plan, meta: Backbone) -> str:
     lines = [f"{ranks} pipeline processes{per_process} x {d['data_parallel']} data parallel, {d['microbatches']} "
              f"micro-batches of {d['micro_batch_size']}"
              + (frozen if sum(plan.trainable) < _params(meta) else "")
-             + ("; AdamW's moments in 8 bits (memory.optimizer_state)" if held.moment_bytes < 8 else "")]
+             + ("; AdamW's moments in 8 bits (memory.optimizer_state)" if held.moment_bytes == moment_bytes("8bit") else "")]
     for title, key in (("planned split", "planned"), ("parameter-count split", "by_parameters")):
         part = d[key]
         lines.append(f"\n{title} {part['split']}:")

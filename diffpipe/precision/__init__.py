@@ -34,6 +34,18 @@ def frozen_storage(config: RunConfig, device_kind: str) -> FrozenStorage:
     return FrozenStorage({"fp32": torch.float32, "bf16": torch.bfloat16}[choice])
 
 
+def optimizer_state_bytes(train, optimizer_state: str) -> tuple[float, bool]:
+    """What `train.optimizer` keeps per trained parameter, as (bytes held for every parameter, whether it also keeps
+    Adafactor's factored second moment: 4 bytes per row and per column of each matrix, per element of a vector:
+    UnitCost.factored_state_params). AdamW: its two moments (`moment_bytes`); Prodigy: its moments, s and the
+    starting weights, 16 bytes; Adafactor: a first moment only with optimizer_args.beta1."""
+    if train.optimizer == "prodigy":
+        return 16.0, False
+    if train.optimizer == "adafactor":
+        return (4.0 if train.optimizer_args.get("beta1") is not None else 0.0), True
+    return moment_bytes(optimizer_state), False
+
+
 def moment_bytes(optimizer_state: str) -> float:
     """AdamW's two moments per trained parameter as memory.optimizer_state holds them: fp32, or 8 bits each with
     an fp32 scale per block of 256 (parameters under 4096 elements, which keep fp32 moments, are not told apart)."""

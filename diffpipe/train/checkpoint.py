@@ -2,9 +2,9 @@
 
 Written through `torch.distributed.checkpoint` (DCP) with its safetensors storage (`HuggingFaceStorageWriter`:
 no pickle anywhere, readable by any safetensors tool), as one flat map of tensors under diffusers' parameter names:
-`model.NAME`, `optim.NAME.exp_avg | exp_avg_sq | step` (AdamW; 8-bit AdamW's keys are in optim.STATE_KEYS),
+`model.NAME`, `optim.NAME.exp_avg | exp_avg_sq | step` (AdamW; the other optimizers' keys are in optim._STATE_KEYS),
 `ema.NAME` (train.ema_decay's moving average) and `progress.*` (the next step, the learning-rate schedule's position,
-the fp16 loss scale, the steps the moving average has seen). A pipeline rank writes its
+the fp16 loss scale, the steps the moving average has seen, Prodigy's step-size estimate). A pipeline rank writes its
 own stages; data-parallel replicas hold the same names and DCP writes one copy. Loading asks DCP for the names this
 process holds now, so a checkpoint of 2 stages resumes on 1, 3 or 4 stages or another data-parallel degree. The
 batches need no state: every step's data, noise and timesteps are drawn from (seed, step) (data/batches.py).
@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 
 from ..models.loading import CheckpointError
 from ..torch_support import move_lr_schedule
-from .optim import STATE_KEYS, ensure_state, set_steps, state_tensors
+from .optim import ensure_state, run_level_state, set_run_level_state, set_steps, state_keys, state_tensors
 
 __all__ = ["CHECKPOINTS", "read_seal", "sha256_of", "PendingCheckpoint", "model_shapes", "save_checkpoint", "latest_checkpoint", "verify_checkpoint", "load_checkpoint",
            "unsafe_changes"]
@@ -43,6 +43,7 @@ __all__ = ["CHECKPOINTS", "read_seal", "sha256_of", "PendingCheckpoint", "model_
 CHECKPOINTS = "checkpoints"
 _COMPLETE = "complete.json"
 _FILE_BYTES = 1 << 30  # a checkpoint file's size, about
+_ADAMW_KEYS = ("exp_avg", "exp_avg_sq", "step")
 # what a resumed run may change: its length, logging, outputs and the layout (a checkpoint reshards by name)
 _SAFE_TO_CHANGE = ("train.max_steps", "train.epochs", "train.learning_rate", "train.log_every", "train.device",
                    "train.collective_timeout_minutes", "pipeline.", "plan.", "observe.", "checkpoint.", "output.",
@@ -76,11 +77,12 @@ def _state(trainer, next_step: int) -> dict[str, torch.Tensor]:
     state["progress.lr_schedule_steps"] = torch.tensor(trainer.lr_schedule.last_epoch, dtype=torch.int64)
     state["progress.loss_scale"] = torch.tensor(trainer.scaler.scale, dtype=torch.float64)
     state["progress.loss_scale_good_steps"] = torch.tensor(trainer.scaler.good_steps, dtype=torch.int64)
+    state.update(run_level_state(trainer.optimizer))
     return state
 
 
-def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]], state_keys: tuple[str, ...] = STATE_KEYS["fp32"],
-                        moving_average: bool = False) -> dict[str, int]:
+def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]], optimizer_keys: tuple[str, ...] = _ADAMW_KEYS,
+                        moving_average: bool = False, run_level: tuple[str, ...] = ()) -> dict[str, int]:
     """The file (1, 2, ...) each checkpoint tensor goes to: parameters in order, with their AdamW moments (and
     train.ema_decay's average), about `_FILE_BYTES` a file (fp32 counted), the run's progress in the first. The same on
     every process (rank 0's decides for all); a name it lacks (the second name of a tied weight) goes to file 0."""
@@ -92,13 +94,14 @@ def file_of_each_tensor(model_shapes: dict[str, tuple[int, ...]], state_keys: tu
             index, size = index + 1, 0
         size += nbytes
         files[f"model.{name}"] = index
-        files.update({f"optim.{name}.{key}": index for key in state_keys})
+        files.update({f"optim.{name}.{key}": index for key in optimizer_keys})
         if moving_average:
             files[f"ema.{name}"] = index
     for key in ("next_step", "lr_schedule_steps", "loss_scale", "loss_scale_good_steps"):  # as `_state` names them
         files[f"progress.{key}"] = 1
     if moving_average:
         files["progress.ema_steps"] = 1
+    files.update({key: 1 for key in run_level})  # the optimizer's own (optim.run_level_state)
     return files
 
 
@@ -144,8 +147,9 @@ def save_checkpoint(trainer, next_step: int, keep: int, background_group: dist.P
     dist.barrier()
     writer = HuggingFaceStorageWriter(str(partial), save_distributed=True,
                                       fqn_to_index_mapping=file_of_each_tensor(
-                                          trainer.model_shapes, STATE_KEYS[trainer.config.memory.optimizer_state],
-                                          moving_average=trainer.ema is not None))
+                                          trainer.model_shapes, state_keys(trainer.optimizer),
+                                          moving_average=trainer.ema is not None,
+                                          run_level=tuple(run_level_state(trainer.optimizer))))
     if background_group is not None:
         future = dcp.async_save(_state(trainer, next_step), storage_writer=writer, process_group=background_group)
         return PendingCheckpoint(trainer, next_step, future, partial, final, keep)
@@ -256,6 +260,7 @@ def load_checkpoint(trainer, path: Path) -> int:
     state = _state(trainer, 0)
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
     set_steps(trainer.optimizer, {p: state[f"optim.{name}.step"] for name, p in _held(trainer)})
+    set_run_level_state(trainer.optimizer, state)
     bad = [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     found = torch.tensor(float(len(bad)), device=trainer.topo.device)
     dist.all_reduce(found)  # every process stops alike, whichever holds the bad tensor

@@ -11,6 +11,11 @@ SimpleTuner and diffusion-pipe users know it; torchao's state is a tensor subcla
 Each pipeline rank holds different parameters, so the global gradient norm is the square root of the sum of
 every rank's squared norms (all-reduced over the pipeline group). The norm is also the overflow test of the
 fp16 loss scaler: every rank sees the same norm, so every stage makes the same skip decision.
+
+`train.optimizer` may instead be Adafactor (transformers' `Adafactor`, as kohya and OneTrainer users train with it:
+the second moment factored into a row and a column mean per matrix, no first moment; each weight's update depends
+on that weight alone, so a pipeline computes what the unsplit model does) or Prodigy (train/prodigy.py: its step
+size is estimated over every weight of the model, summed across the pipeline's processes).
 """
 from __future__ import annotations
 
@@ -22,15 +27,33 @@ import torch.distributed as dist
 from ..config import TrainConfig
 from ..pipeline.data_parallel import full
 from ..torch_support import scale_in_place
+from .prodigy import ESTIMATE_KEYS, PRODIGY_STATE_KEYS, Prodigy
 
 __all__ = ["make_optimizer", "lr_factor", "LossScaler", "global_grad_norm", "clip_gradients",
-           "step_optimizer", "STATE_KEYS", "ensure_state", "state_tensors", "set_steps"]
+           "step_optimizer", "state_keys", "ensure_state", "state_tensors", "set_steps", "run_level_state",
+           "set_run_level_state"]
 
-# each trained parameter's optimizer state a checkpoint holds, by memory.optimizer_state: AdamW's moments and step;
-# 8-bit AdamW's quantised moments, their scales per block (absent for parameters under 4096 elements, whose moments
-# stay fp32) and step
-STATE_KEYS = {"fp32": ("exp_avg", "exp_avg_sq", "step"),
-              "8bit": ("state1", "state2", "absmax1", "absmax2", "step")}
+# each trained parameter's optimizer state a checkpoint holds: AdamW's moments and step; 8-bit AdamW's quantised
+# moments, their scales per block (absent for parameters under 4096 elements, whose moments stay fp32) and step;
+# Adafactor's first moment (only with optimizer_args.beta1), its factored second moment (a matrix's row and column
+# means) or, for a vector, the whole one, and step; Prodigy's (train/prodigy.py)
+_STATE_KEYS = {"adamw": ("exp_avg", "exp_avg_sq", "step"),
+               "adamw-8bit": ("state1", "state2", "absmax1", "absmax2", "step"),
+               "adafactor": ("exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col", "step"),
+               "prodigy": PRODIGY_STATE_KEYS}
+
+
+def _kind(optimizer: torch.optim.Optimizer) -> str:
+    if isinstance(optimizer, Prodigy):
+        return "prodigy"
+    if type(optimizer).__name__ == "Adafactor":
+        return "adafactor"
+    return "adamw-8bit" if _is_8bit(optimizer) else "adamw"
+
+
+def state_keys(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    """The names of a trained weight's optimizer state a checkpoint holds (those its state has)."""
+    return _STATE_KEYS[_kind(optimizer)]
 
 
 def lr_factor(step: int, train: TrainConfig) -> float:
@@ -43,18 +66,31 @@ def lr_factor(step: int, train: TrainConfig) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], train: TrainConfig, state: str = "fp32"):
-    """AdamW over (parameters, learning-rate multiplier) groups, one per stage, and its schedule: torch's fused
-    AdamW (one kernel for all parameters, on CPUs too), or with `state` "8bit" bitsandbytes' AdamW8bit."""
+def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], train: TrainConfig, state: str = "fp32",
+                   reduce_group=None, not_counted: frozenset[int] = frozenset()):
+    """`train.optimizer` over (parameters, learning-rate multiplier) groups, one per stage, and its schedule: torch's
+    fused AdamW (one kernel for all parameters, on CPUs too), with `state` "8bit" bitsandbytes' AdamW8bit; transformers'
+    Adafactor; or Prodigy, its step size estimated over the weights of every process of `reduce_group` (the pipeline's),
+    counting once the tied copies in `not_counted`."""
     param_groups = [{"params": params, "lr": train.learning_rate * scale} for params, scale in groups if params]
-    settings = dict(lr=train.learning_rate, betas=tuple(train.betas), weight_decay=train.weight_decay,
-                    eps=train.adam_eps)
-    if state == "8bit":
+    args = dict(train.optimizer_args)
+    if train.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        opt = Adafactor(param_groups, lr=train.learning_rate, weight_decay=train.weight_decay,
+                        relative_step=False, warmup_init=False, scale_parameter=args.pop("scale_parameter", False),
+                        **args)
+    elif train.optimizer == "prodigy":
+        opt = Prodigy(param_groups, lr=train.learning_rate, betas=tuple(train.betas), eps=train.adam_eps,
+                      weight_decay=train.weight_decay, reduce_group=reduce_group, not_counted=not_counted, **args)
+    elif state == "8bit":
         import bitsandbytes
 
-        opt = bitsandbytes.optim.AdamW8bit(param_groups, **settings)
+        opt = bitsandbytes.optim.AdamW8bit(param_groups, lr=train.learning_rate, betas=tuple(train.betas),
+                                           weight_decay=train.weight_decay, eps=train.adam_eps)
     else:
-        opt = torch.optim.AdamW(param_groups, **settings, fused=True)
+        opt = torch.optim.AdamW(param_groups, lr=train.learning_rate, betas=tuple(train.betas),
+                                weight_decay=train.weight_decay, eps=train.adam_eps, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, train))
     return opt, sched
 
@@ -66,36 +102,71 @@ def _is_8bit(optimizer: torch.optim.Optimizer) -> bool:
 def ensure_state(optimizer: torch.optim.Optimizer) -> None:
     """The optimizer's state as its first step would create it, so a checkpoint can be loaded into it before any
     step."""
+    kind = _kind(optimizer)
     for index, group in enumerate(optimizer.param_groups):
         on_device = group.get("fused") or group.get("capturable")
         for position, p in enumerate(group["params"]):
             state = optimizer.state[p]
             if state:
                 continue
-            if _is_8bit(optimizer):
+            if kind == "adamw-8bit":
                 optimizer.init_state(group, p, index, position)
-                continue
-            state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
-                             else torch.tensor(0.0, dtype=torch.float32))
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif kind == "prodigy":
+                optimizer.init_weight_state(p)
+            elif kind == "adafactor":  # as transformers' Adafactor.step creates it, in fp32
+                _init_adafactor_state(state, p, group)
+            else:
+                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_device
+                                 else torch.tensor(0.0, dtype=torch.float32))
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _init_adafactor_state(state: dict, p: torch.nn.Parameter, group: dict) -> None:
+    shape, like = p.shape, dict(dtype=torch.float32, device=p.device)
+    state["step"] = 0
+    if group["beta1"] is not None:
+        state["exp_avg"] = torch.zeros(shape, **like)
+    if len(shape) >= 2:  # factored: a mean over the last dimension and one over the one before it
+        state["exp_avg_sq_row"] = torch.zeros(shape[:-1], **like)
+        state["exp_avg_sq_col"] = torch.zeros(shape[:-2] + shape[-1:], **like)
+    else:
+        state["exp_avg_sq"] = torch.zeros(shape, **like)
+    state["RMS"] = 0  # the weight's root mean square, computed again at each step before use: not checkpointed
 
 
 def state_tensors(optimizer: torch.optim.Optimizer, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-    """`p`'s optimizer state as tensors by STATE_KEYS' names (after `ensure_state`): AdamW's own tensors, which a
-    load fills in place; 8-bit AdamW's step, a Python number there, as a new tensor (`set_steps` puts it back)."""
+    """`p`'s optimizer state as tensors by `state_keys`' names (after `ensure_state`): the optimizer's own tensors,
+    which a load fills in place; a step kept as a Python number (8-bit AdamW, Adafactor, Prodigy) as a new tensor
+    (`set_steps` puts it back)."""
     state = optimizer.state[p]
-    tensors = {key: state[key] for key in STATE_KEYS["8bit" if _is_8bit(optimizer) else "fp32"] if key in state}
+    tensors = {key: state[key] for key in state_keys(optimizer) if key in state}
     if not isinstance(tensors["step"], torch.Tensor):
         tensors["step"] = torch.tensor(state["step"], dtype=torch.int64)
     return tensors
 
 
 def set_steps(optimizer: torch.optim.Optimizer, steps: dict[torch.nn.Parameter, torch.Tensor]) -> None:
-    """Each parameter's step count from a checkpoint, where the optimizer keeps it as a number (8-bit AdamW)."""
+    """Each parameter's step count from a checkpoint, where the optimizer keeps it as a number."""
     for p, step in steps.items():
         if not isinstance(optimizer.state[p]["step"], torch.Tensor):
             optimizer.state[p]["step"] = int(step)
+
+
+def run_level_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """What the optimizer keeps for the whole run rather than per weight, by checkpoint name: Prodigy's step-size
+    estimate (the same on every process); nothing for the others."""
+    if not isinstance(optimizer, Prodigy):
+        return {}
+    return {f"progress.prodigy_{key}": torch.tensor(float(optimizer.estimate[key]), dtype=torch.float64)
+            for key in ESTIMATE_KEYS}
+
+
+def set_run_level_state(optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:
+    """Put back what `run_level_state` gave, as loaded from a checkpoint."""
+    if isinstance(optimizer, Prodigy):
+        optimizer.estimate.update({key: float(state[f"progress.prodigy_{key}"]) for key in ESTIMATE_KEYS})
+        optimizer.estimate["k"] = int(optimizer.estimate["k"])
 
 
 class LossScaler:

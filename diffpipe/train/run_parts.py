@@ -116,7 +116,9 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     runner = PipelineRunner(modules, mine, len(specs), topo.pp_group, topo.device, p.schedule, p.microbatches,
                             _ScaledMSE(scaler, weighted=config.train.min_snr_gamma > 0), timeable=config.observe.enabled,
                             send_group=topo.send_group)
-    optimizer, lr_schedule = make_optimizer(groups, config.train, config.memory.optimizer_state)
+    optimizer, lr_schedule = make_optimizer(groups, config.train, config.memory.optimizer_state,
+                                            reduce_group=topo.pp_group,
+                                            not_counted=frozenset(tied_gradients.not_counted_here))
     text = build_text_encoder(config, backbone).to(topo.device)
     data = build_dataset(config, backbone, text, topo.device, topo.rank, topo.world_size, dist.barrier)
     resolve_epochs(config.train, data, topo.is_main)  # the learning-rate schedule reads max_steps as it goes

@@ -5,7 +5,7 @@ forward, its named conditions and latent layout, its LoRA targets). Everything e
 libraries' own parts: noisy inputs and targets from diffusers' `DDPMScheduler` (`add_noise`, `get_velocity`) and
 the rectified-flow path as diffusers' Flux and SD3 training scripts write it; text through transformers' CLIP model
 and tokenizer loaded from the run's text encoder folder; the digits from scikit-learn; LoRA by peft's
-`inject_adapter_in_model`; torch's AdamW, `clip_grad_norm_`, `GradScaler` and a `LambdaLR` schedule.
+`inject_adapter_in_model`; torch's AdamW (or prodigyopt's Prodigy, transformers' Adafactor), `clip_grad_norm_`, `GradScaler` and a `LambdaLR` schedule.
 
 Only random numbers come from the run (`Draws`): which items each step takes, their captions after caption
 dropout, timesteps in (0, 1), noise, the LoRA A matrices' first values, and the clean images of datasets other than
@@ -149,8 +149,7 @@ def _train(config, draws: Draws, autocast: torch.dtype | None) -> dict:
     dtype = autocast if autocast is not None else AUTOCAST.get(train.precision)
     scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE, enabled=dtype == torch.float16)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=train.learning_rate, betas=tuple(train.betas), weight_decay=train.weight_decay,
-                            eps=train.adam_eps)
+    opt = _optimizer(params, train)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: _lr_factor(s, train.warmup_steps, train.max_steps, train.lr_schedule))
     chunks = config.pipeline.microbatches * config.pipeline.data_parallel
@@ -194,5 +193,30 @@ def _train(config, draws: Draws, autocast: torch.dtype | None) -> dict:
         out["grad_norms"].append(float(norm))
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     out["weights"] = {n: p.detach() for n, p in trained}
-    out["moments"] = {f"{n}:{k}": opt.state[p][k] for n, p in trained for k in ("exp_avg", "exp_avg_sq")}
+    out["moments"] = {f"{n}:{k}": opt.state[p][k].view(p.shape) if k == "s" else opt.state[p][k]  # prodigyopt: s flat
+                      for n, p in trained for k in OPTIMIZER_STATE[train.optimizer] if k in opt.state[p]}
+    # Prodigy's steps are the learning rate times its estimate D (the largest it reached), AdamW's the learning rate
+    out["step_size"] = train.learning_rate * opt.param_groups[0].get("d_max", 1.0)
     return out
+
+
+# the optimizer's state compared after the last step (a checkpoint's keys, less the step count and Prodigy's p0)
+OPTIMIZER_STATE = {"adamw": ("exp_avg", "exp_avg_sq"), "prodigy": ("exp_avg", "exp_avg_sq", "s"),
+                   "adafactor": ("exp_avg", "exp_avg_sq", "exp_avg_sq_row", "exp_avg_sq_col")}
+
+
+def _optimizer(params, train) -> torch.optim.Optimizer:
+    """torch's AdamW, prodigyopt's Prodigy (what diffpipe's own is written after) or transformers' Adafactor."""
+    args = dict(train.optimizer_args)
+    if train.optimizer == "prodigy":
+        import prodigyopt
+
+        return prodigyopt.Prodigy(params, lr=train.learning_rate, betas=tuple(train.betas), eps=train.adam_eps,
+                                  weight_decay=train.weight_decay, **args)
+    if train.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=train.learning_rate, weight_decay=train.weight_decay, relative_step=False,
+                         warmup_init=False, scale_parameter=args.pop("scale_parameter", False), **args)
+    return torch.optim.AdamW(params, lr=train.learning_rate, betas=tuple(train.betas), weight_decay=train.weight_decay,
+                             eps=train.adam_eps)

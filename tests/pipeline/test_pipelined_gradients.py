@@ -72,7 +72,7 @@ from diffpipe.torch_support import schedule_problem
 
 from ..helpers import run_workers
 from ..models.test_unet_units import SDXL_STYLE
-from .reference_loop import Draws, StepDraw, reference
+from .reference_loop import OPTIMIZER_STATE, Draws, StepDraw, reference
 
 STEPS = 3
 REL_TOL = 1e-4
@@ -94,7 +94,8 @@ TEXT_LENGTH = 8
 def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4,
             checkpointing="none", model: str = "digits", clip: float = 1.0, precision: str = "fp32",
             steps: int = STEPS, lora: bool = False, shard: bool = False, weight_decay: float = 0.0,
-            timesteps: str = "uniform") -> dict:
+            timesteps: str = "uniform", optimizer: str = "adamw", optimizer_args: dict | None = None,
+            learning_rate: float = 1e-3) -> dict:
     digits = model != "sdxl-style"  # the others are made for 1-channel 8x8 images
     micro_size = 2 if digits else 1
     return {
@@ -103,7 +104,8 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
         "model": {"path": model, "architecture": MODELS[model][0], "text_encoder": f"{model}-text",
                   "text_max_length": TEXT_LENGTH},
         "data": {"dataset": "moving_digits" if model in MOVING else "digits" if digits else "synthetic"},
-        "train": {"max_steps": steps, "batch_size": micro_size * dp * microbatches, "learning_rate": 1e-3,
+        "train": {"max_steps": steps, "batch_size": micro_size * dp * microbatches, "learning_rate": learning_rate,
+                  "optimizer": optimizer, "optimizer_args": optimizer_args or {},
                   "dropout": False,  # the spatio-temporal UNet drops 10 %: masks drawn per process cannot match
                   "warmup_steps": 1, "adam_eps": 1e-6, "max_grad_norm": clip, "seed": 3,
                   "timestep_sampling": timesteps, "precision": precision, "weight_decay": weight_decay},
@@ -147,6 +149,16 @@ TWO = {
     "unet3d-zbv-2x2": _config(2, "zbv", virtual=2, model="unet3d"),
     "toy-tied-zbv-2x2": _config(2, "zbv", virtual=2, model="toy-tied"),  # the tied weight's stages on one process
     "lora-zb1p-2x2": _config(2, "zb1p", virtual=2, lora=True),
+    # Prodigy's step size from sums over every stage's weights, a tied weight counted once (against prodigyopt's
+    # Prodigy on the unsplit model; d0 raised so that its steps move the weights within 3 steps), and Adafactor
+    "prodigy-toy-tied-1f1b-2": _config(2, "1f1b", model="toy-tied", optimizer="prodigy", learning_rate=1.0,
+                                       weight_decay=0.01, steps=6),
+    "prodigy-lora-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, lora=True, optimizer="prodigy",
+                                            learning_rate=1.0, optimizer_args={"use_bias_correction": True}, steps=6),
+    "adafactor-sdxl-style-1f1b-2": _config(2, "1f1b", model="sdxl-style", optimizer="adafactor", weight_decay=0.01),
+    "adafactor-lora-1f1b-2-first-moment": _config(2, "1f1b", lora=True, optimizer="adafactor",
+                                                  optimizer_args={"beta1": 0.9}),
+    "adafactor-dp2": _config(1, "1f1b", dp=2, optimizer="adafactor"),  # torch's DDP engine: plain tensors
     # data parallel alone, on torch's DDP engine (replicated) and fully_shard; every family replicated, since DDP
     # refuses a step where a trained parameter got no gradient
     "dp2": _config(1, "1f1b", dp=2),
@@ -185,6 +197,8 @@ FOUR = {
     "zbv-4x2": _config(4, "zbv", virtual=2, microbatches=8),
     "flux-zb1p-4x2": _config(4, "zb1p", virtual=2, model="flux"),
     "sdxl-style-dp2-sharded-x-zbv-2x2": _config(2, "zbv", virtual=2, dp=2, model="sdxl-style", shard=True),
+    # the replicas hold the same weights and gradients: Prodigy's sums are over the pipeline's processes alone
+    "prodigy-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, optimizer="prodigy", learning_rate=1.0, steps=6),
 }
 # one step each: the first step's gradients are bit-equal and its weights within 1.5e-5 of lr, but bf16's rounding
 # amplifies those last-bit differences of the optimizer's arithmetic (diffpipe scales the summed gradients once,
@@ -250,7 +264,7 @@ def _scenario_worker(scenarios: list[tuple[str, dict]], out_dir: str, device_kin
         named = [(n, p) for m in trainer.modules for n, p in m.full_named_parameters() if p.requires_grad]
         got["weights"] = {n: full(p.detach()).cpu() for n, p in named}  # whole, when replicas cut them
         got["moments"] = {f"{n}:{k}": full(trainer.optimizer.state[p][k]).cpu() for n, p in named
-                          for k in ("exp_avg", "exp_avg_sq")}
+                          for k in OPTIMIZER_STATE[config.train.optimizer] if k in trainer.optimizer.state[p]}
         torch.save(got, os.path.join(out_dir, f"{name}-rank{topo.rank}.pt"))
 
 
@@ -320,8 +334,8 @@ def failures(found: dict) -> list[str]:
     return problems
 
 
-def _weight_scale(config) -> float:
-    return config.train.learning_rate * config.train.max_steps
+def _weight_scale(config, ref: dict) -> float:
+    return ref["step_size"] * config.train.max_steps
 
 
 def _load_ranks(name: str, world: int, results_dir) -> list[dict]:
@@ -349,9 +363,9 @@ def test_pipelined_training_equals_the_unsplit_diffusers_model(world, scenarios,
     run_workers(_scenario_worker, (payload, str(tmp_path)), world)
     problems = []
     for name, config in configs.items():
-        found = compare(reference(config, draws_of(config)), _load_ranks(name, world, tmp_path),
-                        _weight_scale(config))
-        print(name, {k: f"{v:.1e}" for k, (v, _) in found["worst"].items()})
+        ref = reference(config, draws_of(config))
+        found = compare(ref, _load_ranks(name, world, tmp_path), _weight_scale(config, ref))
+        print(name, {k: f"{v:.1e}" for k, (v, _) in found["worst"].items()}, "step size", ref["step_size"])
         problems += [f"{name}: {p}" for p in failures(found)]
     assert not problems, "\n".join(problems)
 
@@ -363,8 +377,9 @@ def test_low_precision_matches_unsplit_model_under_the_same_autocast(model_folde
     for name, config in configs.items():
         ranks = _load_ranks(name, 2, tmp_path)
         draws = draws_of(config)
-        found = compare(reference(config, draws), ranks, _weight_scale(config))
-        rounding = compare(reference(config, draws, autocast=torch.float32), ranks, _weight_scale(config))  # what the rounding itself moves
+        ref = reference(config, draws)
+        found = compare(ref, ranks, _weight_scale(config, ref))
+        rounding = compare(reference(config, draws, autocast=torch.float32), ranks, _weight_scale(config, ref))  # what the rounding itself moves
         print(name, "pipeline vs unsplit:", {k: f"{v:.1e}" for k, (v, _) in found["worst"].items()},
               "vs unsplit in fp32:", {k: f"{v:.1e}" for k, (v, _) in rounding["worst"].items()})
         assert not failures(found), f"{name}: " + "; ".join(failures(found))
@@ -377,13 +392,13 @@ def test_planted_errors_fail_the_comparison(model_folders):
     ref = reference(config, draws_of(config))
     # clipping acts at every step of this scenario (and of those like it): torch's clip_grad_norm_ in the reference
     assert min(ref["grad_norms"]) > 2 * config.train.max_grad_norm
-    assert not failures(compare(ref, [ref], _weight_scale(config)))
+    assert not failures(compare(ref, [ref], _weight_scale(config, ref)))
     first = next(iter(ref["grads"]))
 
     def planted(change) -> list[str]:
         got = copy.deepcopy(ref)
         change(got)
-        return failures(compare(ref, [got], _weight_scale(config)))
+        return failures(compare(ref, [got], _weight_scale(config, ref)))
 
     def scale_grads(got, by):
         got["grads"] = {n: g * by for n, g in got["grads"].items()}
