@@ -12,7 +12,7 @@ import torch
 
 from .. import seeds
 from ..config import TrainConfig
-from ..diffusion.objectives import make_targets, min_snr_weights, with_weights
+from ..diffusion.objectives import make_targets, min_snr_weights, with_element_weights, with_weights
 from ..diffusion.timesteps import sample_timesteps
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
@@ -174,7 +174,13 @@ class BatchMaker:
         x0 = self.data.x0(mine)
         drawn = self.draw(step, tuple(x0.shape[1:]))
         conditions = self.text_conditions(drawn.captions[part], self.data.size_ids(mine), x0.shape[2:])
-        return self._batch(x0, drawn.noise[part], drawn.t[part], conditions)
+        masks = self.data.loss_masks(mine, x0.shape[-2:]) if self.masked else None
+        return self._batch(x0, drawn.noise[part], drawn.t[part], conditions, masks=masks)
+
+    @property
+    def masked(self) -> bool:
+        """Whether targets carry a loss weight per element (data.mask_path's masks)."""
+        return getattr(self.data, "masks", None) is not None
 
     def make_fixed(self, data, indices: list[int], ts: list[float], noise_seed: int, dp_rank: int,
                    dp_size: int) -> list[StepBatch]:
@@ -190,14 +196,19 @@ class BatchMaker:
         return [self._batch(x0, noise, torch.full((len(mine),), t), conditions, weighted=False) for t in ts]
 
     def _batch(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
-               conditions: dict[str, torch.Tensor], weighted: bool = True) -> StepBatch:
+               conditions: dict[str, torch.Tensor], weighted: bool = True,
+               masks: torch.Tensor | None = None) -> StepBatch:
         """This replica's items noised to timesteps t, with their text conditions, in the layout the backbone reads.
         With train.min_snr_gamma the target carries each sample's loss weight (`with_weights`): min-SNR's when
-        `weighted`, else 1 (eval)."""
+        `weighted`, else 1 (eval). With data.mask_path it carries a weight per element instead
+        (`with_element_weights`): the items' `masks` times any min-SNR weight, packed as the target; 1 for eval."""
         targets = make_targets(self.train.objective, x0, noise, t)
         noisy, target = self.feed.pack(targets.noisy), self.feed.pack_prediction(targets.target)
-        if self.train.min_snr_gamma:
-            weights = (min_snr_weights(self.train.objective, t, self.train.min_snr_gamma) if weighted
-                       else torch.ones(len(t)))
+        weights = (min_snr_weights(self.train.objective, t, self.train.min_snr_gamma)
+                   if self.train.min_snr_gamma and weighted else torch.ones(len(t)))
+        if self.masked:
+            per_element = weights.view(-1, *([1] * (x0.dim() - 1))) * (masks if masks is not None and weighted else 1)
+            target = with_element_weights(target, self.feed.pack_prediction(per_element.expand_as(targets.target).contiguous()))
+        elif self.train.min_snr_gamma:
             target = with_weights(target, weights)
         return StepBatch(noisy.contiguous(), target.contiguous(), dict(conditions, timestep=targets.model_timestep))

@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from rich.progress import track
 
 from .. import seeds
 from ..config import DataConfig
+from ..errors import DataError
 from ..models.pipeline_folder import PipelineText, component_weights, fingerprint_files
 from ..models.vae import encode_latents
 from .buckets import Bucket, Placement, clip_to_pixels, make_buckets, place, to_pixels
 from .cache import ShardStore, fill_store
-from .folder import BadImage, ImageItem, Skipped, read_rgb, scan_folders, uncaptioned_note
+from .folder import IMAGE_SUFFIXES, BadImage, ImageItem, Skipped, read_rgb, scan_folders, uncaptioned_note
 from .videos import clip_frames, read_clip
 
 __all__ = ["FolderImages", "prepare_folder_images", "data_buckets", "cache_folder", "read_pixels"]
@@ -96,6 +98,8 @@ class FolderImages:
     latents: list[torch.Tensor] | None = None
     vae: torch.nn.Module | None = None
     held_out: "FolderImages | None" = None  # the eval split (data.eval_fraction / data.eval_path), if any
+    masks: list[Path] | None = None  # data.mask_path's file for each item
+    _mask_weights: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # by item, once read
 
     @property
     def kind(self) -> str:
@@ -154,6 +158,17 @@ class FolderImages:
         pixels = torch.stack([read_pixels(self.items[i], self.placements[i]) for i in indices])
         return encode_latents(self.vae, pixels).cpu()
 
+    def loss_masks(self, indices: list[int], latent_size: tuple[int, int]) -> torch.Tensor | None:
+        """The items' loss masks (data.mask_path) placed as their pictures and averaged down to the latents'
+        (height, width): (B, 1, h, w) in [0, 1]; None without masks."""
+        if self.masks is None:
+            return None
+        for i in indices:
+            if i not in self._mask_weights:
+                placed = to_pixels(read_rgb(self.masks[i]), self.placements[i]).mean(0) * 0.5 + 0.5
+                self._mask_weights[i] = F.interpolate(placed[None, None], size=tuple(latent_size), mode="area")[0]
+        return torch.stack([self._mask_weights[i] for i in indices])
+
     def size_ids(self, indices: list[int]) -> torch.Tensor:
         """SDXL's time ids per item: original (height, width), crop (top, left), target (height, width)."""
         rows = []
@@ -206,7 +221,35 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
         what = "images or videos" if videos else "images"
         raise FileNotFoundError(f"data.path: no usable {what} in {', '.join(str(f) for f, _ in data_folders(data))}")
     dataset.held_out = held if held is not None and held.items else None
+    if data.mask_path:
+        dataset.masks = _find_masks(dataset.items, data)
     return dataset
+
+
+def _find_masks(items: list[ImageItem], data: DataConfig) -> list[Path]:
+    """Each picture's mask in data.mask_path (its path under its data.path folder, any image suffix), each checked
+    to decode at the picture's size: a missing or broken mask stops the run before it starts, naming the file."""
+    root, folders = Path(data.mask_path), [folder.resolve() for folder, _ in data_folders(data)]
+    masks = []
+    for item in items:
+        picture = item.path.resolve()
+        folder = next(f for f in folders if picture.is_relative_to(f))
+        stem = picture.relative_to(folder).with_suffix("")
+        found = [root / f"{stem}{suffix}" for suffix in IMAGE_SUFFIXES if (root / f"{stem}{suffix}").is_file()]
+        if not found:
+            raise DataError(f"data.mask_path: {item.path} has no mask in {root} (looked for {stem}.png, .jpg, .jpeg "
+                            "or .webp there); add one for every picture (white: trained, black: left out), or unset "
+                            "data.mask_path")
+        masks.append(found[0])
+    for mask, item in {m: i for m, i in zip(masks, items)}.items():
+        try:
+            size = read_rgb(mask).size
+        except BadImage as exc:
+            raise DataError(f"data.mask_path: {mask} {exc}; replace it, or unset data.mask_path") from None
+        if size != (item.width, item.height):
+            raise DataError(f"data.mask_path: {mask} is {size[0]}x{size[1]} pixels but its picture {item.path} is "
+                            f"{item.width}x{item.height}; a mask must be its picture's size")
+    return masks
 
 
 def _placed(items: list[ImageItem], buckets: list[Bucket], skipped: Skipped, vae,

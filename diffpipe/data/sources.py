@@ -7,6 +7,8 @@ Imports here stay light (the config reads `SOURCES`): each source imports its da
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 from ..errors import DataError
@@ -32,6 +34,9 @@ class DataSource:
 
     def check_data(self, data: DataConfig) -> None:
         """Refuse [data] settings this source cannot serve (ValueError, read by the config's validation)."""
+        if data.mask_path:
+            raise ValueError(f"data.mask_path masks pictures of data.dataset = 'folder', and data.dataset is "
+                             f"{self.name!r}: unset data.mask_path")
 
     def check_config(self, config: RunConfig) -> None:
         """Refuse other settings this source cannot serve, such as an eval loss without held-out data."""
@@ -139,6 +144,8 @@ class FolderSource(DataSource):
         repeats = data.repeats if isinstance(data.repeats, list) else [data.repeats]
         if any(r < 1 for r in repeats):
             raise ValueError(f"data.repeats={data.repeats}: each must be 1 or more")
+        if data.mask_path and not Path(data.mask_path).is_dir():
+            raise ValueError(f"data.mask_path: {data.mask_path} is not a folder (of masks named as the pictures)")
         if data.bucket_sizes is not None and (not data.bucket_sizes or any(
                 len(b) != 2 or min(b) < 8 for b in data.bucket_sizes)):
             raise ValueError(f"data.bucket_sizes={data.bucket_sizes}: give [width, height] pairs of 8 pixels or "
@@ -181,6 +188,9 @@ class FolderSource(DataSource):
         elif frame_factor > 1:
             raise CheckpointError(f"{folder}: its VAE encodes video clips but the {family.backbone_name} is an image "
                                   "model; the folder mixes components of different models")
+        if config.data.mask_path and family.latent_frames(cfg) is not None:
+            raise ValueError(f"data.mask_path masks pictures, and the {family.backbone_name} trains on clips: unset "
+                             "data.mask_path")
         factor = vae_scale_factor(folder)
         multiple = family.latent_multiple(cfg)
         if (config.data.bucket_step // factor) % multiple or config.data.bucket_step % factor:

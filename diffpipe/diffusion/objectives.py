@@ -13,7 +13,7 @@ import torch
 from .timesteps import NUM_TRAIN_TIMESTEPS
 
 __all__ = ["TrainingTargets", "make_targets", "alphas_cumprod", "discrete_step", "min_snr_weights", "with_weights",
-           "weighted_mse"]
+           "weighted_mse", "with_element_weights", "element_weighted_mse"]
 
 
 @dataclass
@@ -77,4 +77,19 @@ def with_weights(target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 def weighted_mse(output: torch.Tensor, weighted_target: torch.Tensor) -> torch.Tensor:
     """The mean over samples of weight x (that sample's mean squared error), from a target made by `with_weights`."""
     target, weight = weighted_target[..., :-1], weighted_target[..., -1:]
+    return (weight.float() * (output.float() - target.float()).square()).mean()
+
+
+def with_element_weights(target: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`target` (B, ..., W) with a loss weight for each of its elements appended along its last dimension
+    (B, ..., 2W): data.mask_path's masks (times any min-SNR weight), laid out as the target is."""
+    return torch.cat([target, weights.to(target.dtype).expand_as(target)], dim=-1)
+
+
+def element_weighted_mse(output: torch.Tensor, weighted_target: torch.Tensor) -> torch.Tensor:
+    """The mean over every element of weight x squared error, from a target made by `with_element_weights`: a masked
+    loss as kohya's `apply_masked_loss` computes it (masked-out elements count as zeros in the mean, so a sample's
+    loss shrinks with its mask's area, as theirs does)."""
+    width = weighted_target.shape[-1] // 2
+    target, weight = weighted_target[..., :width], weighted_target[..., width:]
     return (weight.float() * (output.float() - target.float()).square()).mean()

@@ -19,7 +19,7 @@ from ..build import (boundary_traffic, build_backbone, build_dataset, build_stag
                      sample_shape)
 from ..config import RunConfig, TrainConfig
 from ..data.batches import BatchMaker, CaptionTags
-from ..diffusion.objectives import weighted_mse
+from ..diffusion.objectives import element_weighted_mse, weighted_mse
 from ..distributed import Topology
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
@@ -61,16 +61,17 @@ class RunParts:
 
 
 class _ScaledMSE:
-    """Mean squared error in fp32 (with train.min_snr_gamma, each sample's weighted by the weight its target carries:
-    diffusion/objectives.py `with_weights`), times the current loss scale (1 unless fp16)."""
+    """Mean squared error in fp32, times the current loss scale (1 unless fp16); weighted by what the target carries
+    (diffusion/objectives.py): with data.mask_path a weight per element (`with_element_weights`), else with
+    train.min_snr_gamma one per sample (`with_weights`)."""
 
-    def __init__(self, scaler: LossScaler, weighted: bool):
-        self.scaler, self.weighted = scaler, weighted
+    def __init__(self, scaler: LossScaler, weighting: str):
+        self.scaler = scaler
+        self.loss = {"elements": element_weighted_mse, "samples": weighted_mse,
+                     "none": lambda output, target: F.mse_loss(output.float(), target.float())}[weighting]
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.weighted:
-            return weighted_mse(output, target) * self.scaler.scale
-        return F.mse_loss(output.float(), target.float()) * self.scaler.scale
+        return self.loss(output, target) * self.scaler.scale
 
 
 def resolve_layout(config: RunConfig, backbone: Backbone) -> None:
@@ -114,7 +115,8 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     tied_gradients = TiedGradients(tied, held, mine, topo, p.data_parallel_shard)
     scaler = LossScaler(config.train.precision == "fp16")
     runner = PipelineRunner(modules, mine, len(specs), topo.pp_group, topo.device, p.schedule, p.microbatches,
-                            _ScaledMSE(scaler, weighted=config.train.min_snr_gamma > 0), timeable=config.observe.enabled,
+                            _ScaledMSE(scaler, weighting="elements" if config.data.mask_path
+                                       else "samples" if config.train.min_snr_gamma > 0 else "none"), timeable=config.observe.enabled,
                             send_group=topo.send_group)
     optimizer, lr_schedule = make_optimizer(groups, config.train, config.memory.optimizer_state,
                                             reduce_group=topo.pp_group,
