@@ -175,12 +175,18 @@ class BatchMaker:
         drawn = self.draw(step, tuple(x0.shape[1:]))
         conditions = self.text_conditions(drawn.captions[part], self.data.size_ids(mine), x0.shape[2:])
         masks = self.data.loss_masks(mine, x0.shape[-2:]) if self.masked else None
-        return self._batch(x0, drawn.noise[part], drawn.t[part], conditions, masks=masks)
+        items = self.data.loss_weights(mine) if self.weighs_items else None
+        return self._batch(x0, drawn.noise[part], drawn.t[part], conditions, masks=masks, item_weights=items)
 
     @property
     def masked(self) -> bool:
         """Whether targets carry a loss weight per element (data.mask_path's masks)."""
         return getattr(self.data, "masks", None) is not None
+
+    @property
+    def weighs_items(self) -> bool:
+        """Whether items have loss weights of their own (data.regularisation_path's images)."""
+        return getattr(self.data, "weighs_items", False)
 
     def make_fixed(self, data, indices: list[int], ts: list[float], noise_seed: int, dp_rank: int,
                    dp_size: int) -> list[StepBatch]:
@@ -197,18 +203,21 @@ class BatchMaker:
 
     def _batch(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
                conditions: dict[str, torch.Tensor], weighted: bool = True,
-               masks: torch.Tensor | None = None) -> StepBatch:
+               masks: torch.Tensor | None = None, item_weights: torch.Tensor | None = None) -> StepBatch:
         """This replica's items noised to timesteps t, with their text conditions, in the layout the backbone reads.
         With train.min_snr_gamma the target carries each sample's loss weight (`with_weights`): min-SNR's when
-        `weighted`, else 1 (eval). With data.mask_path it carries a weight per element instead
-        (`with_element_weights`): the items' `masks` times any min-SNR weight, packed as the target; 1 for eval."""
+        `weighted`, else 1 (eval), times the items' own (`item_weights`: regularisation images'). With data.mask_path
+        it carries a weight per element instead (`with_element_weights`): the items' `masks` times those per-sample
+        weights, packed as the target; 1 for eval."""
         targets = make_targets(self.train.objective, x0, noise, t)
         noisy, target = self.feed.pack(targets.noisy), self.feed.pack_prediction(targets.target)
         weights = (min_snr_weights(self.train.objective, t, self.train.min_snr_gamma)
                    if self.train.min_snr_gamma and weighted else torch.ones(len(t)))
+        if item_weights is not None and weighted:
+            weights = weights * item_weights
         if self.masked:
             per_element = weights.view(-1, *([1] * (x0.dim() - 1))) * (masks if masks is not None and weighted else 1)
             target = with_element_weights(target, self.feed.pack_prediction(per_element.expand_as(targets.target).contiguous()))
-        elif self.train.min_snr_gamma:
+        elif self.train.min_snr_gamma or self.weighs_items:
             target = with_weights(target, weights)
         return StepBatch(noisy.contiguous(), target.contiguous(), dict(conditions, timestep=targets.model_timestep))

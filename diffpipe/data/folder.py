@@ -32,6 +32,7 @@ class ImageItem:
     width: int  # as seen, EXIF orientation applied
     height: int
     frames: int = 0  # a video's frames; 0: a still image
+    loss_weight: float = 1.0  # data.regularisation_weight for a regularisation image, else 1
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +32,8 @@ from .cache import ShardStore, fill_store
 from .folder import IMAGE_SUFFIXES, BadImage, ImageItem, Skipped, read_rgb, scan_folders, uncaptioned_note
 from .videos import clip_frames, read_clip
 
-__all__ = ["FolderImages", "prepare_folder_images", "data_buckets", "cache_folder", "read_pixels"]
+__all__ = ["FolderImages", "prepare_folder_images", "data_buckets", "cache_folder", "read_pixels",
+           "regularisation_folders"]
 
 _CHUNK = 8  # images per VAE call (clips: one per call)
 
@@ -53,6 +54,12 @@ def data_folders(data: DataConfig, eval_split: bool = False) -> list[tuple[Path,
         return [(Path(p), 1) for p in paths]
     repeats = data.repeats if isinstance(data.repeats, list) else [data.repeats] * len(paths)
     return [(Path(p), r) for p, r in zip(paths, repeats)]
+
+
+def regularisation_folders(data: DataConfig) -> list[tuple[Path, int]]:
+    """(folder, 1) of data.regularisation_path."""
+    chosen = data.regularisation_path
+    return [(Path(p), 1) for p in ([chosen] if isinstance(chosen, str) else list(chosen or []))]
 
 
 def cache_folder(data: DataConfig) -> Path:
@@ -99,6 +106,7 @@ class FolderImages:
     vae: torch.nn.Module | None = None
     held_out: "FolderImages | None" = None  # the eval split (data.eval_fraction / data.eval_path), if any
     masks: list[Path] | None = None  # data.mask_path's file for each item
+    weighs_items: bool = False  # items have loss weights of their own (data.regularisation_path)
     _mask_weights: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # by item, once read
 
     @property
@@ -158,6 +166,10 @@ class FolderImages:
         pixels = torch.stack([read_pixels(self.items[i], self.placements[i]) for i in indices])
         return encode_latents(self.vae, pixels).cpu()
 
+    def loss_weights(self, indices: list[int]) -> torch.Tensor:
+        """Each item's loss weight: data.regularisation_weight for regularisation images, else 1."""
+        return torch.tensor([self.items[i].loss_weight for i in indices], dtype=torch.float32)
+
     def loss_masks(self, indices: list[int], latent_size: tuple[int, int]) -> torch.Tensor | None:
         """The items' loss masks (data.mask_path) placed as their pictures and averaged down to the latents'
         (height, width): (B, 1, h, w) in [0, 1]; None without masks."""
@@ -201,6 +213,9 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
         eval_items = scan_folders(data_folders(data, eval_split=True), min_side, skipped, videos)
     else:
         items, eval_items = _hold_out(items, data.eval_fraction)
+    if data.regularisation_path:  # after the eval split: it holds out training images only
+        items += [replace(item, loss_weight=data.regularisation_weight)
+                  for item in scan_folders(regularisation_folders(data), min_side, skipped, videos)]
     dataset = _placed(items, buckets, skipped, vae, frame_buckets)
     held = _placed(eval_items, buckets, skipped, vae, frame_buckets) if eval_items else None
     if data.cache:  # the models' fingerprints (a read of their weight files) once for both splits
@@ -221,6 +236,7 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
         what = "images or videos" if videos else "images"
         raise FileNotFoundError(f"data.path: no usable {what} in {', '.join(str(f) for f, _ in data_folders(data))}")
     dataset.held_out = held if held is not None and held.items else None
+    dataset.weighs_items = bool(data.regularisation_path)
     if data.mask_path:
         dataset.masks = _find_masks(dataset.items, data)
     return dataset
@@ -229,7 +245,8 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
 def _find_masks(items: list[ImageItem], data: DataConfig) -> list[Path]:
     """Each picture's mask in data.mask_path (its path under its data.path folder, any image suffix), each checked
     to decode at the picture's size: a missing or broken mask stops the run before it starts, naming the file."""
-    root, folders = Path(data.mask_path), [folder.resolve() for folder, _ in data_folders(data)]
+    root = Path(data.mask_path)
+    folders = [folder.resolve() for folder, _ in data_folders(data) + regularisation_folders(data)]
     masks = []
     for item in items:
         picture = item.path.resolve()

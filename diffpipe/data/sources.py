@@ -37,6 +37,9 @@ class DataSource:
         if data.mask_path:
             raise ValueError(f"data.mask_path masks pictures of data.dataset = 'folder', and data.dataset is "
                              f"{self.name!r}: unset data.mask_path")
+        if data.regularisation_path:
+            raise ValueError(f"data.regularisation_path adds images to data.dataset = 'folder', and data.dataset is "
+                             f"{self.name!r}: unset data.regularisation_path")
 
     def check_config(self, config: RunConfig) -> None:
         """Refuse other settings this source cannot serve, such as an eval loss without held-out data."""
@@ -160,7 +163,7 @@ class FolderSource(DataSource):
         """Image folders need a pipeline folder whose VAE and text encoders fit the UNet, and folders that exist."""
         from ..models.loading import CheckpointError
         from ..models.vae import vae_frame_factor, vae_latent_channels, vae_scale_factor
-        from .images import data_folders
+        from .images import data_folders, regularisation_folders
 
         folder = config.model.pipeline_folder()
         if folder is None:
@@ -171,6 +174,9 @@ class FolderSource(DataSource):
             for path, _ in data_folders(config.data, eval_split):
                 if not path.is_dir():
                     raise FileNotFoundError(f"{key}: {path} is not a folder")
+        for path, _ in regularisation_folders(config.data):
+            if not path.is_dir():
+                raise FileNotFoundError(f"data.regularisation_path: {path} is not a folder")
         family, cfg = backbone.family, backbone.model.config
         channels = vae_latent_channels(folder)
         if channels != family.latent_channels(cfg):

@@ -60,6 +60,14 @@ class RunParts:
     bytes_moved: int  # sent and received by this process in a step (the observer's communication figures)
 
 
+def loss_weighting(config: RunConfig) -> str:
+    """What a training target carries beside the target itself (data/batches.py `BatchMaker._batch`): a loss weight
+    per element (data.mask_path), per sample (train.min_snr_gamma, data.regularisation_path), or none."""
+    if config.data.mask_path:
+        return "elements"
+    return "samples" if config.train.min_snr_gamma > 0 or config.data.regularisation_path else "none"
+
+
 class _ScaledMSE:
     """Mean squared error in fp32, times the current loss scale (1 unless fp16); weighted by what the target carries
     (diffusion/objectives.py): with data.mask_path a weight per element (`with_element_weights`), else with
@@ -115,8 +123,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     tied_gradients = TiedGradients(tied, held, mine, topo, p.data_parallel_shard)
     scaler = LossScaler(config.train.precision == "fp16")
     runner = PipelineRunner(modules, mine, len(specs), topo.pp_group, topo.device, p.schedule, p.microbatches,
-                            _ScaledMSE(scaler, weighting="elements" if config.data.mask_path
-                                       else "samples" if config.train.min_snr_gamma > 0 else "none"), timeable=config.observe.enabled,
+                            _ScaledMSE(scaler, weighting=loss_weighting(config)), timeable=config.observe.enabled,
                             send_group=topo.send_group)
     optimizer, lr_schedule = make_optimizer(groups, config.train, config.memory.optimizer_state,
                                             reduce_group=topo.pp_group,
