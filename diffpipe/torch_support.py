@@ -21,7 +21,7 @@ from .errors import TorchVersionError
 
 __all__ = ["TESTED", "TorchVersionError", "check_torch", "schedule_problem", "split_backward_input", "split_backward_weight",
            "kept_storage_key", "view_base", "schedule_actions", "data_parallel_wrappers", "recompile_limit",
-           "scale_in_place", "fused_attention", "non_persistent_buffers", "move_lr_schedule"]
+           "scale_in_place", "fused_attention", "non_persistent_buffers", "move_lr_schedule", "foreach"]
 
 TESTED = ("2.11", "2.13")  # minor versions the suite runs on; pyproject's range spans them
 _INSTALL = "pip install 'torch==2.13.0'"
@@ -154,6 +154,12 @@ def lerp_in_place(tensors: list[torch.Tensor], toward: list[torch.Tensor], weigh
     per dtype and device."""
     if tensors:
         _private("torch", "_foreach_lerp_", "the moving average of trained weights")(tensors, toward, weight)
+
+
+def foreach(op: str, used_for: str):
+    """torch's multi-tensor op `_foreach_<op>` (one fused kernel per dtype and device for a list of tensors):
+    `foreach("addcmul_", "Prodigy's step")(moments, grads, grads, value=...)`."""
+    return _private("torch", f"_foreach_{op}", used_for)
 
 
 def fused_attention(query, key, value, dropout_p: float, is_causal: bool, scale) -> torch.Tensor:

@@ -38,19 +38,24 @@ def _steps(optimizer_class, model: torch.nn.Module, steps: int, **settings):
 
 
 @pytest.mark.parametrize("settings", [{}, {"use_bias_correction": True, "d_coef": 10.0, "beta3": 0.9},
-                                      {"safeguard_warmup": True, "d0": 1e-4}, {"weight_decay": 0.1, "growth_rate": 1.02}],
-                         ids=["defaults", "bias-correction", "safeguard-warmup", "decay-growth"])
+                                      {"safeguard_warmup": True, "d0": 1e-4}, {"weight_decay": 0.1, "growth_rate": 1.02},
+                                      {"chunk_elements": 20}],
+                         ids=["defaults", "bias-correction", "safeguard-warmup", "decay-growth", "in-chunks"])
 def test_prodigy_steps_as_prodigyopt_does(settings):
+    """`chunk_elements`: diffpipe's own setting, its step's temporaries cut into runs of weights (one weight each
+    here)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
     torch.nn.init.zeros_(model[2].weight)  # as LoRA's B starts (prodigyopt keeps a scalar p0 for it)
-    want, _ = _steps(prodigyopt.Prodigy, model, 25, **settings)
+    theirs = {k: v for k, v in settings.items() if k != "chunk_elements"}
+    want, _ = _steps(prodigyopt.Prodigy, model, 25, **theirs)
     got, optimizer = _steps(Prodigy, model, 25, **settings)
     assert optimizer.estimate["d"] > 1.5 * optimizer.d0  # the estimate has grown: it is exercised
     for mine, theirs in zip(got.parameters(), want.parameters()):
         assert torch.equal(mine, theirs)
     # the estimate's numerator planted with its sign flipped (<g, p - p0>) is seen
-    wrong = planted("diffpipe.train.prodigy", '(state["p0"] - weight)', '(weight - state["p0"])')
+    wrong = planted("diffpipe.train.prodigy", 'foreach("sub", _USE)([state["p0"][i] for i in chunk], [weights[i] for i in chunk])',
+                    'foreach("sub", _USE)([weights[i] for i in chunk], [state["p0"][i] for i in chunk])')
     off, _ = _steps(wrong.Prodigy, model, 25, **settings)
     assert any(not torch.equal(a, b) for a, b in zip(off.parameters(), want.parameters()))
 
