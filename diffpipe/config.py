@@ -191,6 +191,7 @@ class CheckpointConfig(_Section):
     keep: int = Field(2, ge=1, description="Newest checkpoints kept in RUN_DIR/checkpoints; older ones are removed.")
     asynchronous: bool = Field(False, description="Copy the checkpoint to host memory and write it in the background while training goes on (sealed before the next one and at the end); needs host memory for one checkpoint.")
     export_every: int = Field(0, ge=0, description="LoRA runs: every N steps, and after the last, also write the adapters as RUN_DIR/exports/lora-step-0000N.safetensors in checkpoint.export_format, ready to load (kohya's per-epoch saves); 0: off. Any run's checkpoint exports later with `diffpipe export RUN --step N`.")
+    export_every_epochs: int = Field(0, ge=0, description="LoRA runs: also export the adapters (as checkpoint.export_every does) after every N epochs of the data (train.epochs' epochs: kohya's save_every_n_epochs), named by the step they end at, and after the last step; 0: off.")
     export_format: Literal["diffusers", "kohya", "comfyui"] = Field("diffusers", description="Layout of checkpoint.export_every's files: diffusers (pipe.load_lora_weights; every family with a diffusers LoRA loader), kohya (ComfyUI, A1111, kohya's tools; UNets) or comfyui (ComfyUI's LoRA loader: UNets, Flux, SD3, Wan).")
 
 
@@ -282,8 +283,8 @@ class RunConfig(_Section):
             raise ValueError("memory.optimizer_state = \"8bit\" updates whole tensors (bitsandbytes' kernels), which "
                              "pipeline.data_parallel_shard cuts across replicas: set one of them off")
         _check_optimizer(t, self.memory, p)
-        if self.checkpoint.export_every and self.adapter.type != "lora":
-            raise ValueError("checkpoint.export_every writes a LoRA's adapters, and adapter.type is \"none\": set "
+        if (self.checkpoint.export_every or self.checkpoint.export_every_epochs) and self.adapter.type != "lora":
+            raise ValueError("checkpoint.export_every writes a LoRA's adapters (as export_every_epochs does), and adapter.type is \"none\": set "
                              "checkpoint.every and export a checkpoint with `diffpipe export RUN --step N`, or train "
                              "a LoRA (adapter.type = \"lora\")")
         if isinstance(p.checkpointing, list) and any(not 0 <= i < chunks for i in p.checkpointing):

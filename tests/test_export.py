@@ -128,6 +128,15 @@ def test_a_checkpoint_exports_as_the_finished_run_would(tiny, photos, tmp_path, 
     assert "no checkpoint after step 1; the checkpoints there are after steps 2, 3" in capsys.readouterr().err
 
 
+def test_export_every_epochs_writes_the_adapters_after_each_epoch(tiny, photos, tmp_path):
+    """checkpoint.export_every_epochs = 2: the 16 photos in batches of 8 make 3 steps an epoch (a batch per bucket,
+    the short ones filled up), so after steps 6 and 12 and after the last, step 13."""
+    run = _train(tiny, photos, tmp_path / "run", "sd15", "--set", "adapter.type=\"lora\"", "--set", "adapter.rank=4",
+                 "--set", "train.max_steps=13", "--set", "checkpoint.export_every_epochs=2")
+    assert sorted(p.name for p in (run / "exports").iterdir()) == [
+        f"lora-step-{step:08d}.safetensors" for step in (6, 12, 13)]
+
+
 def test_export_every_is_refused_before_launch_where_it_cannot_be_written(tmp_path, capsys):
     """A full fine-tune has no adapters to export every N steps; kohya's layout holds UNet LoRAs only: both said
     before any process starts."""

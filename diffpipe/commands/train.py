@@ -36,7 +36,7 @@ def _prepare_run(args) -> tuple:
     elif args.output_dir:
         config.output.dir = args.output_dir
     checked = check_before_launch(config)
-    if config.checkpoint.export_every:  # the format can hold this run's adapters: asked now, not at the first export
+    if config.checkpoint.export_every or config.checkpoint.export_every_epochs:  # the format can hold this run's adapters: asked now, not at the first export
         adapted = tuple(n.removesuffix(".lora_A") for n, _ in checked.backbone.model.named_modules()
                         if n.endswith(".lora_A"))
         format_writer(config.checkpoint.export_format).check(ExportedRun(

@@ -7,6 +7,8 @@ train/stopping.py; its final weights, train/weights.py (replica 0's pipeline ran
 """
 from __future__ import annotations
 
+import math
+
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -166,6 +168,15 @@ class Trainer:
         """Every `every` steps and after the last one (0: never)."""
         return every > 0 and ((step + 1) % every == 0 or step + 1 == self.config.train.max_steps)
 
+    def _epochs_due(self, step: int) -> bool:
+        """After the step that ends every checkpoint.export_every_epochs-th epoch of the data, and the last one."""
+        every = self.config.checkpoint.export_every_epochs
+        if not every:
+            return False
+        span = every * self.data.steps_per_epoch(self.config.train.batch_size)
+        return math.floor((step + 1) / span + 1e-9) > math.floor(step / span + 1e-9) or (
+            step + 1 == self.config.train.max_steps)
+
     def fit(self, start_step: int = 0) -> None:
         """All steps. On a GPU a step's figures are read once the next step's forward and backward are queued,
         waiting for that step alone (an event, not the stream: `_on_host_when_ready`), so the device never waits
@@ -226,7 +237,7 @@ class Trainer:
         if self._due(step, self.config.sample.every):
             with self.outputs_weights():
                 write_samples(self, step)
-        if self._due(step, self.config.checkpoint.export_every):
+        if self._due(step, self.config.checkpoint.export_every) or self._epochs_due(step):
             with self.outputs_weights():
                 written = export_adapters(self, step + 1)
             if written is not None:
