@@ -112,19 +112,22 @@ def build_model(cfg: ModelConfig, family: ModelFamily) -> torch.nn.Module:
 def checked_weights(model: torch.nn.Module, cfg: ModelConfig, family: ModelFamily) -> Path | None:
     """The weights file of `cfg.path` (a single file in the family's original layout converted first:
     original_layout.py), refused before anything is read if written for another architecture."""
-    from .original_layout import converted_file
+    from .original_layout import converted_file, is_fp8_file, without_scales
 
     if cfg.path is None:
         return None
     path = weights_file(Path(cfg.path), family.component)
-    keys = list(_file_shapes(path))  # an unreadable file is named as such
+    keys = without_scales(list(_file_shapes(path)))  # an unreadable file is named as such
     layout = family.release_layout
-    if Path(cfg.path).is_file() and layout is not None and layout.recognises(keys):
+    recognised = layout is not None and layout.recognises(keys)
+    fp8 = is_fp8_file(path)  # ComfyUI's fp8 (scaled) files: dequantised once, as a release layout is converted
+    if Path(cfg.path).is_file() and (recognised or fp8):
+        name = f"a {layout.name}-layout" if recognised else "an fp8"
         try:
-            path = converted_file(path, family, dict(model.config))
+            path = converted_file(path, family, dict(model.config), layout=recognised)
         except (KeyError, IndexError, ValueError, TypeError, RuntimeError) as exc:
-            raise CheckpointError(f"model.path={cfg.path}: a {layout.name}-layout checkpoint that does "
-                                  f"not convert to the {family.backbone_name} of the run's architecture "
+            raise CheckpointError(f"model.path={cfg.path}: {name}{' fp8' if fp8 and recognised else ''} checkpoint "
+                                  f"that does not convert to the {family.backbone_name} of the run's architecture "
                                   f"({type(exc).__name__}: {exc}); check that model.components / model.preset / "
                                   "model.config describe the same model") from None
     check_checkpoint(model, path)

@@ -23,7 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from .family import ReleaseLayout
 
-__all__ = ["ORIGINAL_PREFIX", "SGM", "converted_file", "to_original_layout", "kohya_lora_names"]
+__all__ = ["ORIGINAL_PREFIX", "SGM", "converted_file", "to_original_layout", "kohya_lora_names", "is_fp8_file",
+           "without_scales", "dequantised"]
 
 ORIGINAL_PREFIX = "model.diffusion_model."
 _RESNET_PARTS = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
@@ -42,16 +43,65 @@ def _file_identity(path: Path) -> str:
     return hashlib.sha256(f"{path.resolve()}/{stat.st_size}/{stat.st_mtime_ns}".encode() + header).hexdigest()[:16]
 
 
-def converted_file(path: Path, family, config: dict) -> Path:
+# ComfyUI's fp8 files: weights in float8 with a scale each (`NAME.scale_weight`, or `NAME.weight_scale` in its newer
+# format), the file marked by a `scaled_fp8` tensor; `scale_input` / `input_scale` and `comfy_quant` serve its fp8
+# matmuls and are not weights
+_SCALES = (".scale_weight", ".weight_scale")
+_NOT_WEIGHTS = (".scale_input", ".input_scale", ".comfy_quant")
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _is_marker(key: str) -> bool:
+    return key == "scaled_fp8" or key.endswith(".scaled_fp8")
+
+
+def without_scales(keys: list[str]) -> list[str]:
+    """A file's weight names, less those of an fp8 file's scales and markers."""
+    return [k for k in keys if not (_is_marker(k) or k.endswith(_SCALES) or k.endswith(_NOT_WEIGHTS))]
+
+
+def is_fp8_file(path: Path) -> bool:
+    """Whether a .safetensors file holds float8 weights (ComfyUI's fp8 and fp8 "scaled" releases); reads the header."""
+    with path.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    return any(isinstance(v, dict) and v.get("dtype") in ("F8_E4M3", "F8_E5M2") for v in header.values())
+
+
+def dequantised(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An fp8 file's weights in bf16, each float8 weight times its scale as ComfyUI computes it (in fp32, then bf16:
+    its compute dtype), the scales and markers dropped. A scale must be one number or one per output row."""
+    out = {}
+    for key in without_scales(list(weights)):
+        tensor = weights[key]
+        if tensor.dtype in _FP8:
+            base = key.removesuffix(".weight")
+            scale = next((weights[base + s] for s in _SCALES if base + s in weights), None)
+            tensor = tensor.float()
+            if scale is not None:
+                scale = scale.float()
+                if scale.numel() not in (1, tensor.shape[0]):
+                    raise ValueError(f"{key}'s scale has {scale.numel()} values: diffpipe reads a scale per tensor or "
+                                     "per output row, not block-wise ones (dequantise the file with its own tool)")
+                tensor = tensor * (scale.reshape(-1, *[1] * (tensor.dim() - 1)) if scale.numel() > 1 else scale)
+            tensor = tensor.to(torch.bfloat16)
+        out[key] = tensor
+    return out
+
+
+def converted_file(path: Path, family, config: dict, layout: bool = True) -> Path:
     """The diffusers-named weights of a file in `family`'s release layout (`ModelFamily.release_layout`), converted
-    on first use."""
+    on first use; an fp8 file's weights dequantised first (`dequantised`), and `layout` False for one already in
+    diffusers' names."""
     # keyed by the file and the architecture it is read as: a conversion for a wrong config is never reused for the
     # right one (a UNet's config decides which original keys become which diffusers names)
-    architecture = hashlib.sha256(json.dumps([family.name, config], sort_keys=True, default=str).encode()).hexdigest()[:12]
+    architecture = hashlib.sha256(json.dumps([family.name, config, layout], sort_keys=True, default=str).encode()).hexdigest()[:12]
     target = _cache_root() / f"{path.stem}-{_file_identity(path)}-{architecture}.safetensors"
     if target.is_file():
         return target
-    converted = family.release_layout.to_diffusers(load_file(str(path)), config)
+    weights = load_file(str(path))
+    if is_fp8_file(path):
+        weights = dequantised(weights)
+    converted = family.release_layout.to_diffusers(weights, config) if layout else weights
     target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.{os.getpid()}")
     save_file({k: v.contiguous() for k, v in converted.items()}, str(temporary))

@@ -135,3 +135,53 @@ def test_components_that_are_not_a_pipeline_folder_are_refused_with_the_reason(t
 
     with pytest.raises(ConfigError, match="model.components = .* is not a diffusers pipeline folder"):
         load_config(ROOT / "examples" / "flux_tiny.toml", [f"model.components=\"{tmp_path}\""])
+
+
+def _fp8_scaled(weights: dict[str, torch.Tensor], scale_name: str) -> tuple[dict, dict]:
+    """`weights` as ComfyUI's fp8 "scaled" files hold them (each matrix in float8 e4m3 with one fp32 scale, its
+    input scale, the file's `scaled_fp8` marker), and the bf16 weights they stand for (each times its scale)."""
+    scaled, meant = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}, {}
+    for key, value in weights.items():
+        if value.dim() == 2 and key.endswith(".weight"):
+            scale = value.abs().max().float() / 448
+            quantised = (value.float() / scale).to(torch.float8_e4m3fn)
+            base = key.removesuffix(".weight")
+            scaled.update({key: quantised, base + scale_name: scale.reshape(()), base + ".scale_input": torch.ones(())})
+            meant[key] = (quantised.float() * scale).to(torch.bfloat16)
+        else:
+            scaled[key] = meant[key] = value
+    return scaled, meant
+
+
+@pytest.mark.parametrize("scale_name", [".scale_weight", ".weight_scale"], ids=["comfyui", "comfyui-newer"])
+def test_a_comfyui_fp8_scaled_flux_file_trains_as_the_weights_it_stands_for(tiny, tmp_path, monkeypatch, scale_name):
+    """BFL's layout in float8 with a scale per matrix (ComfyUI's flux_dev_fp8_scaled files): each weight is read as
+    float8 x scale in bf16, as ComfyUI computes it, so the run's losses are those of a bf16 file of those weights."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    bfl = flux_to_bfl(load_file(str(tiny / "flux" / "transformer" / "diffusion_pytorch_model.safetensors")))
+    scaled, meant = _fp8_scaled(bfl, scale_name)
+    files = {"scaled": tmp_path / "flux-fp8-scaled.safetensors", "meant": tmp_path / "flux-bf16.safetensors"}
+    save_file(scaled, str(files["scaled"]))
+    save_file({k: v.contiguous() for k, v in meant.items()}, str(files["meant"]))
+    photos = shutil.copytree(tiny / "photos", tmp_path / "photos")
+    losses = {}
+    for name, single in files.items():
+        cmd = ["train", str(ROOT / "examples" / "flux_tiny.toml"), "--output-dir", str(tmp_path / name),
+               "--set", f"data.path=\"{photos}\"", "--set", "train.max_steps=2", "--set", "pipeline.stages=1",
+               "--set", "checkpoint.every=0", "--set", "output.sample_every_end=false",
+               "--set", f"model.path=\"{single}\"", "--set", f"model.components=\"{tiny / 'flux'}\""]
+        result = run_command(cmd)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[name] = _losses(tmp_path / name)
+    assert losses["scaled"] == losses["meant"]
+
+
+def test_fp8_scales_per_row_are_applied_and_block_wise_ones_refused():
+    from diffpipe.models.original_layout import dequantised
+
+    weight = torch.randn(4, 6).to(torch.float8_e4m3fn)
+    rows = torch.tensor([[1.0], [2.0], [0.5], [4.0]])
+    got = dequantised({"a.weight": weight, "a.weight_scale": rows})
+    assert list(got) == ["a.weight"] and torch.equal(got["a.weight"], (weight.float() * rows).bfloat16())
+    with pytest.raises(ValueError, match="block-wise"):
+        dequantised({"a.weight": weight, "a.weight_scale": torch.ones(2, 3)})
