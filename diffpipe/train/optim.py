@@ -31,7 +31,7 @@ from .prodigy import ESTIMATE_KEYS, PRODIGY_STATE_KEYS, Prodigy
 
 __all__ = ["make_optimizer", "lr_factor", "LossScaler", "global_grad_norm", "clip_gradients",
            "step_optimizer", "state_keys", "ensure_state", "state_tensors", "set_steps", "run_level_state",
-           "set_run_level_state"]
+           "set_run_level_state", "optimizer_note"]
 
 # each trained parameter's optimizer state a checkpoint holds: AdamW's moments and step; 8-bit AdamW's quantised
 # moments, their scales per block (absent for parameters under 4096 elements, whose moments stay fp32) and step;
@@ -93,6 +93,16 @@ def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], train: 
                                 weight_decay=train.weight_decay, eps=train.adam_eps, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, train))
     return opt, sched
+
+
+def optimizer_note(train: TrainConfig) -> str | None:
+    """A line for the user where the learning rate looks meant for another optimizer: Prodigy's is a multiplier of
+    the step size it finds (1.0), so an AdamW-sized one (1e-4) all but stops training."""
+    if train.optimizer == "prodigy" and train.learning_rate < 0.1:
+        return (f"note: train.optimizer = \"prodigy\" with train.learning_rate = {train.learning_rate:g}: Prodigy's "
+                "learning rate multiplies the step size it estimates, and its users set 1.0 (0.5-2 to tune); this one "
+                "makes every step that much smaller")
+    return None
 
 
 def _is_8bit(optimizer: torch.optim.Optimizer) -> bool:

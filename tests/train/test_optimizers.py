@@ -129,3 +129,12 @@ def test_the_planner_charges_each_optimizers_state():
     assert adamw - state({"train": {"optimizer": "adafactor"}}, costs) == pytest.approx(8 * trained - 4 * factored)
     with_first = state({"train": {"optimizer": "adafactor", "optimizer_args": {"beta1": 0.9}}}, costs)
     assert with_first - state({"train": {"optimizer": "adafactor"}}, costs) == pytest.approx(4 * trained)
+
+
+def test_prodigy_with_an_adamw_sized_learning_rate_is_noted_before_launch(capsys):
+    from diffpipe.preflight import check_before_launch
+
+    check_before_launch(build_config({"train": {"optimizer": "prodigy", "learning_rate": 1e-4}}))
+    assert "Prodigy's learning rate multiplies the step size" in capsys.readouterr().out
+    check_before_launch(build_config({"train": {"optimizer": "prodigy", "learning_rate": 1.0}}))
+    assert "note:" not in capsys.readouterr().out
