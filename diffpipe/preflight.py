@@ -21,7 +21,6 @@ from .pipeline.stage import repeated_blocks
 from .planner.plan import resolve_memory, resolve_stages
 from .precision import frozen_storage
 from .torch_support import schedule_problem
-from .train.optim import optimizer_note
 
 __all__ = ["Checked", "check_before_launch"]
 
@@ -63,9 +62,6 @@ def check_before_launch(config: RunConfig) -> Checked:
                   "saving)", flush=True)
     split, checkpointing = resolve_stages(config, backbone)
     _check_first_stage_trains(backbone, split)
-    note = optimizer_note(config.train)
-    if note is not None and int(os.environ.get("RANK", "0")) == 0:
-        print(note, flush=True)
     return Checked(backbone, split, checkpointing, changes)
 
 

@@ -26,6 +26,7 @@ def _prepare_run(args) -> tuple:
     from ..build import boundary_traffic
     from ..export.run import ExportedRun, format_writer
     from ..preflight import check_before_launch
+    from ..train.optim import optimizer_note
     from ..pipeline.traffic import format_crossings
     from ..run_folder import RunLock, prepare_new_run
 
@@ -36,6 +37,9 @@ def _prepare_run(args) -> tuple:
     elif args.output_dir:
         config.output.dir = args.output_dir
     checked = check_before_launch(config)
+    note = optimizer_note(config.train)
+    if note is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(note, flush=True)
     if config.checkpoint.export_every or config.checkpoint.export_every_epochs:  # the format can hold this run's adapters: asked now, not at the first export
         adapted = tuple(n.removesuffix(".lora_A") for n, _ in checked.backbone.model.named_modules()
                         if n.endswith(".lora_A"))

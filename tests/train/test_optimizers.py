@@ -131,10 +131,9 @@ def test_the_planner_charges_each_optimizers_state():
     assert with_first - state({"train": {"optimizer": "adafactor"}}, costs) == pytest.approx(4 * trained)
 
 
-def test_prodigy_with_an_adamw_sized_learning_rate_is_noted_before_launch(capsys):
-    from diffpipe.preflight import check_before_launch
-
-    check_before_launch(build_config({"train": {"optimizer": "prodigy", "learning_rate": 1e-4}}))
-    assert "Prodigy's learning rate multiplies the step size" in capsys.readouterr().out
-    check_before_launch(build_config({"train": {"optimizer": "prodigy", "learning_rate": 1.0}}))
-    assert "note:" not in capsys.readouterr().out
+def test_prodigy_with_an_adamw_sized_learning_rate_is_noted_before_launch(tmp_path):
+    adamw_sized = _train("--output-dir", str(tmp_path / "small"), *SETTINGS["prodigy"][:2],
+                         "--set", "train.learning_rate=1e-4", "--set", "train.max_steps=1")
+    assert adamw_sized.returncode == 0 and "Prodigy's learning rate multiplies the step size" in adamw_sized.stdout
+    as_meant = _train("--output-dir", str(tmp_path / "one"), *SETTINGS["prodigy"], "--set", "train.max_steps=1")
+    assert as_meant.returncode == 0 and "note:" not in as_meant.stdout
