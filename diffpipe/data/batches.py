@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import seeds
-from ..config import TrainConfig
+from ..config import DataConfig, TrainConfig
 from ..diffusion.objectives import make_targets, min_snr_weights, with_element_weights, with_weights
 from ..diffusion.timesteps import sample_timesteps
 from ..models.family import Feed
@@ -134,16 +134,26 @@ class CaptionTags:
         return self.shuffle or self.dropout > 0
 
 
+def loss_weighting(train: TrainConfig, data: DataConfig) -> str:
+    """What a training target carries beside the target itself, for the loss to read (train/run_parts.py): a loss
+    weight per element (data.mask_path's masks: `with_element_weights`), per sample (train.min_snr_gamma,
+    data.regularisation_path's images: `with_weights`), or none."""
+    if data.mask_path:
+        return "elements"
+    return "samples" if train.min_snr_gamma > 0 or data.regularisation_path else "none"
+
+
 class BatchMaker:
     """A step's batch from a dataset with `captions`, `batch_indices(step, batch_size, seed)`, `x0(indices)` and
     `size_ids(indices)` (TensorImages, data/images.py's FolderImages), fed as the model's family asks (`feed`:
-    its named conditions and its latent layout)."""
+    its named conditions and its latent layout); its targets carry the loss weights `weighting` names
+    (`loss_weighting`)."""
 
     def __init__(self, data, text: CaptionEncoder, train: TrainConfig, caption_dropout: float, feed: Feed,
-                 tags: CaptionTags = CaptionTags()):
+                 tags: CaptionTags = CaptionTags(), weighting: str = "none"):
         self.data, self.text = data, text
         self.train, self.caption_dropout, self.feed = train, caption_dropout, feed
-        self.tags = tags
+        self.tags, self.weighting = tags, weighting
 
     def text_conditions(self, captions: list[str], size_ids: torch.Tensor,
                         latent_size: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -174,19 +184,10 @@ class BatchMaker:
         x0 = self.data.x0(mine)
         drawn = self.draw(step, tuple(x0.shape[1:]))
         conditions = self.text_conditions(drawn.captions[part], self.data.size_ids(mine), x0.shape[2:])
-        masks = self.data.loss_masks(mine, x0.shape[-2:]) if self.masked else None
-        items = self.data.loss_weights(mine) if self.weighs_items else None
+        masks = self.data.loss_masks(mine, x0.shape[-2:]) if self.weighting == "elements" else None
+        # image folders' items weigh their own (regularisation images); other data's weigh 1
+        items = self.data.loss_weights(mine) if self.weighting != "none" and hasattr(self.data, "loss_weights") else None
         return self._batch(x0, drawn.noise[part], drawn.t[part], conditions, masks=masks, item_weights=items)
-
-    @property
-    def masked(self) -> bool:
-        """Whether targets carry a loss weight per element (data.mask_path's masks)."""
-        return getattr(self.data, "masks", None) is not None
-
-    @property
-    def weighs_items(self) -> bool:
-        """Whether items have loss weights of their own (data.regularisation_path's images)."""
-        return getattr(self.data, "weighs_items", False)
 
     def make_fixed(self, data, indices: list[int], ts: list[float], noise_seed: int, dp_rank: int,
                    dp_size: int) -> list[StepBatch]:
@@ -215,9 +216,9 @@ class BatchMaker:
                    if self.train.min_snr_gamma and weighted else torch.ones(len(t)))
         if item_weights is not None and weighted:
             weights = weights * item_weights
-        if self.masked:
+        if self.weighting == "elements":
             per_element = weights.view(-1, *([1] * (x0.dim() - 1))) * (masks if masks is not None and weighted else 1)
             target = with_element_weights(target, self.feed.pack_prediction(per_element.expand_as(targets.target).contiguous()))
-        elif self.train.min_snr_gamma or self.weighs_items:
+        elif self.weighting == "samples":
             target = with_weights(target, weights)
         return StepBatch(noisy.contiguous(), target.contiguous(), dict(conditions, timestep=targets.model_timestep))

@@ -106,7 +106,6 @@ class FolderImages:
     vae: torch.nn.Module | None = None
     held_out: "FolderImages | None" = None  # the eval split (data.eval_fraction / data.eval_path), if any
     masks: list[Path] | None = None  # data.mask_path's file for each item
-    weighs_items: bool = False  # items have loss weights of their own (data.regularisation_path)
     _mask_weights: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # by item, once read
 
     @property
@@ -236,7 +235,6 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
         what = "images or videos" if videos else "images"
         raise FileNotFoundError(f"data.path: no usable {what} in {', '.join(str(f) for f, _ in data_folders(data))}")
     dataset.held_out = held if held is not None and held.items else None
-    dataset.weighs_items = bool(data.regularisation_path)
     if data.mask_path:
         dataset.masks = _find_masks(dataset.items, data)
     return dataset

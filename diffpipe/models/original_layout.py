@@ -99,7 +99,7 @@ def converted_file(path: Path, family, config: dict, layout: bool = True) -> Pat
     if target.is_file():
         return target
     weights = load_file(str(path))
-    if is_fp8_file(path):
+    if any(t.dtype in _FP8 for t in weights.values()):
         weights = dequantised(weights)
     converted = family.release_layout.to_diffusers(weights, config) if layout else weights
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -74,6 +74,7 @@ def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], train: 
     counting once the tied copies in `not_counted`."""
     param_groups = [{"params": params, "lr": train.learning_rate * scale} for params, scale in groups if params]
     args = dict(train.optimizer_args)
+    adam = dict(lr=train.learning_rate, betas=tuple(train.betas), weight_decay=train.weight_decay, eps=train.adam_eps)
     if train.optimizer == "adafactor":
         from transformers.optimization import Adafactor
 
@@ -81,16 +82,13 @@ def make_optimizer(groups: list[tuple[list[torch.nn.Parameter], float]], train: 
                         relative_step=False, warmup_init=False, scale_parameter=args.pop("scale_parameter", False),
                         **args)
     elif train.optimizer == "prodigy":
-        opt = Prodigy(param_groups, lr=train.learning_rate, betas=tuple(train.betas), eps=train.adam_eps,
-                      weight_decay=train.weight_decay, reduce_group=reduce_group, not_counted=not_counted, **args)
+        opt = Prodigy(param_groups, **adam, reduce_group=reduce_group, not_counted=not_counted, **args)
     elif state == "8bit":
         import bitsandbytes
 
-        opt = bitsandbytes.optim.AdamW8bit(param_groups, lr=train.learning_rate, betas=tuple(train.betas),
-                                           weight_decay=train.weight_decay, eps=train.adam_eps)
+        opt = bitsandbytes.optim.AdamW8bit(param_groups, **adam)
     else:
-        opt = torch.optim.AdamW(param_groups, lr=train.learning_rate, betas=tuple(train.betas),
-                                weight_decay=train.weight_decay, eps=train.adam_eps, fused=True)
+        opt = torch.optim.AdamW(param_groups, **adam, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, train))
     return opt, sched
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..build import (boundary_traffic, build_backbone, build_dataset, build_stages, build_text_encoder, feed,
                      sample_shape)
 from ..config import RunConfig, TrainConfig
-from ..data.batches import BatchMaker, CaptionTags
+from ..data.batches import BatchMaker, CaptionTags, loss_weighting
 from ..diffusion.objectives import element_weighted_mse, weighted_mse
 from ..distributed import Topology
 from ..models.family import Feed
@@ -58,14 +58,6 @@ class RunParts:
     held_out: Any  # held-out data for the eval loss, or None
     sample_shape: tuple[int, ...]
     bytes_moved: int  # sent and received by this process in a step (the observer's communication figures)
-
-
-def loss_weighting(config: RunConfig) -> str:
-    """What a training target carries beside the target itself (data/batches.py `BatchMaker._batch`): a loss weight
-    per element (data.mask_path), per sample (train.min_snr_gamma, data.regularisation_path), or none."""
-    if config.data.mask_path:
-        return "elements"
-    return "samples" if config.train.min_snr_gamma > 0 or config.data.regularisation_path else "none"
 
 
 class _ScaledMSE:
@@ -122,8 +114,9 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     held = {name: q for m in modules for name, q in m.full_named_parameters()}
     tied_gradients = TiedGradients(tied, held, mine, topo, p.data_parallel_shard)
     scaler = LossScaler(config.train.precision == "fp16")
+    weighting = loss_weighting(config.train, config.data)  # what the batches' targets carry, for the loss to read
     runner = PipelineRunner(modules, mine, len(specs), topo.pp_group, topo.device, p.schedule, p.microbatches,
-                            _ScaledMSE(scaler, weighting=loss_weighting(config)), timeable=config.observe.enabled,
+                            _ScaledMSE(scaler, weighting=weighting), timeable=config.observe.enabled,
                             send_group=topo.send_group)
     optimizer, lr_schedule = make_optimizer(groups, config.train, config.memory.optimizer_state,
                                             reduce_group=topo.pp_group,
@@ -149,7 +142,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     return RunParts(model_config, shapes, modules, [q for params, _ in groups for q in params],
                     tied_gradients, scaler, runner, optimizer,
                     lr_schedule, text, data, family_feed,
-                    BatchMaker(data, text, config.train, d.caption_dropout, family_feed, tags), held_out,
+                    BatchMaker(data, text, config.train, d.caption_dropout, family_feed, tags, weighting), held_out,
                     sample_shape(config, backbone), moved)
 
 

@@ -8,7 +8,6 @@ train/stopping.py; its final weights, train/weights.py (replica 0's pipeline ran
 from __future__ import annotations
 
 import math
-
 import time
 from contextlib import nullcontext
 from pathlib import Path
