@@ -9,7 +9,7 @@ import torch
 from .config import ConfigError, RunConfig
 from .data.sources import source_of
 from .models.family import Feed, ModelFamily
-from .models.lora import add_lora, base_module_name, load_adapters, seed_lora
+from .models.lora import add_lora, base_module_name, is_adapter_holder, load_adapters, seed_lora
 from .models.loading import CheckpointError, build_model, checked_weights
 from .models.materialise import is_meta, materialise
 from .models.storage import FrozenStorage
@@ -26,11 +26,11 @@ __all__ = ["build_backbone", "give_weights", "build_stages", "choose_attention",
 
 def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
     """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`), and with
-    adapter.type = lora its LoRA layers too, which get weights with the rest. Built with weights (sampling, benches)
+    adapter.type set its adapters too, which get weights with the rest. Built with weights (sampling, benches)
     it is the plain model: a LoRA run's model.safetensors has the adapters merged in."""
     family = model_family(config)
     model = build_model(config.model, family)
-    if config.adapter.type == "lora" and str(device) == "meta":  # before the units take their modules: peft
+    if config.adapter.type != "none" and str(device) == "meta":  # before the units take their modules: peft
         try:  # replaces a targeted module in its parent, and a unit holding the old one would never use its adapter
             add_lora(model, config.adapter, family.lora_targets, config.train.seed)
         except ValueError as exc:
@@ -52,8 +52,8 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
     modules = None if units is None else _modules_holding(backbone, units)
     materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model, backbone.family),
                 modules, device, rename=base_module_name, buffers=backbone.family.constructor_buffers(backbone.model),
-                reset_own=backbone.family.reset_own_parameters, frozen=frozen)
-    if config.adapter.type == "lora":
+                reset_own=lambda m: is_adapter_holder(m) or backbone.family.reset_own_parameters(m), frozen=frozen)
+    if config.adapter.type != "none":
         seed_lora(backbone.model, config.train.seed)
         if config.adapter.init_from:
             try:

@@ -139,12 +139,19 @@ class TrainConfig(_Section):
 
 
 class AdapterConfig(_Section):
-    type: Literal["none", "lora"] = Field("none", description="none: full fine-tune; lora: train LoRA adapters (peft) on the frozen backbone.")
-    rank: int = Field(16, ge=1, description="LoRA rank.")
-    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank.")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input.")
+    type: Literal["none", "lora", "dora", "loha", "lokr"] = Field("none", description="none: full fine-tune; else adapters trained on the frozen backbone through peft: lora (W + B A), dora (LoRA whose output rows are rescaled to a trained magnitude: DoRA), loha (W + (W1a W1b) * (W2a W2b), LyCORIS' LoHa), lokr (W + kron(W1, W2), LyCORIS' LoKr). Exports: docs/config.md says which format holds which.")
+    rank: int = Field(16, ge=1, description="Adapter rank (r).")
+    alpha: float = Field(16.0, gt=0, description="Adapter alpha: the update is scaled by alpha / rank (as peft and LyCORIS do, for every adapter.type).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input (lora, dora).")
     target_modules: list[str] | None = Field(None, description="Module names (suffixes) that get adapters; unset: the attention projections to_q, to_k, to_v, to_out.0.")
     init_from: str | None = Field(None, description="Start the adapters from a LoRA file (a run's lora.safetensors, or diffusers' pytorch_lora_weights.safetensors) instead of peft's initialisation.")
+
+    @model_validator(mode="after")
+    def _dropout_where_it_exists(self):
+        if self.dropout and self.type in ("loha", "lokr"):
+            raise ValueError(f"adapter.dropout is the dropout on a LoRA branch's input, which {self.type} has not: "
+                             "set adapter.dropout = 0 (or adapter.type = \"lora\" / \"dora\")")
+        return self
 
 
 class PipelineConfig(_Section):
@@ -283,10 +290,15 @@ class RunConfig(_Section):
             raise ValueError("memory.optimizer_state = \"8bit\" updates whole tensors (bitsandbytes' kernels), which "
                              "pipeline.data_parallel_shard cuts across replicas: set one of them off")
         _check_optimizer(t, self.memory, p)
-        if (self.checkpoint.export_every or self.checkpoint.export_every_epochs) and self.adapter.type != "lora":
+        if (self.checkpoint.export_every or self.checkpoint.export_every_epochs) and self.adapter.type == "none":
             raise ValueError("checkpoint.export_every writes a LoRA's adapters (as export_every_epochs does), and adapter.type is \"none\": set "
                              "checkpoint.every and export a checkpoint with `diffpipe export RUN --step N`, or train "
-                             "a LoRA (adapter.type = \"lora\")")
+                             "adapters (adapter.type = \"lora\", \"dora\", \"loha\" or \"lokr\")")
+        if self.adapter.type == "dora" and self.memory.base_dtype in ("fp8", "int8", "nf4"):
+            raise ValueError(f"adapter.type = \"dora\" rescales each row of the whole base weight by its norm in every "
+                             f"step (peft reads the weight itself), and memory.base_dtype = \"{self.memory.base_dtype}\" "
+                             "stores it in a form only its own product reads: set memory.base_dtype = \"bf16\", or "
+                             "train lora, loha or lokr")
         if isinstance(p.checkpointing, list) and any(not 0 <= i < chunks for i in p.checkpointing):
             raise ValueError(f"pipeline.checkpointing={p.checkpointing} names stages outside 0..{chunks - 1}")
         return self

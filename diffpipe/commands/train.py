@@ -25,6 +25,7 @@ def _prepare_run(args) -> tuple:
 
     from ..build import boundary_traffic
     from ..export.run import ExportedRun, format_writer
+    from ..models.lora import adapted_module, is_adapter
     from ..preflight import check_before_launch
     from ..train.optim import optimizer_note
     from ..pipeline.traffic import format_crossings
@@ -41,8 +42,8 @@ def _prepare_run(args) -> tuple:
     if note is not None and int(os.environ.get("RANK", "0")) == 0:
         print(note, flush=True)
     if config.checkpoint.export_every or config.checkpoint.export_every_epochs:  # the format can hold this run's adapters: asked now, not at the first export
-        adapted = tuple(n.removesuffix(".lora_A") for n, _ in checked.backbone.model.named_modules()
-                        if n.endswith(".lora_A"))
+        adapted = tuple(sorted({adapted_module(n) for n, _ in checked.backbone.model.named_parameters()
+                                if is_adapter(n)}))
         format_writer(config.checkpoint.export_format).check(ExportedRun(
             Path(config.output.dir), config, checked.backbone.family, dict(checked.backbone.model.config), adapted))
     config.pipeline.split, config.pipeline.checkpointing = checked.split, checked.checkpointing

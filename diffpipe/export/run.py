@@ -22,6 +22,7 @@ from ..config import RunConfig
 from ..config_files import load_config
 from ..errors import ExportError
 from ..models.family import ModelFamily
+from ..models.lora import adapted_module, is_adapter
 from ..models.registry import family_for
 from ..written_files import give_user_mode
 from . import FORMATS
@@ -40,7 +41,7 @@ class ExportedRun:
 
     @property
     def lora(self) -> bool:
-        return self.config.adapter.type == "lora"
+        return self.config.adapter.type != "none"
 
     def adapted_modules(self) -> list[str]:
         """The modules given LoRA adapters (`transformer_blocks.0.attn.to_q`), from lora.safetensors' names (none
@@ -50,7 +51,7 @@ class ExportedRun:
         if not (self.folder / "lora.safetensors").is_file():
             return []
         with safe_open(str(self.folder / "lora.safetensors"), framework="pt") as f:
-            return sorted({k.split(".lora_A.")[0] for k in f.keys() if ".lora_A." in k})
+            return sorted({adapted_module(k) for k in f.keys() if is_adapter(k)})
 
 
 def export_run(run_dir: Path, fmt: str, out: Path, force: bool = False) -> Path:

@@ -27,7 +27,7 @@ def frozen_storage(config: RunConfig, device_kind: str) -> FrozenStorage:
     choice = config.memory.base_dtype
     autocast = config.train.precision != "fp32"
     if choice == "auto":
-        lora = config.adapter.type == "lora"
+        lora = config.adapter.type != "none"
         choice = "bf16" if lora and device_kind == "cuda" and autocast else "fp32"
     if choice in LINEAR_FORMATS:
         return FrozenStorage(torch.bfloat16 if autocast else torch.float32, linear=choice)

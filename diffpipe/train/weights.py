@@ -87,7 +87,7 @@ def write_weights(config, weights: dict[str, torch.Tensor], model_config: dict, 
     in: a bf16 sum would round the update away, and a stored copy's rounding would stay in the result), the adapters
     alone in lora.safetensors, and model_config.json. `device_kind`: where the weights were trained (how "auto"
     stored the base)."""
-    if config.adapter.type == "lora":
+    if config.adapter.type != "none":
         save_tensors(lora_weights(weights), folder / "lora.safetensors", metadata=lora_metadata(config, lora_targets))
         stored = frozen_storage(config, device_kind)
         if stored.dtype != torch.float32 or stored.linear:

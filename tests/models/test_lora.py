@@ -1,5 +1,6 @@
-"""LoRA through peft: the merged weights compute what the adapted model computes (linear and convolution
-adapters), the base weights stay those of the file, and a first stage without adapters is refused before launch."""
+"""Adapters through peft (LoRA, DoRA, LoHa, LoKr): the merged weights compute what the adapted model computes (linear
+and convolution adapters), the adapted model starts as the base, the base weights stay those of the file, and a first
+stage without adapters is refused before launch."""
 from __future__ import annotations
 
 import pytest
@@ -8,45 +9,62 @@ from diffusers import UNet2DConditionModel
 
 from diffpipe.build import build_backbone, example_inputs, give_weights
 from diffpipe.config_files import build_config
-from diffpipe.models.lora import add_lora, lora_scale, merge_lora
+from diffpipe.models.lora import add_lora, is_adapter, lora_scale, merge_lora
 from diffpipe.models.presets import UNET_PRESETS
 from diffpipe.models.unet import UNet2DFamily
 from diffpipe.pipeline.split import SplitError
 from diffpipe.preflight import check_before_launch
 
 TARGETS = ["to_q", "to_v", "conv1", "conv_in", "proj_in"]
+KINDS = ["lora", "dora", "loha", "lokr"]
 
 
-def test_merged_weights_compute_what_the_adapted_model_computes():
-    config = build_config({"adapter": {"type": "lora", "rank": 4, "alpha": 12.0, "target_modules": TARGETS}})
+def _inputs():
+    generator = torch.Generator().manual_seed(1)
+    return (torch.randn(2, 1, 8, 8, generator=generator), torch.tensor([10.0, 900.0]),
+            torch.randn(2, 8, 32, generator=generator))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_merged_weights_compute_what_the_adapted_model_computes(kind):
+    config = build_config({"adapter": {"type": kind, "rank": 4, "alpha": 12.0, "target_modules": TARGETS}})
     torch.manual_seed(0)
     adapted = UNet2DConditionModel(**UNET_PRESETS["digits"])
     add_lora(adapted, config.adapter, UNet2DFamily.lora_targets, seed=0)
-    with torch.no_grad():  # B starts at zero: give every adapter a value
+    with torch.no_grad():  # one factor of each starts at zero: give every adapter a value (DoRA: its magnitude too)
         for name, p in adapted.named_parameters():
-            if ".lora_B." in name:
-                p.normal_(0, 0.05)
+            if is_adapter(name):
+                p.add_(torch.randn_like(p) * (0.05 * p.abs().mean() if ".lora_magnitude_vector." in name else 0.05))
     merged = merge_lora(adapted.state_dict(), lora_scale(config.adapter))
     plain = UNet2DConditionModel(**UNET_PRESETS["digits"])
     plain.load_state_dict(merged)
-    x, t, text = torch.randn(2, 1, 8, 8), torch.tensor([10.0, 900.0]), torch.randn(2, 8, 32)
+    x, t, text = _inputs()
     with torch.no_grad():
         want = adapted.eval()(x, t, encoder_hidden_states=text).sample
         got = plain.eval()(x, t, encoder_hidden_states=text).sample
+        torch.manual_seed(0)
+        base = UNet2DConditionModel(**UNET_PRESETS["digits"]).eval()(x, t, encoder_hidden_states=text).sample
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert any(".conv1.lora_A." in n for n, _ in adapted.named_parameters())  # convolutions were adapted too
+    assert (want - base).abs().max() > 1e-3  # the adapters change the output: the comparison sees the merge
+    assert any(".conv1." in n and is_adapter(n) for n, _ in adapted.named_parameters())  # convolutions adapted too
 
 
-def test_only_adapters_train_and_the_base_is_the_unadapted_model():
-    lora = build_config({"adapter": {"type": "lora", "rank": 4}})
-    backbone = build_backbone(lora, "meta")
+@pytest.mark.parametrize("kind", KINDS)
+def test_only_adapters_train_and_the_adapted_model_starts_as_the_base(kind):
+    lora = build_config({"adapter": {"type": kind, "rank": 4}})
+    backbone = build_backbone(lora, "meta")  # as a run builds it: adapters on the meta device, weights given after
     give_weights(backbone, lora)
     trainable = [n for n, p in backbone.model.named_parameters() if p.requires_grad]
-    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert trainable and all(is_adapter(n) for n in trainable)
     full = build_backbone(build_config({}))
-    base = {k.replace(".base_layer.", "."): v for k, v in backbone.model.state_dict().items() if ".lora_" not in k}
+    base = {k.replace(".base_layer.", "."): v for k, v in backbone.model.state_dict().items() if not is_adapter(k)}
     assert base.keys() == full.model.state_dict().keys()
     assert all(torch.equal(base[k], v) for k, v in full.model.state_dict().items())
+    x, t, text = _inputs()
+    with torch.no_grad():
+        got = backbone.model.eval()(x, t, encoder_hidden_states=text).sample
+        want = full.model.eval()(x, t, encoder_hidden_states=text).sample
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_a_first_stage_without_adapters_is_refused_before_launch():

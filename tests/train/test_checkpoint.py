@@ -226,8 +226,13 @@ def test_checkpoints_by_the_clock(tmp_path):
     assert sorted(p.name for p in (rarely / "checkpoints").iterdir()) == ["step-00000006"]
 
 
-def test_a_lora_run_checkpoints_its_adapters_alone_and_resumes_on_another_layout(tmp_path):
-    lora = ["--set", "adapter.type=\"lora\"", "--set", "adapter.rank=4"]
+@pytest.mark.parametrize("kind", ["lora", "dora", "loha", "lokr"])
+def test_a_lora_run_checkpoints_its_adapters_alone_and_resumes_on_another_layout(tmp_path, kind):
+    """Every adapter.type: the adapters alone in the checkpoint, resumed on 1 stage to the losses of 2 (DoRA's
+    magnitude, LoHa's and LoKr's factors restored by name, each stage's drawn as the unsplit model's)."""
+    from diffpipe.models.lora import is_adapter
+
+    lora = ["--set", f"adapter.type=\"{kind}\"", "--set", "adapter.rank=4"]
     full = tmp_path / "full"
     assert _train("--output-dir", str(full), *lora).returncode == 0
     names = set()
@@ -235,7 +240,8 @@ def test_a_lora_run_checkpoints_its_adapters_alone_and_resumes_on_another_layout
         from safetensors import safe_open
         with safe_open(str(shard), framework="pt") as f:
             names |= {k for k in f.keys() if k.startswith("model.")}
-    assert names and all(".lora_A." in k or ".lora_B." in k for k in names)  # the frozen base comes from the model
+    assert names and all(is_adapter(k) for k in names)  # the frozen base comes from the model
+    assert (kind == "dora") == any(".lora_magnitude_vector." in k for k in names)
     run = _cut_short(full, tmp_path / "run")
     result = _train("--resume", str(run), *lora, "--set", "pipeline.stages=1")
     assert result.returncode == 0, result.stderr[-3000:]
