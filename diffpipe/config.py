@@ -139,7 +139,7 @@ class TrainConfig(_Section):
 
 
 class AdapterConfig(_Section):
-    type: Literal["none", "lora", "dora", "loha", "lokr"] = Field("none", description="none: full fine-tune; else adapters trained on the frozen backbone through peft: lora (W + B A), dora (LoRA whose output rows are rescaled to a trained magnitude: DoRA), loha (W + (W1a W1b) * (W2a W2b), LyCORIS' LoHa), lokr (W + kron(W1, W2), LyCORIS' LoKr). Exports: docs/config.md says which format holds which.")
+    type: Literal["none", "lora", "dora", "loha", "lokr"] = Field("none", description="none: full fine-tune; else adapters trained on the frozen backbone through peft: lora (W + B A), dora (LoRA whose output rows are rescaled to a trained magnitude: DoRA), loha (W + (W1a W1b) * (W2a W2b), LyCORIS' LoHa), lokr (W + kron(W1, W2), LyCORIS' LoKr). Every type trains on every layout, checkpoints, resumes and merges into model.safetensors; exports: lora in every format, dora in diffusers and comfyui, loha and lokr in comfyui (LyCORIS' keys, which ComfyUI, Forge and A1111 read).")
     rank: int = Field(16, ge=1, description="Adapter rank (r).")
     alpha: float = Field(16.0, gt=0, description="Adapter alpha: the update is scaled by alpha / rank (as peft and LyCORIS do, for every adapter.type).")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA branch's input (lora, dora).")
@@ -236,7 +236,7 @@ class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The backbone.")
     data: DataConfig = Field(default_factory=DataConfig, description="The training data.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Optimisation and diffusion.")
-    adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="Full fine-tune or LoRA.")
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="Full fine-tune or adapters (LoRA, DoRA, LoHa, LoKr).")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Stages, schedule, data parallelism.")
     plan: PlanConfig = Field(default_factory=PlanConfig, description="Hardware figures for the stage planner.")
     observe: ObserveConfig = Field(default_factory=ObserveConfig, description="Per-stage timing, timeline, monitor, TensorBoard.")

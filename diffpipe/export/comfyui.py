@@ -1,6 +1,7 @@
-"""--format comfyui: a LoRA under the names ComfyUI's LoRA loader maps for the run's family (comfy/lora.py,
+"""--format comfyui: adapters under the names ComfyUI's LoRA loader maps for the run's family (comfy/lora.py,
 `model_lora_keys_unet`), with kohya's `.lora_down.weight` / `.lora_up.weight` / `.alpha`, which every ComfyUI version
-reads (its loader scales by alpha / rank, as peft trained):
+reads (its loader scales by alpha / rank, as peft trained); LoHa and LoKr in LyCORIS' keys (comfy/weight_adapter
+loha.py, lokr.py), DoRA with a `.dora_scale` made for ComfyUI's arithmetic (below: unlike --format kohya's):
 
 - SD 1.x/2.x and SDXL: kohya's file (`lora_unet_...`, as --format kohya);
 - Flux and SD3: diffusers' layer names under `transformer.`, which ComfyUI maps onto its fused layouts;
@@ -14,7 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ExportError
-from .kohya import write_down_up
+import torch
+
+from .kohya import write_adapters
 from .run import one_file
 
 __all__ = ["check", "target", "write"]
@@ -43,4 +46,28 @@ def _names(run, modules: list[str]) -> dict[str, str]:
 
 
 def write(run, out: Path) -> Path:
-    return write_down_up(run, out, lambda modules: _names(run, modules), alpha=run.family.comfyui_lora_alpha)
+    dora_scale = _dora_scale_for_comfyui(run) if run.config.adapter.type == "dora" else None
+    return write_adapters(run, out, lambda modules: _names(run, modules), alpha=run.family.comfyui_lora_alpha,
+                          dora_scale=dora_scale)
+
+
+def _dora_scale_for_comfyui(run):
+    """DoRA's `.dora_scale` as ComfyUI applies it: its `weight_decompose` (comfy/weight_adapter/base.py) divides each
+    output row of W + delta by the norm of the base's row |W|, where peft's DoRA divides by |W + delta|; the file
+    holds m |W| / |W + delta|, so ComfyUI computes m (W + delta) / |W + delta| on the base the run trained (the base
+    is built once, as at the end of training)."""
+    from ..build import build_backbone
+    from ..models.lora import delta_weight
+    from safetensors.torch import load_file
+
+    base = build_backbone(run.config, "cpu").model.state_dict()
+    adapters = load_file(str(run.folder / "lora.safetensors"))
+    scale = run.config.adapter.alpha / run.config.adapter.rank
+
+    def dora_scale(module: str, magnitude: torch.Tensor) -> torch.Tensor:
+        w = base[f"{module}.weight"].float()
+        adapted = w + delta_weight(adapters, module, scale, w.shape)
+        rows = magnitude.float().reshape(-1) * w.flatten(1).norm(dim=1) / adapted.flatten(1).norm(dim=1)
+        return rows.to(magnitude.dtype)
+
+    return dora_scale

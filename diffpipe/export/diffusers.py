@@ -3,8 +3,9 @@
 - full fine-tune: the backbone by `save_pretrained` in `unet/` (Flux, SD3: `transformer/`); when the run started from
   a pipeline folder, its other components (VAE, text encoders, tokenizers, scheduler, model_index.json) copied beside
   it, so `from_pretrained` loads the whole pipeline; `--out X.safetensors`: the backbone alone, diffusers' names.
-- LoRA: written by the family's diffusers pipeline's own `save_lora_weights` (`ModelFamily.diffusers_lora_pipeline`:
-  SD, SDXL, Flux, SD3, Wan), with the LoRA config (rank, alpha, targets) in the header.
+- LoRA and DoRA: written by the family's diffusers pipeline's own `save_lora_weights`
+  (`ModelFamily.diffusers_lora_pipeline`: SD, SDXL, Flux, SD3, Wan), with the LoRA config (rank, alpha, targets,
+  use_dora) in the header. LoHa and LoKr: refused (diffusers loads neither; --format comfyui writes them).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..errors import ExportError
+from ..models.lora import adapted_module
 from ..written_files import give_user_mode, save_tensors
 from .run import replacing
 
@@ -32,6 +34,10 @@ def target(out: Path) -> Path:
 
 
 def check(run) -> None:
+    if run.config.adapter.type in ("loha", "lokr"):
+        raise ExportError(f"diffusers' load_lora_weights reads LoRA and DoRA files, and {run.folder} trained "
+                          f"{run.config.adapter.type}: use --format comfyui (LyCORIS' keys, which ComfyUI, A1111 and "
+                          "kohya's tools load), or load the merged model.safetensors")
     if run.lora and run.family.diffusers_lora_pipeline(run.model_config) is None:
         raise ExportError(f"no diffusers pipeline is known to load LoRA files of {run.family.name!r} models")
 
@@ -62,11 +68,12 @@ def _write_lora(run, out: Path) -> Path:
     adapters = load_file(str(run.folder / "lora.safetensors"))
     with safe_open(str(run.folder / "lora.safetensors"), framework="pt") as f:
         metadata = f.metadata() or {}
-    modules = sorted({k.split(".lora_A.")[0] for k in adapters if ".lora_A." in k})
+    modules = sorted({adapted_module(k) for k in adapters})
     lora_config = json.loads(metadata.get("diffpipe.lora", "{}"))
     adapter = run.config.adapter
     adapter_metadata = {"r": adapter.rank, "lora_alpha": adapter.alpha,
-                        "target_modules": lora_config.get("target_modules", modules)}
+                        "target_modules": lora_config.get("target_modules", modules),
+                        "use_dora": adapter.type == "dora"}
     pipeline = run.family.diffusers_lora_pipeline(run.model_config)
     component = run.family.component  # "unet" or "transformer": the keyword save_lora_weights takes them under
     layers = {f"{component}_lora_layers": adapters, f"{component}_lora_adapter_metadata": adapter_metadata}

@@ -1,9 +1,12 @@
-"""--format kohya: a LoRA as kohya's tools write it, `lora_unet_<module>.lora_down.weight` / `.lora_up.weight` /
-`.alpha`, the module named as kohya names it (SD 1.x/2.x: the diffusers path; SDXL: the original layout's path), dots
-turned to underscores; loaded by ComfyUI, A1111 and kohya's tools. UNet LoRAs only (export/comfyui.py writes the same
-pairs under the names ComfyUI maps for the other families)."""
+"""--format kohya: adapters as kohya's tools write them, `lora_unet_<module>.lora_down.weight` / `.lora_up.weight` /
+`.alpha` (DoRA adds `.dora_scale`, LoHa and LoKr LyCORIS' `.hada_*` / `.lokr_*`), the module named as kohya names it
+(SD 1.x/2.x: the diffusers path; SDXL: the original layout's path), dots turned to underscores; loaded by ComfyUI,
+A1111, kohya's tools and diffusers (LoRA). DoRA is refused here (check: its readers disagree), written by
+--format comfyui and diffusers. UNet adapters only (export/comfyui.py writes the same keys under the
+names ComfyUI maps for the other families)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -11,11 +14,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..errors import ExportError
+from ..models.lora import adapted_module
 from ..models.original_layout import kohya_lora_names
 from ..written_files import save_tensors
 from .run import one_file, only_unets
 
-__all__ = ["check", "target", "write", "write_down_up"]
+__all__ = ["check", "target", "write", "write_adapters"]
 
 
 target = one_file
@@ -26,29 +30,67 @@ def check(run) -> None:
     if not run.lora:
         raise ExportError(f"--format kohya writes LoRA adapters, and {run.folder} trained every weight "
                           "(adapter.type = \"none\"); use --format diffusers or original")
+    if run.config.adapter.type == "dora":
+        raise ExportError("a DoRA's `.dora_scale` is read three ways: diffusers drops it from kohya's files, A1111 "
+                          "divides by each input column's norm, ComfyUI and Forge by the base row's: use --format "
+                          "comfyui (kohya's names, written for ComfyUI's and Forge's arithmetic) or --format diffusers")
 
 
 def write(run, out: Path) -> Path:
-    return write_down_up(run, out, lambda modules: kohya_lora_names(modules, run.model_config))
+    return write_adapters(run, out, lambda modules: kohya_lora_names(modules, run.model_config))
 
 
-def write_down_up(run, out: Path, name_of, alpha: bool = True) -> Path:
-    """The run's adapters as `<name>.lora_down.weight` (peft's lora_A), `.lora_up.weight` (lora_B) and `.alpha`,
-    each module named by `name_of(modules)`; the loader scales by alpha / rank, as peft trained it. Without
-    `alpha`, no `.alpha` is written and `lora_up` carries the scale (loaders then scale by 1)."""
+def write_adapters(run, out: Path, name_of, alpha: bool = True, dora_scale=None) -> Path:
+    """The run's adapters under `name_of(modules)`'s names, in the keys kohya's and LyCORIS' files use:
+
+    - lora: `.lora_down.weight` (peft's lora_A), `.lora_up.weight` (lora_B), `.alpha`;
+    - dora: the same and `.dora_scale`, `dora_scale(module, magnitude)` of each output row's trained magnitude,
+      shaped (out, 1, ...) as loaders tell its axis by its first dimension (export/comfyui.py);
+    - loha: `.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b`, `.alpha`;
+    - lokr: `.lokr_w1` (or `_a` / `_b`), `.lokr_w2` (or `_a` / `_b`), the scale alpha / rank in w1: LyCORIS' loaders
+      scale by alpha / rank only where a factor is a product, and by 1 where both are whole, as peft never does.
+
+    Loaders scale by alpha / rank, as peft trained. Without `alpha`, no `.alpha` is written and the first factor
+    (`lora_up`, `hada_w1_a`) carries the scale (loaders then scale by 1)."""
     adapters = load_file(str(run.folder / "lora.safetensors"))
     with safe_open(str(run.folder / "lora.safetensors"), framework="pt") as f:
         metadata = f.metadata() or {}
-    modules = sorted({k.split(".lora_A.")[0] for k in adapters if ".lora_A." in k})
+    modules = sorted({adapted_module(k) for k in adapters})
     names = name_of(modules)
     adapter = run.config.adapter
-    pairs, scale = {}, 1.0 if alpha else adapter.alpha / adapter.rank
+    scale = adapter.alpha / adapter.rank
+    written = {}
     for module in modules:
-        pairs[f"{names[module]}.lora_down.weight"] = adapters[f"{module}.lora_A.weight"].contiguous()
-        pairs[f"{names[module]}.lora_up.weight"] = (adapters[f"{module}.lora_B.weight"] * scale).contiguous()
-        if alpha:
-            pairs[f"{names[module]}.alpha"] = torch.tensor(float(adapter.alpha))
+        own = {k.removeprefix(f"{module}."): v.contiguous() for k, v in adapters.items() if adapted_module(k) == module}
+        written.update({f"{names[module]}.{key}": t for key, t in
+                        _lycoris_keys(own, adapter.alpha if alpha else None, scale,
+                                      lambda m: dora_scale(module, m) if dora_scale else m).items()})
     out.parent.mkdir(parents=True, exist_ok=True)
-    header = {"ss_network_module": "networks.lora", "ss_network_dim": str(adapter.rank),
-              "ss_network_alpha": str(adapter.alpha), **metadata}
-    return save_tensors(pairs, out, metadata=header)
+    if adapter.type == "lora":
+        header = {"ss_network_module": "networks.lora"}
+    else:  # LyCORIS' network, which kohya's and A1111's tools load
+        algo = {"dora": "lora", "loha": "loha", "lokr": "lokr"}[adapter.type]
+        header = {"ss_network_module": "lycoris.kohya",
+                  "ss_network_args": json.dumps({"algo": algo, "dora_wd": str(adapter.type == "dora")})}
+    header.update({"ss_network_dim": str(adapter.rank), "ss_network_alpha": str(adapter.alpha), **metadata})
+    return save_tensors(written, out, metadata=header)
+
+
+def _lycoris_keys(own: dict[str, torch.Tensor], alpha: float | None, scale: float,
+                  dora_scale) -> dict[str, torch.Tensor]:
+    """One module's adapters (peft's plain keys, the module's name removed) in kohya's / LyCORIS' keys; `alpha` None:
+    the scale in the first factor, no `.alpha`."""
+    baked = 1.0 if alpha is not None else scale
+    if "lora_A.weight" in own:
+        keys = {"lora_down.weight": own["lora_A.weight"], "lora_up.weight": own["lora_B.weight"] * baked}
+        if "lora_magnitude_vector" in own:
+            m = own["lora_magnitude_vector"]
+            keys["dora_scale"] = dora_scale(m).reshape(keys["lora_up.weight"].shape[0], *[1] * (m.dim() - 1 or 1))
+    elif "hada_w1_a" in own:
+        keys = {**own, "hada_w1_a": own["hada_w1_a"] * baked}
+    else:
+        first = "lokr_w1" if "lokr_w1" in own else "lokr_w1_a"
+        return {**own, first: own[first] * scale}
+    if alpha is not None:
+        keys["alpha"] = torch.tensor(float(alpha))
+    return keys

@@ -14,13 +14,15 @@ sign, a text condition, a schedule step, LoRA's scale, AdamW's decay) shows as a
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
-from peft import LoraConfig, inject_adapter_in_model
+from peft import LoHaConfig, LoKrConfig, LoraConfig, inject_adapter_in_model
 from safetensors.torch import load_file
 from sklearn.datasets import load_digits
 from transformers import AutoTokenizer, CLIPTextModelWithProjection
@@ -110,20 +112,35 @@ def _model(config, family, draws: Draws) -> torch.nn.Module:
     model.load_state_dict(load_file(str(Path(config.model.path) / "diffusion_pytorch_model.safetensors")))
     for dropout in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)):
         dropout.eval()  # train.dropout = false, as the pipeline
-    if config.adapter.type == "lora":
-        adapter = config.adapter
-        inject_adapter_in_model(LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
-                                           target_modules=adapter.target_modules or list(family.lora_targets)), model)
-        adapters = {n: p for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n}
+    if config.adapter.type != "none":
+        inject_adapter_in_model(_peft_config(config.adapter, family), model)
+        adapters = {n: p for n, p in model.named_parameters() if _ADAPTER.search(n)}
         assert set(adapters) == set(draws.initial_adapters), "the run's adapters are not peft's on these targets"
         for name, p in model.named_parameters():
             p.requires_grad_(name in adapters)
         with torch.no_grad():
             for name, p in adapters.items():
                 first = draws.initial_adapters[name]
-                assert ".lora_B." not in name or not first.any(), f"{name} does not start at zero"
+                if _STARTS_AT_ZERO.search(name):  # the factor that makes the adapted model start as the base
+                    assert not first.any(), f"{name} does not start at zero"
+                if ".lora_magnitude_vector." in name:  # DoRA: peft's own, from the base weight at injection
+                    torch.testing.assert_close(first, p, rtol=1e-6, atol=0)
                 p.copy_(first)
     return model
+
+
+_ADAPTER = re.compile(r"\.(lora_[AB]|lora_magnitude_vector|hada_w[12]_[ab]|lokr_w[12](_[ab])?)\.")
+_STARTS_AT_ZERO = re.compile(r"\.(lora_B|hada_w2_b|lokr_w1)\.")
+
+
+def _peft_config(adapter, family):
+    """peft's config of adapter.type, as its documentation writes them (default initialisation)."""
+    targets = adapter.target_modules or list(family.lora_targets)
+    if adapter.type in ("lora", "dora"):
+        return LoraConfig(r=adapter.rank, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
+                          target_modules=targets, use_dora=adapter.type == "dora")
+    kind = LoHaConfig if adapter.type == "loha" else LoKrConfig
+    return kind(r=adapter.rank, alpha=adapter.alpha, target_modules=targets)
 
 
 def reference(config, draws: Draws, autocast: torch.dtype | None = None) -> dict:

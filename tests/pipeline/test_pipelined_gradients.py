@@ -49,6 +49,7 @@ import copy
 import math
 import os
 from pathlib import Path
+from safetensors.torch import load_file
 
 import pytest
 import torch
@@ -93,13 +94,13 @@ TEXT_LENGTH = 8
 
 def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatches: int = 4,
             checkpointing="none", model: str = "digits", clip: float = 1.0, precision: str = "fp32",
-            steps: int = STEPS, lora: bool = False, shard: bool = False, weight_decay: float = 0.0,
+            steps: int = STEPS, lora: bool | str = False, shard: bool = False, weight_decay: float = 0.0,
             timesteps: str = "uniform", optimizer: str = "adamw", optimizer_args: dict | None = None,
             learning_rate: float = 1e-3) -> dict:
     digits = model != "sdxl-style"  # the others are made for 1-channel 8x8 images
     micro_size = 2 if digits else 1
     return {
-        "adapter": {"type": "lora", "rank": 4, "alpha": 8.0} if lora else {"type": "none"},
+        "adapter": {"type": lora if isinstance(lora, str) else "lora", "rank": 4, "alpha": 8.0} if lora else {"type": "none"},
         # path and text_encoder: the folders of `model_folders`
         "model": {"path": model, "architecture": MODELS[model][0], "text_encoder": f"{model}-text",
                   "text_max_length": TEXT_LENGTH},
@@ -149,6 +150,10 @@ TWO = {
     "unet3d-zbv-2x2": _config(2, "zbv", virtual=2, model="unet3d"),
     "toy-tied-zbv-2x2": _config(2, "zbv", virtual=2, model="toy-tied"),  # the tied weight's stages on one process
     "lora-zb1p-2x2": _config(2, "zb1p", virtual=2, lora=True),
+    # peft's other adapters (adapter.type): DoRA's magnitude, LoHa's and LoKr's factors, against peft's on the unsplit
+    "dora-1f1b-2": _config(2, "1f1b", lora="dora"),
+    "loha-1f1b-2-checkpointed": _config(2, "1f1b", lora="loha", checkpointing="all"),
+    "lokr-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, lora="lokr"),
     # Prodigy's step size from sums over every stage's weights, a tied weight counted once (against prodigyopt's
     # Prodigy on the unsplit model; d0 raised so that its steps move the weights within 3 steps), and Adafactor
     "prodigy-toy-tied-1f1b-2": _config(2, "1f1b", model="toy-tied", optimizer="prodigy", learning_rate=1.0,
@@ -282,9 +287,10 @@ def draws_of(config) -> Draws:
         x0 = None if config.data.dataset == "digits" else data.x0(drawn.indices)
         steps.append(StepDraw(drawn.indices, drawn.captions, drawn.t, drawn.noise, x0))
     adapters = {}
-    if config.adapter.type == "lora":
+    if config.adapter.type != "none":
         family = meta.family
         model = family.model_class.from_config(family.model_class.load_config(config.model.path))
+        model.load_state_dict(load_file(str(Path(config.model.path) / "diffusion_pytorch_model.safetensors")))
         add_lora(model, config.adapter, family.lora_targets, config.train.seed)
         adapters = {n: p.detach().clone() for n, p in model.named_parameters() if is_adapter(n)}
     return Draws(steps, adapters)
