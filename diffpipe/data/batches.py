@@ -12,6 +12,7 @@ import torch
 
 from .. import seeds
 from ..config import DataConfig, TrainConfig
+from ..diffusion.noise import multires_noise
 from ..diffusion.objectives import make_targets, min_snr_weights, with_element_weights, with_weights
 from ..diffusion.timesteps import sample_timesteps
 from ..models.family import Feed
@@ -174,6 +175,9 @@ class BatchMaker:
             noise = noise + self.train.noise_offset * per_channel
         if self.tags.changes:  # last, for the same reason
             captions = [_retagged(c, self.tags, gen) for c in captions]
+        if self.train.multires_noise_iterations:  # after the noise offset, as kohya applies them; drawn last
+            noise = multires_noise(noise, gen, self.train.multires_noise_iterations,
+                                   self.train.multires_noise_discount)
         return StepDraw(idx, captions, t, noise)
 
     def make(self, step: int, dp_rank: int, dp_size: int) -> StepBatch:

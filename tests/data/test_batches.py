@@ -70,3 +70,28 @@ def test_tag_dropout_drops_tags_after_the_kept_ones_at_its_rate_and_keeps_their_
         assert got[1:] == [t for t in written[1:] if t in got[1:]]  # the rest in their written order
     kept = sum(len(c.split(", ")) - 1 for c in drawn)
     assert 0.4 < kept / (4 * len(drawn)) < 0.6  # 640 tags, each kept with probability 0.5
+
+
+def _multires(iterations: int, item_shape: tuple[int, ...], discount: float = 0.3):
+    config = build_config({"data": {"dataset": "synthetic"}, "train": {
+        "batch_size": 16, "multires_noise_iterations": iterations, "multires_noise_discount": discount}})
+    data = make_dataset("synthetic", item_shape, seed=0)
+    return BatchMaker(data, None, config.train, 0.1, None).draw(3, item_shape)
+
+
+@pytest.mark.parametrize("item_shape", [(4, 64, 48), (16, 3, 32, 32)])  # images; clips (channels, frames, h, w)
+def test_multires_noise_adds_coarse_layers_scaled_back_to_unit_variance(item_shape):
+    """kohya's pyramid noise: the same draws otherwise, each sample at standard deviation 1, and far more of its
+    energy in broad areas: the mean of each 8 x 8 patch varies about 1/64 for plain noise, several times that at
+    discount 0.8, more than plain at kohya's 0.3 (seen failing with the coarse layers left out)."""
+    plain, layered = _multires(0, item_shape), _multires(8, item_shape, discount=0.8)
+    assert plain.indices == layered.indices and plain.captions == layered.captions and torch.equal(plain.t, layered.t)
+    assert layered.noise.shape == plain.noise.shape
+    torch.testing.assert_close(layered.noise.flatten(1).std(dim=1), torch.ones(16))
+    patches = torch.nn.functional.avg_pool2d(layered.noise.flatten(0, -3)[:, None], 8)
+    plain_patches = torch.nn.functional.avg_pool2d(plain.noise.flatten(0, -3)[:, None], 8)
+    assert plain_patches.var() == pytest.approx(1 / 64, rel=0.2)
+    assert patches.var() > 4 * plain_patches.var()
+    mild = torch.nn.functional.avg_pool2d(_multires(8, item_shape).noise.flatten(0, -3)[:, None], 8)
+    assert 1.2 * plain_patches.var() < mild.var() < patches.var()
+    assert torch.equal(_multires(8, item_shape, discount=0.8).noise, layered.noise)  # every process draws alike
