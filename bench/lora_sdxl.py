@@ -3,6 +3,9 @@ fine-tuning; samples/s and peak memory. SDXL UNet config, random weights, 1024x1
 weights, bf16 autocast, batch 8 in one micro-batch, fused AdamW.
 
     python bench/lora_sdxl.py [--ranks 16,64] [--steps 8] [--skip-full] [--base-dtypes bf16,fp32] [--loops]
+                              [--types lora,dora,loha,lokr]
+
+--types: adapter.type of both loops (the plain loop injects peft's adapters of that type the same way).
 
 diffpipe's LoRA runs once per entry of --base-dtypes (memory.base_dtype: how the frozen UNet is stored; the
 plain loop keeps it in fp32, as a user's loop does).
@@ -67,14 +70,14 @@ def _host_profile(what: str, run_steps, steps: int, top: int = 25) -> None:
     print(stream.getvalue(), flush=True)
 
 
-def plain_peft_loop(rank: int, steps: int, host_profile: bool = False) -> None:
-    """diffusers' UNet with peft's LoRA layers (the same injection), AdamW on the adapters: the loop a user writes."""
+def plain_peft_loop(rank: int, steps: int, host_profile: bool = False, kind: str = "lora") -> None:
+    """diffusers' UNet with peft's adapters (the same injection), AdamW on the adapters: the loop a user writes."""
     from diffusers import UNet2DConditionModel
 
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     model = UNet2DConditionModel(**UNET_PRESETS["sdxl"]).to("cuda").train()
-    adapter = build_config({"adapter": {"type": "lora", "rank": rank, "alpha": float(rank)}}).adapter
+    adapter = build_config({"adapter": {"type": kind, "rank": rank, "alpha": float(rank)}}).adapter
     add_lora(model, adapter, UNet2DFamily.lora_targets, seed=0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
     inputs = dict(sample=torch.randn(BATCH, 4, 128, 128, device="cuda"),
@@ -100,11 +103,11 @@ def plain_peft_loop(rank: int, steps: int, host_profile: bool = False) -> None:
         _host_profile("plain peft loop", run_steps, steps)
         return
     run_steps(steps)
-    _report("plain peft loop", rank, times)
+    _report(f"plain peft loop, {kind}", rank, times)
     del model, opt
 
 
-def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32") -> None:
+def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: str = "lora") -> None:
     """diffpipe, one stage, the same batch as one micro-batch (rank None: full fine-tune)."""
     torch.cuda.reset_peak_memory_stats()
     sets = ["pipeline.stages=1", "pipeline.microbatches=1", f"train.batch_size={BATCH}", f"train.max_steps={steps}",
@@ -112,14 +115,14 @@ def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32") -> None
             "output.sample_every_end=false", "checkpoint.every=0", "train.learning_rate=1e-4",
             'pipeline.checkpointing="none"', 'train.device="cuda"']
     if rank is not None:
-        sets += ['adapter.type="lora"', f"adapter.rank={rank}", f"adapter.alpha={float(rank)}",
+        sets += [f'adapter.type="{kind}"', f"adapter.rank={rank}", f"adapter.alpha={float(rank)}",
                  f'memory.base_dtype="{base_dtype}"']
     config = load_config(ROOT / "examples" / "sdxl_unet.toml", sets)
     run_dir = Path(tempfile.mkdtemp())
     trainer = Trainer(config, single_process_topology("cuda"), run_dir)
     trainer.fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    what = f"diffpipe lora, {base_dtype} base" if rank is not None else "diffpipe full fine-tune"
+    what = f"diffpipe {kind}, {base_dtype} base" if rank is not None else "diffpipe full fine-tune"
     _report(what, rank, [r["step_time_s"] for r in rows])
     del trainer
 
@@ -169,6 +172,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip-full", action="store_true")
     parser.add_argument("--base-dtypes", default="bf16,fp32", help="memory.base_dtype of diffpipe's LoRA runs")
+    parser.add_argument("--types", default="lora", help="adapter.type of both loops, comma-separated")
     parser.add_argument("--loops", action="store_true", help="also diffpipe's step by hand (see above)")
     parser.add_argument("--host-profile", action="store_true", help="the plain loop and diffpipe's step by hand "
                         "under cProfile (see above), nothing else")
@@ -182,12 +186,14 @@ def main() -> None:
                 _free()
         return
     for rank in [int(r) for r in args.ranks.split(",") if r]:
-        plain_peft_loop(rank, args.steps)
-        _free()
-        for base_dtype in args.base_dtypes.split(","):
-            diffpipe_run(rank, args.steps, base_dtype)
+        for kind in args.types.split(","):
+            plain_peft_loop(rank, args.steps, kind=kind)
             _free()
-            for fixed in (False, True) if args.loops else ():
+            for base_dtype in args.base_dtypes.split(","):
+                diffpipe_run(rank, args.steps, base_dtype, kind)
+                _free()
+        for base_dtype in args.base_dtypes.split(",") if args.loops else ():
+            for fixed in (False, True):
                 diffpipe_by_hand(rank, args.steps, base_dtype, fixed)
                 _free()
     if not args.skip_full:
