@@ -11,6 +11,7 @@ from .data.sources import source_of
 from .models.family import Feed, ModelFamily
 from .models.lora import add_lora, base_module_name, is_adapter_holder, load_adapters, seed_lora
 from .models.loading import CheckpointError, build_model, checked_weights
+from .models.pipeline_folder import expert_boundary
 from .models.materialise import is_meta, materialise
 from .models.storage import FrozenStorage
 from .models.registry import ArchitectureError, family_for
@@ -22,7 +23,7 @@ from .precision import AUTOCAST_DTYPES, frozen_storage
 from .pipeline.traffic import Crossing, boundary_crossings, trace_tensors
 
 __all__ = ["build_backbone", "give_weights", "build_stages", "choose_attention", "build_text_encoder", "sample_shape", "example_inputs",
-           "boundary_traffic", "text_length", "build_dataset", "model_family", "feed"]
+           "boundary_traffic", "text_length", "build_dataset", "model_family", "feed", "timestep_range"]
 
 def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
     """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`), and with
@@ -108,6 +109,17 @@ def model_family(config: RunConfig) -> ModelFamily:
 def feed(config: RunConfig, backbone: Backbone) -> Feed:
     """How this run's backbone is fed (its family's conditions and latent layout)."""
     return Feed.of(backbone, config.model.guidance)
+
+
+def timestep_range(config: RunConfig) -> tuple[float, float] | None:
+    """The timesteps the run trains on (and evaluates at the quantiles of): train.timestep_range, else model.expert's
+    side of its pipeline's boundary (high: [boundary, 1], low: [0, boundary]), else None (all)."""
+    if config.train.timestep_range is not None:
+        return tuple(config.train.timestep_range)
+    if config.model.expert is None:
+        return None
+    boundary = expert_boundary(config.model.pipeline_folder())
+    return (boundary, 1.0) if config.model.expert == "high" else (0.0, boundary)
 
 
 def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    architecture: str = Field("unet2d", description="Backbone family: unet2d (diffusers UNet2DConditionModel: SD 1.x/2.x, SDXL), flux (FluxTransformer2DModel), sd3 (SD3Transformer2DModel: SD3, SD3.5), wan (WanTransformer3DModel: Wan 2.1), unet3d (UNet3DConditionModel: text-to-video UNets), or a ModelFamily subclass of your own as \"package.module:Class\".")
+    architecture: str = Field("unet2d", description="Backbone family: unet2d (diffusers UNet2DConditionModel: SD 1.x/2.x, SDXL), flux (FluxTransformer2DModel), sd3 (SD3Transformer2DModel: SD3, SD3.5), wan (WanTransformer3DModel: Wan 2.1, either expert of Wan 2.2 A14B: model.expert), unet3d (UNet3DConditionModel: text-to-video UNets), or a ModelFamily subclass of your own as \"package.module:Class\".")
     preset: str | None = Field("digits", description="Built-in backbone config of the family (unet2d: digits, sd15, sdxl; flux: digits, tiny, dev; sd3: digits, tiny, medium); ignored when `config` or `path` is set.")
     config: dict[str, Any] | None = Field(None, description="Backbone config as keyword arguments of the diffusers class (inline table).")
     path: str | None = Field(None, description="Local diffusers pipeline folder (model_index.json, unet/ or transformer/, vae/, text encoders), backbone folder (config.json), or single .safetensors file of the backbone (diffusers' names, or the family's release layout: A1111/ComfyUI UNets, BFL's Flux, Stability's SD3, Wan's own) to load weights from.")
@@ -41,6 +41,7 @@ class ModelConfig(_Section):
     text_encoder: str = Field("tiny-clip", description="Frozen text encoder: tiny-clip (built locally from a small config) or a local transformers CLIP folder.")
     text_max_length: int = Field(8, ge=2, le=512, description="Tokens per caption (padded/truncated); a pipeline folder's tokenizers decide their own (77 for CLIP).")
     guidance: float = Field(3.5, ge=0.0, description="Guidance-distilled models (Flux-dev: guidance_embeds = true): the guidance value embedded while training and sampling (diffusers' Flux scripts: 3.5).")
+    expert: Literal["high", "low"] | None = Field(None, description="A pipeline folder with two experts (Wan 2.2 A14B: transformer/ for high noise, transformer_2/ for low noise, switched at model_index.json's boundary_ratio): the one this run trains, on its own timesteps only (high: t >= boundary_ratio; low: below; train.timestep_range overrides). Required for such a folder; unset otherwise.")
 
     @model_validator(mode="after")
     def _check_architecture(self) -> "ModelConfig":
@@ -124,6 +125,7 @@ class TrainConfig(_Section):
     logit_mean: float = Field(0.0, description="Mean of the logit-normal density.")
     logit_std: float = Field(1.0, gt=0, description="Standard deviation of the logit-normal density.")
     shift: float = Field(3.0, gt=0, description="Shift factor for timestep_sampling = shift (SD3's t' = s t / (1 + (s - 1) t)).")
+    timestep_range: Annotated[list[Annotated[float, Field(ge=0.0, le=1.0)]], Field(min_length=2, max_length=2)] | None = Field(None, description="[low, high]: train only on timesteps t (1 = pure noise) in this range, drawn from train.timestep_sampling's density cut to it (musubi-tuner's min/max_timestep); the eval quantiles are the cut density's. Unset: the whole range, or the expert's (model.expert).")
     ema_decay: float = Field(0.0, ge=0.0, lt=1.0, description="Keep an exponential moving average of the trained weights, as diffusers' EMAModel does (after step n it moves 1 - min(decay, (1 + n - 1) / (10 + n - 1)) of the way toward the weights; 0.999-0.9999 for full fine-tunes). It is checkpointed and resumed, and the run's outputs are the averaged model: samples during and after training, model.safetensors / lora.safetensors, exports (every N steps, or of a checkpoint); the eval loss is the trained weights'. Costs a copy of the trained weights in device memory. 0: off.")
     min_snr_gamma: float = Field(0.0, ge=0, description="Min-SNR-gamma loss weighting (Hang et al., arXiv:2303.09556; kohya's and diffusers' min_snr_gamma): each sample's loss times min(SNR(t), gamma) / SNR(t) for epsilon prediction, / (SNR(t) + 1) for v-prediction, so the easy low-noise timesteps stop dominating (5 is the paper's value). epsilon and v_prediction objectives only; the eval loss stays unweighted. 0: off.")
     noise_offset: float = Field(0.0, ge=0, description="Add this times one Gaussian number per sample and channel (the same over every pixel and frame) to the training noise, as diffusers' and kohya's trainers do (0.05-0.1 for SD 1.5 and SDXL: the model learns to change an image's overall brightness); eval batches keep plain noise. 0: off.")
@@ -138,6 +140,13 @@ class TrainConfig(_Section):
     eval_every: int = Field(0, ge=0, description="Eval loss every N steps and at the end (eval_loss and eval_loss_tQ per quantile in metrics.jsonl and TensorBoard) on the held-out data: data.eval_fraction / data.eval_path for folders, the held-out digits for digits; 0: never.")
     eval_quantiles: list[float] = Field([0.1, 0.3, 0.5, 0.7, 0.9], min_length=1, description="Quantiles of the training timestep density the eval loss is measured at (the same timesteps and noise every time).")
     stage_lr_scale: list[Annotated[float, Field(ge=0)]] | None = Field(None, description="Per-stage learning-rate multipliers (one per stage, 0 or more); unset: all 1.")
+
+    @model_validator(mode="after")
+    def _check_timestep_range(self) -> "TrainConfig":
+        if self.timestep_range is not None and not self.timestep_range[0] < self.timestep_range[1]:
+            raise ValueError(f"train.timestep_range={self.timestep_range} is empty: give [low, high] with low < high "
+                             "(t = 1 is pure noise)")
+        return self
 
 
 class AdapterConfig(_Section):

@@ -2,7 +2,7 @@
 of real photographs with captions and a folder of short captioned videos, so the real-data path can be tried and
 tested without downloading anything.
 
-    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,flux,sd3,wan,photos,clips}
+    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,flux,sd3,wan,wan22,photos,clips}
     python examples/make_tiny_pipeline.py --out DIR        # somewhere else
     diffpipe train examples/photos.toml                    # then fine-tune the tiny SDXL-layout pipeline on the photos
     diffpipe train examples/flux_tiny.toml                 # or the tiny Flux-layout one (sd3_tiny.toml: SD3)
@@ -12,7 +12,7 @@ Each pipeline is built from diffusers' and transformers' own classes (UNet2DCond
 models and a real CLIP BPE tokenizer over a small vocabulary) and written by the pipeline's `save_pretrained`, so
 the folders are laid out as on the Hub: model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/ (and
 text_encoder_2/, tokenizer_2/ for SDXL; transformer/, a CLIP and a T5 encoder with a real T5 unigram tokenizer for
-Flux; three text encoders for SD3; for Wan its video VAE and a umT5 encoder). The photos are scikit-learn's two sample photographs (china.jpg,
+Flux; three text encoders for SD3; for Wan its video VAE and a umT5 encoder; Wan 2.2 A14B's two experts). The photos are scikit-learn's two sample photographs (china.jpg,
 flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption.
 The clips are coloured shapes sliding over a gradient, written as mp4 (H.264) and webm (VP9) by PyAV, captioned with
 the shape, its colour and its motion.
@@ -31,7 +31,7 @@ from diffusers import (AutoencoderKL, AutoencoderKLWan, EulerDiscreteScheduler, 
 from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config,
                           T5EncoderModel, T5Tokenizer, UMT5Config, UMT5EncoderModel)
 
-__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_wan", "write_photos", "write_clips",
+__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_wan", "write_wan22", "write_photos", "write_clips",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
 
 CAPTION_WORDS = ("a photo of the chinese temple flower pink yellow red roof tree sky close view wide "
@@ -195,6 +195,18 @@ def write_wan(out: Path, seed: int = 0) -> Path:
     """Wan layout: a umT5 encoder (32 wide, 512 tokens, real T5 unigram tokenizer), Wan's video VAE (4 latent channels,
     8x smaller sides, a latent frame per 4 video frames; random weights, latents scaled to spread 1) and a
     two-block WanTransformer3DModel."""
+    _wan_pipeline(seed).save_pretrained(out / "wan", safe_serialization=True)
+    return out / "wan"
+
+
+def write_wan22(out: Path, seed: int = 0) -> Path:
+    """Wan 2.2 A14B's layout: Wan's (above) with a second expert, transformer_2/ (the low-noise one, its own random
+    weights), and model_index.json's boundary_ratio 0.875, as WanPipeline saves Wan2.2-T2V-A14B-Diffusers."""
+    _wan_pipeline(seed, two_experts=True).save_pretrained(out / "wan22", safe_serialization=True)
+    return out / "wan22"
+
+
+def _wan_pipeline(seed: int, two_experts: bool = False) -> WanPipeline:
     torch.manual_seed(seed)
     tokenizer = tiny_t5_tokenizer()
     text_encoder = UMT5EncoderModel(UMT5Config(
@@ -205,14 +217,16 @@ def write_wan(out: Path, seed: int = 0) -> Path:
     with torch.no_grad():  # the spread of its latents of a random clip, as diffusers' configs record Wan's
         z = vae.encode(torch.rand(1, 3, 9, 64, 64, generator=torch.Generator().manual_seed(seed)) * 2 - 1).latent_dist.mean
     vae.register_to_config(latents_mean=z.mean(dim=(0, 2, 3, 4)).tolist(), latents_std=z.std(dim=(0, 2, 3, 4)).tolist())
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32,
-        freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
-        rope_max_seq_len=64)
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae.eval(), transformer=transformer,
-                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
-    pipe.save_pretrained(out / "wan", safe_serialization=True)
-    return out / "wan"
+    def transformer() -> WanTransformer3DModel:
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+            text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+            eps=1e-6, rope_max_seq_len=64)
+
+    high = transformer()
+    experts = dict(transformer_2=transformer(), boundary_ratio=0.875) if two_experts else {}
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae.eval(), transformer=high,
+                       scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), **experts)
 
 
 def write_video(path: Path, frames: list, fps: int = 8) -> Path:
@@ -321,7 +335,7 @@ def main() -> None:
     (out / STAMP).unlink(missing_ok=True)  # written again last: a run cut short leaves no stamp
     vae = fitted_vae()  # one VAE for every layout: they differ in the backbone and text encoders
     for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_sd3(out, vae),
-                 write_wan(out), write_photos(out), write_clips(out)):
+                 write_wan(out), write_wan22(out), write_photos(out), write_clips(out)):
         print(f"wrote {path}")
     (out / STAMP).write_text(_this_script() + "\n")
 

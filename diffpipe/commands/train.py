@@ -23,7 +23,7 @@ def _prepare_run(args) -> tuple:
     config = make_paths_absolute(load_config(args.config, args.set or []))
     prepare_to_launch(config.world_size)  # the processes' imports run while this one checks (below)
 
-    from ..build import boundary_traffic
+    from ..build import boundary_traffic, timestep_range
     from ..export.run import ExportedRun, format_writer
     from ..models.lora import adapted_module, is_adapter
     from ..preflight import check_before_launch
@@ -41,6 +41,11 @@ def _prepare_run(args) -> tuple:
     note = optimizer_note(config.train)
     if note is not None and int(os.environ.get("RANK", "0")) == 0:
         print(note, flush=True)
+    if config.model.expert is not None and int(os.environ.get("RANK", "0")) == 0:
+        low, high = timestep_range(config)
+        print(f"model.expert = \"{config.model.expert}\": trains on timesteps {low:.3f} to {high:.3f} (1 = pure "
+              "noise); samples during training are this expert's at every step (the other is not loaded): a rough "
+              "view, judge it in WanPipeline with both experts after export", flush=True)
     if config.checkpoint.export_every or config.checkpoint.export_every_epochs:  # the format can hold this run's adapters: asked now, not at the first export
         adapted = tuple(sorted({adapted_module(n) for n, _ in checked.backbone.model.named_parameters()
                                 if is_adapter(n)}))

@@ -151,10 +151,12 @@ class BatchMaker:
     (`loss_weighting`)."""
 
     def __init__(self, data, text: CaptionEncoder, train: TrainConfig, caption_dropout: float, feed: Feed,
-                 tags: CaptionTags = CaptionTags(), weighting: str = "none"):
+                 tags: CaptionTags = CaptionTags(), weighting: str = "none",
+                 timesteps_within: tuple[float, float] | None = None):
         self.data, self.text = data, text
         self.train, self.caption_dropout, self.feed = train, caption_dropout, feed
         self.tags, self.weighting = tags, weighting
+        self.timesteps_within = timesteps_within  # build.timestep_range: an expert's, train.timestep_range
 
     def text_conditions(self, captions: list[str], size_ids: torch.Tensor,
                         latent_size: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -168,7 +170,7 @@ class BatchMaker:
         drop = torch.rand(len(idx), generator=gen) < self.caption_dropout
         captions = ["" if d else self.data.captions[i] for i, d in zip(idx, drop.tolist())]
         t = sample_timesteps(self.train.timestep_sampling, len(idx), gen, logit_mean=self.train.logit_mean,
-                             logit_std=self.train.logit_std, shift=self.train.shift)
+                             logit_std=self.train.logit_std, shift=self.train.shift, within=self.timesteps_within)
         noise = torch.randn((len(idx), *item_shape), generator=gen)
         if self.train.noise_offset:  # drawn after the rest: without it every run keeps the same numbers
             per_channel = torch.randn((len(idx), item_shape[0]) + (1,) * (len(item_shape) - 1), generator=gen)

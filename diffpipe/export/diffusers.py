@@ -5,7 +5,9 @@
   it, so `from_pretrained` loads the whole pipeline; `--out X.safetensors`: the backbone alone, diffusers' names.
 - LoRA and DoRA: written by the family's diffusers pipeline's own `save_lora_weights`
   (`ModelFamily.diffusers_lora_pipeline`: SD, SDXL, Flux, SD3, Wan), with the LoRA config (rank, alpha, targets,
-  use_dora) in the header. LoHa and LoKr: refused (diffusers loads neither; --format comfyui writes them).
+  use_dora) in the header. LoHa and LoKr: refused (diffusers loads neither; --format comfyui writes them). A LoRA of
+  Wan 2.2's low-noise expert (model.expert = "low") loads with `pipe.load_lora_weights(path,
+  load_into_transformer_2=True)`; a full fine-tune of either expert replaces that expert's subfolder only.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..errors import ExportError
+from ..models.loading import backbone_component
 from ..models.lora import adapted_module
 from ..written_files import give_user_mode, save_tensors
 from .run import replacing
@@ -54,12 +57,12 @@ def _write_folder(run, out: Path) -> Path:
     if out.suffix == ".safetensors":  # the backbone alone, in diffusers' names (from_single_file, ComfyUI)
         return save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, out, metadata={"format": "pt"})
     base = run.config.model.pipeline_folder()
+    component = backbone_component(run.config.model, family)  # a two-expert pipeline: the trained one's subfolder
 
     def write_into(folder: Path) -> None:
         if base is not None:
-            shutil.copytree(base, folder, ignore=shutil.ignore_patterns(family.component, ".diffpipe*"),
-                            dirs_exist_ok=True)
-        model.save_pretrained(folder / family.component if base is not None else folder, safe_serialization=True)
+            shutil.copytree(base, folder, ignore=shutil.ignore_patterns(component, ".diffpipe*"), dirs_exist_ok=True)
+        model.save_pretrained(folder / component if base is not None else folder, safe_serialization=True)
 
     return replacing(out, write_into)
 

@@ -16,26 +16,47 @@ from ..config import ModelConfig
 from .family import ModelFamily
 from ..errors import CheckpointError
 
-__all__ = ["CheckpointError", "PICKLE_SUFFIXES", "component_weights", "load_tokenizer", "build_model", "model_kwargs", "check_checkpoint", "weights_file",
+__all__ = ["CheckpointError", "backbone_component", "PICKLE_SUFFIXES", "component_weights", "load_tokenizer", "build_model", "model_kwargs", "check_checkpoint", "weights_file",
            "checked_weights"]
+
+
+def backbone_component(cfg: ModelConfig, family: ModelFamily) -> str:
+    """The pipeline folder's subfolder holding the backbone this run trains: the family's, or for a two-expert
+    pipeline (Wan 2.2) the expert model.expert names: `transformer` (high noise) or `transformer_2` (low noise).
+    Refuses an expert the folder does not have, and a two-expert folder without model.expert."""
+    from .pipeline_folder import expert_boundary, is_pipeline_folder
+
+    folder = cfg.pipeline_folder()
+    two = folder is not None and is_pipeline_folder(folder) and expert_boundary(folder) is not None
+    if cfg.expert is not None and not two:
+        raise CheckpointError(f"model.expert = \"{cfg.expert}\" picks one of a pipeline's two experts (Wan 2.2 A14B: "
+                              "transformer/ and transformer_2/ with a boundary_ratio in model_index.json), and "
+                              f"{folder or 'this model'} has one backbone: leave model.expert unset")
+    if two and cfg.expert is None:
+        raise CheckpointError(f"model.path={folder} has two experts (transformer/ for high noise, transformer_2/ for "
+                              f"low, switched at boundary_ratio {expert_boundary(folder)}): set model.expert = "
+                              "\"high\" or \"low\" to train one (each on its own timesteps); training both in one "
+                              "run is not supported yet")
+    return "transformer_2" if cfg.expert == "low" else family.component
 
 
 def model_kwargs(cfg: ModelConfig, family: ModelFamily) -> dict:
     """The backbone's constructor arguments: `config`, else a folder's config.json, else that of model.components'
     backbone, else `preset`."""
+    component = backbone_component(cfg, family)
     if cfg.config is not None:
         return dict(cfg.config)
     path = Path(cfg.path) if cfg.path is not None else None
     if path is not None and path.is_dir():
-        for candidate in (path / "config.json", path / "model_config.json", path / family.component / "config.json"):
+        for candidate in (path / "config.json", path / "model_config.json", path / component / "config.json"):
             if candidate.is_file():
                 return {k: v for k, v in json.loads(candidate.read_text()).items() if not k.startswith("_")}
-        raise CheckpointError(f"model.path={cfg.path}: no config.json there (nor in its {family.component}/ subfolder)")
+        raise CheckpointError(f"model.path={cfg.path}: no config.json there (nor in its {component}/ subfolder)")
     if path is not None and not path.exists():
         raise CheckpointError(f"model.path={cfg.path} does not exist")
     components = cfg.pipeline_folder()
-    if components is not None and (components / family.component / "config.json").is_file():
-        config = json.loads((components / family.component / "config.json").read_text())
+    if components is not None and (components / component / "config.json").is_file():
+        config = json.loads((components / component / "config.json").read_text())
         return {k: v for k, v in config.items() if not k.startswith("_")}
     if cfg.preset is None:
         raise CheckpointError(f"model.path={cfg.path} is a single weights file: give the architecture too, "
@@ -116,7 +137,7 @@ def checked_weights(model: torch.nn.Module, cfg: ModelConfig, family: ModelFamil
 
     if cfg.path is None:
         return None
-    path = weights_file(Path(cfg.path), family.component)
+    path = weights_file(Path(cfg.path), backbone_component(cfg, family))
     keys = without_scales(list(_file_shapes(path)))  # an unreadable file is named as such
     layout = family.release_layout
     recognised = layout is not None and layout.recognises(keys)

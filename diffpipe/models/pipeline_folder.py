@@ -19,7 +19,7 @@ from transformers import CLIPTextModel, CLIPTextModelWithProjection
 from .loading import CheckpointError, component_weights, load_tokenizer
 from .text import CaptionEncoder
 
-__all__ = ["is_pipeline_folder", "pipeline_index", "component_weights", "scheduler_objective",
+__all__ = ["is_pipeline_folder", "pipeline_index", "expert_boundary", "component_weights", "scheduler_objective",
            "PipelineText", "fingerprint_files", "caption_tokens", "text_encoder_configs"]
 
 _INDEX = "model_index.json"
@@ -37,6 +37,13 @@ def pipeline_index(folder: Path) -> dict:
 def _has(folder: Path, component: str) -> bool:
     entry = pipeline_index(folder).get(component)
     return isinstance(entry, list) and entry[0] is not None and (folder / component).is_dir()
+
+
+def expert_boundary(folder: Path) -> float | None:
+    """A two-expert pipeline's switch (Wan 2.2: model_index.json's boundary_ratio, with transformer_2/ beside
+    transformer/): `transformer` denoises t >= it, `transformer_2` below; None for a one-backbone pipeline."""
+    ratio = pipeline_index(folder).get("boundary_ratio")
+    return float(ratio) if ratio is not None and _has(folder, "transformer_2") else None
 
 
 def scheduler_objective(folder: Path) -> str:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import seeds
+from ..build import timestep_range
 from ..config import RunConfig
 from ..data.batches import fixed_batches
 from ..data.sources import source_of
@@ -31,7 +32,7 @@ def evaluate(trainer) -> dict[str, float]:
     same noise every time: `eval_loss` (their mean) and `eval_loss_t<q>` each."""
     train, topo = trainer.config.train, trainer.topo
     ts = timestep_quantiles(train.timestep_sampling, train.eval_quantiles, logit_mean=train.logit_mean,
-                            logit_std=train.logit_std, shift=train.shift)
+                            logit_std=train.logit_std, shift=train.shift, within=timestep_range(trainer.config))
     batches = fixed_batches(trainer.held_out, train.batch_size)
     sums = torch.zeros(len(ts), dtype=torch.float64, device=topo.device)
     for b, indices in enumerate(batches):

@@ -11,7 +11,7 @@ from scipy import stats
 
 from diffpipe.diffusion.objectives import alphas_cumprod, discrete_step, make_targets
 from diffpipe.diffusion.samplers import sample
-from diffpipe.diffusion.timesteps import sample_timesteps
+from diffpipe.diffusion.timesteps import sample_timesteps, timestep_quantiles
 
 from ..planted import planted
 
@@ -47,6 +47,39 @@ def test_timestep_densities_follow_their_distributions(kind, cdf):
     """Kolmogorov-Smirnov against the exact CDF over 100,000 draws: the whole density, not one quantile."""
     t = sample_timesteps(kind, 100_000, _gen(), logit_mean=0.5, logit_std=1.0, shift=3.0).double().numpy()
     assert stats.kstest(t, cdf).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("within", [(0.875, 1.0), (0.0, 0.875), (0.2, 0.5)])
+@pytest.mark.parametrize("kind,cdf", [
+    ("logit_normal", lambda t: _logit_normal_cdf(np.clip(t, 1e-12, 1 - 1e-12), 0.5, 1.0)),
+    ("shift", lambda t: _shifted_uniform_cdf(t, 3.0)),
+    ("uniform", lambda t: t),
+])
+def test_a_timestep_range_draws_from_the_density_cut_to_it(kind, cdf, within):
+    """train.timestep_range / a Wan 2.2 expert's side of the boundary: every draw inside, distributed as the density
+    cut there (KS against (F(t) - F(low)) / (F(high) - F(low))); a cut placed elsewhere fails the same check."""
+    low, high = within
+    t = sample_timesteps(kind, 100_000, _gen(), logit_mean=0.5, logit_std=1.0, shift=3.0, within=within)
+    assert low <= t.min() and t.max() <= high
+    t = t.double().numpy()
+
+    def cut(a, b):
+        return lambda x: np.clip((cdf(x) - cdf(a)) / (cdf(b) - cdf(a)), 0, 1)
+
+    assert stats.kstest(t, cut(low, high)).pvalue > 1e-3
+    width = high - low
+    assert stats.kstest(t, cut(low + 0.1 * width, high - 0.1 * width)).pvalue < 1e-6
+    # the eval loss's timesteps: the cut density's quantiles
+    q = timestep_quantiles(kind, [0.1, 0.5, 0.9], logit_mean=0.5, logit_std=1.0, shift=3.0, within=within)
+    assert cut(low, high)(q.double().numpy()) == pytest.approx([0.1, 0.5, 0.9], abs=1e-4)
+
+
+def test_importance_sampling_cut_to_a_range_keeps_its_steps_and_their_weights():
+    t = sample_timesteps("importance", 100_000, _gen(), within=(0.1, 0.3))
+    k = (t * 1000 - 0.5).round().long()
+    assert k.min() >= 100 and k.max() <= 299
+    ratio = (k == 100).sum().item() / (k == 120).sum().item()  # 0.99^-20 = 1.22
+    assert ratio == pytest.approx(0.99 ** -20, rel=0.15)
 
 
 def test_a_wrong_density_fails_the_distribution_check():
