@@ -54,7 +54,7 @@ from safetensors.torch import load_file
 import pytest
 import torch
 
-from diffpipe.build import build_backbone, sample_shape
+from diffpipe.build import build_backbone, sample_shape, timestep_range
 from diffpipe.config_files import build_config
 from diffpipe.data import make_dataset
 from diffpipe.data.batches import BatchMaker
@@ -96,7 +96,7 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
             checkpointing="none", model: str = "digits", clip: float = 1.0, precision: str = "fp32",
             steps: int = STEPS, lora: bool | str = False, shard: bool = False, weight_decay: float = 0.0,
             timesteps: str = "uniform", optimizer: str = "adamw", optimizer_args: dict | None = None,
-            learning_rate: float = 1e-3) -> dict:
+            learning_rate: float = 1e-3, timestep_range: list[float] | None = None) -> dict:
     digits = model != "sdxl-style"  # the others are made for 1-channel 8x8 images
     micro_size = 2 if digits else 1
     return {
@@ -109,7 +109,8 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
                   "optimizer": optimizer, "optimizer_args": optimizer_args or {},
                   "dropout": False,  # the spatio-temporal UNet drops 10 %: masks drawn per process cannot match
                   "warmup_steps": 1, "adam_eps": 1e-6, "max_grad_norm": clip, "seed": 3,
-                  "timestep_sampling": timesteps, "precision": precision, "weight_decay": weight_decay},
+                  "timestep_sampling": timesteps, "precision": precision, "weight_decay": weight_decay,
+                  "timestep_range": timestep_range},
         "pipeline": {"stages": stages, "schedule": schedule, "virtual_stages": virtual, "data_parallel": dp,
                      "data_parallel_shard": shard, "microbatches": microbatches, "checkpointing": checkpointing},
     }
@@ -137,6 +138,9 @@ TWO = {
     "wan-gpipe-2": _config(2, "gpipe", model="wan"),
     "wan-1f1b-2": _config(2, "1f1b", model="wan"),
     "wan-1f1b-2-checkpointed": _config(2, "1f1b", model="wan", checkpointing="all"),
+    # a Wan 2.2 low-noise expert's side of the boundary (train.timestep_range, as model.expert sets it): the run's
+    # batches draw from the cut density as the reference's do
+    "wan-1f1b-2-low-noise-side": _config(2, "1f1b", model="wan", timesteps="shift", timestep_range=[0.0, 0.875]),
     "wan-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="wan"),
     "unet3d-1f1b-2": _config(2, "1f1b", model="unet3d"),
     "unet3d-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="unet3d"),
@@ -279,7 +283,8 @@ def draws_of(config) -> Draws:
     data other than digits, and the LoRA adapters' first values (A seeded per module, B zero)."""
     meta = build_backbone(config, "meta")
     data = make_dataset(config.data.dataset, sample_shape(config, meta), config.train.seed)
-    maker = BatchMaker(data, None, config.train, config.data.caption_dropout, None)
+    maker = BatchMaker(data, None, config.train, config.data.caption_dropout, None,
+                       timesteps_within=timestep_range(config))
     shape = tuple(data.x0([0]).shape[1:])
     steps = []
     for step in range(config.train.max_steps):
