@@ -55,16 +55,18 @@ def write_adapters(run, out: Path, name_of, alpha: bool = True, dora_scale=None)
     adapters = load_file(str(run.folder / "lora.safetensors"))
     with safe_open(str(run.folder / "lora.safetensors"), framework="pt") as f:
         metadata = f.metadata() or {}
-    modules = sorted({adapted_module(k) for k in adapters})
-    names = name_of(modules)
+    by_module: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in adapters.items():
+        module = adapted_module(key)
+        by_module.setdefault(module, {})[key.removeprefix(f"{module}.")] = tensor.contiguous()
+    names = name_of(sorted(by_module))
     adapter = run.config.adapter
     scale = adapter.alpha / adapter.rank
     written = {}
-    for module in modules:
-        own = {k.removeprefix(f"{module}."): v.contiguous() for k, v in adapters.items() if adapted_module(k) == module}
-        written.update({f"{names[module]}.{key}": t for key, t in
-                        _lycoris_keys(own, adapter.alpha if alpha else None, scale,
-                                      lambda m: dora_scale(module, m) if dora_scale else m).items()})
+    for module, own in sorted(by_module.items()):
+        rows = (lambda m: dora_scale(module, m)) if dora_scale else (lambda m: m)
+        keys = _lycoris_keys(own, adapter.alpha if alpha else None, scale, rows)
+        written.update({f"{names[module]}.{key}": t for key, t in keys.items()})
     out.parent.mkdir(parents=True, exist_ok=True)
     if adapter.type == "lora":
         header = {"ss_network_module": "networks.lora"}
