@@ -51,10 +51,15 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
     other units stay on the meta device. The same unit gets the same weights whatever else is built. LoRA layers
     already injected get their seeded initial adapters. `frozen`: how frozen weights are held (precision.py)."""
     modules = None if units is None else _modules_holding(backbone, units)
+    adapters = config.adapter.type != "none"
+
+    def reset_own(module: torch.nn.Module) -> bool:  # an adapter's tensors are drawn by seed_lora, below
+        return (adapters and is_adapter_holder(module)) or backbone.family.reset_own_parameters(module)
+
     materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model, backbone.family),
                 modules, device, rename=base_module_name, buffers=backbone.family.constructor_buffers(backbone.model),
-                reset_own=lambda m: is_adapter_holder(m) or backbone.family.reset_own_parameters(m), frozen=frozen)
-    if config.adapter.type != "none":
+                reset_own=reset_own, frozen=frozen)
+    if adapters:
         seed_lora(backbone.model, config.train.seed)
         if config.adapter.init_from:
             try:
