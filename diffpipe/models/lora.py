@@ -179,13 +179,13 @@ def lora_metadata(config, default_targets: tuple[str, ...]) -> dict[str, str]:
 
 
 def load_adapters(model: torch.nn.Module, path: str) -> None:
-    """Adapters from a LoRA file (plain names, optionally under diffusers' `unet.` prefix) into the LoRA layers with
-    real weights; every such layer must be in the file with the same rank."""
+    """Adapters from a LoRA file (plain names, optionally under diffusers' `unet.` or `transformer.` prefix) into the
+    adapted layers with real weights; every such layer must be in the file with the same rank."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        saved = {k.removeprefix("unet."): v for k, v in load_file(path).items()}
+        saved = {k.removeprefix("unet.").removeprefix("transformer."): v for k, v in load_file(path).items()}
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"adapter.init_from={path}: not a readable .safetensors file ({exc})") from None
     with torch.no_grad():

@@ -74,7 +74,8 @@ def test_a_first_stage_without_adapters_is_refused_before_launch():
     check_before_launch(build_config({"adapter": {"type": "lora"}, "pipeline": {"split": [4]}}))  # down.0 adapts
 
 
-def test_adapters_start_from_a_lora_file_when_asked(tmp_path):
+@pytest.mark.parametrize("prefix", ["unet.", "transformer.", ""])  # diffusers' files: the component's name first
+def test_adapters_start_from_a_lora_file_when_asked(tmp_path, prefix):
     from safetensors.torch import save_file
 
     from diffpipe.config import ConfigError
@@ -87,7 +88,7 @@ def test_adapters_start_from_a_lora_file_when_asked(tmp_path):
         for name, p in source.model.named_parameters():
             if ".lora_B." in name:
                 p.normal_()
-    saved = {f"unet.{k}": v for k, v in lora_weights(source.model.state_dict()).items()}  # diffusers' layout
+    saved = {f"{prefix}{k}": v for k, v in lora_weights(source.model.state_dict()).items()}
     save_file(saved, str(tmp_path / "lora.safetensors"))
     resumed = build_config({"adapter": {"type": "lora", "rank": 4, "init_from": str(tmp_path / "lora.safetensors")}})
     target = build_backbone(resumed, "meta")
