@@ -31,7 +31,7 @@ from diffusers import (AutoencoderKL, AutoencoderKLWan, EulerDiscreteScheduler, 
 from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config,
                           T5EncoderModel, T5Tokenizer, UMT5Config, UMT5EncoderModel)
 
-__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_wan", "write_wan22", "write_photos", "write_clips",
+__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_photos", "write_clips",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
 
 CAPTION_WORDS = ("a photo of the chinese temple flower pink yellow red roof tree sky close view wide "
@@ -204,6 +204,23 @@ def write_wan22(out: Path, seed: int = 0) -> Path:
     weights), and model_index.json's boundary_ratio 0.875, as WanPipeline saves Wan2.2-T2V-A14B-Diffusers."""
     _wan_pipeline(seed, two_experts=True).save_pretrained(out / "wan22", safe_serialization=True)
     return out / "wan22"
+
+
+def write_wan22_ti2v(out: Path, seed: int = 0) -> Path:
+    """Wan 2.2 TI2V-5B's layout: Wan's (above) with Wan 2.2's residual video VAE (2x2 pixel patches before its levels:
+    16 pixels a latent along a side, 4 frames a latent frame; `scale_factor_spatial` 16 in its config) and
+    model_index.json's expand_timesteps, as WanPipeline saves Wan2.2-TI2V-5B-Diffusers. Not written by `main`: the
+    tests write it where they need it."""
+    pipe = _wan_pipeline(seed)
+    torch.manual_seed(seed + 5)
+    vae = AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                           patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 4,
+                           latents_std=[1.0] * 4)
+    WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=vae.eval(), transformer=pipe.transformer,
+                scheduler=pipe.scheduler, expand_timesteps=True).save_pretrained(out / "wan22_ti2v",
+                                                                                  safe_serialization=True)
+    return out / "wan22_ti2v"
 
 
 def _wan_pipeline(seed: int, two_experts: bool = False) -> WanPipeline:

@@ -35,9 +35,12 @@ def load_vae(folder: Path) -> AutoencoderKL | AutoencoderKLWan:
 
 
 def vae_scale_factor(source: Path | torch.nn.Module) -> int:
-    """Pixels per latent along a side, of a pipeline folder's VAE or a loaded one: 2 per VAE level after the first
-    (8 for SD's and Wan's VAEs)."""
+    """Pixels per latent along a side, of a pipeline folder's VAE or a loaded one: the factor a Wan VAE states (8 for
+    Wan 2.1's; 16 for Wan 2.2's, whose 2x2 patching comes before its levels), else 2 per VAE level after the first
+    (8 for SD's)."""
     cfg = _vae_config(source) if isinstance(source, Path) else source.config
+    if cfg.get("scale_factor_spatial"):
+        return int(cfg["scale_factor_spatial"])
     return 2 ** (len(cfg.get("block_out_channels") or cfg.get("dim_mult")) - 1)
 
 
@@ -48,8 +51,12 @@ def vae_latent_channels(folder: Path) -> int | None:
 
 
 def vae_frame_factor(folder: Path) -> int:
-    """Video frames per latent frame after the first: 4 for Wan's VAE; 1 for an image VAE (every frame encoded)."""
-    return 2 ** sum(_vae_config(folder).get("temperal_downsample", []))
+    """Video frames per latent frame after the first: 4 for Wan's VAEs (as they state it, else from their temporal
+    levels); 1 for an image VAE (every frame encoded)."""
+    cfg = _vae_config(folder)
+    if cfg.get("scale_factor_temporal"):
+        return int(cfg["scale_factor_temporal"])
+    return 2 ** sum(cfg.get("temperal_downsample", []))
 
 
 def latent_frames(video_frames: int, frame_factor: int) -> int:

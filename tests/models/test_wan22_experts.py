@@ -1,7 +1,7 @@
-"""Wan 2.2 A14B's two experts (issue 30): a pipeline folder with transformer/ (high noise) and transformer_2/ (low
+"""Wan 2.2 (issue 30). A14B's two experts: a pipeline folder with transformer/ (high noise) and transformer_2/ (low
 noise) switched at model_index.json's boundary_ratio trains one expert per run (model.expert), with that expert's
 weights, on its own side of the boundary only; a full fine-tune exports into that expert's subfolder, the other left
-as it was; a folder's experts are never guessed."""
+as it was; a folder's experts are never guessed. TI2V-5B's layout (its 16x residual VAE) trains text-to-video."""
 from __future__ import annotations
 
 import contextlib
@@ -101,3 +101,23 @@ def test_the_low_expert_trained_on_two_stages_exports_into_its_own_subfolder(tin
     assert all(torch.equal(low[k], trained[k]) for k in trained)
     assert any(not torch.equal(v, load_file(str(base / "transformer_2" / name))[k]) for k, v in low.items())
     assert json.loads((out / "model_index.json").read_text())["boundary_ratio"] == 0.875
+
+
+def test_the_ti2v_layout_trains_text_to_video_through_its_16x_vae(tiny_video, clips, tmp_path, capfd):
+    """Wan 2.2's residual VAE patches 2x2 pixels before its levels: 16 pixels a latent (its config says so, its
+    levels alone would say 8), so buckets step by 32 pixels (16 x the transformer's 2x2 patches); 16 is refused."""
+    from diffpipe.models.vae import vae_frame_factor, vae_scale_factor
+
+    from ..conftest import load_tiny_pipeline_script
+
+    folder = load_tiny_pipeline_script().write_wan22_ti2v(tmp_path)
+    assert (vae_scale_factor(folder), vae_frame_factor(folder)) == (16, 4)
+    assert vae_scale_factor(tiny_video / "wan") == 8
+    train = ["train", str(ROOT / "examples" / "wan_clips.toml"), "--set", f'model.path="{folder}"',
+             "--set", f'data.path="{clips}"', *[a for s in QUICK for a in ("--set", s)]]
+    ran = run_command([*train, "--output-dir", str(tmp_path / "run"), "--set", "data.bucket_step=32",
+                       "--set", "pipeline.stages=1"])
+    assert ran.returncode == 0
+    assert "64x64x17f" in ran.stdout  # 4 x 4 latents of 17 frames: the 64-pixel square bucket, as the VAE makes it
+    assert run_command([*train, "--output-dir", str(tmp_path / "refused")]).returncode == 2
+    assert "use a multiple of 32" in capfd.readouterr().err
