@@ -57,14 +57,12 @@ def _dora_scale_for_comfyui(run):
     holds m |W| / |W + delta|, so ComfyUI computes m (W + delta) / |W + delta| on the base the run trained (the base
     is built once, as at the end of training)."""
     from ..build import build_backbone
-    from ..models.lora import delta_weight
-    from safetensors.torch import load_file
+    from ..models.lora import delta_weight, lora_scale
 
     base = build_backbone(run.config, "cpu").model.state_dict()
-    adapters = load_file(str(run.folder / "lora.safetensors"))
-    scale = run.config.adapter.alpha / run.config.adapter.rank
+    scale = lora_scale(run.config.adapter)
 
-    def dora_scale(module: str, magnitude: torch.Tensor) -> torch.Tensor:
+    def dora_scale(module: str, magnitude: torch.Tensor, adapters: dict[str, torch.Tensor]) -> torch.Tensor:
         w = base[f"{module}.weight"].float()
         adapted = w + delta_weight(adapters, module, scale, w.shape)
         rows = magnitude.float().reshape(-1) * w.flatten(1).norm(dim=1) / adapted.flatten(1).norm(dim=1)

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..errors import ExportError
-from ..models.lora import adapted_module
+from ..models.lora import adapted_module, lora_scale
 from ..models.original_layout import kohya_lora_names
 from ..written_files import save_tensors
 from .run import one_file, only_unets
@@ -44,7 +44,8 @@ def write_adapters(run, out: Path, name_of, alpha: bool = True, dora_scale=None)
     """The run's adapters under `name_of(modules)`'s names, in the keys kohya's and LyCORIS' files use:
 
     - lora: `.lora_down.weight` (peft's lora_A), `.lora_up.weight` (lora_B), `.alpha`;
-    - dora: the same and `.dora_scale`, `dora_scale(module, magnitude)` of each output row's trained magnitude,
+    - dora: the same and `.dora_scale`, `dora_scale(module, magnitude, adapters)` of each output row's trained
+      magnitude (`adapters`: the run's whole file, read once here),
       shaped (out, 1, ...) as loaders tell its axis by its first dimension (export/comfyui.py);
     - loha: `.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b`, `.alpha`;
     - lokr: `.lokr_w1` (or `_a` / `_b`), `.lokr_w2` (or `_a` / `_b`), the scale alpha / rank in w1: LyCORIS' loaders
@@ -61,10 +62,10 @@ def write_adapters(run, out: Path, name_of, alpha: bool = True, dora_scale=None)
         by_module.setdefault(module, {})[key.removeprefix(f"{module}.")] = tensor.contiguous()
     names = name_of(sorted(by_module))
     adapter = run.config.adapter
-    scale = adapter.alpha / adapter.rank
+    scale = lora_scale(adapter)
     written = {}
     for module, own in sorted(by_module.items()):
-        rows = (lambda m: dora_scale(module, m)) if dora_scale else (lambda m: m)
+        rows = (lambda m: dora_scale(module, m, adapters)) if dora_scale else (lambda m: m)
         keys = _lycoris_keys(own, adapter.alpha if alpha else None, scale, rows)
         written.update({f"{names[module]}.{key}": t for key, t in keys.items()})
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -131,18 +131,19 @@ def lora_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def delta_weight(adapters: dict[str, torch.Tensor], module: str, scale: float, shape: torch.Size) -> torch.Tensor:
     """What one module's LoRA, LoHa or LoKr adapters (plain names) add to its weight, in fp32, scaled (alpha / r)."""
-    def get(key: str) -> torch.Tensor | None:
+    def get(key: str, flat: bool = True) -> torch.Tensor | None:
         t = adapters.get(f"{module}.{key}")
-        return None if t is None else t.float().flatten(1)
+        return None if t is None else t.float().flatten(1) if flat else t.float()
 
-    if get("lora_A.weight") is not None:  # Conv2d: A a k x k convolution, B 1 x 1: over the flattened kernels
+    if f"{module}.lora_A.weight" in adapters:  # Conv2d: A a k x k convolution, B 1 x 1: over the flattened kernels
         delta = get("lora_B.weight") @ get("lora_A.weight")
-    elif get("hada_w1_a") is not None:
+    elif f"{module}.hada_w1_a" in adapters:
         delta = (get("hada_w1_a") @ get("hada_w1_b")) * (get("hada_w2_a") @ get("hada_w2_b"))
     else:
-        w1 = get("lokr_w1") if get("lokr_w1") is not None else get("lokr_w1_a") @ get("lokr_w1_b")
-        w2 = adapters.get(f"{module}.lokr_w2")
-        w2 = w2.float() if w2 is not None else get("lokr_w2_a") @ get("lokr_w2_b")
+        w1 = get("lokr_w1")
+        w1 = w1 if w1 is not None else get("lokr_w1_a") @ get("lokr_w1_b")
+        w2 = get("lokr_w2", flat=False)  # a convolution's whole kernel stays 4-D
+        w2 = w2 if w2 is not None else get("lokr_w2_a") @ get("lokr_w2_b")
         if w2.dim() == 4:  # a convolution's kernel kept whole: kron over the channels, each kernel position alike
             w1 = w1[:, :, None, None]
         delta = torch.kron(w1, w2)
