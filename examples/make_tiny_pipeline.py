@@ -2,17 +2,19 @@
 of real photographs with captions and a folder of short captioned videos, so the real-data path can be tried and
 tested without downloading anything.
 
-    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,flux,sd3,wan,wan22,photos,clips}
+    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,flux,sd3,wan,wan22,qwen_image,photos,clips}
     python examples/make_tiny_pipeline.py --out DIR        # somewhere else
     diffpipe train examples/photos.toml                    # then fine-tune the tiny SDXL-layout pipeline on the photos
     diffpipe train examples/flux_tiny.toml                 # or the tiny Flux-layout one (sd3_tiny.toml: SD3)
     diffpipe train examples/wan_clips.toml                 # a tiny Wan-layout video model on the clips
+    diffpipe train examples/qwen_image_tiny.toml           # a tiny Qwen-Image-layout model on the photos
 
 Each pipeline is built from diffusers' and transformers' own classes (UNet2DConditionModel, AutoencoderKL, CLIP text
 models and a real CLIP BPE tokenizer over a small vocabulary) and written by the pipeline's `save_pretrained`, so
 the folders are laid out as on the Hub: model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/ (and
 text_encoder_2/, tokenizer_2/ for SDXL; transformer/, a CLIP and a T5 encoder with a real T5 unigram tokenizer for
-Flux; three text encoders for SD3; for Wan its video VAE and a umT5 encoder; Wan 2.2 A14B's two experts). The photos are scikit-learn's two sample photographs (china.jpg,
+Flux; three text encoders for SD3; for Wan its video VAE and a umT5 encoder; Wan 2.2 A14B's two experts; for
+Qwen-Image a Qwen2.5-VL encoder with a real Qwen2 byte-level BPE tokenizer, and Qwen's VAE). The photos are scikit-learn's two sample photographs (china.jpg,
 flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption.
 The clips are coloured shapes sliding over a gradient, written as mp4 (H.264) and webm (VP9) by PyAV, captioned with
 the shape, its colour and its motion.
@@ -24,14 +26,17 @@ import hashlib
 from pathlib import Path
 
 import torch
-from diffusers import (AutoencoderKL, AutoencoderKLWan, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler,
-                       FluxPipeline, FluxTransformer2DModel, PNDMScheduler, SD3Transformer2DModel,
+from diffusers import (AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, EulerDiscreteScheduler,
+                       FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel, PNDMScheduler,
+                       QwenImagePipeline, QwenImageTransformer2DModel, SD3Transformer2DModel,
                        StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline,
                        UNet2DConditionModel, WanPipeline, WanTransformer3DModel)
-from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config,
-                          T5EncoderModel, T5Tokenizer, UMT5Config, UMT5EncoderModel)
+from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, Qwen2_5_VLConfig,
+                          Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, T5Config, T5EncoderModel, T5Tokenizer,
+                          UMT5Config, UMT5EncoderModel)
 
-__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_photos", "write_clips",
+__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_qwen_image",
+           "write_photos", "write_clips",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
 
 CAPTION_WORDS = ("a photo of the chinese temple flower pink yellow red roof tree sky close view wide "
@@ -77,6 +82,31 @@ def tiny_t5_tokenizer() -> T5Tokenizer:
     vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
     vocab += [("\u2581" + w, -1.0) for w in CAPTION_WORDS] + [(c, -5.0) for c in letters]
     return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+# the words of QwenImagePipeline's prompt template: as single tokens, its 34 tokens before the caption are 34 here too
+_QWEN_TEMPLATE_WORDS = ("system user assistant Describe the image by detailing color shape size texture quantity text "
+                        "spatial relationships of objects and background").split()
+
+
+def tiny_qwen_tokenizer() -> Qwen2Tokenizer:
+    """A real Qwen2 byte-level BPE tokenizer: every byte, merges that make CAPTION_WORDS and the prompt template's
+    words single tokens (with and without their leading space), and Qwen's chat tokens."""
+    alphabet = list(_bytes_to_unicode().values())
+    space = _bytes_to_unicode()[ord(" ")]
+    vocab, merges = list(alphabet), []
+    for word in [space + w for w in [*CAPTION_WORDS, *_QWEN_TEMPLATE_WORDS]] + _QWEN_TEMPLATE_WORDS:
+        pieces = list(word)
+        while len(pieces) > 1:
+            merges.append((pieces[0], pieces[1]))
+            pieces = [pieces[0] + pieces[1]] + pieces[2:]
+            if pieces[0] not in vocab:
+                vocab.append(pieces[0])
+    chat = ["<|im_start|>", "<|im_end|>"]
+    vocab += ["<|endoftext|>"] + chat
+    tokenizer = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=list(dict.fromkeys(merges)))
+    tokenizer.add_special_tokens({"additional_special_tokens": chat})
+    return tokenizer
 
 
 def _t5(tokenizer: T5Tokenizer, width: int) -> T5EncoderModel:
@@ -223,6 +253,37 @@ def write_wan22_ti2v(out: Path, seed: int = 0) -> Path:
     return out / "wan22_ti2v"
 
 
+def write_qwen_image(out: Path, seed: int = 0) -> Path:
+    """Qwen-Image layout: a Qwen2.5-VL model (text 32 wide, a one-block vision tower it never runs for text), Qwen's
+    VAE (4 latent channels, 8x smaller sides; random weights, latents scaled to spread 1) and a two-block
+    QwenImageTransformer2DModel reading the latents packed 2x2; the scheduler as Qwen/Qwen-Image's."""
+    torch.manual_seed(seed)
+    tokenizer = tiny_qwen_tokenizer()
+    chat_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                         rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         bos_token_id=chat_end - 2, eos_token_id=chat_end),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           fullatt_block_indexes=[0]),
+        image_token_id=chat_end - 2, video_token_id=chat_end - 2, vision_start_token_id=chat_end - 2))
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    with torch.no_grad():  # the spread of its latents of a random image, as diffusers' configs record Qwen's
+        z = vae.encode(torch.rand(1, 3, 1, 64, 64, generator=torch.Generator().manual_seed(seed)) * 2 - 1).latent_dist.mean
+    vae.register_to_config(latents_mean=z.mean(dim=(0, 2, 3, 4)).tolist(), latents_std=z.std(dim=(0, 2, 3, 4)).tolist())
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                              axes_dims_rope=(4, 6, 6))
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
+        time_shift_type="exponential", use_dynamic_shifting=True)
+    QwenImagePipeline(scheduler=scheduler, vae=vae.eval(), text_encoder=text_encoder, tokenizer=tokenizer,
+                      transformer=transformer).save_pretrained(out / "qwen_image", safe_serialization=True)
+    return out / "qwen_image"
+
+
 def _wan_pipeline(seed: int, two_experts: bool = False) -> WanPipeline:
     torch.manual_seed(seed)
     tokenizer = tiny_t5_tokenizer()
@@ -352,7 +413,7 @@ def main() -> None:
     (out / STAMP).unlink(missing_ok=True)  # written again last: a run cut short leaves no stamp
     vae = fitted_vae()  # one VAE for every layout: they differ in the backbone and text encoders
     for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_sd3(out, vae),
-                 write_wan(out), write_wan22(out), write_photos(out), write_clips(out)):
+                 write_wan(out), write_wan22(out), write_qwen_image(out), write_photos(out), write_clips(out)):
         print(f"wrote {path}")
     (out / STAMP).write_text(_this_script() + "\n")
 

@@ -32,9 +32,9 @@ def _copy_of_made(tmp_path_factory, name: str, parts: tuple[str, ...]) -> Path |
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
-    """A folder with sd15/, sdxl/, flux/ and sd3/ pipeline folders and photos/ (16 captioned crops); treat it as
+    """A folder with sd15/, sdxl/, flux/, sd3/ and qwen_image/ pipeline folders and photos/ (16 captioned crops); treat it as
     read-only (copy photos/ before changing it)."""
-    made = _copy_of_made(tmp_path_factory, "tiny", ("sd15", "sdxl", "flux", "sd3", "photos"))
+    made = _copy_of_made(tmp_path_factory, "tiny", ("sd15", "sdxl", "flux", "sd3", "qwen_image", "photos"))
     if made is not None:
         return made
     out = tmp_path_factory.mktemp("tiny")
@@ -44,6 +44,7 @@ def tiny(tmp_path_factory) -> Path:
     script.write_sdxl(out, vae)
     script.write_flux(out, vae)
     script.write_sd3(out, vae)
+    script.write_qwen_image(out)
     script.write_photos(out)
     return out
 

@@ -162,7 +162,7 @@ class FolderSource(DataSource):
     def check(self, config, backbone, shape):
         """Image folders need a pipeline folder whose VAE and text encoders fit the UNet, and folders that exist."""
         from ..models.loading import CheckpointError
-        from ..models.vae import vae_frame_factor, vae_latent_channels, vae_scale_factor
+        from ..models.vae import trains_images, vae_frame_factor, vae_latent_channels, vae_scale_factor
         from .images import data_folders, regularisation_folders
 
         folder = config.model.pipeline_folder()
@@ -191,7 +191,7 @@ class FolderSource(DataSource):
                                       f"a latent frame of the first frame and of every {frame_factor} after it, so a "
                                       f"clip needs 1 + {frame_factor}k frames; {wrong} are not (e.g. "
                                       f"{1 + 8 * frame_factor})")
-        elif frame_factor > 1:
+        elif not trains_images(folder):
             raise CheckpointError(f"{folder}: its VAE encodes video clips but the {family.backbone_name} is an image "
                                   "model; the folder mixes components of different models")
         if config.data.mask_path and family.latent_frames(cfg) is not None:

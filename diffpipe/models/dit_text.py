@@ -7,7 +7,9 @@ T5's width, followed along the sequence by T5's (text_encoder_3/, 256 tokens); t
 projections concatenated. Both are tested equal to the pipelines' `encode_prompt` on folders their
 `save_pretrained` wrote. Wan (WanPipeline's `_get_t5_prompt_embeds`): umT5's last hidden states over 512 tokens (the
 pipeline's default), the caption cleaned as the pipeline cleans it, every position past the caption's tokens zero;
-no pooled text. Weights are read from safetensors files only.
+no pooled text. Qwen-Image (QwenImagePipeline's `_get_qwen_prompt_embeds`): Qwen2.5-VL's last hidden states of the
+caption set in the pipeline's chat template, the template's first 34 tokens dropped, zero past the caption's tokens
+(512 positions, the pipeline's max_sequence_length). Weights are read from safetensors files only.
 """
 from __future__ import annotations
 
@@ -15,19 +17,26 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import CLIPTextModel, CLIPTextModelWithProjection, T5EncoderModel, UMT5EncoderModel
+from transformers import (CLIPTextModel, CLIPTextModelWithProjection, Qwen2_5_VLForConditionalGeneration, T5EncoderModel,
+                          UMT5EncoderModel)
 
 from .loading import CheckpointError, load_tokenizer
 from .pipeline_folder import component_weights, fingerprint_files, text_encoder_configs
 from .text import CaptionEncoder
 
-__all__ = ["FluxText", "SD3Text", "WanText", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "WAN_T5_TOKENS", "flux_text_widths",
+__all__ = ["FluxText", "SD3Text", "WanText", "QwenImageText", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "WAN_T5_TOKENS", "flux_text_widths",
            "sd3_text_widths"]
 
 FLUX_T5_TOKENS = 512  # FluxPipeline's max_sequence_length
 SD3_T5_TOKENS = 256  # StableDiffusion3Pipeline's max_sequence_length
 WAN_T5_TOKENS = 512  # WanPipeline's max_sequence_length
 _CLIP_TOKENS = 77
+# QwenImagePipeline's prompt_template_encode and prompt_template_encode_start_idx (the template's tokens before the
+# caption, dropped from the states); its tokenizer_max_length is 1024
+_QWEN_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+                  "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+                  "<|im_start|>assistant\n")
+_QWEN_TEMPLATE_TOKENS = 34
 
 
 def _load(folder: Path, index: str, model_class) -> tuple:
@@ -149,6 +158,37 @@ class WanText(_FolderText):
         mask = tokens.attention_mask.to(self.device)
         hidden = self.models[0](tokens.input_ids.to(self.device), mask).last_hidden_state
         return hidden * mask.unsqueeze(-1).to(hidden.dtype), torch.zeros(len(captions), 0, device=self.device)
+
+
+class QwenImageText(_FolderText):
+    suffixes = ("",)
+    max_length = 512  # QwenImagePipeline.__call__'s max_sequence_length (models/qwen_image.py QWEN_TEXT_TOKENS)
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "QwenImageText":
+        tokenizer, model = _load(folder, "1", Qwen2_5_VLForConditionalGeneration)
+        return cls([tokenizer], [model], folder)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.models[0].config.text_config.hidden_size
+
+    @property
+    def pooled_size(self) -> int:
+        return 0
+
+    @torch.no_grad()
+    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        dropped = _QWEN_TEMPLATE_TOKENS
+        tokens = self.tokenizers[0]([_QWEN_TEMPLATE.format(c) for c in captions], max_length=1024 + dropped,
+                                    padding=True, truncation=True, return_tensors="pt").to(self.device)
+        states = self.models[0](input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                                output_hidden_states=True).hidden_states[-1]
+        hidden = states.new_zeros(len(captions), self.max_length, states.shape[-1])
+        for i, (row, mask) in enumerate(zip(states, tokens.attention_mask.bool())):
+            kept = row[mask][dropped:][:self.max_length]
+            hidden[i, :len(kept)] = kept
+        return hidden, torch.zeros(len(captions), 0, device=self.device)
 
 
 def flux_text_widths(folder: Path) -> tuple[int, int]:

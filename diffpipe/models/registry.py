@@ -20,6 +20,7 @@ BUILTIN_FAMILIES = {
     "sd3": "diffpipe.models.sd3:SD3Family",
     "wan": "diffpipe.models.wan:WanFamily",
     "unet3d": "diffpipe.models.unet3d:UNet3DFamily",
+    "qwen_image": "diffpipe.models.qwen_image:QwenImageFamily",
 }
 
 

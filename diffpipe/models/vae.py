@@ -1,10 +1,11 @@
 """The frozen VAE of a pipeline folder, and latents scaled as training sees them: images through an image VAE
 (`AutoencoderKL`: SD, SDXL, Flux, SD3, and the spatio-temporal UNet's text-to-video pipelines, frame by frame) and
 clips through Wan's video VAE (`AutoencoderKLWan`: 8x smaller sides, 1 + (F - 1) / 4 latent frames of F frames).
+Qwen-Image's VAE (`AutoencoderKLQwenImage`, Wan's kind) encodes an image as a clip of one frame.
 
 Scaling follows diffusers' own training scripts and pipelines: (z - shift_factor) x scaling_factor for image VAEs;
-per channel (z - latents_mean) / latents_std for Wan's (WanPipeline decodes with the inverse). Weights are read from
-safetensors files only.
+per channel (z - latents_mean) / latents_std for Wan's and Qwen's (their pipelines decode with the inverse). Weights
+are read from safetensors files only.
 """
 from __future__ import annotations
 
@@ -12,21 +13,21 @@ import json
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderKLWan
+from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
 
 from .pipeline_folder import component_weights
 
-__all__ = ["load_vae", "vae_scale_factor", "vae_frame_factor", "vae_latent_channels", "latent_frames", "encode_latents",
+__all__ = ["load_vae", "vae_scale_factor", "vae_frame_factor", "trains_images", "vae_latent_channels", "latent_frames", "encode_latents",
            "decode_latents"]
 
-_VIDEO_VAES = {"AutoencoderKLWan": AutoencoderKLWan}
+_VIDEO_VAES = {"AutoencoderKLWan": AutoencoderKLWan, "AutoencoderKLQwenImage": AutoencoderKLQwenImage}
 
 
 def _vae_config(folder: Path) -> dict:
     return json.loads((folder / "vae" / "config.json").read_text())
 
 
-def load_vae(folder: Path) -> AutoencoderKL | AutoencoderKLWan:
+def load_vae(folder: Path) -> AutoencoderKL | AutoencoderKLWan | AutoencoderKLQwenImage:
     component_weights(folder, "vae")  # refuses pickles before from_pretrained could read one
     vae_class = _VIDEO_VAES.get(_vae_config(folder).get("_class_name"), AutoencoderKL)
     vae = vae_class.from_pretrained(folder, subfolder="vae", use_safetensors=True, local_files_only=True,
@@ -59,13 +60,19 @@ def vae_frame_factor(folder: Path) -> int:
     return 2 ** sum(cfg.get("temperal_downsample", []))
 
 
+def trains_images(folder: Path) -> bool:
+    """Whether a folder's VAE is one an image model trains through: an image VAE, or Qwen's (a video VAE whose
+    pipelines encode each image as a clip of one frame). Wan's makes latents of clips for video models."""
+    return _vae_config(folder).get("_class_name") != "AutoencoderKLWan"
+
+
 def latent_frames(video_frames: int, frame_factor: int) -> int:
     """Latent frames of a clip: the first frame alone, then one per `frame_factor` frames."""
     return 1 + (video_frames - 1) // frame_factor
 
 
-def _wan_statistics(vae: AutoencoderKLWan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Wan's per-channel latent mean and spread, shaped to broadcast over (N, C, F, H, W)."""
+def _wan_statistics(vae, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wan's (and Qwen's) per-channel latent mean and spread, shaped to broadcast over (N, C, F, H, W)."""
     channel = (1, -1, 1, 1, 1)
     return (torch.tensor(vae.config.latents_mean, device=device).view(channel),
             torch.tensor(vae.config.latents_std, device=device).view(channel))
@@ -84,7 +91,9 @@ def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
     posterior. An image VAE encodes a clip frame by frame."""
     weights = next(vae.parameters())
     pixels = pixels.to(weights.device, weights.dtype)
-    if isinstance(vae, AutoencoderKLWan):
+    if isinstance(vae, tuple(_VIDEO_VAES.values())):
+        if pixels.dim() == 4:  # images as clips of one frame
+            return encode_latents(vae, pixels.unsqueeze(2))[:, :, 0]
         mean, std = _wan_statistics(vae, weights.device)
         return (vae.encode(pixels).latent_dist.mean.float() - mean) / std
     if pixels.dim() == 5:
@@ -98,7 +107,9 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """RGB in [-1, 1] on the CPU of latents scaled as `encode_latents` scales them (images or clips)."""
     weights = next(vae.parameters())
     latents = latents.to(weights.device, torch.float32)
-    if isinstance(vae, AutoencoderKLWan):
+    if isinstance(vae, tuple(_VIDEO_VAES.values())):
+        if latents.dim() == 4:
+            return decode_latents(vae, latents.unsqueeze(2))[:, :, 0]
         mean, std = _wan_statistics(vae, weights.device)
         z = latents * std + mean
     elif latents.dim() == 5:

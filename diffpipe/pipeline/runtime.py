@@ -1,8 +1,9 @@
 """Training steps of this process's stages through a `torch.distributed.pipelining` schedule.
 
 Receive buffers of upstream pipelining have fixed shapes (pytorch/pytorch#159942), so stage and schedule
-objects are built once per input shape and kept: a step with another bucket shape gets its own, while the
-modules (and so the weights and gradients) are shared.
+objects are built once per input shape and kept: a step with another bucket shape (or another text length, for a
+family that cuts text to a batch's captions) gets its own, while the modules (and so the weights and gradients) are
+shared.
 """
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ from .schedules import schedule_named
 from .stage import StageModule
 
 __all__ = ["PipelineRunner"]
+
+
+def _shapes(sample: torch.Tensor, conditions: dict[str, torch.Tensor]) -> tuple:
+    """What a step's receive buffers depend on: the shapes of everything fed to the stages."""
+    return (tuple(sample.shape),) + tuple((name, tuple(t.shape)) for name, t in sorted(conditions.items()))
 
 
 class PipelineRunner:
@@ -92,7 +98,7 @@ class PipelineRunner:
             kwargs = dict(conditions)
             if self.holds_last_stage:
                 kwargs.update(target=target, losses=losses)
-            self._schedule_for(tuple(sample.shape)).step(*args, **kwargs)
+            self._schedule_for(_shapes(sample, conditions)).step(*args, **kwargs)
         times = None
         if timed:
             end = Mark(self.device)
@@ -134,7 +140,7 @@ class PipelineRunner:
             kwargs = dict(conditions)
             if self.holds_last_stage:  # the schedule computes its loss on the last stage: a target is always needed
                 kwargs.update(target=target, losses=losses)
-            output = self._schedule_for(tuple(sample.shape)).eval(*args, **kwargs)
+            output = self._schedule_for(_shapes(sample, conditions)).eval(*args, **kwargs)
         if not self.holds_last_stage:
             return None, None
         loss = torch.stack([loss.float() for loss in losses]).mean() if with_loss else None
