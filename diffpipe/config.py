@@ -31,7 +31,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    architecture: str = Field("unet2d", description="Backbone family: unet2d (diffusers UNet2DConditionModel: SD 1.x/2.x, SDXL), flux (FluxTransformer2DModel), sd3 (SD3Transformer2DModel: SD3, SD3.5), wan (WanTransformer3DModel: Wan 2.1, either expert of Wan 2.2 A14B: model.expert), unet3d (UNet3DConditionModel: text-to-video UNets), or a ModelFamily subclass of your own as \"package.module:Class\".")
+    architecture: str = Field("unet2d", description="Backbone family: unet2d (diffusers UNet2DConditionModel: SD 1.x/2.x, SDXL), flux (FluxTransformer2DModel), sd3 (SD3Transformer2DModel: SD3, SD3.5), wan (WanTransformer3DModel: Wan 2.1, either expert of Wan 2.2 A14B: model.expert), unet3d (UNet3DConditionModel: text-to-video UNets), qwen_image (QwenImageTransformer2DModel: Qwen-Image), or a ModelFamily subclass of your own as \"package.module:Class\".")
     preset: str | None = Field("digits", description="Built-in backbone config of the family (unet2d: digits, sd15, sdxl; flux: digits, tiny, dev; sd3: digits, tiny, medium); ignored when `config` or `path` is set.")
     config: dict[str, Any] | None = Field(None, description="Backbone config as keyword arguments of the diffusers class (inline table).")
     path: str | None = Field(None, description="Local diffusers pipeline folder (model_index.json, unet/ or transformer/, vae/, text encoders), backbone folder (config.json), or single .safetensors file of the backbone (diffusers' names, or the family's release layout: A1111/ComfyUI UNets, BFL's Flux, Stability's SD3, Wan's own) to load weights from.")

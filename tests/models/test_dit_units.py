@@ -1,4 +1,4 @@
-"""The Flux and SD3 adapters' units, run in order and as stages, compute exactly diffusers' forward, and the
+"""The Flux, SD3, Wan and Qwen-Image adapters' units, run in order and as stages, compute exactly diffusers' forward, and the
 families' latent layouts are what diffusers' pipelines use (packing, unpatchifying) and invert exactly."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
 from diffpipe.models.family import Feed
 from diffpipe.models.flux import FluxFamily
+from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS, QwenImageFamily
 from diffpipe.models.sd3 import SD3Family
 from diffpipe.models.unet3d import UNET3D_PRESETS, UNet3DFamily
 from diffpipe.models.wan import WAN_PRESETS, WanFamily
@@ -23,8 +24,10 @@ SD3 = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_h
            pos_embed_max_size=16)
 SD35 = dict(SD3, qk_norm="rms_norm", dual_attention_layers=(0,))  # SD3.5's per-head norms, MMDiT-X's extra attention
 WAN = dict(WAN_PRESETS["digits"], in_channels=4, out_channels=4, text_dim=24, num_layers=3)
+QWEN = dict(QWEN_IMAGE_PRESETS["digits"], in_channels=16, out_channels=4, joint_attention_dim=24)
 CASES = {"flux": (FluxFamily(), FLUX), "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
-         "wan": (WanFamily(), WAN), "unet3d": (UNet3DFamily(), dict(UNET3D_PRESETS["digits"], in_channels=4,
+         "wan": (WanFamily(), WAN), "qwen-image": (QwenImageFamily(), QWEN),
+         "unet3d": (UNet3DFamily(), dict(UNET3D_PRESETS["digits"], in_channels=4,
                                                                           out_channels=4, cross_attention_dim=24))}
 SIZES = {"wan": (3, 8, 12), "unet3d": (3, 8, 12)}  # frames, height, width of a clip
 
@@ -63,7 +66,7 @@ def test_units_in_order_and_as_stages_equal_diffusers_forward(name):
         assert torch.equal(feed.unpack_prediction(units, size), plain)
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3", "wan"])
+@pytest.mark.parametrize("name", ["flux", "sd3", "wan", "qwen-image"])
 def test_prediction_layout_inverts_exactly(name):
     family, config = CASES[name]
     size = SIZES.get(name, (8, 12))

@@ -192,11 +192,12 @@ def _train(config, draws: Draws, autocast: torch.dtype | None) -> dict:
             scaler.scale(loss).backward()
             losses.append(loss.detach())
         scaler.unscale_(opt)
-        for p in params:
+        reached = [p for p in params if p.grad is not None]  # (Qwen-Image's last block: its text outputs are unused)
+        for p in reached:
             p.grad /= chunks
         if step == 0:  # before clipping
-            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        norm = torch.nn.utils.get_total_norm([p.grad for p in reached])
         if train.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
         scale = scaler.get_scale()

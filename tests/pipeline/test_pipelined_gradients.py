@@ -67,6 +67,7 @@ from diffpipe.models.text import TextEncoder
 from diffpipe.pipeline.data_parallel import full
 from diffpipe.pipeline.schedules import schedule_named
 from diffpipe.models.sd3 import SD3_PRESETS
+from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS
 from diffpipe.models.unet3d import UNET3D_PRESETS
 from diffpipe.models.wan import WAN_PRESETS
 from diffpipe.torch_support import schedule_problem
@@ -85,7 +86,8 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
           "flux": ("flux", FLUX_PRESETS["digits"]), "sd3": ("sd3", SD3_PRESETS["digits"]),
           "toy-tied": ("tests.models.toy_family:ToyFamily", {}),  # a norm tied between the first and last units
           "wan": ("wan", WAN_PRESETS["digits"]),  # clips of moving digits
-          "unet3d": ("unet3d", UNET3D_PRESETS["digits"])}
+          "unet3d": ("unet3d", UNET3D_PRESETS["digits"]),
+          "qwen-image": ("qwen_image", QWEN_IMAGE_PRESETS["digits"])}
 
 
 MOVING = ("wan", "unet3d")  # trained on clips of moving digits
@@ -133,6 +135,8 @@ TWO = {
     "sd3-gpipe-2": _config(2, "gpipe", model="sd3"),
     "sd3-1f1b-2": _config(2, "1f1b", model="sd3"),
     "sd3-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="sd3"),
+    "qwen-image-1f1b-2": _config(2, "1f1b", model="qwen-image"),
+    "qwen-image-lora-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="qwen-image", lora=True),
     "toy-tied-1f1b-2": _config(2, "1f1b", model="toy-tied"),
     "toy-tied-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="toy-tied"),
     "wan-gpipe-2": _config(2, "gpipe", model="wan"),

@@ -1,0 +1,140 @@
+"""Qwen-Image (issue 30) from a folder QwenImagePipeline's own `save_pretrained` wrote: captions encoded exactly as
+the pipeline's `encode_prompt`; a batch's text cut to one of a few lengths and masked computes what the pipeline's
+own padding computes; the tiny example trains on 1 and 2 stages to the same losses; a LoRA exported for diffusers
+loads into QwenImagePipeline with the trained output, and for ComfyUI under the names its Qwen-Image loader maps."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+from safetensors.torch import load_file
+
+from diffpipe.cli import main
+from diffpipe.models.dit_text import QwenImageText
+from diffpipe.models.family import Feed
+from diffpipe.models.qwen_image import QwenImageFamily, text_mask
+
+from ..helpers import run_command
+
+ROOT = Path(__file__).parent.parent.parent
+CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]
+QUICK = ["--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0",
+         "--set", "train.warmup_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny) -> QwenImagePipeline:
+    return QwenImagePipeline.from_pretrained(tiny / "qwen_image")
+
+
+def _train(tiny: Path, out: Path, *extra: str, photos: Path | None = None):
+    photos = photos or tiny / "photos"
+    return run_command(["train", str(ROOT / "examples" / "qwen_image_tiny.toml"), "--output-dir", str(out),
+                        "--set", f'model.path="{tiny / "qwen_image"}"', "--set", f'data.path="{photos}"',
+                        *QUICK, *extra])
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_text_is_encoded_as_diffusers_qwen_image_pipeline_does(tiny, pipe):
+    with torch.no_grad():  # as the pipeline's __call__ runs it
+        expected, mask = pipe.encode_prompt(CAPTIONS, device="cpu", max_sequence_length=512)
+    hidden, pooled = QwenImageText.from_folder(tiny / "qwen_image").encode(CAPTIONS)
+    assert hidden.shape == (3, 512, 32) and pooled.shape == (3, 0)
+    assert mask.sum(dim=1).tolist() == [11, 5, 34]  # the template's 34 tokens before the caption dropped, as Qwen's
+    torch.testing.assert_close(hidden[:, :expected.shape[1]], expected, rtol=0, atol=0)
+    assert not hidden[:, expected.shape[1]:].any()  # zero past every caption, as the pipeline pads
+
+
+def _output(family, transformer, sample, timestep, hidden, mask, grid):
+    return transformer(hidden_states=sample, timestep=timestep / 1000, encoder_hidden_states=hidden,
+                       encoder_hidden_states_mask=mask, img_shapes=[[(1, *grid)]] * len(sample), return_dict=False)[0]
+
+
+def test_text_cut_to_its_length_and_masked_computes_what_the_pipelines_padding_computes(tiny, pipe):
+    family, transformer = QwenImageFamily(), pipe.transformer.eval()
+    feed = Feed(family, transformer.config)
+    hidden, pooled = QwenImageText.from_folder(tiny / "qwen_image").encode(CAPTIONS)
+    with torch.no_grad():
+        exact, exact_mask = pipe.encode_prompt(CAPTIONS, device="cpu", max_sequence_length=512)
+    gen = torch.Generator().manual_seed(0)
+    latents, timestep = torch.randn(3, 4, 16, 12, generator=gen), torch.tensor([900.0, 417.0, 20.0])
+    conditions = dict(feed.conditions(hidden, pooled, torch.zeros(3, 6), (16, 12)), timestep=timestep)
+    assert conditions["encoder_hidden_states"].shape[1] == 64  # the longest caption (34) cut to the next length
+    backbone = family.backbone(transformer, "layers")
+    with torch.no_grad():
+        ours = backbone.forward({"sample": feed.pack(latents)}, conditions)
+        theirs = _output(family, transformer, feed.pack(latents), timestep, exact, exact_mask, (8, 6))
+        unmasked = _output(family, transformer, feed.pack(latents), timestep, exact, None, (8, 6))
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert (unmasked - theirs).abs().max() > 1e-2  # the mask matters: without it padding is attended to
+    # captions that all fill the cut length: no mask, as the pipeline passes none when nothing is padded
+    full = torch.randn(2, 512, 32, generator=gen)
+    full[:, 32:] = 0
+    cut, mask = text_mask(full)
+    assert cut.shape == (2, 32, 32) and mask.shape == (2, 0)
+    cut, mask = text_mask(torch.zeros(2, 512, 32))  # what a plan traces: the longest text a caption may have
+    assert cut.shape == (2, 512, 32) and not mask.any()
+
+
+def test_the_tiny_example_trains_on_one_and_two_stages_to_the_same_losses(tiny, tmp_path):
+    """The upright pictures' captions made long (53 tokens): their bucket's steps cut text to 64 positions, the others'
+    to 32, each shape with its own receive buffers."""
+    photos = tmp_path / "photos"
+    shutil.copytree(tiny / "photos", photos)
+    for caption in [*photos.glob("*_4.txt"), *photos.glob("*_5.txt")]:
+        caption.write_text(" ".join([caption.read_text().strip()] * 8))
+    runs = {}
+    for stages in (1, 2):
+        runs[stages] = tmp_path / f"stages{stages}"
+        result = _train(tiny, runs[stages], "--set", "train.max_steps=6", "--set", f"pipeline.stages={stages}",
+                        "--set", "data.caption_dropout=0.0", photos=photos)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"{stages} stage(s)" in result.stdout
+    one, two = _losses(runs[1]), _losses(runs[2])
+    assert len(one) == 6 and all(l == l for l in one)
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=0)
+    merged = [load_file(str(runs[s] / "model.safetensors")) for s in (1, 2)]
+    for name, tensor in merged[0].items():
+        torch.testing.assert_close(merged[1][name], tensor, rtol=1e-4, atol=1e-6)
+
+
+@torch.no_grad()
+def _sampled(transformer) -> torch.Tensor:
+    family, gen = QwenImageFamily(), torch.Generator().manual_seed(0)
+    feed = Feed(family, transformer.config)
+    hidden = torch.randn(2, 512, 32, generator=gen)
+    hidden[0, 20:], hidden[1, 9:] = 0, 0
+    conditions = dict(feed.conditions(hidden, torch.zeros(2, 0), torch.zeros(2, 6), (16, 12)),
+                      timestep=torch.tensor([500.0, 20.0]))
+    return family.diffusers_forward(transformer.eval(), feed.pack(torch.randn(2, 4, 16, 12, generator=gen)), conditions)
+
+
+def test_a_lora_exports_for_diffusers_and_comfyui(tiny, tmp_path):
+    run = tmp_path / "lora"
+    result = _train(tiny, run, "--set", "train.max_steps=6", "--set", "train.learning_rate=1e-2",
+                    "--set", 'adapter.type="lora"', "--set", "adapter.rank=4", "--set", "adapter.alpha=8.0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = QwenImagePipeline.from_pretrained(tiny / "qwen_image").transformer
+    trained.load_state_dict(load_file(str(run / "model.safetensors")))  # the base with the adapters merged
+    want = _sampled(trained)
+    assert main(["export", str(run), "--format", "diffusers", "--out", str(tmp_path / "out")]) == 0
+    pipe = QwenImagePipeline.from_pretrained(tiny / "qwen_image")
+    base = _sampled(pipe.transformer)
+    pipe.load_lora_weights(tmp_path / "out" / "pytorch_lora_weights.safetensors")
+    assert (base - want).abs().max() > 1e-3  # the adapters matter
+    torch.testing.assert_close(_sampled(pipe.transformer), want, rtol=1e-5, atol=1e-5)
+    comfy = tmp_path / "comfy.safetensors"
+    assert main(["export", str(run), "--format", "comfyui", "--out", str(comfy)]) == 0
+    # ComfyUI's Qwen-Image keeps diffusers' layer names; its loader maps `diffusion_model.` + a weight's name
+    layers = {k.removesuffix(".weight") for k in trained.state_dict()}
+    keys = load_file(str(comfy))
+    downs = [k.removeprefix("diffusion_model.").removesuffix(".lora_down.weight") for k in keys if "lora_down" in k]
+    assert downs and all(k.startswith("diffusion_model.") for k in keys) and set(downs) <= layers
+    assert "transformer_blocks.1.attn.add_q_proj" in downs  # the text stream's projections train too
