@@ -22,6 +22,7 @@ from functools import lru_cache
 
 import torch
 from diffusers import QwenImageTransformer2DModel
+from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 from torch import nn
 
@@ -183,6 +184,14 @@ class QwenImageFamily(ModelFamily):
                      encoder_hidden_states=conditions["encoder_hidden_states"],
                      encoder_hidden_states_mask=_mask_or_none(conditions["encoder_hidden_states_mask"]),
                      img_shapes=[[(1, rows, columns)]] * sample.shape[0], return_dict=False)[0]
+
+    def reset_own_parameters(self, module):
+        """diffusers' RMSNorm (the text's input norm), drawn as diffusers builds it: weight 1, bias 0."""
+        if not isinstance(module, RMSNorm):
+            return False
+        for name, p in module.named_parameters(recurse=False):
+            p.fill_(1.0 if name == "weight" else 0.0)
+        return True
 
     def folder_text_encoder(self, folder):
         from .dit_text import QwenImageText

@@ -138,3 +138,17 @@ def test_a_lora_exports_for_diffusers_and_comfyui(tiny, tmp_path):
     downs = [k.removeprefix("diffusion_model.").removesuffix(".lora_down.weight") for k in keys if "lora_down" in k]
     assert downs and all(k.startswith("diffusion_model.") for k in keys) and set(downs) <= layers
     assert "transformer_blocks.1.attn.add_q_proj" in downs  # the text stream's projections train too
+
+
+def test_a_preset_without_weights_draws_them_as_diffusers_builds_them():
+    """Random weights on the meta-built model (no model.path): diffusers' RMSNorm, which has no reset_parameters,
+    starts at weight 1 as its constructor makes it; the rest drawn, finite."""
+    from diffpipe.build import build_backbone
+    from diffpipe.config_files import build_config
+
+    config = build_config({"model": {"architecture": "qwen_image", "preset": "digits", "text_max_length": 8},
+                           "data": {"dataset": "digits"}, "train": {"device": "cpu"}})
+    model = build_backbone(config).model
+    assert torch.equal(model.txt_norm.weight, torch.ones(32))
+    assert all(torch.isfinite(p).all() and p.device.type == "cpu" for p in model.parameters())
+    assert model.img_in.weight.std() > 0
