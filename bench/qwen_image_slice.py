@@ -6,6 +6,10 @@ does, and diffpipe's text is cut to 128 unmasked), fp32 weights, bf16 autocast, 
 micro-batch.
 
     python bench/qwen_image_slice.py [--blocks 6] [--batch 1] [--steps 6] [--checkpointing] [--only plain|diffpipe]
+    python bench/qwen_image_slice.py --blocks 60 --lora 16 --base-dtype bf16 --steps 12   # the whole 20 B model
+
+With --lora RANK both loops train a LoRA of that rank on to_q/to_k/to_v/to_out.0 over a base stored in --base-dtype
+(the plain loop: peft's `inject_adapter_in_model`, the adapters in fp32), as users train the 20 B model on one GPU.
 
 Prints one JSON line per measurement: median step after the first two, samples/s, TFLOP/s (the FLOPs of one forward
 counted by torch's FlopCounterMode on the meta device, times 3, over the median step) and the peak allocated memory.
@@ -62,21 +66,40 @@ def step_flops(args) -> float:
 def _report(what: str, args, steps: list[float], flops: float, **extra) -> None:
     median = statistics.median(steps[2:])
     print(json.dumps({"what": what, "blocks": args.blocks, "checkpointing": args.checkpointing, "batch": args.batch,
+                      "lora": args.lora, "base_dtype": args.base_dtype,
                       "text_tokens": TOKENS, "median_step_s": round(median, 4),
                       "samples_per_s": round(args.batch / median, 3), "tflops": round(flops / median / 1e12, 1),
                       "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), **extra}), flush=True)
 
 
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
 def plain_loop(args, flops: float) -> None:
-    """diffusers' model, its own forward, AdamW: the loop a user writes."""
+    """diffusers' model, its own forward, AdamW: the loop a user writes (peft's LoRA with --lora)."""
     from diffusers import QwenImageTransformer2DModel
 
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
-    model = QwenImageTransformer2DModel(**_slice(args)).to("cuda").train()
+    dtype = torch.bfloat16 if args.lora and args.base_dtype == "bf16" else torch.float32
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # 20 B random weights drawn on the GPU in the base's dtype, not copied there
+    try:
+        with torch.device("cuda"):
+            model = QwenImageTransformer2DModel(**_slice(args)).train()
+    finally:
+        torch.set_default_dtype(default)
+    if args.lora:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        model.requires_grad_(False)
+        inject_adapter_in_model(LoraConfig(r=args.lora, lora_alpha=args.lora, target_modules=LORA_TARGETS), model)
+        for p in model.parameters():  # peft makes adapters in the base's dtype; trained weights stay fp32
+            if p.requires_grad:
+                p.data = p.data.float()
     if args.checkpointing:
         model.enable_gradient_checkpointing()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     inputs = _inputs(args)
     target = torch.randn(args.batch, (SIDE // 2) ** 2, 64, device="cuda")
     times = []
@@ -96,14 +119,18 @@ def plain_loop(args, flops: float) -> None:
 
 def diffpipe_run(args, flops: float) -> None:
     torch.cuda.reset_peak_memory_stats()
-    config = build_config({
+    table = {
         "model": {"architecture": "qwen_image", "config": _slice(args), "text_max_length": TOKENS},
         "data": {"dataset": "synthetic", "latent_size": [SIDE, SIDE]},
         "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
                   "objective": "flow_matching", "device": "cuda"},
         "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "all" if args.checkpointing else "none"},
         "observe": {"every": 1000, "timeline_step": 0, "log_every": 0},
-        "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0}})
+        "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0},
+        "memory": {"base_dtype": args.base_dtype}}
+    if args.lora:
+        table["adapter"] = {"type": "lora", "rank": args.lora, "alpha": float(args.lora), "target_modules": LORA_TARGETS}
+    config = build_config(table)
     run_dir = Path(tempfile.mkdtemp())
     Trainer(config, single_process_topology("cuda"), run_dir).fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -117,6 +144,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--only", choices=["plain", "diffpipe"], default=None)
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK")
+    parser.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # as bench/flux_slice.py: cuDNN's attention backward failed on H200
     flops = step_flops(args)
@@ -126,6 +155,8 @@ def main() -> None:
     torch.cuda.empty_cache()
     if args.only != "plain":
         diffpipe_run(args, flops)
+    if args.lora:  # the forward's FLOPs stand; a LoRA step's backward skips the frozen weights' gradients
+        print(json.dumps({"note": "tflops counts 3x the forward, as for full training; LoRA's backward does less"}))
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ class BatchMaker:
     def text_conditions(self, captions: list[str], size_ids: torch.Tensor,
                         latent_size: tuple[int, int]) -> dict[str, torch.Tensor]:
         hidden, pooled = self.text.encode(captions)
-        return self.feed.conditions(hidden, pooled, size_ids, latent_size)
+        return self.feed.conditions(hidden, pooled, size_ids, latent_size, self.text.filled_lengths(captions, hidden))
 
     def draw(self, step: int, item_shape: tuple[int, ...]) -> StepDraw:
         """Every random number of step `step`'s global batch (items of `item_shape`): the same on every process."""

@@ -52,7 +52,8 @@ class TextBatch:
     hidden: (B, L, D) text hidden states; pooled: (B, P) pooled text embedding (P may be 0); size_ids: (B, 6)
     SDXL's (original h, w, crop top, left, target h, w); latent_size: (h, w) of the latents ((frames, h, w) for
     clips); guidance: the
-    embedded guidance value of guidance-distilled models (Flux-dev).
+    embedded guidance value of guidance-distilled models (Flux-dev); filled: each caption's positions up to its last
+    filled one (a state not all zero), known on the host, or None (a family needing them reads them off `hidden`).
     """
 
     hidden: torch.Tensor
@@ -60,6 +61,7 @@ class TextBatch:
     size_ids: torch.Tensor
     latent_size: tuple[int, ...]
     guidance: float
+    filled: list[int] | None = None
 
 
 class ModelFamily:
@@ -188,9 +190,9 @@ class Feed:
         return cls(backbone.family, backbone.model.config, guidance)
 
     def conditions(self, hidden: torch.Tensor, pooled: torch.Tensor, size_ids: torch.Tensor,
-                   latent_size: tuple[int, int]) -> dict[str, torch.Tensor]:
+                   latent_size: tuple[int, int], filled: list[int] | None = None) -> dict[str, torch.Tensor]:
         return self.family.conditions(self.cfg, TextBatch(hidden, pooled, size_ids.to(hidden.device),
-                                                          tuple(latent_size), self.guidance))
+                                                          tuple(latent_size), self.guidance, filled))
 
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         return self.family.pack(self.cfg, latents)

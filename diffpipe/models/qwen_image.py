@@ -28,6 +28,7 @@ from torch import nn
 
 from .family import ModelFamily, TextBatch
 from .flux import pack_latents, unpack_latents
+from .text import filled_lengths_of
 from .units import Backbone, Unit
 
 __all__ = ["QwenImageFamily", "qwen_image_backbone", "QWEN_IMAGE_PRESETS", "TEXT_LENGTHS", "QWEN_TEXT_TOKENS"]
@@ -59,17 +60,20 @@ def rotary_embedding(cfg, grid: tuple[int, int], text_length: int, device) -> tu
     return image.reshape(*grid, -1), text
 
 
-def text_mask(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's text cut to the smallest of TEXT_LENGTHS holding its longest caption, and its mask (1 where a
-    caption's encoder filled the position; empty (B, 0) where every position is filled). Text with no filled position
-    at all (the zeros a plan traces) keeps its length: the longest a caption may be."""
-    filled = hidden.abs().amax(dim=-1) > 0
-    positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device)
-    longest = int((filled * positions).amax()) if filled.any() else hidden.shape[1]
-    length = next((n for n in TEXT_LENGTHS if n >= longest), hidden.shape[1])
-    hidden, filled = hidden[:, :length], filled[:, :length]
-    mask = filled[:, :0] if filled.all() else filled
-    return hidden, mask
+def text_mask(hidden: torch.Tensor, filled: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's text cut to the smallest of TEXT_LENGTHS holding its longest caption, and its mask (True where a
+    caption's encoder filled the position; empty (B, 0) where every position is filled). `filled`: each caption's
+    positions up to its last filled one, known on the host (CaptionEncoder.filled_lengths), so the cut needs no
+    wait for the device; read off `hidden` where not given. Text with no filled position at all (the zeros a plan
+    traces) keeps its length: the longest a caption may be."""
+    if filled is None:
+        filled = filled_lengths_of(hidden)
+    longest = max(filled) or hidden.shape[1]
+    length = min(next((n for n in TEXT_LENGTHS if n >= longest), hidden.shape[1]), hidden.shape[1])
+    if all(n == length for n in filled):
+        return hidden[:, :length], torch.zeros(len(filled), 0, dtype=torch.bool, device=hidden.device)
+    mask = torch.arange(length)[None, :] < torch.tensor(filled)[:, None]
+    return hidden[:, :length], mask.to(hidden.device, non_blocking=True)
 
 
 def _mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
@@ -166,7 +170,7 @@ class QwenImageFamily(ModelFamily):
         return cfg.joint_attention_dim, 0
 
     def conditions(self, cfg, text: TextBatch):
-        hidden, mask = text_mask(text.hidden)
+        hidden, mask = text_mask(text.hidden, text.filled)
         batch, grid = hidden.shape[0], (text.latent_size[0] // 2, text.latent_size[1] // 2)
         image, words = rotary_embedding(cfg, grid, hidden.shape[1], hidden.device)
         return {"encoder_hidden_states": hidden, "encoder_hidden_states_mask": mask,

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModelWithProject
 
 from .loading import component_weights
 
-__all__ = ["CaptionEncoder", "TextEncoder", "TINY_VOCABULARY"]
+__all__ = ["CaptionEncoder", "TextEncoder", "TINY_VOCABULARY", "filled_lengths_of"]
 
 TINY_VOCABULARY = (
     "a an the of digit digits number handwritten written drawn picture photo image "
@@ -48,6 +48,7 @@ class CaptionEncoder:
     def __init__(self):
         self._kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # caption -> (hidden, pooled)
         self._outputs_on: torch.device | None = None  # where outputs go once the weights are parked (`park`)
+        self._lengths: dict[str, int] = {}  # caption -> positions up to its last filled one (`filled_lengths`)
 
     def modules(self) -> list[torch.nn.Module]:
         raise NotImplementedError
@@ -101,11 +102,13 @@ class CaptionEncoder:
             hidden, pooled = self._encode(part)
             hidden, pooled = hidden.to(self.outputs_device), pooled.to(self.outputs_device)
             self._kept.update({c: (hidden[i], pooled[i]) for i, c in enumerate(part)})
+            self._lengths.update(zip(part, filled_lengths_of(hidden)))
         return True
 
     def remember(self, outputs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Outputs computed before (the text cache on disk), answered by `encode` from now on."""
         device = self.outputs_device
+        self._lengths.update({c: filled_lengths_of(h[None])[0] for c, (h, _) in outputs.items()})  # read where they are
         self._kept.update({c: (h.to(device), p.to(device)) for c, (h, p) in outputs.items()})
 
     def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +119,23 @@ class CaptionEncoder:
         hidden, pooled = self._encode(captions)
         return hidden.to(self.outputs_device), pooled.to(self.outputs_device)
 
+    def filled_lengths(self, captions: list[str], hidden: torch.Tensor) -> list[int]:
+        """Each caption's positions up to its last filled one (a state not all zero) in `hidden`, its `encode`d
+        states: known on the host once per caption (when kept or read from the cache), so a step asking for them
+        does not wait for the device (the batch is made while the previous step runs)."""
+        unknown = [i for i, c in enumerate(captions) if c not in self._lengths]
+        if unknown:
+            self._lengths.update(zip([captions[i] for i in unknown], filled_lengths_of(hidden[unknown])))
+        return [self._lengths[c] for c in captions]
+
     def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+
+def filled_lengths_of(hidden: torch.Tensor) -> list[int]:
+    """(B, L, D) states -> for each row, the positions up to its last one not all zero (0 when none is)."""
+    filled = hidden.abs().amax(dim=-1) > 0
+    return (filled * torch.arange(1, hidden.shape[1] + 1, device=hidden.device)).amax(dim=-1).tolist()
 
 
 class TextEncoder(CaptionEncoder):

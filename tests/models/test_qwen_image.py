@@ -60,13 +60,20 @@ def _output(family, transformer, sample, timestep, hidden, mask, grid):
 def test_text_cut_to_its_length_and_masked_computes_what_the_pipelines_padding_computes(tiny, pipe):
     family, transformer = QwenImageFamily(), pipe.transformer.eval()
     feed = Feed(family, transformer.config)
-    hidden, pooled = QwenImageText.from_folder(tiny / "qwen_image").encode(CAPTIONS)
+    text = QwenImageText.from_folder(tiny / "qwen_image")
+    hidden, pooled = text.encode(CAPTIONS)
+    # each caption's filled positions, as a step gets them from the host (the encoder keeps them per caption)
+    assert text.filled_lengths(CAPTIONS, hidden) == [11, 5, 34]
+    text.remember({"kept": (hidden[1].clone(), pooled[1].clone())})  # a text cache's entry, read where it lies
+    assert text.filled_lengths(["kept"], hidden[:0]) == [5]
     with torch.no_grad():
         exact, exact_mask = pipe.encode_prompt(CAPTIONS, device="cpu", max_sequence_length=512)
     gen = torch.Generator().manual_seed(0)
     latents, timestep = torch.randn(3, 4, 16, 12, generator=gen), torch.tensor([900.0, 417.0, 20.0])
     conditions = dict(feed.conditions(hidden, pooled, torch.zeros(3, 6), (16, 12)), timestep=timestep)
     assert conditions["encoder_hidden_states"].shape[1] == 64  # the longest caption (34) cut to the next length
+    given = feed.conditions(hidden, pooled, torch.zeros(3, 6), (16, 12), [11, 5, 34])  # as a step makes them
+    assert all(torch.equal(given[k], conditions[k]) for k in given)
     backbone = family.backbone(transformer, "layers")
     with torch.no_grad():
         ours = backbone.forward({"sample": feed.pack(latents)}, conditions)
