@@ -65,10 +65,14 @@ def text_mask(hidden: torch.Tensor, filled: list[int] | None = None) -> tuple[to
     caption's encoder filled the position; empty (B, 0) where every position is filled). `filled`: each caption's
     positions up to its last filled one, known on the host (CaptionEncoder.filled_lengths), so the cut needs no
     wait for the device; read off `hidden` where not given. Text with no filled position at all (the zeros a plan
-    traces) keeps its length: the longest a caption may be."""
+    traces; never a caption's: Qwen's template leaves tokens even of an empty one) keeps its length, the longest a
+    caption may be, unmasked: a plan counts attention as the fused kernel runs it, masked or not, and not the
+    probability matrix the unfused one would keep for a mask."""
     if filled is None:
         filled = filled_lengths_of(hidden)
-    longest = max(filled) or hidden.shape[1]
+    if not any(filled):
+        filled = [hidden.shape[1]] * len(filled)
+    longest = max(filled)
     length = min(next((n for n in TEXT_LENGTHS if n >= longest), hidden.shape[1]), hidden.shape[1])
     if all(n == length for n in filled):
         return hidden[:, :length], torch.zeros(len(filled), 0, dtype=torch.bool, device=hidden.device)
