@@ -8,6 +8,10 @@ micro-batch.
     python bench/qwen_image_slice.py [--blocks 6] [--batch 1] [--steps 6] [--checkpointing] [--only plain|diffpipe]
     python bench/qwen_image_slice.py --blocks 60 --lora 16 --base-dtype bf16 --steps 12   # the whole 20 B model
 
+Both loops clip gradients to --clip's global norm (1.0: diffpipe's default and diffusers' training scripts'; 0 turns
+it off in both). With --profile DIR each loop's CUDA kernels over its steps are written to DIR as a table (the
+diffpipe run's include building its random weights: read the training kernels).
+
 With --lora RANK both loops train a LoRA of that rank on to_q/to_k/to_v/to_out.0 over a base stored in --base-dtype
 (the plain loop: peft's `inject_adapter_in_model`, the adapters in fp32), as users train the 20 B model on one GPU.
 
@@ -17,6 +21,7 @@ counted by torch's FlopCounterMode on the meta device, times 3, over the median 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -63,10 +68,25 @@ def step_flops(args) -> float:
     return 3.0 * counter.get_total_flops()
 
 
+@contextlib.contextmanager
+def _profiled(args, name: str):
+    """The CUDA kernels of what runs inside, as a table in args.profile (nothing without it)."""
+    if not args.profile:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield
+    Path(args.profile).mkdir(parents=True, exist_ok=True)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
+    (Path(args.profile) / f"{name}.txt").write_text(table)
+
+
 def _report(what: str, args, steps: list[float], flops: float, **extra) -> None:
     median = statistics.median(steps[2:])
     print(json.dumps({"what": what, "blocks": args.blocks, "checkpointing": args.checkpointing, "batch": args.batch,
-                      "lora": args.lora, "base_dtype": args.base_dtype,
+                      "lora": args.lora, "base_dtype": args.base_dtype, "clip": args.clip,
                       "text_tokens": TOKENS, "median_step_s": round(median, 4),
                       "samples_per_s": round(args.batch / median, 3), "tflops": round(flops / median / 1e12, 1),
                       "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), **extra}), flush=True)
@@ -102,17 +122,21 @@ def plain_loop(args, flops: float) -> None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     inputs = _inputs(args)
     target = torch.randn(args.batch, (SIDE // 2) ** 2, 64, device="cuda")
+    trained = [p for p in model.parameters() if p.requires_grad]
     times = []
-    for _ in range(args.steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = model(**inputs, return_dict=False)[0]
-        torch.nn.functional.mse_loss(out.float(), target).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    with _profiled(args, "plain"):
+        for _ in range(args.steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(**inputs, return_dict=False)[0]
+            torch.nn.functional.mse_loss(out.float(), target).backward()
+            if args.clip > 0:
+                torch.nn.utils.clip_grad_norm_(trained, args.clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters())
     _report("plain QwenImageTransformer2DModel loop", args, times, flops, params_B=round(params / 1e9, 2))
 
@@ -123,7 +147,7 @@ def diffpipe_run(args, flops: float) -> None:
         "model": {"architecture": "qwen_image", "config": _slice(args), "text_max_length": TOKENS},
         "data": {"dataset": "synthetic", "latent_size": [SIDE, SIDE]},
         "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
-                  "objective": "flow_matching", "device": "cuda"},
+                  "objective": "flow_matching", "device": "cuda", "max_grad_norm": args.clip},
         "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "all" if args.checkpointing else "none"},
         "observe": {"every": 1000, "timeline_step": 0, "log_every": 0},
         "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0},
@@ -132,7 +156,8 @@ def diffpipe_run(args, flops: float) -> None:
         table["adapter"] = {"type": "lora", "rank": args.lora, "alpha": float(args.lora), "target_modules": LORA_TARGETS}
     config = build_config(table)
     run_dir = Path(tempfile.mkdtemp())
-    Trainer(config, single_process_topology("cuda"), run_dir).fit()
+    with _profiled(args, "diffpipe"):
+        Trainer(config, single_process_topology("cuda"), run_dir).fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     _report("diffpipe, one stage", args, [r["step_time_s"] for r in rows], flops)
 
@@ -146,6 +171,8 @@ def main() -> None:
     parser.add_argument("--only", choices=["plain", "diffpipe"], default=None)
     parser.add_argument("--lora", type=int, default=None, metavar="RANK")
     parser.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--clip", type=float, default=1.0, help="global gradient norm both loops clip to; 0: off")
+    parser.add_argument("--profile", default=None, metavar="DIR")
     args = parser.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # as bench/flux_slice.py: cuDNN's attention backward failed on H200
     flops = step_flops(args)
