@@ -6,11 +6,12 @@ that take the most time; then the kernels whose time differs most between the tw
 
     python bench/profile_step.py examples/sdxl_unet.toml [--steps 4] [--top 20] [--compile] [--lora RANK] [--set KEY=VALUE ...]
     python bench/profile_step.py examples/flux_dev.toml --batch 1 --lora 16 --set 'memory.base_dtype="bf16"'
+    python bench/profile_step.py examples/qwen_image_lora.toml --batch 1 --lora 16 --set 'memory.block_swap=0'
 
 With --lora RANK both loops train a LoRA of that rank (alpha = rank) on the family's LoRA targets (Flux: to_q, to_k,
 to_v, to_out.0, issue 33's anchor): the plain loop injects it with peft as a user would, diffpipe through its adapter
 settings. The config's model.architecture picks the plain loop (a diffusers UNet2DConditionModel at the SDXL preset,
-or a FluxTransformer2DModel at the config's size, 1024x1024); with a LoRA and `memory.base_dtype="bf16"` the plain
+a FluxTransformer2DModel or a QwenImageTransformer2DModel at the config's size, 1024x1024); with a LoRA and `memory.base_dtype="bf16"` the plain
 loop's base is cast to bf16 too.
 
 Steps are told apart on the GPU by the fused AdamW kernels that end each one; the first 3 steps (warm-up and,
@@ -117,6 +118,17 @@ def _plain_model(config, batch: int, lora_rank: int | None, bf16_base: bool):
         with torch.device("cuda"):  # 12 B random weights: drawn on the GPU, not the host
             model = FluxTransformer2DModel(**size)
         inputs, targets = flux_inputs(batch), FLUX_LORA_TARGETS
+    elif config.model.architecture == "qwen_image":
+        from types import SimpleNamespace
+
+        from diffusers import QwenImageTransformer2DModel
+        from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS
+        from qwen_image_slice import _inputs as qwen_inputs
+
+        size = config.model.config or QWEN_IMAGE_PRESETS[config.model.preset]
+        with torch.device("cuda"):  # 20 B random weights: drawn on the GPU, not the host
+            model = QwenImageTransformer2DModel(**size)
+        inputs, targets = qwen_inputs(SimpleNamespace(batch=batch)), FLUX_LORA_TARGETS
     else:
         from diffusers import UNet2DConditionModel
 
@@ -155,7 +167,7 @@ def plain(config, batch: int, steps: int, top: int, compiled: bool, lora_rank: i
 def _config(config_path: str, sets: list[str], batch: int, steps: int, compiled: bool, lora_rank: int | None):
     if lora_rank is not None:
         sets = ['adapter.type="lora"', f"adapter.rank={lora_rank}", f"adapter.alpha={float(lora_rank)}", *sets]
-        if load_config(config_path).model.architecture == "flux":
+        if load_config(config_path).model.architecture in ("flux", "qwen_image"):
             sets = ['adapter.target_modules=["to_q","to_k","to_v","to_out.0"]', *sets]
     return load_config(config_path, ["pipeline.stages=1", "pipeline.microbatches=1", f"train.batch_size={batch}",
                                        "pipeline.checkpointing=\"none\"", "plan.memory_gib=139",
