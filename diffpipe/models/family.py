@@ -79,14 +79,23 @@ class ModelFamily:
     comfyui_lora_alpha: ClassVar[bool] = True  # False: --format comfyui writes no `.alpha` (the scale is in lora_up)
 
     def backbone(self, model: nn.Module, granularity: str) -> Backbone:
-        """`model` checked (`check_supported`) and described as units, with this family attached."""
+        """`model` checked (`check_supported`), what it never trains frozen (`unreached`), and described as units,
+        with this family attached."""
         self.check_supported(model)
+        for name in self.unreached(model):
+            model.get_submodule(name).requires_grad_(False)
         backbone = self.describe(model, granularity)
         backbone.family = self
         return backbone
 
     def check_supported(self, model: nn.Module) -> None:
         """Raise ValueError naming a config option the adapter cannot train yet."""
+
+    def unreached(self, model: nn.Module) -> list[str]:
+        """Modules whose outputs reach no prediction (their parameters never get a gradient, as in Qwen-Image's last
+        block's text side): frozen in every run, adapters in them too, as a plain loop's optimizer leaves them;
+        data parallel would otherwise wait for their gradients."""
+        return []
 
     def describe(self, model: nn.Module, granularity: str) -> Backbone:
         """The model as units in forward order, sharing its modules (and weights)."""

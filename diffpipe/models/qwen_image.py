@@ -158,6 +158,11 @@ class QwenImageFamily(ModelFamily):
             raise ValueError(f"Qwen-Image configs with {', '.join(unsupported)} (the edit-2511 and layered variants) "
                              "are not supported yet: the qwen_image adapter trains text-to-image")
 
+    def unreached(self, model):
+        """The last block's text side after attention: the prediction reads image tokens only."""
+        last = f"transformer_blocks.{len(model.transformer_blocks) - 1}"
+        return [f"{last}.attn.to_add_out", f"{last}.txt_mlp"]
+
     def describe(self, model, granularity):
         return qwen_image_backbone(model)
 

@@ -159,3 +159,8 @@ def test_a_preset_without_weights_draws_them_as_diffusers_builds_them():
     assert torch.equal(model.txt_norm.weight, torch.ones(32))
     assert all(torch.isfinite(p).all() and p.device.type == "cpu" for p in model.parameters())
     assert model.img_in.weight.std() > 0
+    # the last block's text side reaches no prediction: frozen, so data parallel waits for no gradient of it (the
+    # central test's qwen-image-dp2 failed in DDP before); the rest trains
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {f"transformer_blocks.2.{m}.{w}" for m in ("attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
+                      for w in ("weight", "bias")}

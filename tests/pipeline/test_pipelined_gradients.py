@@ -179,6 +179,8 @@ TWO = {
     "flux-dp2": _config(1, "1f1b", dp=2, model="flux"),
     "sd3-dp2": _config(1, "1f1b", dp=2, model="sd3"),
     "wan-dp2": _config(1, "1f1b", dp=2, model="wan"),
+    # Qwen-Image's last block leaves its text side unused (no gradient): data parallel must not wait for one
+    "qwen-image-dp2": _config(1, "1f1b", dp=2, model="qwen-image"),
     "unet3d-dp2": _config(1, "1f1b", dp=2, model="unet3d"),
     "sdxl-style-dp2": _config(1, "1f1b", dp=2, model="sdxl-style"),
     "dp2-sharded-checkpointed": _config(1, "1f1b", dp=2, shard=True, checkpointing="all"),
