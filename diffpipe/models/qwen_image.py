@@ -26,7 +26,7 @@ from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 from torch import nn
 
-from .family import ModelFamily, TextBatch
+from .family import ModelFamily, ReleaseLayout, TextBatch, unprefixed
 from .flux import pack_latents, unpack_latents
 from .text import filled_lengths_of
 from .units import Backbone, Unit
@@ -44,6 +44,15 @@ QWEN_IMAGE_PRESETS = {
     "digits": dict(patch_size=2, in_channels=4, out_channels=1, num_layers=3, attention_head_dim=16,
                    num_attention_heads=2, joint_attention_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6)),
 }
+
+
+# Qwen's releases (Qwen/Qwen-Image, ComfyUI's split qwen_image_*.safetensors) name the weights as diffusers does; a
+# checkpoint ComfyUI saves whole puts `model.diffusion_model.` before them
+QWEN = ReleaseLayout(
+    name="Qwen-Image",
+    recognises=lambda keys: any(unprefixed(k) != k for k in keys),
+    to_diffusers=lambda weights, config: {unprefixed(k): v for k, v in weights.items()},
+    from_diffusers=lambda weights, config: dict(weights))
 
 
 @lru_cache(maxsize=4)
@@ -135,6 +144,7 @@ class QwenImageFamily(ModelFamily):
     model_class = QwenImageTransformer2DModel
     component = "transformer"
     presets = QWEN_IMAGE_PRESETS
+    release_layout = QWEN
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     def diffusers_lora_pipeline(self, cfg):

@@ -164,3 +164,24 @@ def test_a_preset_without_weights_draws_them_as_diffusers_builds_them():
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert frozen == {f"transformer_blocks.2.{m}.{w}" for m in ("attn.to_add_out", "txt_mlp.net.0.proj", "txt_mlp.net.2")
                       for w in ("weight", "bias")}
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_a_single_file_reads_in_diffusers_names_and_as_comfyui_saves_it(tiny, tmp_path, monkeypatch, prefix):
+    """Qwen's releases and ComfyUI's split files name the weights as diffusers does; a checkpoint ComfyUI saves whole
+    puts `model.diffusion_model.` before them (refused as 77 unexpected weights before the layout knew it)."""
+    from safetensors.torch import save_file
+
+    from diffpipe.build import build_backbone
+    from diffpipe.config_files import build_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tiny / "qwen_image"
+    weights = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    single = tmp_path / "qwen_image_bf16.safetensors"
+    save_file({prefix + k: v for k, v in weights.items()}, str(single))
+    config = build_config({"model": {"architecture": "qwen_image", "path": str(single), "components": str(folder)},
+                           "data": {"dataset": "folder", "path": str(tiny / "photos"), "resolution": 128,
+                                    "bucket_step": 32}})
+    model = build_backbone(config).model
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
