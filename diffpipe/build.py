@@ -33,7 +33,7 @@ def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Bac
     model = build_model(config.model, family)
     if config.adapter.type != "none" and str(device) == "meta":  # before the units take their modules: peft
         try:  # replaces a targeted module in its parent, and a unit holding the old one would never use its adapter
-            add_lora(model, config.adapter, family.lora_targets, config.train.seed)
+            add_lora(model, config.adapter, family.lora_targets, config.train.seed, family.unreached(model))
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     try:

@@ -93,8 +93,8 @@ class ModelFamily:
 
     def unreached(self, model: nn.Module) -> list[str]:
         """Modules whose outputs reach no prediction (their parameters never get a gradient, as in Qwen-Image's last
-        block's text side): frozen in every run, adapters in them too, as a plain loop's optimizer leaves them;
-        data parallel would otherwise wait for their gradients."""
+        block's text side): frozen in every run and given no adapter, as a plain loop's optimizer leaves them; data
+        parallel would otherwise wait for their gradients."""
         return []
 
     def describe(self, model: nn.Module, granularity: str) -> Backbone:

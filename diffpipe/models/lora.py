@@ -38,10 +38,14 @@ _ADAPTER = re.compile(r"\.(lora_A|lora_B|lora_magnitude_vector|hada_w[12]_[ab]|h
                       r"(\.|$)")
 
 
-def add_lora(model: torch.nn.Module, adapter: AdapterConfig, default_targets: tuple[str, ...], seed: int) -> None:
+def add_lora(model: torch.nn.Module, adapter: AdapterConfig, default_targets: tuple[str, ...], seed: int,
+             leave_out: list[str] = ()) -> None:
     """Inject adapter.type's adapters into `model` in place, freeze everything else; seeded per module where weights
-    are real. `default_targets`: the family's modules (ModelFamily.lora_targets) when adapter.target_modules is unset."""
+    are real. `default_targets`: the family's modules (ModelFamily.lora_targets) when adapter.target_modules is unset.
+    `leave_out`: modules (and all inside them) that get no adapter (ModelFamily.unreached: no prediction reads them)."""
     config = _peft_config(adapter, adapter.target_modules or list(default_targets))
+    config.exclude_modules = [name for name, _ in model.named_modules()
+                              if any(name == m or name.startswith(f"{m}.") for m in leave_out)] or None
     try:
         inject_adapter_in_model(config, model)
     except ValueError as exc:  # peft: no module matched

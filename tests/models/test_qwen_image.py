@@ -185,3 +185,17 @@ def test_a_single_file_reads_in_diffusers_names_and_as_comfyui_saves_it(tiny, tm
                                     "bucket_step": 32}})
     model = build_backbone(config).model
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+
+
+def test_a_lora_over_an_fp8_base_leaves_the_unread_text_side_without_adapters(tiny, tmp_path):
+    """Adapters only where a prediction reads them: the last block's to_add_out and txt_mlp get none (an adapter
+    there, frozen, was stored in fp8 like a base layer and its draw failed: "check_uniform_bounds" for fp8)."""
+    run = tmp_path / "fp8"
+    result = _train(tiny, run, "--set", "train.max_steps=2", "--set", "pipeline.stages=1",
+                    "--set", 'adapter.type="lora"', "--set", 'memory.base_dtype="fp8"')
+    assert result.returncode == 0, result.stderr[-3000:]
+    adapters = load_file(str(run / "lora.safetensors"))
+    assert any(k.startswith("transformer_blocks.1.attn.to_q.") for k in adapters)
+    assert not any(k.startswith(("transformer_blocks.1.attn.to_add_out.", "transformer_blocks.1.txt_mlp."))
+                   for k in adapters)
+    assert any(k.startswith("transformer_blocks.0.attn.to_add_out.") for k in adapters)  # read there: trained
