@@ -7,11 +7,12 @@ from dataclasses import replace
 import torch
 
 from .config import ConfigError, RunConfig
+from .diffusion.timesteps import DYNAMIC_SHIFT
 from .data.sources import source_of
 from .models.family import Feed, ModelFamily
 from .models.lora import add_lora, base_module_name, is_adapter_holder, load_adapters, seed_lora
 from .models.loading import CheckpointError, build_model, checked_weights
-from .models.pipeline_folder import expert_boundary
+from .models.pipeline_folder import dynamic_shift, expert_boundary
 from .models.materialise import is_meta, materialise
 from .models.storage import FrozenStorage
 from .models.registry import ArchitectureError, family_for
@@ -23,7 +24,8 @@ from .precision import AUTOCAST_DTYPES, frozen_storage
 from .pipeline.traffic import Crossing, boundary_crossings, trace_tensors
 
 __all__ = ["build_backbone", "give_weights", "build_stages", "choose_attention", "build_text_encoder", "sample_shape", "example_inputs",
-           "boundary_traffic", "text_length", "build_dataset", "model_family", "feed", "timestep_range"]
+           "boundary_traffic", "text_length", "build_dataset", "model_family", "feed", "timestep_range",
+           "shift_schedule"]
 
 def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
     """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`), and with
@@ -125,6 +127,13 @@ def timestep_range(config: RunConfig) -> tuple[float, float] | None:
         return None
     boundary = expert_boundary(config.model.pipeline_folder())
     return (boundary, 1.0) if config.model.expert == "high" else (0.0, boundary)
+
+
+def shift_schedule(config: RunConfig) -> tuple[int, int, float, float]:
+    """train.shift = "resolution"'s line (base tokens, max tokens, base shift, max shift): model.path's scheduler's
+    when it shifts by resolution (Flux's, Qwen-Image's), else Flux.1's."""
+    folder = config.model.pipeline_folder()
+    return (dynamic_shift(folder) if folder is not None else None) or DYNAMIC_SHIFT
 
 
 def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, ...]:

@@ -124,7 +124,7 @@ class TrainConfig(_Section):
         "logit_normal", description="Training timestep density (importance: p(t) proportional to 0.99^t).")
     logit_mean: float = Field(0.0, description="Mean of the logit-normal density.")
     logit_std: float = Field(1.0, gt=0, description="Standard deviation of the logit-normal density.")
-    shift: float = Field(3.0, gt=0, description="Shift factor for timestep_sampling = shift (SD3's t' = s t / (1 + (s - 1) t)).")
+    shift: Annotated[float, Field(gt=0)] | Literal["resolution"] = Field(3.0, description="Shift factor for timestep_sampling = shift (SD3's t' = s t / (1 + (s - 1) t)). \"resolution\": each step's s = e^mu from its latent tokens, as FluxPipeline and QwenImagePipeline shift by resolution (mu linear in the tokens between the pipeline scheduler's base_image_seq_len / base_shift and max_image_seq_len / max_shift; Flux.1's 256 / 0.5 and 4096 / 1.15 where model.path's scheduler does not shift dynamically; musubi-tuner's flux_shift / qwen_shift); eval quantiles at each held-out batch's own.")
     timestep_range: Annotated[list[Annotated[float, Field(ge=0.0, le=1.0)]], Field(min_length=2, max_length=2)] | None = Field(None, description="[low, high]: train only on timesteps t (1 = pure noise) in this range, drawn from train.timestep_sampling's density cut to it (musubi-tuner's min/max_timestep); the eval quantiles are the cut density's. Unset: the whole range, or the expert's (model.expert).")
     ema_decay: float = Field(0.0, ge=0.0, lt=1.0, description="Keep an exponential moving average of the trained weights, as diffusers' EMAModel does (after step n it moves 1 - min(decay, (1 + n - 1) / (10 + n - 1)) of the way toward the weights; 0.999-0.9999 for full fine-tunes). It is checkpointed and resumed, and the run's outputs are the averaged model: samples during and after training, model.safetensors / lora.safetensors, exports (every N steps, or of a checkpoint); the eval loss is the trained weights'. Costs a copy of the trained weights in device memory. 0: off.")
     min_snr_gamma: float = Field(0.0, ge=0, description="Min-SNR-gamma loss weighting (Hang et al., arXiv:2303.09556; kohya's and diffusers' min_snr_gamma): each sample's loss times min(SNR(t), gamma) / SNR(t) for epsilon prediction, / (SNR(t) + 1) for v-prediction, so the easy low-noise timesteps stop dominating (5 is the paper's value). epsilon and v_prediction objectives only; the eval loss stays unweighted. 0: off.")
@@ -146,6 +146,9 @@ class TrainConfig(_Section):
         if self.timestep_range is not None and not self.timestep_range[0] < self.timestep_range[1]:
             raise ValueError(f"train.timestep_range={self.timestep_range} is empty: give [low, high] with low < high "
                              "(t = 1 is pure noise)")
+        if self.shift == "resolution" and self.timestep_sampling != "shift":
+            raise ValueError(f"train.shift = \"resolution\" shifts the \"shift\" density, and train.timestep_sampling "
+                             f"is {self.timestep_sampling!r}: set train.timestep_sampling = \"shift\"")
         return self
 
 

@@ -6,6 +6,7 @@ with 1, 2 or 4 stages sees exactly the same numbers.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from .. import seeds
 from ..config import DataConfig, TrainConfig
 from ..diffusion.noise import multires_noise
 from ..diffusion.objectives import make_targets, min_snr_weights, with_element_weights, with_weights
-from ..diffusion.timesteps import sample_timesteps
+from ..diffusion.timesteps import DYNAMIC_SHIFT, resolution_shift, sample_timesteps
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
 
@@ -152,11 +153,21 @@ class BatchMaker:
 
     def __init__(self, data, text: CaptionEncoder, train: TrainConfig, caption_dropout: float, feed: Feed,
                  tags: CaptionTags = CaptionTags(), weighting: str = "none",
-                 timesteps_within: tuple[float, float] | None = None):
+                 timesteps_within: tuple[float, float] | None = None,
+                 shift_schedule: tuple[int, int, float, float] = DYNAMIC_SHIFT):
         self.data, self.text = data, text
         self.train, self.caption_dropout, self.feed = train, caption_dropout, feed
         self.tags, self.weighting = tags, weighting
         self.timesteps_within = timesteps_within  # build.timestep_range: an expert's, train.timestep_range
+        self.shift_schedule = shift_schedule  # build.shift_schedule: train.shift = "resolution"'s line
+
+    def shift_for(self, item_shape: tuple[int, ...]) -> float:
+        """train.shift, or with "resolution" the shift at items of `item_shape`'s latent tokens (channels, [frames,]
+        height, width; sides over the family's patch)."""
+        if self.train.shift != "resolution":
+            return self.train.shift
+        patch = self.feed.family.latent_multiple(self.feed.cfg)
+        return resolution_shift(math.prod(item_shape[1:]) // patch**2, self.shift_schedule)
 
     def text_conditions(self, captions: list[str], size_ids: torch.Tensor,
                         latent_size: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -170,7 +181,8 @@ class BatchMaker:
         drop = torch.rand(len(idx), generator=gen) < self.caption_dropout
         captions = ["" if d else self.data.captions[i] for i, d in zip(idx, drop.tolist())]
         t = sample_timesteps(self.train.timestep_sampling, len(idx), gen, logit_mean=self.train.logit_mean,
-                             logit_std=self.train.logit_std, shift=self.train.shift, within=self.timesteps_within)
+                             logit_std=self.train.logit_std, shift=self.shift_for(item_shape),
+                             within=self.timesteps_within)
         noise = torch.randn((len(idx), *item_shape), generator=gen)
         if self.train.noise_offset:  # drawn after the rest: without it every run keeps the same numbers
             per_channel = torch.randn((len(idx), item_shape[0]) + (1,) * (len(item_shape) - 1), generator=gen)

@@ -1,11 +1,15 @@
 """Training timestep densities, as pure functions returning t in (0, 1) (1 = pure noise), one per sample."""
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["sample_timesteps", "timestep_quantiles", "NUM_TRAIN_TIMESTEPS"]
+__all__ = ["sample_timesteps", "timestep_quantiles", "resolution_shift", "NUM_TRAIN_TIMESTEPS", "DYNAMIC_SHIFT"]
 
 NUM_TRAIN_TIMESTEPS = 1000
+# (base tokens, max tokens, base shift, max shift): FlowMatchEulerDiscreteScheduler's defaults, Flux.1's
+DYNAMIC_SHIFT = (256, 4096, 0.5, 1.15)
 
 
 def _uniform(n: int, generator: torch.Generator) -> torch.Tensor:
@@ -20,6 +24,14 @@ def _logit_normal(n: int, generator: torch.Generator, mean: float, std: float) -
 def _shift(t: torch.Tensor, shift: float) -> torch.Tensor:
     """Resolution-dependent shift t' = s t / (1 + (s - 1) t) (SD3, section 5.3.2)."""
     return shift * t / (1 + (shift - 1) * t)
+
+
+def resolution_shift(tokens: int, schedule: tuple[int, int, float, float] = DYNAMIC_SHIFT) -> float:
+    """The shift s = e^mu a dynamically shifting flow-matching pipeline samples with at `tokens` latent tokens (Flux's
+    and QwenImagePipeline's `calculate_shift`: mu linear in the tokens between (base tokens, base shift) and (max
+    tokens, max shift)); its exponential time shift e^mu / (e^mu + 1/t - 1) is SD3's s t / (1 + (s - 1) t)."""
+    base_tokens, max_tokens, base_shift, max_shift = schedule
+    return math.exp(base_shift + (max_shift - base_shift) / (max_tokens - base_tokens) * (tokens - base_tokens))
 
 
 def _importance(n: int, generator: torch.Generator) -> torch.Tensor:

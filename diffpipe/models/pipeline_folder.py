@@ -46,6 +46,18 @@ def expert_boundary(folder: Path) -> float | None:
     return float(ratio) if ratio is not None and _has(folder, "transformer_2") else None
 
 
+def dynamic_shift(folder: Path) -> tuple[int, int, float, float] | None:
+    """(base tokens, max tokens, base shift, max shift) of a folder's flow-matching scheduler that shifts by
+    resolution (use_dynamic_shifting: Flux's, Qwen-Image's), the scheduler's defaults filling what it leaves out;
+    None for one that does not."""
+    path = folder / "scheduler" / "scheduler_config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    if not cfg.get("use_dynamic_shifting"):
+        return None
+    return (cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
+            cfg.get("max_shift", 1.15))
+
+
 def scheduler_objective(folder: Path) -> str:
     """The objective the folder's scheduler was trained with: its prediction_type, on the schedule diffpipe uses."""
     path = folder / "scheduler" / "scheduler_config.json"

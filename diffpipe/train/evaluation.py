@@ -31,11 +31,14 @@ def evaluate(trainer) -> dict[str, float]:
     """The mean loss over every held-out item at each of `train.eval_quantiles` of the timestep density, with the
     same noise every time: `eval_loss` (their mean) and `eval_loss_t<q>` each."""
     train, topo = trainer.config.train, trainer.topo
-    ts = timestep_quantiles(train.timestep_sampling, train.eval_quantiles, logit_mean=train.logit_mean,
-                            logit_std=train.logit_std, shift=train.shift, within=timestep_range(trainer.config))
     batches = fixed_batches(trainer.held_out, train.batch_size)
-    sums = torch.zeros(len(ts), dtype=torch.float64, device=topo.device)
+    sums = torch.zeros(len(train.eval_quantiles), dtype=torch.float64, device=topo.device)
     for b, indices in enumerate(batches):
+        shift = train.shift
+        if shift == "resolution":  # the quantiles of the density this batch's size trains with
+            shift = trainer.batches.shift_for(tuple(trainer.held_out.x0(indices[:1]).shape[1:]))
+        ts = timestep_quantiles(train.timestep_sampling, train.eval_quantiles, logit_mean=train.logit_mean,
+                                logit_std=train.logit_std, shift=shift, within=timestep_range(trainer.config))
         at_each_t = trainer.batches.make_fixed(trainer.held_out, indices, ts.tolist(), seeds.of_step(train.seed, b),
                                                topo.dp_rank, topo.dp_size)
         for q, batch in enumerate(at_each_t):

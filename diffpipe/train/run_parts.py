@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..build import (boundary_traffic, build_backbone, build_dataset, build_stages, build_text_encoder, feed,
-                     sample_shape, timestep_range)
+                     sample_shape, shift_schedule, timestep_range)
 from ..config import RunConfig, TrainConfig
 from ..data.batches import BatchMaker, CaptionTags, loss_weighting
 from ..diffusion.objectives import element_weighted_mse, weighted_mse
@@ -143,7 +143,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
                     tied_gradients, scaler, runner, optimizer,
                     lr_schedule, text, data, family_feed,
                     BatchMaker(data, text, config.train, d.caption_dropout, family_feed, tags, weighting,
-                               timestep_range(config)), held_out,
+                               timestep_range(config), shift_schedule(config)), held_out,
                     sample_shape(config, backbone), moved)
 
 

@@ -95,3 +95,29 @@ def test_multires_noise_adds_coarse_layers_scaled_back_to_unit_variance(item_sha
     mild = torch.nn.functional.avg_pool2d(_multires(8, item_shape).noise.flatten(0, -3)[:, None], 8)
     assert 1.2 * plain_patches.var() < mild.var() < patches.var()
     assert torch.equal(_multires(8, item_shape, discount=0.8).noise, layered.noise)  # every process draws alike
+
+
+def test_a_resolution_shift_shifts_each_bucket_by_its_own_tokens():
+    """train.shift = "resolution": a step of 64x64 latents (1,024 tokens after 2x2 patches) and one of 128x128 (4,096)
+    draw the same uniform numbers, shifted by e^mu at their own token counts (Qwen-Image's line here)."""
+    from diffpipe.diffusion.timesteps import resolution_shift
+    from diffpipe.models.family import Feed
+    from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS, QwenImageFamily
+
+    config = build_config({"data": {"dataset": "synthetic"},
+                           "train": {"batch_size": 64, "timestep_sampling": "shift", "shift": "resolution"}})
+    with torch.device("meta"):
+        cfg = QwenImageFamily.model_class(**QWEN_IMAGE_PRESETS["digits"]).config
+    line = (256, 8192, 0.5, 0.9)
+    uniform, drawn = [], []
+    for side in (64, 128):
+        shape = (1, side, side)
+        maker = BatchMaker(make_dataset("synthetic", shape, seed=0), None, config.train, 0.0,
+                           Feed(QwenImageFamily(), cfg), shift_schedule=line)
+        s = resolution_shift((side // 2) ** 2, line)
+        assert maker.shift_for(shape) == s
+        t = maker.draw(3, shape).t.double()
+        drawn.append(t)
+        uniform.append(t / (s - (s - 1) * t))  # the draw before its shift
+    torch.testing.assert_close(uniform[0], uniform[1], rtol=1e-5, atol=1e-6)
+    assert (drawn[1] > drawn[0]).all()  # the larger picture trains at more noise

@@ -236,3 +236,24 @@ def test_a_flipped_flow_target_fails_the_path_check():
     flipped = planted("diffpipe.diffusion.objectives", "noise - x0)", "x0 - noise)")
     with pytest.raises(AssertionError):
         test_flow_matching_input_and_target_match_diffusers_and_the_path(flipped.make_targets)
+
+
+@pytest.mark.parametrize("pipeline", ["flux", "qwen_image"])
+@pytest.mark.parametrize("side", [512, 1024, 1328])
+def test_the_resolution_shift_is_the_pipelines_own_at_each_size(pipeline, side):
+    """train.shift = "resolution": the shift FluxPipeline / QwenImagePipeline samples with at a picture's tokens
+    (their `calculate_shift`, the scheduler's exponential time shift), from their schedulers' numbers."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    from diffpipe.diffusion.timesteps import resolution_shift
+
+    schedule = {"flux": (256, 4096, 0.5, 1.15), "qwen_image": (256, 8192, 0.5, 0.9)}[pipeline]
+    tokens = (side // 16) ** 2  # 8x VAE, 2x2 patches
+    mu = calculate_shift(tokens, *schedule)
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_image_seq_len=schedule[0],
+                                                max_image_seq_len=schedule[1], base_shift=schedule[2],
+                                                max_shift=schedule[3])
+    t = torch.linspace(0.05, 0.95, 7)
+    s = resolution_shift(tokens, schedule)
+    assert math.isclose(s, math.exp(mu), rel_tol=1e-12)
+    torch.testing.assert_close(s * t / (1 + (s - 1) * t), scheduler.time_shift(mu, 1.0, t), rtol=1e-6, atol=0)

@@ -199,3 +199,24 @@ def test_a_lora_over_an_fp8_base_leaves_the_unread_text_side_without_adapters(ti
     assert not any(k.startswith(("transformer_blocks.1.attn.to_add_out.", "transformer_blocks.1.txt_mlp."))
                    for k in adapters)
     assert any(k.startswith("transformer_blocks.0.attn.to_add_out.") for k in adapters)  # read there: trained
+
+
+def test_a_run_shifts_by_resolution_on_the_folders_own_line(tiny, tmp_path):
+    """train.shift = "resolution" reads QwenImagePipeline's scheduler (its dynamic shifting line); a folder whose
+    scheduler shifts by a fixed amount gives Flux.1's line; the run trains and evaluates at each bucket's shift."""
+    from diffpipe.build import shift_schedule
+    from diffpipe.config_files import build_config
+    from diffpipe.models.pipeline_folder import dynamic_shift
+
+    assert dynamic_shift(tiny / "qwen_image") == (256, 8192, 0.5, 0.9)
+    assert dynamic_shift(tiny / "flux") is None  # FlowMatchEulerDiscreteScheduler(shift=3.0)
+    flux = build_config({"model": {"architecture": "flux", "path": str(tiny / "flux")},
+                         "data": {"dataset": "folder", "path": str(tiny / "photos")}})
+    assert shift_schedule(flux) == (256, 4096, 0.5, 1.15)
+    run = tmp_path / "shifted"
+    result = _train(tiny, run, "--set", "train.max_steps=2", "--set", "pipeline.stages=1",
+                    "--set", 'train.shift="resolution"', "--set", "train.eval_every=2",
+                    "--set", f'data.eval_path="{tiny / "photos"}"')
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval_loss" in row for row in rows)
