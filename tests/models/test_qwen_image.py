@@ -145,6 +145,10 @@ def test_a_lora_exports_for_diffusers_and_comfyui(tiny, tmp_path):
     downs = [k.removeprefix("diffusion_model.").removesuffix(".lora_down.weight") for k in keys if "lora_down" in k]
     assert downs and all(k.startswith("diffusion_model.") for k in keys) and set(downs) <= layers
     assert "transformer_blocks.1.attn.add_q_proj" in downs  # the text stream's projections train too
+    original = tmp_path / "qwen_image_finetune.safetensors"  # Qwen's own layout: diffusers' names, as ComfyUI loads
+    assert main(["export", str(run), "--format", "original", "--out", str(original)]) == 0
+    merged = load_file(str(run / "model.safetensors"))
+    assert load_file(str(original)).keys() == merged.keys()
 
 
 def test_a_preset_without_weights_draws_them_as_diffusers_builds_them():
