@@ -15,7 +15,7 @@ from .. import seeds
 from ..config import DataConfig, TrainConfig
 from ..diffusion.noise import multires_noise
 from ..diffusion.objectives import make_targets, min_snr_weights, with_element_weights, with_weights
-from ..diffusion.timesteps import DYNAMIC_SHIFT, resolution_shift, sample_timesteps
+from ..diffusion.timesteps import DYNAMIC_SHIFT, resolution_shift, sample_timesteps, timestep_quantiles
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
 
@@ -172,7 +172,8 @@ class BatchMaker:
     def text_conditions(self, captions: list[str], size_ids: torch.Tensor,
                         latent_size: tuple[int, int]) -> dict[str, torch.Tensor]:
         hidden, pooled = self.text.encode(captions)
-        return self.feed.conditions(hidden, pooled, size_ids, latent_size, self.text.filled_lengths(captions, hidden))
+        filled = self.text.filled_lengths(captions, hidden) if self.feed.family.reads_text_lengths else None
+        return self.feed.conditions(hidden, pooled, size_ids, latent_size, filled)
 
     def draw(self, step: int, item_shape: tuple[int, ...]) -> StepDraw:
         """Every random number of step `step`'s global batch (items of `item_shape`): the same on every process."""
@@ -207,18 +208,26 @@ class BatchMaker:
         items = self.data.loss_weights(mine) if self.weighting != "none" and hasattr(self.data, "loss_weights") else None
         return self._batch(x0, drawn.noise[part], drawn.t[part], conditions, masks=masks, item_weights=items)
 
-    def make_fixed(self, data, indices: list[int], ts: list[float], noise_seed: int, dp_rank: int,
-                   dp_size: int) -> list[StepBatch]:
-        """This replica's slice of a batch of the given items of `data` at each timestep of `ts` (the items read and
-        the captions encoded once), with noise drawn from `noise_seed` and every caption kept: the same numbers each
-        time it is asked for (eval)."""
+    def eval_timesteps(self, item_shape: tuple[int, ...]) -> list[float]:
+        """The timesteps an eval loss of items of `item_shape` is measured at: train.eval_quantiles of the density
+        the run trains such items with (cut to its range, at their shift), so evaluations compare."""
+        train = self.train
+        return timestep_quantiles(train.timestep_sampling, train.eval_quantiles, logit_mean=train.logit_mean,
+                                  logit_std=train.logit_std, shift=self.shift_for(item_shape),
+                                  within=self.timesteps_within).tolist()
+
+    def make_fixed(self, data, indices: list[int], noise_seed: int, dp_rank: int, dp_size: int) -> list[StepBatch]:
+        """This replica's slice of a batch of the given items of `data` at each of `eval_timesteps` (the items read
+        and the captions encoded once), with noise drawn from `noise_seed` and every caption kept: the same numbers
+        each time it is asked for (eval)."""
         per = len(indices) // dp_size
         part = slice(dp_rank * per, (dp_rank + 1) * per)
         mine = indices[part]
         x0 = data.x0(mine)
         noise = torch.randn((len(indices), *x0.shape[1:]), generator=torch.Generator().manual_seed(noise_seed))[part]
         conditions = self.text_conditions([data.captions[i] for i in mine], data.size_ids(mine), x0.shape[2:])
-        return [self._batch(x0, noise, torch.full((len(mine),), t), conditions, weighted=False) for t in ts]
+        return [self._batch(x0, noise, torch.full((len(mine),), t), conditions, weighted=False)
+                for t in self.eval_timesteps(tuple(x0.shape[1:]))]
 
     def _batch(self, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
                conditions: dict[str, torch.Tensor], weighted: bool = True,

@@ -77,6 +77,7 @@ class ModelFamily:
     default_objective: ClassVar[str] = "flow_matching"  # when neither train.objective nor a scheduler decides
     cudnn_attention: ClassVar[bool] = True  # False: cuDNN's attention kernels fail on this family's shapes (CUDA)
     comfyui_lora_alpha: ClassVar[bool] = True  # False: --format comfyui writes no `.alpha` (the scale is in lora_up)
+    reads_text_lengths: ClassVar[bool] = False  # True: `conditions` reads TextBatch.filled (the batch maker gives it)
 
     def backbone(self, model: nn.Module, granularity: str) -> Backbone:
         """`model` checked (`check_supported`), what it never trains frozen (`unreached`), and described as units,

@@ -145,6 +145,7 @@ class QwenImageFamily(ModelFamily):
     component = "transformer"
     presets = QWEN_IMAGE_PRESETS
     release_layout = QWEN
+    reads_text_lengths = True  # a batch's text is cut to its captions (text_mask)
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     def diffusers_lora_pipeline(self, cfg):

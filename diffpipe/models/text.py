@@ -102,13 +102,11 @@ class CaptionEncoder:
             hidden, pooled = self._encode(part)
             hidden, pooled = hidden.to(self.outputs_device), pooled.to(self.outputs_device)
             self._kept.update({c: (hidden[i], pooled[i]) for i, c in enumerate(part)})
-            self._lengths.update(zip(part, filled_lengths_of(hidden)))
         return True
 
     def remember(self, outputs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Outputs computed before (the text cache on disk), answered by `encode` from now on."""
         device = self.outputs_device
-        self._lengths.update({c: filled_lengths_of(h[None])[0] for c, (h, _) in outputs.items()})  # read where they are
         self._kept.update({c: (h.to(device), p.to(device)) for c, (h, p) in outputs.items()})
 
     def encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +119,8 @@ class CaptionEncoder:
 
     def filled_lengths(self, captions: list[str], hidden: torch.Tensor) -> list[int]:
         """Each caption's positions up to its last filled one (a state not all zero) in `hidden`, its `encode`d
-        states: known on the host once per caption (when kept or read from the cache), so a step asking for them
-        does not wait for the device (the batch is made while the previous step runs)."""
+        states: read off the device the first time a caption is asked for, then known on the host, so later steps
+        asking for them do not wait for the device."""
         unknown = [i for i, c in enumerate(captions) if c not in self._lengths]
         if unknown:
             self._lengths.update(zip([captions[i] for i in unknown], filled_lengths_of(hidden[unknown])))

@@ -11,11 +11,9 @@ import torch
 import torch.distributed as dist
 
 from .. import seeds
-from ..build import timestep_range
 from ..config import RunConfig
 from ..data.batches import fixed_batches
 from ..data.sources import source_of
-from ..diffusion.timesteps import timestep_quantiles
 from ..grids import save_grid
 from ..sampling import Generator, grid_prompts
 
@@ -33,13 +31,8 @@ def evaluate(trainer) -> dict[str, float]:
     train, topo = trainer.config.train, trainer.topo
     batches = fixed_batches(trainer.held_out, train.batch_size)
     sums = torch.zeros(len(train.eval_quantiles), dtype=torch.float64, device=topo.device)
-    for b, indices in enumerate(batches):
-        shift = train.shift
-        if shift == "resolution":  # the quantiles of the density this batch's size trains with
-            shift = trainer.batches.shift_for(tuple(trainer.held_out.x0(indices[:1]).shape[1:]))
-        ts = timestep_quantiles(train.timestep_sampling, train.eval_quantiles, logit_mean=train.logit_mean,
-                                logit_std=train.logit_std, shift=shift, within=timestep_range(trainer.config))
-        at_each_t = trainer.batches.make_fixed(trainer.held_out, indices, ts.tolist(), seeds.of_step(train.seed, b),
+    for b, indices in enumerate(batches):  # each batch at the quantiles of the density its size trains with
+        at_each_t = trainer.batches.make_fixed(trainer.held_out, indices, seeds.of_step(train.seed, b),
                                                topo.dp_rank, topo.dp_size)
         for q, batch in enumerate(at_each_t):
             batch = batch.to(topo.device)

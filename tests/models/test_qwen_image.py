@@ -64,8 +64,10 @@ def test_text_cut_to_its_length_and_masked_computes_what_the_pipelines_padding_c
     hidden, pooled = text.encode(CAPTIONS)
     # each caption's filled positions, as a step gets them from the host (the encoder keeps them per caption)
     assert text.filled_lengths(CAPTIONS, hidden) == [11, 5, 34]
-    text.remember({"kept": (hidden[1].clone(), pooled[1].clone())})  # a text cache's entry, read where it lies
-    assert text.filled_lengths(["kept"], hidden[:0]) == [5]
+    assert text.filled_lengths(CAPTIONS[::-1], hidden[:0]) == [34, 5, 11]  # known now: the states are not read again
+    text.remember({"kept": (hidden[1].clone(), pooled[1].clone())})  # a text cache's entry
+    kept, _ = text.encode(["kept"])
+    assert text.filled_lengths(["kept"], kept) == [5]
     with torch.no_grad():
         exact, exact_mask = pipe.encode_prompt(CAPTIONS, device="cpu", max_sequence_length=512)
     gen = torch.Generator().manual_seed(0)
