@@ -2,12 +2,13 @@
 of real photographs with captions and a folder of short captioned videos, so the real-data path can be tried and
 tested without downloading anything.
 
-    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,flux,sd3,wan,wan22,qwen_image,photos,clips}
+    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,flux,flux_kontext,sd3,...}
     python examples/make_tiny_pipeline.py --out DIR        # somewhere else
     diffpipe train examples/photos.toml                    # then fine-tune the tiny SDXL-layout pipeline on the photos
     diffpipe train examples/flux_tiny.toml                 # or the tiny Flux-layout one (sd3_tiny.toml: SD3)
     diffpipe train examples/wan_clips.toml                 # a tiny Wan-layout video model on the clips
     diffpipe train examples/qwen_image_tiny.toml           # a tiny Qwen-Image-layout model on the photos
+    diffpipe train examples/flux_kontext_tiny.toml         # a tiny Flux Kontext-layout edit model on the edits
 
 Each pipeline is built from diffusers' and transformers' own classes (UNet2DConditionModel, AutoencoderKL, CLIP text
 models and a real CLIP BPE tokenizer over a small vocabulary) and written by the pipeline's `save_pretrained`, so
@@ -15,7 +16,8 @@ the folders are laid out as on the Hub: model_index.json, unet/, vae/, text_enco
 text_encoder_2/, tokenizer_2/ for SDXL; transformer/, a CLIP and a T5 encoder with a real T5 unigram tokenizer for
 Flux; three text encoders for SD3; for Wan its video VAE and a umT5 encoder; Wan 2.2 A14B's two experts; for
 Qwen-Image a Qwen2.5-VL encoder with a real Qwen2 byte-level BPE tokenizer, and Qwen's VAE). The photos are scikit-learn's two sample photographs (china.jpg,
-flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption.
+flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption;
+the edits are eight of them with a grey copy of each as its control image.
 The clips are coloured shapes sliding over a gradient, written as mp4 (H.264) and webm (VP9) by PyAV, captioned with
 the shape, its colour and its motion.
 """
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 from diffusers import (AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, EulerDiscreteScheduler,
-                       FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel, PNDMScheduler,
+                       FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel, PNDMScheduler,
                        QwenImagePipeline, QwenImageTransformer2DModel, SD3Transformer2DModel,
                        StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline,
                        UNet2DConditionModel, WanPipeline, WanTransformer3DModel)
@@ -36,7 +38,7 @@ from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjec
                           UMT5Config, UMT5EncoderModel)
 
 __all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_qwen_image",
-           "write_photos", "write_clips",
+           "write_photos", "write_edits", "write_clips",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
 
 CAPTION_WORDS = ("a photo of the chinese temple flower pink yellow red roof tree sky close view wide "
@@ -188,20 +190,22 @@ def write_sdxl(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Pa
     return out / "sdxl"
 
 
-def write_flux(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Path:
+def write_flux(out: Path, vae: AutoencoderKL | None = None, seed: int = 0, kontext: bool = False) -> Path:
     """Flux layout: a CLIP text model (pooled output, 32) and T5 (64 wide, 512 tokens); the transformer reads 4-channel
-    latents packed 2x2 (16 channels), two double-stream and two single-stream blocks, guidance embedded (as dev)."""
+    latents packed 2x2 (16 channels), two double-stream and two single-stream blocks, guidance embedded (as dev).
+    With `kontext`: FluxKontextPipeline's folder (the same components; its model_index names the edit pipeline)."""
     torch.manual_seed(seed)
     clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     transformer = FluxTransformer2DModel(
         patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
         joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
-    pipe = FluxPipeline(
+    pipe = (FluxKontextPipeline if kontext else FluxPipeline)(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae or fitted_vae(),
         text_encoder=CLIPTextModel(_text_config(clip_tokenizer, 32, 32)), tokenizer=clip_tokenizer,
         text_encoder_2=_t5(t5_tokenizer, 64), tokenizer_2=t5_tokenizer, transformer=transformer)
-    pipe.save_pretrained(out / "flux", safe_serialization=True)
-    return out / "flux"
+    folder = out / ("flux_kontext" if kontext else "flux")
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder
 
 
 def write_sd3(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Path:
@@ -393,6 +397,29 @@ def write_photos(out: Path) -> Path:
     return folder
 
 
+def write_edits(out: Path) -> Path:
+    """An edit dataset (data.control_path): eight of the photos' crops (three shapes) in colour under `pictures/` with their
+    captions, and each as a grey photograph of the same size and name under `controls/`: the edit colours it in."""
+    from PIL import Image, ImageOps
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images()
+    folder = out / "edits"
+    for part in ("pictures", "controls"):
+        (folder / part).mkdir(parents=True, exist_ok=True)
+    for path, pixels in zip(photos.filenames, photos.images):
+        name = Path(path).stem
+        caption, crops = _CROPS[name]
+        image = Image.fromarray(pixels)
+        for i in (0, 1, 4, 6):  # landscape, landscape, upright, square
+            left, top, width, height = crops[i]
+            picture = image.crop((left, top, left + width, top + height))
+            picture.save(folder / "pictures" / f"{name}_{i}.jpg", quality=92)
+            (folder / "pictures" / f"{name}_{i}.txt").write_text(caption + "\n")
+            ImageOps.grayscale(picture).convert("RGB").save(folder / "controls" / f"{name}_{i}.png")
+    return folder
+
+
 STAMP = "made-by.txt"  # the sha256 of the script that wrote a folder whole (the tests reuse such a folder)
 
 
@@ -413,8 +440,9 @@ def main() -> None:
     out = Path(args.out)
     (out / STAMP).unlink(missing_ok=True)  # written again last: a run cut short leaves no stamp
     vae = fitted_vae()  # one VAE for every layout: they differ in the backbone and text encoders
-    for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_sd3(out, vae),
-                 write_wan(out), write_wan22(out), write_qwen_image(out), write_photos(out), write_clips(out)):
+    for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_flux(out, vae, kontext=True),
+                 write_sd3(out, vae), write_wan(out), write_wan22(out), write_qwen_image(out), write_photos(out),
+                 write_edits(out), write_clips(out)):
         print(f"wrote {path}")
     (out / STAMP).write_text(_this_script() + "\n")
 

@@ -54,7 +54,7 @@ class TensorImages:
     a fresh seeded permutation per epoch, batches taken in turn (wrapping across epochs).
 
     The data a run trains on, this or data/images.py's FolderImages, has: `captions`, `batch_indices`, `groups`,
-    `x0`, `size_ids`, and `vae` (decodes samples during training), `skipped` (files left out), `held_out` (the
+    `x0`, `size_ids`, `control_latents` (None without data.control_path), and `vae` (decodes samples during training), `skipped` (files left out), `held_out` (the
     eval split) and `summary` (a line for the log), each None where the data has none."""
 
     vae = None
@@ -89,6 +89,9 @@ class TensorImages:
 
     def size_ids(self, indices: list[int]) -> torch.Tensor:
         return square_size_ids(len(indices), *self.images.shape[-2:])
+
+    def control_latents(self, indices: list[int]) -> None:
+        return None  # no control images (data.control_path is for folders)
 
 
 def fixed_batches(data, batch_size: int) -> list[list[int]]:
@@ -169,11 +172,12 @@ class BatchMaker:
         patch = self.feed.family.latent_multiple(self.feed.cfg)
         return resolution_shift(math.prod(item_shape[1:]) // patch**2, self.shift_schedule)
 
-    def text_conditions(self, captions: list[str], size_ids: torch.Tensor,
-                        latent_size: tuple[int, int]) -> dict[str, torch.Tensor]:
+    def text_conditions(self, captions: list[str], size_ids: torch.Tensor, latent_size: tuple[int, int],
+                        control: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The named conditions of the captions (and of an edit model's control latents)."""
         hidden, pooled = self.text.encode(captions)
         filled = self.text.filled_lengths(captions, hidden) if self.feed.family.reads_text_lengths else None
-        return self.feed.conditions(hidden, pooled, size_ids, latent_size, filled)
+        return self.feed.conditions(hidden, pooled, size_ids, latent_size, filled, control)
 
     def draw(self, step: int, item_shape: tuple[int, ...]) -> StepDraw:
         """Every random number of step `step`'s global batch (items of `item_shape`): the same on every process."""
@@ -202,7 +206,8 @@ class BatchMaker:
         mine = idx[part]  # only this replica's images are read (and, uncached, encoded)
         x0 = self.data.x0(mine)
         drawn = self.draw(step, tuple(x0.shape[1:]))
-        conditions = self.text_conditions(drawn.captions[part], self.data.size_ids(mine), x0.shape[2:])
+        conditions = self.text_conditions(drawn.captions[part], self.data.size_ids(mine), x0.shape[2:],
+                                          self.data.control_latents(mine))
         masks = self.data.loss_masks(mine, x0.shape[-2:]) if self.weighting == "elements" else None
         # image folders' items weigh their own (regularisation images); other data's weigh 1
         items = self.data.loss_weights(mine) if self.weighting != "none" and hasattr(self.data, "loss_weights") else None
@@ -225,7 +230,8 @@ class BatchMaker:
         mine = indices[part]
         x0 = data.x0(mine)
         noise = torch.randn((len(indices), *x0.shape[1:]), generator=torch.Generator().manual_seed(noise_seed))[part]
-        conditions = self.text_conditions([data.captions[i] for i in mine], data.size_ids(mine), x0.shape[2:])
+        conditions = self.text_conditions([data.captions[i] for i in mine], data.size_ids(mine), x0.shape[2:],
+                                          data.control_latents(mine))
         return [self._batch(x0, noise, torch.full((len(mine),), t), conditions, weighted=False)
                 for t in self.eval_timesteps(tuple(x0.shape[1:]))]
 

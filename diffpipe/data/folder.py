@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-__all__ = ["ImageItem", "Skipped", "scan_folders", "read_rgb", "BadImage", "IMAGE_SUFFIXES", "uncaptioned_note"]
+__all__ = ["ImageItem", "Skipped", "scan_folders", "read_rgb", "BadImage", "IMAGE_SUFFIXES", "uncaptioned_note",
+           "probe_image", "files_beside"]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 
@@ -90,7 +91,8 @@ def _oriented_size(image: Image.Image) -> tuple[int, int]:
     return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
 
 
-def _probe_image(path: Path) -> tuple[int, int, int]:
+def probe_image(path: Path) -> tuple[int, int, int]:
+    """(width, height, 0) of an image as seen (EXIF orientation applied), from its header; `BadImage` when unreadable."""
     try:
         with Image.open(path) as image:
             return (*_oriented_size(image), 0)
@@ -104,7 +106,7 @@ def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skippe
     times, in a stable order. Reads only the headers: truncated files are caught when they are decoded."""
     from .videos import VIDEO_SUFFIXES, probe_video
 
-    probes = dict.fromkeys(IMAGE_SUFFIXES, _probe_image) | (dict.fromkeys(VIDEO_SUFFIXES, probe_video) if videos else {})
+    probes = dict.fromkeys(IMAGE_SUFFIXES, probe_image) | (dict.fromkeys(VIDEO_SUFFIXES, probe_video) if videos else {})
     items = []
     for folder, repeats in folders:
         if not folder.is_dir():
@@ -123,6 +125,26 @@ def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skippe
                 continue
             items += [ImageItem(path, _caption(path, metadata, folder), width, height, frames)] * repeats
     return items
+
+
+def files_beside(items: list[ImageItem], folders: list[Path], root: Path, setting: str, what: str) -> list[Path]:
+    """Each item's file in `root` (data.mask_path, data.control_path): under the item's path relative to the one of
+    `folders` holding it, with the same name and any image suffix. A missing one stops the run before it starts,
+    naming the picture and what to do (`what`: what the file is, in the user's words)."""
+    folders = [folder.resolve() for folder in folders]
+    found = []
+    for item in items:
+        picture = item.path.resolve()
+        folder = next(f for f in folders if picture.is_relative_to(f))
+        stem = picture.relative_to(folder).with_suffix("")
+        beside = [root / f"{stem}{suffix}" for suffix in IMAGE_SUFFIXES if (root / f"{stem}{suffix}").is_file()]
+        if not beside:
+            from ..errors import DataError
+
+            raise DataError(f"{setting}: {item.path} has no {what} in {root} (looked for {stem}.png, .jpg, .jpeg or "
+                            f".webp there); add one for every picture, or unset {setting}")
+        found.append(beside[0])
+    return found
 
 
 def uncaptioned_note(items: list[ImageItem]) -> str | None:

@@ -29,11 +29,11 @@ from ..models.pipeline_folder import PipelineText, component_weights, fingerprin
 from ..models.vae import encode_latents
 from .buckets import Bucket, Placement, clip_to_pixels, make_buckets, place, to_pixels
 from .cache import ShardStore, fill_store
-from .folder import IMAGE_SUFFIXES, BadImage, ImageItem, Skipped, read_rgb, scan_folders, uncaptioned_note
+from .folder import BadImage, ImageItem, Skipped, files_beside, read_rgb, scan_folders, uncaptioned_note
 from .videos import clip_frames, read_clip
 
 __all__ = ["FolderImages", "prepare_folder_images", "data_buckets", "cache_folder", "read_pixels",
-           "regularisation_folders"]
+           "regularisation_folders", "store_latents", "data_folders"]
 
 _CHUNK = 8  # images per VAE call (clips: one per call)
 
@@ -107,6 +107,15 @@ class FolderImages:
     held_out: "FolderImages | None" = None  # the eval split (data.eval_fraction / data.eval_path), if any
     masks: list[Path] | None = None  # data.mask_path's file for each item
     _mask_weights: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # by item, once read
+    controls: list[Path] | None = None  # data.control_path's file for each item (data/controls.py)
+    control_placements: list[Placement] | None = None  # each control in its item's bucket
+    cached_controls: list[torch.Tensor] | None = None  # their latents, when cached
+
+    def keep(self, kept: list[int]) -> None:
+        """Only the items at `kept`, with everything held per item."""
+        for name in ("items", "placements", "latents", "controls", "control_placements", "cached_controls"):
+            if getattr(self, name) is not None:
+                setattr(self, name, [getattr(self, name)[i] for i in kept])
 
     @property
     def kind(self) -> str:
@@ -165,6 +174,15 @@ class FolderImages:
         pixels = torch.stack([read_pixels(self.items[i], self.placements[i]) for i in indices])
         return encode_latents(self.vae, pixels).cpu()
 
+    def control_latents(self, indices: list[int]) -> torch.Tensor | None:
+        """The items' control images' latents (data.control_path), each placed in its item's bucket; None without."""
+        if self.controls is None:
+            return None
+        if self.cached_controls is not None:
+            return torch.stack([self.cached_controls[i] for i in indices])
+        pixels = torch.stack([to_pixels(read_rgb(self.controls[i]), self.control_placements[i]) for i in indices])
+        return encode_latents(self.vae, pixels).cpu()
+
     def loss_weights(self, indices: list[int]) -> torch.Tensor:
         """Each item's loss weight: data.regularisation_weight for regularisation images, else 1."""
         return torch.tensor([self.items[i].loss_weight for i in indices], dtype=torch.float32)
@@ -221,9 +239,17 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
         vae_fingerprint = fingerprint_files(component_weights(model_path, "vae"))
         latent_store = ShardStore(cache_folder(data) / f"latents-{vae_fingerprint[:16]}")
         text_store = ShardStore(cache_folder(data) / f"text-{text.fingerprint()[:16]}")
-    for part in (dataset, held) if held is not None else (dataset,):
+    from .controls import cache_controls, find_controls  # (controls.py reads this module's helpers)
+
+    parts = (dataset, held) if held is not None else (dataset,)
+    if data.control_path:  # a missing control stops the run here, before anything is encoded
+        for part in parts:
+            find_controls(part, data)
+    for part in parts:
         if data.cache:
             _cache_latents(part, latent_store, vae, rank, world, barrier, show)
+            if part.controls is not None:
+                cache_controls(part, latent_store, vae, rank, world, barrier, show)
             _cache_text(part, text_store, text, rank, world, barrier, show)
         else:
             _check_decodes(part)
@@ -243,19 +269,9 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
 def _find_masks(items: list[ImageItem], data: DataConfig) -> list[Path]:
     """Each picture's mask in data.mask_path (its path under its data.path folder, any image suffix), each checked
     to decode at the picture's size: a missing or broken mask stops the run before it starts, naming the file."""
-    root = Path(data.mask_path)
-    folders = [folder.resolve() for folder, _ in data_folders(data) + regularisation_folders(data)]
-    masks = []
-    for item in items:
-        picture = item.path.resolve()
-        folder = next(f for f in folders if picture.is_relative_to(f))
-        stem = picture.relative_to(folder).with_suffix("")
-        found = [root / f"{stem}{suffix}" for suffix in IMAGE_SUFFIXES if (root / f"{stem}{suffix}").is_file()]
-        if not found:
-            raise DataError(f"data.mask_path: {item.path} has no mask in {root} (looked for {stem}.png, .jpg, .jpeg "
-                            "or .webp there); add one for every picture (white: trained, black: left out), or unset "
-                            "data.mask_path")
-        masks.append(found[0])
+    folders = [folder for folder, _ in data_folders(data) + regularisation_folders(data)]
+    masks = files_beside(items, folders, Path(data.mask_path), "data.mask_path",
+                         "mask (white: trained, black: left out)")
     for mask, item in {m: i for m, i in zip(masks, items)}.items():
         try:
             size = read_rgb(mask).size
@@ -297,32 +313,39 @@ def _hold_out(items: list[ImageItem], fraction: float) -> tuple[list[ImageItem],
 
 
 def _check_decodes(dataset: FolderImages) -> None:
-    """Uncached, every image is decoded once now: a broken one never fails a step."""
-    for i in reversed(range(len(dataset.items))):
+    """Uncached, every image (and control image) is decoded once now: a broken one never fails a step."""
+    kept = []
+    for i, (item, placement) in enumerate(zip(dataset.items, dataset.placements)):
         try:
-            read_pixels(dataset.items[i], dataset.placements[i])
+            read_pixels(item, placement)
+            if dataset.controls is not None:
+                read_rgb(dataset.controls[i])
+            kept.append(i)
         except BadImage as exc:
-            dataset.skipped.add(dataset.items[i].path, str(exc))
-            del dataset.items[i], dataset.placements[i]
+            dataset.skipped.add(item.path, str(exc))
+    dataset.keep(kept)
 
 
-def _cache_latents(dataset: FolderImages, store: ShardStore, vae, rank, world, barrier, show) -> None:
-    contents = {path: _file_hash(path) for path in {item.path for item in dataset.items}}
-    keys = [latent_key(contents[item.path], p) for item, p in zip(dataset.items, dataset.placements)]
+def store_latents(items: list[ImageItem], placements: list[Placement], store: ShardStore, vae, rank, world, barrier,
+                  show: bool, description: str) -> tuple[list[torch.Tensor | None], dict[int, str]]:
+    """Each item's latent as placed, from the store, this process encoding its share of what the store lacks; None
+    for an item that cannot be read, with the reason by the first such index of each file."""
+    contents = {path: _file_hash(path) for path in {item.path for item in items}}
+    keys = [latent_key(contents[item.path], p) for item, p in zip(items, placements)]
     first_index: dict[str, int] = {}  # repeated items share a key
     for i, key in enumerate(keys):
         first_index.setdefault(key, i)
 
     def compute(wanted: list[str]):
         entries, failed = {}, {}
-        todo = sorted(((k, first_index[k]) for k in wanted), key=lambda ki: dataset.placements[ki[1]].bucket)
-        size = 1 if any(p.frames > 1 for p in dataset.placements) else _CHUNK
+        todo = sorted(((k, first_index[k]) for k in wanted), key=lambda ki: placements[ki[1]].bucket)
+        size = 1 if any(p.frames > 1 for p in placements) else _CHUNK
         chunks = [todo[s:s + size] for s in range(0, len(todo), size)]
-        for chunk in track(chunks, description="caching VAE latents", disable=not (show and rank == 0)):
+        for chunk in track(chunks, description=description, disable=not (show and rank == 0)):
             ready = []
             for key, i in chunk:
                 try:
-                    ready.append((key, read_pixels(dataset.items[i], dataset.placements[i])))
+                    ready.append((key, read_pixels(items[i], placements[i])))
                 except BadImage as exc:
                     failed[key] = str(exc)
             for chunk_keys, pixels in _by_shape(ready):
@@ -330,13 +353,17 @@ def _cache_latents(dataset: FolderImages, store: ShardStore, vae, rank, world, b
         return entries, failed
 
     entries, failed = fill_store(store, list(first_index), compute, rank, world, barrier)
-    keep = [i for i, key in enumerate(keys) if key in entries]
-    for i, key in enumerate(keys):
-        if key in failed and first_index[key] == i:
-            dataset.skipped.add(dataset.items[i].path, failed[key])
-    dataset.items = [dataset.items[i] for i in keep]
-    dataset.placements = [dataset.placements[i] for i in keep]
-    dataset.latents = [entries[keys[i]]["latent"] for i in keep]
+    reasons = {i: failed[key] for i, key in enumerate(keys) if key in failed and first_index[key] == i}
+    return [entries[key]["latent"] if key in entries else None for key in keys], reasons
+
+
+def _cache_latents(dataset: FolderImages, store: ShardStore, vae, rank, world, barrier, show) -> None:
+    latents, reasons = store_latents(dataset.items, dataset.placements, store, vae, rank, world, barrier, show,
+                                     "caching VAE latents")
+    for i, why in reasons.items():
+        dataset.skipped.add(dataset.items[i].path, why)
+    dataset.latents = latents
+    dataset.keep([i for i, latent in enumerate(latents) if latent is not None])
 
 
 def _cache_text(dataset: FolderImages, store: ShardStore, text: PipelineText, rank, world, barrier, show) -> None:

@@ -40,6 +40,9 @@ class DataSource:
         if data.regularisation_path:
             raise ValueError(f"data.regularisation_path adds images to data.dataset = 'folder', and data.dataset is "
                              f"{self.name!r}: unset data.regularisation_path")
+        if data.control_path:
+            raise ValueError(f"data.control_path pairs control images with the pictures of data.dataset = 'folder', "
+                             f"and data.dataset is {self.name!r}: unset data.control_path")
 
     def check_config(self, config: RunConfig) -> None:
         """Refuse other settings this source cannot serve, such as an eval loss without held-out data."""
@@ -149,6 +152,9 @@ class FolderSource(DataSource):
             raise ValueError(f"data.repeats={data.repeats}: each must be 1 or more")
         if data.mask_path and not Path(data.mask_path).is_dir():
             raise ValueError(f"data.mask_path: {data.mask_path} is not a folder (of masks named as the pictures)")
+        if data.control_path and not Path(data.control_path).is_dir():
+            raise ValueError(f"data.control_path: {data.control_path} is not a folder (of control images named as "
+                             "the pictures)")
         if data.bucket_sizes is not None and (not data.bucket_sizes or any(
                 len(b) != 2 or min(b) < 8 for b in data.bucket_sizes)):
             raise ValueError(f"data.bucket_sizes={data.bucket_sizes}: give [width, height] pairs of 8 pixels or "
@@ -194,6 +200,10 @@ class FolderSource(DataSource):
         elif not trains_images(folder):
             raise CheckpointError(f"{folder}: its VAE encodes video clips but the {family.backbone_name} is an image "
                                   "model; the folder mixes components of different models")
+        if config.data.control_path and not family.reads_control:
+            raise DataError(f"data.control_path gives each picture a control image, and the {family.backbone_name} "
+                             f"of model.architecture = {config.model.architecture!r} reads none; train an edit model "
+                             "(flux_kontext), or unset data.control_path")
         if config.data.mask_path and family.latent_frames(cfg) is not None:
             raise ValueError(f"data.mask_path masks pictures, and the {family.backbone_name} trains on clips: unset "
                              "data.mask_path")

@@ -53,7 +53,9 @@ class TextBatch:
     SDXL's (original h, w, crop top, left, target h, w); latent_size: (h, w) of the latents ((frames, h, w) for
     clips); guidance: the
     embedded guidance value of guidance-distilled models (Flux-dev); filled: each caption's positions up to its last
-    filled one (a state not all zero), known on the host, or None (a family needing them reads them off `hidden`).
+    filled one (a state not all zero), known on the host, or None (a family needing them reads them off `hidden`);
+    control: (B, C, h, w) latents of each sample's control image (data.control_path) for a family that
+    `reads_control`, or None (no control image: the family is fed none).
     """
 
     hidden: torch.Tensor
@@ -62,6 +64,7 @@ class TextBatch:
     latent_size: tuple[int, ...]
     guidance: float
     filled: list[int] | None = None
+    control: torch.Tensor | None = None
 
 
 class ModelFamily:
@@ -78,6 +81,7 @@ class ModelFamily:
     cudnn_attention: ClassVar[bool] = True  # False: cuDNN's attention kernels fail on this family's shapes (CUDA)
     comfyui_lora_alpha: ClassVar[bool] = True  # False: --format comfyui writes no `.alpha` (the scale is in lora_up)
     reads_text_lengths: ClassVar[bool] = False  # True: `conditions` reads TextBatch.filled (the batch maker gives it)
+    reads_control: ClassVar[bool] = False  # True: an edit model; `conditions` reads TextBatch.control (data.control_path)
 
     def backbone(self, model: nn.Module, granularity: str) -> Backbone:
         """`model` checked (`check_supported`), what it never trains frozen (`unreached`), and described as units,
@@ -200,9 +204,12 @@ class Feed:
         return cls(backbone.family, backbone.model.config, guidance)
 
     def conditions(self, hidden: torch.Tensor, pooled: torch.Tensor, size_ids: torch.Tensor,
-                   latent_size: tuple[int, int], filled: list[int] | None = None) -> dict[str, torch.Tensor]:
+                   latent_size: tuple[int, int], filled: list[int] | None = None,
+                   control: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        if control is not None:
+            control = control.to(hidden.device)
         return self.family.conditions(self.cfg, TextBatch(hidden, pooled, size_ids.to(hidden.device),
-                                                          tuple(latent_size), self.guidance, filled))
+                                                          tuple(latent_size), self.guidance, filled, control))
 
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         return self.family.pack(self.cfg, latents)

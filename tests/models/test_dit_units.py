@@ -1,4 +1,4 @@
-"""The Flux, SD3, Wan and Qwen-Image adapters' units, run in order and as stages, compute exactly diffusers' forward, and the
+"""The Flux, Flux Kontext, SD3, Wan and Qwen-Image adapters' units, run in order and as stages, compute exactly diffusers' forward, and the
 families' latent layouts are what diffusers' pipelines use (packing, unpatchifying) and invert exactly."""
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
 from diffpipe.models.family import Feed
 from diffpipe.models.flux import FluxFamily
+from diffpipe.models.flux_kontext import FluxKontextFamily
 from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS, QwenImageFamily
 from diffpipe.models.sd3 import SD3Family
 from diffpipe.models.unet3d import UNET3D_PRESETS, UNet3DFamily
@@ -25,7 +26,7 @@ SD3 = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_h
 SD35 = dict(SD3, qk_norm="rms_norm", dual_attention_layers=(0,))  # SD3.5's per-head norms, MMDiT-X's extra attention
 WAN = dict(WAN_PRESETS["digits"], in_channels=4, out_channels=4, text_dim=24, num_layers=3)
 QWEN = dict(QWEN_IMAGE_PRESETS["digits"], in_channels=16, out_channels=4, joint_attention_dim=24)
-CASES = {"flux": (FluxFamily(), FLUX), "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
+CASES = {"flux": (FluxFamily(), FLUX), "flux-kontext": (FluxKontextFamily(), FLUX), "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
          "wan": (WanFamily(), WAN), "qwen-image": (QwenImageFamily(), QWEN),
          "unet3d": (UNet3DFamily(), dict(UNET3D_PRESETS["digits"], in_channels=4,
                                                                           out_channels=4, cross_attention_dim=24))}
@@ -33,14 +34,16 @@ SIZES = {"wan": (3, 8, 12), "unet3d": (3, 8, 12)}  # frames, height, width of a 
 
 
 def _fed(family, model, size=(8, 12), batch=3):  # noqa: C901
-    """A batch as the batch maker feeds it: latents in the family's layout, its named conditions, timesteps."""
+    """A batch as the batch maker feeds it: latents in the family's layout, its named conditions, timesteps; an edit
+    family's control latents at another size than the picture's (the pipeline allows it)."""
     gen = torch.Generator().manual_seed(0)
     cfg = model.config
     latents = torch.randn(batch, family.latent_channels(cfg), *size, generator=gen)
     hidden, pooled = family.text_widths(cfg)
     feed = Feed(family, cfg, guidance=3.5)
+    control = torch.randn(batch, family.latent_channels(cfg), 6, 8, generator=gen) if family.reads_control else None
     conditions = feed.conditions(torch.randn(batch, 7, hidden, generator=gen), torch.randn(batch, pooled, generator=gen),
-                                 torch.zeros(batch, 6), size)
+                                 torch.zeros(batch, 6), size, control=control)
     conditions["timestep"] = torch.tensor([0.0, 417.0, 999.0][:batch])
     return feed, latents, conditions
 

@@ -1,0 +1,124 @@
+"""Flux Kontext (issue 30) from a folder FluxKontextPipeline's own `save_pretrained` wrote: captions encoded as the
+pipeline's `encode_prompt`; a control image's tokens and position ids as the pipeline's `prepare_latents` makes
+them; a step's batch carries each picture's own control; the tiny edit example trains on 1 and 2 stages to the same
+losses; a LoRA exported for diffusers loads into FluxKontextPipeline with the trained output."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import FluxKontextPipeline
+from safetensors.torch import load_file
+
+from diffpipe.cli import main
+from diffpipe.config_files import build_config
+from diffpipe.data.batches import BatchMaker
+from diffpipe.data.images import prepare_folder_images
+from diffpipe.models.dit_text import FluxText
+from diffpipe.models.family import Feed
+from diffpipe.models.flux import pack_latents
+from diffpipe.models.flux_kontext import FluxKontextFamily
+from diffpipe.models.vae import load_vae
+
+from ..helpers import run_command
+
+ROOT = Path(__file__).parent.parent.parent
+QUICK = ["--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0",
+         "--set", "train.warmup_steps=0", "--set", "data.caption_dropout=0.0"]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny) -> FluxKontextPipeline:
+    return FluxKontextPipeline.from_pretrained(tiny / "flux_kontext")
+
+
+def _train(tiny: Path, out: Path, *extra: str):
+    edits = tiny / "edits"
+    return run_command(["train", str(ROOT / "examples" / "flux_kontext_tiny.toml"), "--output-dir", str(out),
+                        "--set", f'model.path="{tiny / "flux_kontext"}"', "--set", f'data.path="{edits / "pictures"}"',
+                        "--set", f'data.control_path="{edits / "controls"}"',
+                        "--set", f'data.cache_dir="{out.parent / "cache"}"', *QUICK, *extra])
+
+
+def _losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_text_is_encoded_as_flux_kontext_pipeline_does(tiny, pipe):
+    captions = ["a photo of the chinese temple", ""]
+    with torch.no_grad():
+        hidden, pooled, _ = pipe.encode_prompt(captions, prompt_2=None, device="cpu", max_sequence_length=512)
+    ours = FluxText.from_folder(tiny / "flux_kontext").encode(captions)
+    assert torch.equal(ours[0], hidden) and torch.equal(ours[1], pooled)
+
+
+def test_control_tokens_and_positions_are_what_the_pipeline_prepares(pipe):
+    """The picture's and its control's packed tokens and position ids, a control of another size than the picture."""
+    control = torch.randn(2, 4, 12, 8, generator=torch.Generator().manual_seed(0))
+    _, image_latents, latent_ids, image_ids = pipe.prepare_latents(
+        control, 2, 4, 16 * 8, 20 * 8, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(1))
+    feed = Feed(FluxKontextFamily(), pipe.transformer.config)
+    named = feed.conditions(torch.zeros(2, 5, 64), torch.zeros(2, 32), torch.zeros(2, 6), (16, 20), control=control)
+    assert torch.equal(named["reference"], image_latents)
+    assert torch.equal(named["reference_ids"][1], image_ids) and torch.equal(named["img_ids"][0], latent_ids)
+    alone = feed.conditions(torch.zeros(2, 5, 64), torch.zeros(2, 32), torch.zeros(2, 6), (16, 20))
+    assert alone["reference"].shape == (2, 0, 16)  # no control image: no reference tokens, as the pipeline without one
+
+
+def test_a_step_carries_each_pictures_own_control(tiny, pipe, tmp_path):
+    folder = tiny / "flux_kontext"
+    config = build_config({"model": {"architecture": "flux_kontext", "path": str(folder)},
+                           "data": {"dataset": "folder", "path": str(tiny / "edits" / "pictures"), "resolution": 128,
+                                    "bucket_step": 32, "control_path": str(tiny / "edits" / "controls"),
+                                    "cache_dir": str(tmp_path / "cache")},
+                           "train": {"batch_size": 2}, "pipeline": {"stages": 1, "microbatches": 1}})
+    data = prepare_folder_images(config.data, folder, load_vae(folder), FluxText.from_folder(folder), show=False)
+    maker = BatchMaker(data, FluxText.from_folder(folder), config.train, 0.0, Feed(FluxKontextFamily(),
+                                                                                    pipe.transformer.config))
+    for step in range(3):
+        indices = data.batch_indices(step, 2, config.train.seed)
+        batch = maker.make(step, 0, 1)
+        assert torch.equal(batch.conditions["reference"], pack_latents(data.control_latents(indices)))
+        assert not torch.equal(data.control_latents(indices), data.x0(indices))
+
+
+def test_the_tiny_example_trains_on_one_and_two_stages_to_the_same_losses(tiny, tmp_path):
+    runs = {}
+    for stages in (1, 2):
+        runs[stages] = tmp_path / f"stages{stages}"
+        result = _train(tiny, runs[stages], "--set", "train.max_steps=6", "--set", f"pipeline.stages={stages}")
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert f"{stages} stage(s)" in result.stdout
+        assert stages == 2 or "8 images in 3 bucket(s)" in result.stdout  # (two stages print it in their process)
+    one, two = _losses(runs[1]), _losses(runs[2])
+    assert len(one) == 6 and all(l == l for l in one)
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=0)
+
+
+@torch.no_grad()
+def _predicted(transformer) -> torch.Tensor:
+    family, gen = FluxKontextFamily(), torch.Generator().manual_seed(0)
+    feed = Feed(family, transformer.config, guidance=2.5)
+    conditions = feed.conditions(torch.randn(2, 9, 64, generator=gen), torch.randn(2, 32, generator=gen),
+                                 torch.zeros(2, 6), (16, 12), control=torch.randn(2, 4, 16, 12, generator=gen))
+    conditions["timestep"] = torch.tensor([500.0, 20.0])
+    return family.diffusers_forward(transformer.eval(), feed.pack(torch.randn(2, 4, 16, 12, generator=gen)), conditions)
+
+
+def test_a_lora_exports_for_diffusers(tiny, tmp_path):
+    run = tmp_path / "lora"
+    result = _train(tiny, run, "--set", "train.max_steps=4", "--set", "train.learning_rate=1e-2",
+                    "--set", "pipeline.stages=1", "--set", 'adapter.type="lora"', "--set", "adapter.rank=4",
+                    "--set", "adapter.alpha=8.0")
+    assert result.returncode == 0, result.stdout[-3000:]
+    trained = FluxKontextPipeline.from_pretrained(tiny / "flux_kontext").transformer
+    trained.load_state_dict(load_file(str(run / "model.safetensors")))  # the base with the adapters merged
+    want = _predicted(trained)
+    assert main(["export", str(run), "--format", "diffusers", "--out", str(tmp_path / "out")]) == 0
+    pipe = FluxKontextPipeline.from_pretrained(tiny / "flux_kontext")
+    base = _predicted(pipe.transformer)
+    pipe.load_lora_weights(tmp_path / "out" / "pytorch_lora_weights.safetensors")
+    assert (base - want).abs().max() > 1e-3  # the adapters matter
+    torch.testing.assert_close(_predicted(pipe.transformer), want, rtol=1e-5, atol=1e-5)
