@@ -109,7 +109,7 @@ def _label(loop: str, compiled: bool, lora_rank: int | None) -> str:
 
 def _plain_model(config, batch: int, lora_rank: int | None, bf16_base: bool):
     """The family's diffusers model on the GPU, its inputs, and the trained parameters, as a user sets them up."""
-    if config.model.architecture == "flux":
+    if config.model.architecture in ("flux", "flux_kontext"):
         from diffusers import FluxTransformer2DModel
         from diffpipe.models.flux import FLUX_PRESETS
         from flux_slice import _inputs as flux_inputs
@@ -117,7 +117,7 @@ def _plain_model(config, batch: int, lora_rank: int | None, bf16_base: bool):
         size = config.model.config or FLUX_PRESETS[config.model.preset]
         with torch.device("cuda"):  # 12 B random weights: drawn on the GPU, not the host
             model = FluxTransformer2DModel(**size)
-        inputs, targets = flux_inputs(batch), FLUX_LORA_TARGETS
+        inputs, targets = flux_inputs(batch, kontext=config.model.architecture == "flux_kontext"), FLUX_LORA_TARGETS
     elif config.model.architecture == "qwen_image":
         from types import SimpleNamespace
 

@@ -175,7 +175,7 @@ def example_inputs(config: RunConfig, backbone: Backbone, batch: int) -> tuple[d
     hidden, pooled = backbone.family.text_widths(backbone.model.config)
     shape = sample_shape(config, backbone)
     fed = feed(config, backbone)
-    control = torch.zeros(batch, *shape) if config.data.control_path else None  # an edit model's control latents
+    control = torch.zeros(batch, *shape) if source_of(config).has_controls(config, backbone.family) else None
     conditions = fed.conditions(torch.zeros(batch, text_length(config), hidden), torch.zeros(batch, pooled),
                                 torch.zeros(batch, 6), shape[1:], control=control)
     conditions["timestep"] = torch.zeros(batch)

@@ -236,7 +236,8 @@ class SampleConfig(_Section):
     guidance_interval: list[float] = Field([0.0, 1.0], min_length=2, max_length=2, description="[low, high]: guidance only at noise levels t in this range (0 clean, 1 pure noise: the model's timestep / 1000), the prompt alone elsewhere. Guidance at the noisiest steps narrows the samples' variety without making them more recognisable (Kynkaanniemi et al. 2024, arXiv:2404.07724); [0, 1]: at every step.")
     seeds: list[int] = Field([0, 1, 2, 3], min_length=1, description="Seeds of the rows of samples.png.")
     every: int = Field(0, ge=0, description="Also sample during training every N steps, through the pipeline itself (no weights gathered): RUN_DIR/samples/step-N.png and TensorBoard; 0: only samples.png at the end.")
-    prompts: list[str] = Field([], description="Prompts (columns) of samples.png for image folders; unset: up to 4 distinct captions of the data.")
+    prompts: list[str] = Field([], description="Prompts (columns) of samples.png for image folders; unset: up to 4 distinct captions of the data (an edit model with data.control_path: the first 4 pictures' captions, each with its control image).")
+    control_images: list[str] = Field([], description="An edit model (flux_kontext): the image each of sample.prompts edits, one per prompt, placed at the sample size and encoded by the VAE; unset: with data.control_path, the first pictures' own controls.")
 
     @model_validator(mode="after")
     def _check_interval(self) -> "SampleConfig":
@@ -244,6 +245,9 @@ class SampleConfig(_Section):
         if not 0.0 <= low <= high <= 1.0:
             raise ValueError(f"sample.guidance_interval = {list(self.guidance_interval)}: give [low, high] with "
                              "0 <= low <= high <= 1 (noise levels: 0 clean, 1 pure noise)")
+        if self.control_images and len(self.control_images) != len(self.prompts):
+            raise ValueError(f"sample.control_images lists {len(self.control_images)} image(s) for "
+                             f"{len(self.prompts)} sample.prompts; give one control image per prompt")
         return self
 
 

@@ -23,13 +23,13 @@ from .diffusion.samplers import sample
 from .diffusion.timesteps import NUM_TRAIN_TIMESTEPS
 from .models.family import Feed
 from .models.loading import CheckpointError
-from .models.vae import decode_latents, load_vae, vae_scale_factor
+from .models.vae import decode_latents, encode_latents, load_vae, vae_scale_factor
 from .models.text import CaptionEncoder, TextEncoder
 from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 from .precision import AUTOCAST_DTYPES
 
-__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "run_stages", "grid_prompts"]
+__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "run_stages", "grid_prompts", "grid_controls"]
 
 
 def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: dict[str, torch.Tensor],
@@ -60,9 +60,10 @@ class Generator:
 
     @torch.no_grad()
     def generate(self, prompts: list[str], seeds: list[int], steps: int, guidance_scale: float,
-                 decode: bool = True) -> torch.Tensor:
+                 decode: bool = True, controls: list[Path] | None = None) -> torch.Tensor:
         """One image per (prompt, seed) pair, in [-1, 1], shape (N, C, H, W): RGB pixels decoded by the VAE when the
-        run has one (and `decode`), else what the backbone made."""
+        run has one (and `decode`), else what the backbone made. An edit model edits `controls` (an image file per
+        prompt, placed at the sample size as a picture in its bucket); the unguided half keeps the control."""
         noise = torch.stack([torch.randn(self.shape, generator=torch.Generator().manual_seed(s)) for s in seeds])
         latent_size = self.shape[1:]
         noise = noise.to(self.text.outputs_device)
@@ -70,7 +71,11 @@ class Generator:
         guided = guidance_scale != 1.0
         texts = list(prompts) + ([""] * len(prompts) if guided else [])
         height, width = self.pixel_size
-        conditions = maker.text_conditions(texts, square_size_ids(len(texts), height, width), latent_size)
+        control = None
+        if controls is not None:
+            control = self.control_latents(controls)
+            control = torch.cat([control, control]) if guided else control
+        conditions = maker.text_conditions(texts, square_size_ids(len(texts), height, width), latent_size, control)
 
         low, high = self.config.sample.guidance_interval
 
@@ -98,6 +103,20 @@ class Generator:
         """(height, width) of the images made, in pixels."""
         factor = vae_scale_factor(self.vae) if self.vae is not None else 1
         return self.shape[-2] * factor, self.shape[-1] * factor
+
+    def control_latents(self, images: list[Path]) -> torch.Tensor:
+        """Control images placed at the sample size (resized to cover it, centre-cropped) and encoded by the VAE."""
+        from .data.buckets import Bucket, place, to_pixels
+        from .data.folder import read_rgb
+
+        if self.vae is None:
+            raise CheckpointError("control images are encoded by a pipeline folder's VAE, and this run has none")
+        height, width = self.pixel_size
+        pixels = []
+        for path in images:
+            image = read_rgb(Path(path))
+            pixels.append(to_pixels(image, place(*image.size, [Bucket(width, height)])))
+        return encode_latents(self.vae, torch.stack(pixels).to(next(self.vae.parameters()).device)).float()
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents scaled as in training (models/vae.py) to RGB in [-1, 1]: images, or clips (N, 3, F, H, W)."""
@@ -154,3 +173,15 @@ def grid_prompts(config: RunConfig, data_captions: Callable[[], list[str]]) -> l
     """The columns of a grid of samples (at the end of training and during it), as data.dataset's source chooses
     them: every digit, a digit in each motion, else sample.prompts or up to four distinct captions of the data."""
     return source_of(config).grid_prompts(config, data_captions)
+
+
+def grid_controls(config: RunConfig) -> list[Path] | None:
+    """An edit model's image for each column of the grid: sample.control_images, else with data.control_path and no
+    sample.prompts the controls of the pictures whose captions head the columns; None: text alone."""
+    if config.sample.control_images:
+        return [Path(p) for p in config.sample.control_images]
+    if config.data.control_path and not config.sample.prompts:
+        from .data.controls import first_edits
+
+        return [control for _, control in first_edits(config.data)]
+    return None

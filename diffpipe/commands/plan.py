@@ -31,6 +31,11 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
     plans: list[Plan] = []
     if world_size:
         plans = search_layouts(config, meta, world_size, hw)
+        if not plans and config.train.batch_size < world_size:  # not one sample for each pipeline or replica
+            print(f"no layout of {world_size} devices: a global batch of {config.train.batch_size} gives not every "
+                  f"device a sample to work on; set train.batch_size to {world_size} or more (--set "
+                  f"train.batch_size={world_size})")
+            return
         if not plans:
             print(f"no layout of {world_size} devices fits; try --gpu-memory, pipeline.checkpointing = \"auto\", "
                   "or a smaller train.batch_size")

@@ -1,6 +1,7 @@
 """`diffpipe sample`: images from a finished run's weights, one per seed.
 
     diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
+    diffpipe sample runs/flux_kontext_tiny --prompt "a photo of the chinese temple" --control grey.png --out colour.png
 """
 from __future__ import annotations
 
@@ -19,11 +20,17 @@ def sample_command(args) -> None:
         if value is not None and value < 1:
             raise CommandError(f"{name} {value}: give 1 or more")
     _check_image_path(Path(args.out))  # before minutes of sampling, not after
+    if args.control is not None and not Path(args.control).is_file():
+        raise CommandError(f"--control {args.control} is not a file; give the image to edit")
     gen = load_generator(args.run_dir)
+    if args.control is not None and not gen.feed.family.reads_control:
+        raise CommandError(f"--control gives an edit model the image to edit, and {args.run_dir} trained "
+                           f"{gen.config.model.architecture!r}, which edits none: leave --control out")
     steps = gen.config.sample.steps if args.steps is None else args.steps
     guidance = gen.config.sample.guidance_scale if args.guidance is None else args.guidance
     seeds = [args.seed + i for i in range(args.num)]
-    images = gen.generate([args.prompt] * args.num, seeds, steps, guidance)
+    controls = [Path(args.control)] * args.num if args.control is not None else None
+    images = gen.generate([args.prompt] * args.num, seeds, steps, guidance, controls=controls)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     scale = enlargement(images.shape[-2])  # tiny images (8x8 digits) enlarged to be seen when opened
     written = save_grid(images, 1, args.out)  # the user's own picture: unlabelled

@@ -172,7 +172,7 @@ def train_command(args) -> None:
 def _finish(config, run_dir: Path) -> None:
     from ..data.sources import source_of
     from ..grids import save_grid
-    from ..sampling import grid_prompts, load_generator
+    from ..sampling import grid_controls, grid_prompts, load_generator
     from ..train.records import plot_loss
 
     plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png")
@@ -182,7 +182,9 @@ def _finish(config, run_dir: Path) -> None:
         columns = grid_prompts(config, lambda: _folder_captions(config))
         prompts = [p for _ in seeds for p in columns]
         row_seeds = [s for s in seeds for _ in columns]
-        images = gen.generate(prompts, row_seeds, config.sample.steps, config.sample.guidance_scale)
+        controls = grid_controls(config)
+        images = gen.generate(prompts, row_seeds, config.sample.steps, config.sample.guidance_scale,
+                              controls=[c for _ in seeds for c in controls] if controls else None)
         written = save_grid(images, len(seeds), run_dir / "samples.png", columns, [f"seed {s}" for s in seeds])
         print(f"samples: {written}", flush=True)
     print(f"done: {run_dir}", flush=True)

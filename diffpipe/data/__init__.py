@@ -7,15 +7,16 @@ from __future__ import annotations
 __all__ = ["make_dataset"]
 
 
-def make_dataset(name: str, sample_shape: tuple[int, ...], seed: int):
+def make_dataset(name: str, sample_shape: tuple[int, ...], seed: int, controls: bool = False):
     """The images (N, C, H, W) or clips (N, C, F, H, W) and captions of `data.dataset` digits, moving_digits or
-    synthetic, as `TensorImages` (folders: data/images.py)."""
+    synthetic, as `TensorImages` (folders: data/images.py); with `controls`, synthetic data's control latents."""
     from .batches import TensorImages
     from .digits import DigitsDataset
     from .moving_digits import MovingDigits
     from .synthetic import SyntheticDataset
 
-    factories = {"digits": lambda: DigitsDataset(), "synthetic": lambda: SyntheticDataset(sample_shape, seed=seed),
+    factories = {"digits": lambda: DigitsDataset(),
+                 "synthetic": lambda: SyntheticDataset(sample_shape, seed=seed, controls=controls),
                  "moving_digits": lambda: MovingDigits(frames=sample_shape[1])}
     data = factories[name]()
-    return TensorImages(data.images, data.captions)
+    return TensorImages(data.images, data.captions, getattr(data, "controls", None))

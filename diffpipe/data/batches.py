@@ -61,8 +61,8 @@ class TensorImages:
     skipped = None
     held_out = None
 
-    def __init__(self, images: torch.Tensor, captions: list[str]):
-        self.images, self.captions = images, captions
+    def __init__(self, images: torch.Tensor, captions: list[str], controls: torch.Tensor | None = None):
+        self.images, self.captions, self.controls = images, captions, controls
 
     def summary(self, held_out) -> str | None:
         return None
@@ -90,8 +90,9 @@ class TensorImages:
     def size_ids(self, indices: list[int]) -> torch.Tensor:
         return square_size_ids(len(indices), *self.images.shape[-2:])
 
-    def control_latents(self, indices: list[int]) -> None:
-        return None  # no control images (data.control_path is for folders)
+    def control_latents(self, indices: list[int]) -> torch.Tensor | None:
+        """An edit model's control latents of the items (synthetic data's), or None."""
+        return None if self.controls is None else self.controls[torch.tensor(indices)]
 
 
 def fixed_batches(data, batch_size: int) -> list[list[int]]:

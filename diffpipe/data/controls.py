@@ -15,10 +15,12 @@ from pathlib import Path
 from ..config import DataConfig
 from .buckets import place
 from .cache import ShardStore
-from .folder import BadImage, ImageItem, files_beside, probe_image
+from .folder import BadImage, ImageItem, Skipped, files_beside, probe_image, scan_folders
 from .images import FolderImages, data_folders, regularisation_folders, store_latents
 
-__all__ = ["find_controls", "cache_controls"]
+__all__ = ["find_controls", "cache_controls", "first_edits", "GRID_EDITS"]
+
+GRID_EDITS = 4  # pictures a sample grid edits when sample.prompts and sample.control_images are unset
 
 
 def find_controls(dataset: FolderImages, data: DataConfig) -> None:
@@ -51,3 +53,12 @@ def cache_controls(dataset: FolderImages, store: ShardStore, vae, rank, world, b
         dataset.skipped.add(dataset.items[i].path, f"its control image {dataset.controls[i].name}: {why}")
     dataset.cached_controls = latents
     dataset.keep([i for i, latent in enumerate(latents) if latent is not None])
+
+
+def first_edits(data: DataConfig) -> list[tuple[str, Path]]:
+    """The first pictures of data.path (in name order, each once): their captions and control images, what a sample
+    grid edits when sample.prompts and sample.control_images are unset."""
+    items = list({item.path: item for item in scan_folders(data_folders(data), 0, Skipped())}.values())[:GRID_EDITS]
+    return list(zip([item.caption for item in items], files_beside(
+        items, [folder for folder, _ in data_folders(data)], Path(data.control_path), "data.control_path",
+        "control image (what the picture is made from)")))

@@ -46,6 +46,9 @@ class DataSource:
 
     def check_config(self, config: RunConfig) -> None:
         """Refuse other settings this source cannot serve, such as an eval loss without held-out data."""
+        if config.sample.control_images:
+            raise ValueError(f"sample.control_images are encoded by a pipeline folder's VAE, for an edit model on "
+                             f"data.dataset = 'folder', and data.dataset is {self.name!r}: unset sample.control_images")
         if config.train.eval_every and not self.held_out_split:
             raise ValueError(f"train.eval_every needs held-out data, and data.dataset = {self.name!r} has none: "
                              "use digits, or folder with data.eval_fraction or data.eval_path; or set "
@@ -53,6 +56,10 @@ class DataSource:
 
     def check(self, config: RunConfig, backbone: Backbone, shape: tuple[int, ...]) -> None:
         """Refuse, before any process starts, a model this data cannot feed (`shape`: its latents' sample shape)."""
+
+    def has_controls(self, config: RunConfig, family) -> bool:
+        """Whether this data gives each item a control image (an edit model's): what steps feed and plans count."""
+        return False
 
     def latent_size(self, config: RunConfig) -> tuple[int, int] | None:
         """(height, width) of the latents this data has, where the data decides it (else None)."""
@@ -66,7 +73,7 @@ class DataSource:
               device: torch.device, rank: int, world: int, barrier: Callable[[], None]):
         from . import make_dataset
 
-        data = make_dataset(self.name, shape, config.train.seed)
+        data = make_dataset(self.name, shape, config.train.seed, self.has_controls(config, backbone.family))
         text.keep(data.captions + [""], config.data.text_cache_gib)  # "": captions dropped for guidance
         return data
 
@@ -129,6 +136,9 @@ class MovingDigitsSource(DataSource):
 class SyntheticSource(DataSource):
     name = "synthetic"
     samples = False
+
+    def has_controls(self, config, family):
+        return family.reads_control  # random control latents beside the random latents: what an edit model reads
 
 
 class FolderSource(DataSource):
@@ -200,6 +210,13 @@ class FolderSource(DataSource):
         elif not trains_images(folder):
             raise CheckpointError(f"{folder}: its VAE encodes video clips but the {family.backbone_name} is an image "
                                   "model; the folder mixes components of different models")
+        if config.sample.control_images and not family.reads_control:
+            raise DataError(f"sample.control_images are images to edit, and the {family.backbone_name} of "
+                             f"model.architecture = {config.model.architecture!r} edits none; unset "
+                             "sample.control_images")
+        for image in config.sample.control_images:
+            if not Path(image).is_file():
+                raise FileNotFoundError(f"sample.control_images: {image} is not a file")
         if config.data.control_path and not family.reads_control:
             raise DataError(f"data.control_path gives each picture a control image, and the {family.backbone_name} "
                              f"of model.architecture = {config.model.architecture!r} reads none; train an edit model "
@@ -218,6 +235,16 @@ class FolderSource(DataSource):
             raise CheckpointError(f"{folder}: the text encoders give {given[0]}-wide states and {given[1]}-wide "
                                   f"pooled embeddings but the {family.backbone_name} takes {wanted[0]} and "
                                   f"{wanted[1]}; the folder mixes components of different models")
+
+    def has_controls(self, config, family):
+        return bool(config.data.control_path)
+
+    def grid_prompts(self, config, data_captions):
+        if config.data.control_path and not config.sample.prompts:  # an edit model: the first pictures, each edited
+            from .controls import first_edits
+
+            return [caption for caption, _ in first_edits(config.data)]
+        return super().grid_prompts(config, data_captions)
 
     def latent_size(self, config):
         from ..models.vae import vae_scale_factor

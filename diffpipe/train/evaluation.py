@@ -15,7 +15,7 @@ from ..config import RunConfig
 from ..data.batches import fixed_batches
 from ..data.sources import source_of
 from ..grids import save_grid
-from ..sampling import Generator, grid_prompts
+from ..sampling import Generator, grid_controls, grid_prompts
 
 __all__ = ["evaluate", "held_out_data", "write_samples"]
 
@@ -70,8 +70,10 @@ def write_samples(trainer, step: int) -> None:
     generator = Generator(cfg, _pipeline_forward(trainer), trainer.text, trainer.feed, trainer.sample_shape,
                           trainer.vae)
     seeds = cfg.sample.seeds
+    controls = grid_controls(cfg)
     images = generator.generate([p for _ in seeds for p in prompts], [s for s in seeds for _ in prompts],
-                                cfg.sample.steps, cfg.sample.guidance_scale, decode=topo.is_main)
+                                cfg.sample.steps, cfg.sample.guidance_scale, decode=topo.is_main,
+                                controls=[c for _ in seeds for c in controls] if controls else None)
     if topo.is_main:
         folder = trainer.run_dir / "samples"
         folder.mkdir(exist_ok=True)

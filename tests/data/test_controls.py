@@ -101,3 +101,10 @@ def test_a_model_that_reads_no_control_refuses_the_setting(tiny, tmp_path, capfd
     assert result.returncode != 0
     assert "model.architecture = 'flux' reads none; train an edit model (flux_kontext)" in errors
     assert "Traceback" not in errors and not (tmp_path / "run").exists()
+
+
+def test_sample_control_images_are_one_per_prompt():
+    from diffpipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="sample.control_images lists 1 image"):
+        build_config({"sample": {"prompts": ["a", "b"], "control_images": ["a.png"]}})
