@@ -76,8 +76,10 @@ class CaptionEncoder:
         and not kept is still encoded, on the CPU (slowly), and its outputs moved there."""
         if not self._kept or any(c not in self._kept for c in captions) or self.device.type == "cpu":
             return False
-        self._outputs_on = self.device
+        self._outputs_on, was = self.device, self.device
         self.to("cpu")
+        if was.type == "cuda":
+            torch.cuda.empty_cache()  # the stages built next, and NCCL, get the memory the encoders held
         return True
 
     def to(self, device: torch.device | str) -> "CaptionEncoder":

@@ -104,6 +104,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     specs = stage_specs(backbone, p.split)
     schedule = schedule_named(p.schedule)
     mine = schedule.stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
+    text, data, held_out = _text_and_data(config, backbone, topo)  # first: the text encoders leave before the stages come
     modules = build_stages(config, backbone, specs, mine, topo.device, p.checkpointing)
     tied = tied_parameters(backbone, specs)  # by the backbone's parameter objects, which wrapping replaces:
     spread_over_replicas(modules, topo, p.data_parallel_shard)  # before anything keeps the parameters
@@ -121,30 +122,39 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     optimizer, lr_schedule = make_optimizer(groups, config.train, config.memory.optimizer_state,
                                             reduce_group=topo.pp_group,
                                             not_counted=frozenset(tied_gradients.not_counted_here))
-    text = build_text_encoder(config, backbone).to(topo.device)
-    data = build_dataset(config, backbone, text, topo.device, topo.rank, topo.world_size, dist.barrier)
-    resolve_epochs(config.train, data, topo.is_main)  # the learning-rate schedule reads max_steps as it goes
     family_feed = feed(config, backbone)
-    held_out = held_out_data(config, data)
-    # every caption the run will ask for computed already (cached or kept): the text encoders leave the GPU
-    prompts = grid_prompts(config, lambda: data.captions)
-    text.keep(prompts, config.data.text_cache_gib)
-    asked = [*data.captions, "", *(held_out.captions if held_out is not None else []), *prompts]
-    d = config.data
-    tags = CaptionTags(d.caption_shuffle, d.tag_dropout, d.keep_tokens)
-    if not tags.changes and text.park(asked) and topo.is_main:  # changed captions are encoded as they come
-        print("text encoders moved to host memory: every caption is encoded already", flush=True)
-    summary = data.summary(held_out)
-    if topo.is_main and summary:
-        print(summary, flush=True)
     moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches,
                          lambda s: schedule.rank_of(s, p.stages))
     return RunParts(model_config, shapes, modules, [q for params, _ in groups for q in params],
                     tied_gradients, scaler, runner, optimizer,
                     lr_schedule, text, data, family_feed,
-                    BatchMaker(data, text, config.train, d.caption_dropout, family_feed, tags, weighting,
+                    BatchMaker(data, text, config.train, config.data.caption_dropout, family_feed,
+                               caption_tags(config.data), weighting,
                                timestep_range(config), shift_schedule(config)), held_out,
                     sample_shape(config, backbone), moved)
+
+
+def caption_tags(data) -> CaptionTags:
+    return CaptionTags(data.caption_shuffle, data.tag_dropout, data.keep_tokens)
+
+
+def _text_and_data(config: RunConfig, backbone, topo: Topology):
+    """The text encoders and the data (latents and captions cached, each process its share), then every caption the
+    run will ask for encoded (cached or kept) and the text encoders moved to host memory: built before the stages,
+    so a card never holds the text encoders (Flux's T5-XXL and CLIP: 19 GB in fp32) beside the stages' weights."""
+    text = build_text_encoder(config, backbone).to(topo.device)
+    data = build_dataset(config, backbone, text, topo.device, topo.rank, topo.world_size, dist.barrier)
+    resolve_epochs(config.train, data, topo.is_main)  # the learning-rate schedule reads max_steps as it goes
+    held_out = held_out_data(config, data)
+    prompts = grid_prompts(config, lambda: data.captions)
+    text.keep(prompts, config.data.text_cache_gib)
+    asked = [*data.captions, "", *(held_out.captions if held_out is not None else []), *prompts]
+    if not caption_tags(config.data).changes and text.park(asked) and topo.is_main:  # changed: encoded as they come
+        print("text encoders moved to host memory: every caption is encoded already", flush=True)
+    summary = data.summary(held_out)
+    if topo.is_main and summary:
+        print(summary, flush=True)
+    return text, data, held_out
 
 
 def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int, rank_of) -> int:
