@@ -83,6 +83,9 @@ def test_a_step_carries_each_pictures_own_control(tiny, pipe, tmp_path):
         batch = maker.make(step, 0, 1)
         assert torch.equal(batch.conditions["reference"], pack_latents(data.control_latents(indices)))
         assert not torch.equal(data.control_latents(indices), data.x0(indices))
+    same_bucket = data.groups()[0][:2]  # the eval loss's batches too
+    for batch in maker.make_fixed(data, same_bucket, 0, 0, 1):
+        assert torch.equal(batch.conditions["reference"], pack_latents(data.control_latents(same_bucket)))
 
 
 def test_the_tiny_example_trains_on_one_and_two_stages_to_the_same_losses(tiny, tmp_path):
@@ -127,12 +130,15 @@ def test_a_lora_exports_for_diffusers(tiny, tmp_path):
 
 def test_samples_edit_their_control_images(tiny, tmp_path):
     """The grid (during training, through the pipeline, and at the end) edits the first pictures' controls; `diffpipe
-    sample --control` edits the image given: another control, another image from the same seed."""
+    sample --control` edits the image given: another control, another image from the same seed. The eval loss reads
+    the held-out pictures' controls."""
     run = tmp_path / "run"
     result = _train(tiny, run, "--set", "train.max_steps=2", "--set", "pipeline.stages=1",
                     "--set", "output.sample_every_end=true", "--set", "sample.every=2", "--set", "sample.steps=2",
-                    "--set", "sample.seeds=[0]")
+                    "--set", "sample.seeds=[0]", "--set", "data.eval_fraction=0.25", "--set", "train.eval_every=2")
     assert result.returncode == 0, result.stdout[-3000:]
+    assert "6 images in 2 bucket(s)" in result.stdout and "2 held out for the eval loss" in result.stdout
+    assert any("eval_loss" in json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
     assert (run / "samples.png").is_file() and (run / "samples" / "step-000002.png").is_file()
     with Image.open(run / "samples.png") as grid:
         assert grid.width > 4 * 96  # four columns: the first four pictures, each with its control
@@ -146,3 +152,18 @@ def test_samples_edit_their_control_images(tiny, tmp_path):
     # a random model trained two steps attends little to the control's tokens: the images differ by a fraction of a
     # level on average (0.09 seen), and not at all when the control is not fed (seen with the control left out)
     assert (made["china_0"] - made["flower_4"]).abs().mean() > 0.02
+
+
+def test_plans_count_a_control_where_the_data_has_one(tiny):
+    """Synthetic data gives an edit model a control of the picture's size (the planner's example inputs hold its 4096
+    tokens at 1024x1024); pictures without data.control_path give it none."""
+    from diffpipe.build import build_backbone, example_inputs
+    from diffpipe.config_files import load_config
+
+    config = load_config(ROOT / "examples" / "flux_kontext_lora.toml")
+    _, conditions = example_inputs(config, build_backbone(config, "meta"), 1)
+    assert conditions["reference"].shape == (1, 4096, 64) and conditions["reference_ids"][0, :, 0].eq(1).all()
+    plain = build_config({"model": {"architecture": "flux_kontext", "path": str(tiny / "flux_kontext")},
+                          "data": {"dataset": "folder", "path": str(tiny / "edits" / "pictures"), "resolution": 128}})
+    _, conditions = example_inputs(plain, build_backbone(plain, "meta"), 1)
+    assert conditions["reference"].shape == (1, 0, 16)
