@@ -8,8 +8,8 @@ and tokenizer loaded from the run's text encoder folder; the digits from scikit-
 `inject_adapter_in_model`; torch's AdamW (or prodigyopt's Prodigy, transformers' Adafactor), `clip_grad_norm_`, `GradScaler` and a `LambdaLR` schedule.
 
 Only random numbers come from the run (`Draws`): which items each step takes, their captions after caption
-dropout, timesteps in (0, 1), noise, the LoRA A matrices' first values, and the clean images of datasets other than
-digits (made by diffpipe's data module, which tests/data checks). A wrong computation on any of them (a target's
+dropout, timesteps in (0, 1), noise, the LoRA A matrices' first values, and the clean images (and an edit model's
+control latents) of datasets other than digits (made by diffpipe's data module, which tests/data checks). A wrong computation on any of them (a target's
 sign, a text condition, a schedule step, LoRA's scale, AdamW's decay) shows as a difference.
 """
 from __future__ import annotations
@@ -43,6 +43,7 @@ class StepDraw:
     t: torch.Tensor
     noise: torch.Tensor
     x0: torch.Tensor | None = None  # the items themselves, for data not read from scikit-learn here
+    control: torch.Tensor | None = None  # an edit model's control latents of the items (synthetic data's)
 
 
 @dataclass
@@ -179,7 +180,7 @@ def _train(config, draws: Draws, autocast: torch.dtype | None) -> dict:
         height, width = x0.shape[-2:]
         size_ids = torch.tensor([[height, width, 0, 0, height, width]], dtype=torch.float32).expand(len(x0), 6)
         conditions = family.conditions(cfg, TextBatch(hidden, pooled, size_ids, tuple(x0.shape[2:]),
-                                                      config.model.guidance))
+                                                      config.model.guidance, control=drawn.control))
         conditions["timestep"] = timestep
         noisy, target = family.pack(cfg, noisy), family.pack_prediction(cfg, target)
         opt.zero_grad(set_to_none=True)

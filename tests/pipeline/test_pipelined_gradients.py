@@ -59,6 +59,7 @@ from diffpipe.config_files import build_config
 from diffpipe.data import make_dataset
 from diffpipe.data.batches import BatchMaker
 from diffpipe.data.moving_digits import MOTION_WORDS
+from diffpipe.data.sources import source_of
 from diffpipe.models.lora import add_lora, is_adapter
 from diffpipe.models.flux import FLUX_PRESETS
 from diffpipe.models.presets import UNET_PRESETS
@@ -87,10 +88,12 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
           "toy-tied": ("tests.models.toy_family:ToyFamily", {}),  # a norm tied between the first and last units
           "wan": ("wan", WAN_PRESETS["digits"]),  # clips of moving digits
           "unet3d": ("unet3d", UNET3D_PRESETS["digits"]),
-          "qwen-image": ("qwen_image", QWEN_IMAGE_PRESETS["digits"])}
+          "qwen-image": ("qwen_image", QWEN_IMAGE_PRESETS["digits"]),
+          "flux-kontext": ("flux_kontext", FLUX_PRESETS["digits"])}  # synthetic latents, each with a control
 
 
 MOVING = ("wan", "unet3d")  # trained on clips of moving digits
+SYNTHETIC = ("sdxl-style", "flux-kontext")  # trained on synthetic latents (an edit model: with random controls)
 TEXT_LENGTH = 8
 
 
@@ -99,14 +102,14 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
             steps: int = STEPS, lora: bool | str = False, shard: bool = False, weight_decay: float = 0.0,
             timesteps: str = "uniform", optimizer: str = "adamw", optimizer_args: dict | None = None,
             learning_rate: float = 1e-3, timestep_range: list[float] | None = None) -> dict:
-    digits = model != "sdxl-style"  # the others are made for 1-channel 8x8 images
+    digits = model not in SYNTHETIC  # the others are made for 1-channel 8x8 images
     micro_size = 2 if digits else 1
     return {
         "adapter": {"type": lora if isinstance(lora, str) else "lora", "rank": 4, "alpha": 8.0} if lora else {"type": "none"},
         # path and text_encoder: the folders of `model_folders`
         "model": {"path": model, "architecture": MODELS[model][0], "text_encoder": f"{model}-text",
                   "text_max_length": TEXT_LENGTH},
-        "data": {"dataset": "moving_digits" if model in MOVING else "digits" if digits else "synthetic"},
+        "data": {"dataset": "moving_digits" if model in MOVING else "synthetic" if model in SYNTHETIC else "digits"},
         "train": {"max_steps": steps, "batch_size": micro_size * dp * microbatches, "learning_rate": learning_rate,
                   "optimizer": optimizer, "optimizer_args": optimizer_args or {},
                   "dropout": False,  # the spatio-temporal UNet drops 10 %: masks drawn per process cannot match
@@ -181,6 +184,7 @@ TWO = {
     "wan-dp2": _config(1, "1f1b", dp=2, model="wan"),
     # Qwen-Image's last block leaves its text side unused (no gradient): data parallel must not wait for one
     "qwen-image-dp2": _config(1, "1f1b", dp=2, model="qwen-image"),
+    "flux-kontext-1f1b-2": _config(2, "1f1b", model="flux-kontext"),  # each item's control tokens beside its own
     "unet3d-dp2": _config(1, "1f1b", dp=2, model="unet3d"),
     "sdxl-style-dp2": _config(1, "1f1b", dp=2, model="sdxl-style"),
     "dp2-sharded-checkpointed": _config(1, "1f1b", dp=2, shard=True, checkpointing="all"),
@@ -288,7 +292,8 @@ def draws_of(config) -> Draws:
     checks): each step's items, captions after dropout, timesteps and noise (`BatchMaker.draw`), the clean items of
     data other than digits, and the LoRA adapters' first values (A seeded per module, B zero)."""
     meta = build_backbone(config, "meta")
-    data = make_dataset(config.data.dataset, sample_shape(config, meta), config.train.seed)
+    data = make_dataset(config.data.dataset, sample_shape(config, meta), config.train.seed,
+                        source_of(config).has_controls(config, meta.family))
     maker = BatchMaker(data, None, config.train, config.data.caption_dropout, None,
                        timesteps_within=timestep_range(config))
     shape = tuple(data.x0([0]).shape[1:])
@@ -296,7 +301,8 @@ def draws_of(config) -> Draws:
     for step in range(config.train.max_steps):
         drawn = maker.draw(step, shape)
         x0 = None if config.data.dataset == "digits" else data.x0(drawn.indices)
-        steps.append(StepDraw(drawn.indices, drawn.captions, drawn.t, drawn.noise, x0))
+        steps.append(StepDraw(drawn.indices, drawn.captions, drawn.t, drawn.noise, x0,
+                              data.control_latents(drawn.indices)))
     adapters = {}
     if config.adapter.type != "none":
         family = meta.family
