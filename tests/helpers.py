@@ -85,3 +85,21 @@ def wan_output(transformer):
     with torch.no_grad():
         return transformer.eval()(hidden_states=clips, timestep=torch.tensor([500, 20]),
                                   encoder_hidden_states=text).sample
+
+
+def check_diffusers_lora(pipeline_class, folder, run, out, predict) -> None:
+    """A run's LoRA exported with `diffpipe export --format diffusers` loads through `pipeline_class`'s
+    `load_lora_weights` into the trained output: `predict(transformer)` of the base with the file loaded equals that of
+    the base with the run's adapters merged (its model.safetensors), and differs from the base's alone."""
+    import torch
+    from safetensors.torch import load_file
+
+    trained = pipeline_class.from_pretrained(folder).transformer
+    trained.load_state_dict(load_file(str(run / "model.safetensors")))
+    want = predict(trained)
+    assert main(["export", str(run), "--format", "diffusers", "--out", str(out)]) == 0
+    pipe = pipeline_class.from_pretrained(folder)
+    base = predict(pipe.transformer)
+    pipe.load_lora_weights(out / "pytorch_lora_weights.safetensors")
+    assert (base - want).abs().max() > 1e-3  # the adapters matter
+    torch.testing.assert_close(predict(pipe.transformer), want, rtol=1e-5, atol=1e-5)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .family import TextBatch
-from .flux import FluxFamily, _Block, _Embed, _Out, image_ids, pack_latents
+from .flux import FluxFamily, _Embed, _Out, flux_backbone, image_ids, pack_latents
 from .units import Backbone, Unit
 
 __all__ = ["FluxKontextFamily", "reference_ids"]
@@ -42,16 +42,11 @@ class _KontextOut(_Out):
 
 
 def kontext_backbone(model: nn.Module) -> Backbone:
-    conditions = ("timestep", "pooled_projections", "encoder_hidden_states", "img_ids", "txt_ids", "reference",
-                  "reference_ids")
-    if model.config.guidance_embeds:
-        conditions += ("guidance",)
-    streams = ("h", "context", "temb", "rope")
-    units = [Unit("embed", _KontextEmbed(model), ("sample",) + conditions, streams)]
-    units += [Unit(f"double.{i}", _Block(b), streams, ("h", "context")) for i, b in enumerate(model.transformer_blocks)]
-    units += [Unit(f"single.{i}", _Block(b), streams, ("h", "context"))
-              for i, b in enumerate(model.single_transformer_blocks)]
-    units.append(Unit("out", _KontextOut(model), ("h", "temb", "reference"), ("prediction",)))
+    """Flux's units, with an `embed` that joins the control's tokens and an `out` that cuts them off."""
+    flux = flux_backbone(model)
+    conditions = flux.conditions + ("reference", "reference_ids")
+    units = [Unit("embed", _KontextEmbed(model), ("sample",) + conditions, flux.units[0].writes), *flux.units[1:-1],
+             Unit("out", _KontextOut(model), ("h", "temb", "reference"), ("prediction",))]
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 

@@ -20,7 +20,7 @@ from diffpipe.models.dit_text import FluxText, SD3Text
 from diffpipe.models.loading import CheckpointError
 from diffpipe.preflight import check_before_launch
 
-from ..helpers import Ran, grid_size, run_command
+from ..helpers import Ran, check_diffusers_lora, grid_size, run_command
 
 ROOT = Path(__file__).parent.parent.parent
 CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]
@@ -139,16 +139,7 @@ def test_the_tiny_flux_example_trains_lora_and_its_export_loads_in_diffusers(tin
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 stage(s)" in result.stdout
     assert Image.open(run / "samples.png").size == grid_size(2, 1, (128, 128), [0])
-    trained = FluxPipeline.from_pretrained(tiny / "flux").transformer
-    trained.load_state_dict(load_file(str(run / "model.safetensors")))  # the base with the adapters merged
-    want = _flux_output(trained)
-    assert main(["export", str(run), "--format", "diffusers", "--out", str(tmp_path / "out")]) == 0
-    pipe = FluxPipeline.from_pretrained(tiny / "flux")
-    base = _flux_output(pipe.transformer)
-    pipe.load_lora_weights(tmp_path / "out" / "pytorch_lora_weights.safetensors")
-    got = _flux_output(pipe.transformer)
-    assert (base - want).abs().max() > 1e-3  # the adapters matter
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    check_diffusers_lora(FluxPipeline, tiny / "flux", run, tmp_path / "out", _flux_output)
     assert main(["export", str(run), "--format", "kohya", "--out", str(tmp_path / "k.safetensors")]) == 2  # UNets only
     assert "--format kohya writes UNet layouts" in capsys.readouterr().err
     original = tmp_path / "flux1-finetune.safetensors"  # the merged model in BFL's layout, as ComfyUI loads Flux.1

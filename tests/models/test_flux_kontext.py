@@ -23,7 +23,7 @@ from diffpipe.models.flux import pack_latents
 from diffpipe.models.flux_kontext import FluxKontextFamily
 from diffpipe.models.vae import load_vae
 
-from ..helpers import run_command
+from ..helpers import check_diffusers_lora, run_command
 
 ROOT = Path(__file__).parent.parent.parent
 QUICK = ["--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0",
@@ -117,15 +117,7 @@ def test_a_lora_exports_for_diffusers(tiny, tmp_path):
                     "--set", "pipeline.stages=1", "--set", 'adapter.type="lora"', "--set", "adapter.rank=4",
                     "--set", "adapter.alpha=8.0")
     assert result.returncode == 0, result.stdout[-3000:]
-    trained = FluxKontextPipeline.from_pretrained(tiny / "flux_kontext").transformer
-    trained.load_state_dict(load_file(str(run / "model.safetensors")))  # the base with the adapters merged
-    want = _predicted(trained)
-    assert main(["export", str(run), "--format", "diffusers", "--out", str(tmp_path / "out")]) == 0
-    pipe = FluxKontextPipeline.from_pretrained(tiny / "flux_kontext")
-    base = _predicted(pipe.transformer)
-    pipe.load_lora_weights(tmp_path / "out" / "pytorch_lora_weights.safetensors")
-    assert (base - want).abs().max() > 1e-3  # the adapters matter
-    torch.testing.assert_close(_predicted(pipe.transformer), want, rtol=1e-5, atol=1e-5)
+    check_diffusers_lora(FluxKontextPipeline, tiny / "flux_kontext", run, tmp_path / "out", _predicted)
 
 
 def test_samples_edit_their_control_images(tiny, tmp_path):

@@ -18,7 +18,7 @@ from diffpipe.models.dit_text import QwenImageText
 from diffpipe.models.family import Feed
 from diffpipe.models.qwen_image import QwenImageFamily, text_mask
 
-from ..helpers import run_command
+from ..helpers import check_diffusers_lora, run_command
 
 ROOT = Path(__file__).parent.parent.parent
 CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]
@@ -130,26 +130,18 @@ def test_a_lora_exports_for_diffusers_and_comfyui(tiny, tmp_path):
     result = _train(tiny, run, "--set", "train.max_steps=6", "--set", "train.learning_rate=1e-2",
                     "--set", 'adapter.type="lora"', "--set", "adapter.rank=4", "--set", "adapter.alpha=8.0")
     assert result.returncode == 0, result.stderr[-3000:]
-    trained = QwenImagePipeline.from_pretrained(tiny / "qwen_image").transformer
-    trained.load_state_dict(load_file(str(run / "model.safetensors")))  # the base with the adapters merged
-    want = _sampled(trained)
-    assert main(["export", str(run), "--format", "diffusers", "--out", str(tmp_path / "out")]) == 0
-    pipe = QwenImagePipeline.from_pretrained(tiny / "qwen_image")
-    base = _sampled(pipe.transformer)
-    pipe.load_lora_weights(tmp_path / "out" / "pytorch_lora_weights.safetensors")
-    assert (base - want).abs().max() > 1e-3  # the adapters matter
-    torch.testing.assert_close(_sampled(pipe.transformer), want, rtol=1e-5, atol=1e-5)
+    check_diffusers_lora(QwenImagePipeline, tiny / "qwen_image", run, tmp_path / "out", _sampled)
+    merged = load_file(str(run / "model.safetensors"))  # the base with the adapters merged, diffusers' names
     comfy = tmp_path / "comfy.safetensors"
     assert main(["export", str(run), "--format", "comfyui", "--out", str(comfy)]) == 0
     # ComfyUI's Qwen-Image keeps diffusers' layer names; its loader maps `diffusion_model.` + a weight's name
-    layers = {k.removesuffix(".weight") for k in trained.state_dict()}
+    layers = {k.removesuffix(".weight") for k in merged}
     keys = load_file(str(comfy))
     downs = [k.removeprefix("diffusion_model.").removesuffix(".lora_down.weight") for k in keys if "lora_down" in k]
     assert downs and all(k.startswith("diffusion_model.") for k in keys) and set(downs) <= layers
     assert "transformer_blocks.1.attn.add_q_proj" in downs  # the text stream's projections train too
     original = tmp_path / "qwen_image_finetune.safetensors"  # Qwen's own layout: diffusers' names, as ComfyUI loads
     assert main(["export", str(run), "--format", "original", "--out", str(original)]) == 0
-    merged = load_file(str(run / "model.safetensors"))
     assert load_file(str(original)).keys() == merged.keys()
 
 
