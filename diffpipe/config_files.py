@@ -52,6 +52,8 @@ def _resolve_architecture(config: RunConfig) -> None:
     index = pipeline_index(folder)
     classes = {entry[1] for key, entry in index.items() if key in ("unet", "transformer") and isinstance(entry, list)}
     families = {name for name in BUILTIN_FAMILIES if family_for(name).model_class.__name__ in classes}
+    if len(families) > 1:  # one backbone class, several families (Flux, Flux Kontext): the pipeline's class decides
+        families = {name for name in families if index.get("_class_name") in family_for(name).pipelines} or families
     if len(families) != 1 or config.model.architecture in families:
         return
     (found,) = families

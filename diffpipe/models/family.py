@@ -82,6 +82,8 @@ class ModelFamily:
     comfyui_lora_alpha: ClassVar[bool] = True  # False: --format comfyui writes no `.alpha` (the scale is in lora_up)
     reads_text_lengths: ClassVar[bool] = False  # True: `conditions` reads TextBatch.filled (the batch maker gives it)
     reads_control: ClassVar[bool] = False  # True: an edit model; `conditions` reads TextBatch.control (data.control_path)
+    pipelines: ClassVar[tuple[str, ...]] = ()  # diffusers pipelines whose folders it trains, where a backbone class
+    # serves several families (FluxPipeline: flux, FluxKontextPipeline: flux_kontext): model_index.json's _class_name
 
     def backbone(self, model: nn.Module, granularity: str) -> Backbone:
         """`model` checked (`check_supported`), what it never trains frozen (`unreached`), and described as units,

@@ -123,6 +123,7 @@ class FluxFamily(ModelFamily):
     component = "transformer"
     presets = FLUX_PRESETS
     release_layout = BFL  # its own releases' single-file layout
+    pipelines = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
     # torch 2.11 on an H200: cuDNN's attention backward fails on Flux's 1024x1024 shapes ("mha_graph.execute(...)
     # .is_good()", reported as CUBLAS_STATUS_EXECUTION_FAILED), in a plain diffusers loop too; flash attention works
     cudnn_attention = False

@@ -55,6 +55,7 @@ class FluxKontextFamily(FluxFamily):
 
     name = "flux_kontext"
     reads_control = True
+    pipelines = ("FluxKontextPipeline",)
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers

@@ -159,3 +159,11 @@ def test_plans_count_a_control_where_the_data_has_one(tiny):
                           "data": {"dataset": "folder", "path": str(tiny / "edits" / "pictures"), "resolution": 128}})
     _, conditions = example_inputs(plain, build_backbone(plain, "meta"), 1)
     assert conditions["reference"].shape == (1, 0, 16)
+
+
+def test_a_folder_names_its_family_by_its_pipeline(tiny):
+    """Flux and Flux Kontext share FluxTransformer2DModel: model_index.json's pipeline class tells them apart."""
+    for layout, family in (("flux", "flux"), ("flux_kontext", "flux_kontext")):
+        config = build_config({"model": {"path": str(tiny / layout)},
+                               "data": {"dataset": "folder", "path": str(tiny / "photos"), "resolution": 128}})
+        assert config.model.architecture == family
