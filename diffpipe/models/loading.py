@@ -10,11 +10,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from ..config import ModelConfig
 from .family import ModelFamily
 from ..errors import CheckpointError
+from .weight_files import INDEX_SUFFIX, weight_shapes
 
 __all__ = ["CheckpointError", "backbone_component", "PICKLE_SUFFIXES", "component_weights", "load_tokenizer", "build_model", "model_kwargs", "check_checkpoint", "weights_file",
            "checked_weights"]
@@ -77,7 +77,8 @@ def weights_file(path: Path, component: str = "unet") -> Path:
     if path.is_file():
         return path
     for folder in (path, path / component):
-        for name in ("diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.fp16.safetensors"):
+        for name in ("diffusion_pytorch_model.safetensors", "model.safetensors", "diffusion_pytorch_model.fp16.safetensors",
+                     f"diffusion_pytorch_model{INDEX_SUFFIX}", f"model{INDEX_SUFFIX}"):  # (shards: weight_files.py)
             if (folder / name).is_file():
                 return folder / name
     pickles = sorted(str(p) for folder in (path, path / component) if folder.is_dir()
@@ -88,20 +89,12 @@ def weights_file(path: Path, component: str = "unet") -> Path:
     raise CheckpointError(f"model.path={path}: no diffusion_pytorch_model.safetensors or model.safetensors found")
 
 
-def _file_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{path} is not a readable .safetensors file ({exc}); re-export or re-download it") from None
-
-
 def check_checkpoint(model: torch.nn.Module, path: Path) -> None:
-    """Refuse a weights file written for another architecture (reads only the header; works on a meta model)."""
+    """Refuse weights written for another architecture (reads only the headers; works on a meta model)."""
     from .lora import is_adapter, plain_name  # adapters are not the base model's: the file never holds them
 
     own = {plain_name(k): tuple(v.shape) for k, v in model.state_dict().items() if not is_adapter(k)}
-    theirs = _file_shapes(path)
+    theirs = weight_shapes(path)
     missing = sorted(set(own) - set(theirs))
     unexpected = sorted(set(theirs) - set(own))
     wrong = sorted(k for k in set(own) & set(theirs) if own[k] != theirs[k])
@@ -131,18 +124,20 @@ def build_model(cfg: ModelConfig, family: ModelFamily) -> torch.nn.Module:
 
 
 def checked_weights(model: torch.nn.Module, cfg: ModelConfig, family: ModelFamily) -> Path | None:
-    """The weights file of `cfg.path` (a single file in the family's original layout converted first:
-    original_layout.py), refused before anything is read if written for another architecture."""
+    """The weights of `cfg.path`: a file, or a folder's shard index (weight_files.py); a single file in the family's
+    original layout converted first (original_layout.py); refused before anything is read if written for another
+    architecture."""
     from .original_layout import converted_file, is_fp8_file, without_scales
 
     if cfg.path is None:
         return None
     path = weights_file(Path(cfg.path), backbone_component(cfg, family))
-    keys = without_scales(list(_file_shapes(path)))  # an unreadable file is named as such
+    keys = without_scales(list(weight_shapes(path)))  # an unreadable file is named as such
     layout = family.release_layout
     recognised = layout is not None and layout.recognises(keys)
-    fp8 = is_fp8_file(path)  # ComfyUI's fp8 (scaled) files: dequantised once, as a release layout is converted
-    if Path(cfg.path).is_file() and (recognised or fp8):
+    single = Path(cfg.path).is_file()
+    fp8 = single and is_fp8_file(path)  # ComfyUI's fp8 (scaled) files: dequantised once, as a layout is converted
+    if single and (recognised or fp8):
         name = f"a {layout.name}-layout" if recognised else "an fp8"
         try:
             path = converted_file(path, family, dict(model.config), layout=recognised)

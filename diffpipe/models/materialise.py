@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from .. import seeds
 from ..torch_support import non_persistent_buffers
 from .loading import CheckpointError
+from .weight_files import open_weights
 from .storage import FrozenStorage
 
 __all__ = ["materialise", "is_meta", "NonFiniteWeights"]
@@ -53,7 +53,7 @@ def materialise(model: nn.Module, seed: int, checkpoint: Path | None = None,
     new objects: anything keyed by their identity must be rebuilt after this. `frozen`: how frozen weights are held
     (memory.base_dtype), applied as each module gets them, so the host never holds the whole in fp32.
     """
-    opened = safe_open(str(checkpoint), framework="pt") if checkpoint is not None else contextlib.nullcontext()
+    opened = open_weights(checkpoint) if checkpoint is not None else contextlib.nullcontext()
     with opened as reader:
         for name, module in model.named_modules():
             if modules is None or id(module) in modules:

@@ -103,3 +103,24 @@ def test_a_pipeline_folder_without_a_tokenizer_names_it(tiny, tmp_path, layout, 
                                               f"text_encoder_{missing[-1]}/ needs"):
         config = _config(folder)
         build_text_encoder(config, build_backbone(config, "meta"))
+
+
+def test_a_transformer_in_shards_loads_as_one_file_does(tiny, tmp_path):
+    """Released FLUX.1, Qwen-Image and Wan 14B folders hold their transformer in shards named by an index file
+    (diffusers' max_shard_size); they load to the same weights as one file, and a missing shard is named."""
+    from diffusers import FluxTransformer2DModel
+
+    from diffpipe.build import build_backbone
+
+    folder = tmp_path / "flux"
+    shutil.copytree(tiny / "flux", folder)
+    shutil.rmtree(folder / "transformer")
+    FluxTransformer2DModel.from_pretrained(tiny / "flux", subfolder="transformer").save_pretrained(
+        folder / "transformer", max_shard_size="100KB")
+    shards = sorted((folder / "transformer").glob("*-of-*.safetensors"))
+    assert len(shards) > 3 and (folder / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    one, sharded = (build_backbone(_config(f)).model.state_dict() for f in (tiny / "flux", folder))
+    assert one.keys() == sharded.keys() and all(torch.equal(one[k], sharded[k]) for k in one)
+    shards[2].unlink()
+    with pytest.raises(CheckpointError, match=f"1 are missing \\({shards[2].name}\\)"):
+        build_backbone(_config(folder))
