@@ -23,12 +23,16 @@ __all__ = ["find_controls", "cache_controls", "first_edits", "GRID_EDITS"]
 GRID_EDITS = 4  # pictures a sample grid edits when sample.prompts and sample.control_images are unset
 
 
+def _controls_of(items: list[ImageItem], folders: list[Path], data: DataConfig) -> list[Path]:
+    return files_beside(items, folders, Path(data.control_path), "data.control_path",
+                        "control image (what the picture is made from)")
+
+
 def find_controls(dataset: FolderImages, data: DataConfig) -> None:
     """Give each item of `dataset` its control image and that image's placement in the item's bucket; items whose
     control has no readable header are skipped."""
     folders = [f for f, _ in data_folders(data) + data_folders(data, eval_split=True) + regularisation_folders(data)]
-    controls = files_beside(dataset.items, folders, Path(data.control_path), "data.control_path",
-                            "control image (what the picture is made from)")
+    controls = _controls_of(dataset.items, folders, data)
     placements, kept = [], []
     for i, (control, placement) in enumerate(zip(controls, dataset.placements)):
         try:
@@ -59,6 +63,5 @@ def first_edits(data: DataConfig) -> list[tuple[str, Path]]:
     """The first pictures of data.path (in name order, each once): their captions and control images, what a sample
     grid edits when sample.prompts and sample.control_images are unset."""
     items = list({item.path: item for item in scan_folders(data_folders(data), 0, Skipped())}.values())[:GRID_EDITS]
-    return list(zip([item.caption for item in items], files_beside(
-        items, [folder for folder, _ in data_folders(data)], Path(data.control_path), "data.control_path",
-        "control image (what the picture is made from)")))
+    controls = _controls_of(items, [folder for folder, _ in data_folders(data)], data)
+    return list(zip([item.caption for item in items], controls))
