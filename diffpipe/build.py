@@ -176,7 +176,9 @@ def example_inputs(config: RunConfig, backbone: Backbone, batch: int) -> tuple[d
     shape = sample_shape(config, backbone)
     fed = feed(config, backbone)
     control = torch.zeros(batch, *shape) if source_of(config).has_controls(config, backbone.family) else None
-    conditions = fed.conditions(torch.zeros(batch, text_length(config), hidden), torch.zeros(batch, pooled),
+    length = backbone.family.example_text_length(backbone.model.config, text_length(config), shape[1:],
+                                                 control is not None)
+    conditions = fed.conditions(torch.zeros(batch, length, hidden), torch.zeros(batch, pooled),
                                 torch.zeros(batch, 6), shape[1:], control=control)
     conditions["timestep"] = torch.zeros(batch)
     return {"sample": fed.pack(torch.zeros(batch, *shape))}, conditions

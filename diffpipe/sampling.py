@@ -29,7 +29,8 @@ from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 from .precision import AUTOCAST_DTYPES
 
-__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "run_stages", "grid_prompts", "grid_controls"]
+__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "run_stages", "grid_prompts", "grid_controls",
+           "placed_controls", "show_controls"]
 
 
 def run_stages(modules: list[StageModule], sample_in: torch.Tensor, conditions: dict[str, torch.Tensor],
@@ -71,11 +72,14 @@ class Generator:
         guided = guidance_scale != 1.0
         texts = list(prompts) + ([""] * len(prompts) if guided else [])
         height, width = self.pixel_size
-        control = None
+        control = pictures = None
         if controls is not None:
             control = self.control_latents(controls)
             control = torch.cat([control, control]) if guided else control
-        conditions = maker.text_conditions(texts, square_size_ids(len(texts), height, width), latent_size, control)
+            pictures = self.show_controls(controls)
+            pictures = pictures + pictures if guided else pictures
+        conditions = maker.text_conditions(texts, square_size_ids(len(texts), height, width), latent_size, control,
+                                           pictures)
 
         low, high = self.config.sample.guidance_interval
 
@@ -104,19 +108,21 @@ class Generator:
         factor = vae_scale_factor(self.vae) if self.vae is not None else 1
         return self.shape[-2] * factor, self.shape[-1] * factor
 
+    def _placed_controls(self, images: list[Path]) -> list[Image.Image]:
+        return placed_controls(images, self.pixel_size)
+
     def control_latents(self, images: list[Path]) -> torch.Tensor:
-        """Control images placed at the sample size (resized to cover it, centre-cropped) and encoded by the VAE."""
-        from .data.buckets import Bucket, place, to_pixels
-        from .data.folder import read_rgb
+        """Control images placed at the sample size and encoded by the VAE."""
+        from .data.buckets import pixels_of
 
         if self.vae is None:
             raise CheckpointError("control images are encoded by a pipeline folder's VAE, and this run has none")
-        height, width = self.pixel_size
-        pixels = []
-        for path in images:
-            image = read_rgb(Path(path))
-            pixels.append(to_pixels(image, place(*image.size, [Bucket(width, height)])))
+        pixels = [pixels_of(picture) for picture in self._placed_controls(images)]
         return encode_latents(self.vae, torch.stack(pixels).to(next(self.vae.parameters()).device)).float()
+
+    def show_controls(self, images: list[Path]) -> list[str]:
+        """Keys of the control images placed at the sample size, shown to a text encoder that reads pictures."""
+        return show_controls(self.text, images, self.pixel_size)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents scaled as in training (models/vae.py) to RGB in [-1, 1]: images, or clips (N, 3, F, H, W)."""
@@ -173,6 +179,28 @@ def grid_prompts(config: RunConfig, data_captions: Callable[[], list[str]]) -> l
     """The columns of a grid of samples (at the end of training and during it), as data.dataset's source chooses
     them: every digit, a digit in each motion, else sample.prompts or up to four distinct captions of the data."""
     return source_of(config).grid_prompts(config, data_captions)
+
+
+def placed_controls(images: list[Path], pixel_size: tuple[int, int]) -> list[Image.Image]:
+    """Control images placed at `pixel_size` (height, width): resized to cover it, centre-cropped, as a picture in
+    its bucket."""
+    from .data.buckets import Bucket, place, placed
+    from .data.folder import read_rgb
+
+    height, width = pixel_size
+    return [placed(image, place(*image.size, [Bucket(width, height)])) for image in map(read_rgb, map(Path, images))]
+
+
+def show_controls(text: CaptionEncoder, images: list[Path], pixel_size: tuple[int, int]) -> list[str]:
+    """Keys of the control images placed at `pixel_size` (the file's bytes and the size), each shown to `text`
+    under its key (CaptionEncoder.show): what an encoder that reads pictures reads beside a sample's prompt."""
+    from .data.images import file_hash
+
+    keys = [f"{file_hash(Path(path))}/{pixel_size[1]}x{pixel_size[0]}" for path in images]
+    if text.reads_pictures:
+        pictures = placed_controls(images, pixel_size)
+        text.show({key: (lambda picture=picture: picture) for key, picture in zip(keys, pictures)})
+    return keys
 
 
 def grid_controls(config: RunConfig) -> list[Path] | None:

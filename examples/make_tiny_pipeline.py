@@ -9,13 +9,15 @@ tested without downloading anything.
     diffpipe train examples/wan_clips.toml                 # a tiny Wan-layout video model on the clips
     diffpipe train examples/qwen_image_tiny.toml           # a tiny Qwen-Image-layout model on the photos
     diffpipe train examples/flux_kontext_tiny.toml         # a tiny Flux Kontext-layout edit model on the edits
+    diffpipe train examples/qwen_image_edit_tiny.toml      # a tiny Qwen-Image-Edit-layout edit model on the edits
 
 Each pipeline is built from diffusers' and transformers' own classes (UNet2DConditionModel, AutoencoderKL, CLIP text
 models and a real CLIP BPE tokenizer over a small vocabulary) and written by the pipeline's `save_pretrained`, so
 the folders are laid out as on the Hub: model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/ (and
 text_encoder_2/, tokenizer_2/ for SDXL; transformer/, a CLIP and a T5 encoder with a real T5 unigram tokenizer for
 Flux; three text encoders for SD3; for Wan its video VAE and a umT5 encoder; Wan 2.2 A14B's two experts; for
-Qwen-Image a Qwen2.5-VL encoder with a real Qwen2 byte-level BPE tokenizer, and Qwen's VAE). The photos are scikit-learn's two sample photographs (china.jpg,
+Qwen-Image a Qwen2.5-VL encoder with a real Qwen2 byte-level BPE tokenizer, and Qwen's VAE; for Qwen-Image-Edit
+the same with a Qwen2VLProcessor whose vision tower reads the control picture). The photos are scikit-learn's two sample photographs (china.jpg,
 flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption;
 the edits are eight of them with a grey copy of each as its control image.
 The clips are coloured shapes sliding over a gradient, written as mp4 (H.264) and webm (VP9) by PyAV, captioned with
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -34,7 +37,8 @@ from diffusers import (AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, 
                        StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline,
                        UNet2DConditionModel, WanPipeline, WanTransformer3DModel)
 from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, Qwen2_5_VLConfig,
-                          Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, T5Config, T5EncoderModel, T5Tokenizer,
+                          Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLImageProcessor,
+                          T5Config, T5EncoderModel, T5Tokenizer,
                           UMT5Config, UMT5EncoderModel)
 
 __all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_qwen_image",
@@ -91,21 +95,34 @@ _QWEN_TEMPLATE_WORDS = ("system user assistant Describe the image by detailing c
                         "spatial relationships of objects and background").split()
 
 
-def tiny_qwen_tokenizer() -> Qwen2Tokenizer:
+# the words of QwenImageEditPipeline's template before its picture: merged into 61 pieces (with <|im_start|>, the two
+# newlines and "user": 64 tokens, the pipeline's prompt_template_encode_start_idx), as Qwen's own tokenizer counts them
+_QWEN_EDIT_WORDS = ("Describe key features input image color shape size texture objects background then explain how "
+                    "user text instruction should alter or modify Generate new that meets requirements while "
+                    "maintaining consistency with original where appropriate").split()
+_QWEN_EDIT_PIECES = ("(", "),", "'s", ".")
+
+
+def tiny_qwen_tokenizer(vision: bool = False) -> Qwen2Tokenizer:
     """A real Qwen2 byte-level BPE tokenizer: every byte, merges that make CAPTION_WORDS and the prompt template's
-    words single tokens (with and without their leading space), and Qwen's chat tokens."""
+    words single tokens (with and without their leading space), and Qwen's chat tokens; with `vision` also the
+    edit template's words and Qwen2.5-VL's picture tokens (<|vision_start|>, <|image_pad|>, <|vision_end|>,
+    <|video_pad|>)."""
     alphabet = list(_bytes_to_unicode().values())
     space = _bytes_to_unicode()[ord(" ")]
+    words = [*CAPTION_WORDS, *_QWEN_TEMPLATE_WORDS] + ([*_QWEN_EDIT_WORDS, "the", "a"] if vision else [])
+    pieces_of = [space + w for w in words] + _QWEN_TEMPLATE_WORDS + (
+        [*_QWEN_EDIT_WORDS, *_QWEN_EDIT_PIECES, space + "("] if vision else [])
     vocab, merges = list(alphabet), []
-    for word in [space + w for w in [*CAPTION_WORDS, *_QWEN_TEMPLATE_WORDS]] + _QWEN_TEMPLATE_WORDS:
+    for word in pieces_of:
         pieces = list(word)
         while len(pieces) > 1:
             merges.append((pieces[0], pieces[1]))
             pieces = [pieces[0] + pieces[1]] + pieces[2:]
             if pieces[0] not in vocab:
                 vocab.append(pieces[0])
-    chat = ["<|im_start|>", "<|im_end|>"]
-    vocab += ["<|endoftext|>"] + chat
+    chat = ["<|im_start|>", "<|im_end|>"] + (["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"] if vision else [])
+    vocab = list(dict.fromkeys(vocab)) + ["<|endoftext|>"] + chat
     tokenizer = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=list(dict.fromkeys(merges)))
     tokenizer.add_special_tokens({"additional_special_tokens": chat})
     return tokenizer
@@ -258,21 +275,25 @@ def write_wan22_ti2v(out: Path, seed: int = 0) -> Path:
     return out / "wan22_ti2v"
 
 
-def write_qwen_image(out: Path, seed: int = 0) -> Path:
-    """Qwen-Image layout: a Qwen2.5-VL model (text 32 wide, a one-block vision tower it never runs for text), Qwen's
-    VAE (4 latent channels, 8x smaller sides; random weights, latents scaled to spread 1) and a two-block
-    QwenImageTransformer2DModel reading the latents packed 2x2; the scheduler as Qwen/Qwen-Image's."""
+def write_qwen_image(out: Path, seed: int = 0, edit: bool = False) -> Path:
+    """Qwen-Image layout: a Qwen2.5-VL model (text 32 wide, a one-block vision tower), Qwen's VAE (4 latent channels,
+    8x smaller sides; random weights, latents scaled to spread 1) and a two-block QwenImageTransformer2DModel reading
+    the latents packed 2x2; the scheduler as Qwen/Qwen-Image's. `edit`: Qwen-Image-Edit's layout (QwenImageEditPipeline:
+    the same components and a Qwen2VLProcessor under processor/, whose vision tower reads the control picture)."""
     torch.manual_seed(seed)
-    tokenizer = tiny_qwen_tokenizer()
+    tokenizer = tiny_qwen_tokenizer(vision=edit)
     chat_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    picture = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"))} if edit else dict.fromkeys(
+        ("image_token_id", "video_token_id", "vision_start_token_id"), chat_end - 2)
     text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
                          rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
                          bos_token_id=chat_end - 2, eos_token_id=chat_end),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
-                           fullatt_block_indexes=[0]),
-        image_token_id=chat_end - 2, video_token_id=chat_end - 2, vision_start_token_id=chat_end - 2))
+                           fullatt_block_indexes=[0]), **picture))
     vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
                                  temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
     with torch.no_grad():  # the spread of its latents of a random image, as diffusers' configs record Qwen's
@@ -284,9 +305,21 @@ def write_qwen_image(out: Path, seed: int = 0) -> Path:
     scheduler = FlowMatchEulerDiscreteScheduler(
         base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
         time_shift_type="exponential", use_dynamic_shifting=True)
-    QwenImagePipeline(scheduler=scheduler, vae=vae.eval(), text_encoder=text_encoder, tokenizer=tokenizer,
-                      transformer=transformer).save_pretrained(out / "qwen_image", safe_serialization=True)
-    return out / "qwen_image"
+    parts = dict(scheduler=scheduler, vae=vae.eval(), text_encoder=text_encoder, tokenizer=tokenizer,
+                 transformer=transformer)
+    if not edit:
+        QwenImagePipeline(**parts).save_pretrained(out / "qwen_image", safe_serialization=True)
+        return out / "qwen_image"
+    # QwenImageEditPipeline's save_pretrained needs a Qwen2VLProcessor object, which transformers builds only beside
+    # torchvision (for its video half): the folder is written as the edit pipeline writes it, processor/ by its parts
+    folder = out / "qwen_image_edit"
+    QwenImagePipeline(**parts).save_pretrained(folder, safe_serialization=True)
+    Qwen2VLImageProcessor().save_pretrained(folder / "processor")  # 14-pixel patches merged 2x2, as Qwen's
+    tokenizer.save_pretrained(folder / "processor")
+    index = json.loads((folder / "model_index.json").read_text())
+    index.update(_class_name="QwenImageEditPipeline", processor=["transformers", "Qwen2VLProcessor"])
+    (folder / "model_index.json").write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
+    return folder
 
 
 def _wan_pipeline(seed: int, two_experts: bool = False) -> WanPipeline:
@@ -441,7 +474,8 @@ def main() -> None:
     (out / STAMP).unlink(missing_ok=True)  # written again last: a run cut short leaves no stamp
     vae = fitted_vae()  # one VAE for every layout: they differ in the backbone and text encoders
     for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_flux(out, vae, kontext=True),
-                 write_sd3(out, vae), write_wan(out), write_wan22(out), write_qwen_image(out), write_photos(out),
+                 write_sd3(out, vae), write_wan(out), write_wan22(out), write_qwen_image(out),
+                 write_qwen_image(out, edit=True), write_photos(out),
                  write_edits(out), write_clips(out)):
         print(f"wrote {path}")
     (out / STAMP).write_text(_this_script() + "\n")

@@ -19,7 +19,7 @@ from ..diffusion.timesteps import DYNAMIC_SHIFT, resolution_shift, sample_timest
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
 
-__all__ = ["StepBatch", "StepDraw", "BatchMaker", "TensorImages", "square_size_ids", "fixed_batches"]
+__all__ = ["StepBatch", "StepDraw", "BatchMaker", "TensorImages", "square_size_ids", "fixed_batches", "step_texts"]
 
 
 @dataclass
@@ -93,6 +93,18 @@ class TensorImages:
     def control_latents(self, indices: list[int]) -> torch.Tensor | None:
         """An edit model's control latents of the items (synthetic data's), or None."""
         return None if self.controls is None else self.controls[torch.tensor(indices)]
+
+    def control_pictures(self, indices: list[int]) -> list[str] | None:
+        """None: synthetic controls are latents, no pictures, so a text encoder that reads pictures reads the
+        captions alone."""
+        return None
+
+
+def step_texts(text: CaptionEncoder, data) -> list[str]:
+    """Every text a step over `data` may ask `text` for: each item's caption and "" (a caption dropped for
+    guidance), each with the item's control picture where the encoder reads pictures (CaptionEncoder.texts)."""
+    pictures = data.control_pictures(list(range(len(data.captions))))
+    return text.texts(list(data.captions), pictures) + text.texts([""] * len(data.captions), pictures)
 
 
 def fixed_batches(data, batch_size: int) -> list[list[int]]:
@@ -174,10 +186,12 @@ class BatchMaker:
         return resolution_shift(math.prod(item_shape[1:]) // patch**2, self.shift_schedule)
 
     def text_conditions(self, captions: list[str], size_ids: torch.Tensor, latent_size: tuple[int, int],
-                        control: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The named conditions of the captions (and of an edit model's control latents)."""
-        hidden, pooled = self.text.encode(captions)
-        filled = self.text.filled_lengths(captions, hidden) if self.feed.family.reads_text_lengths else None
+                        control: torch.Tensor | None = None, pictures: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The named conditions of the captions (and of an edit model's control latents); `pictures`: the keys of
+        the controls' pictures, read with the captions by a text encoder that reads pictures (Qwen-Image-Edit's)."""
+        texts = self.text.texts(captions, pictures)
+        hidden, pooled = self.text.encode(texts)
+        filled = self.text.filled_lengths(texts, hidden) if self.feed.family.reads_text_lengths else None
         return self.feed.conditions(hidden, pooled, size_ids, latent_size, filled, control)
 
     def draw(self, step: int, item_shape: tuple[int, ...]) -> StepDraw:
@@ -208,7 +222,7 @@ class BatchMaker:
         x0 = self.data.x0(mine)
         drawn = self.draw(step, tuple(x0.shape[1:]))
         conditions = self.text_conditions(drawn.captions[part], self.data.size_ids(mine), x0.shape[2:],
-                                          self.data.control_latents(mine))
+                                          self.data.control_latents(mine), self.data.control_pictures(mine))
         masks = self.data.loss_masks(mine, x0.shape[-2:]) if self.weighting == "elements" else None
         # image folders' items weigh their own (regularisation images); other data's weigh 1
         items = self.data.loss_weights(mine) if self.weighting != "none" and hasattr(self.data, "loss_weights") else None
@@ -232,7 +246,7 @@ class BatchMaker:
         x0 = data.x0(mine)
         noise = torch.randn((len(indices), *x0.shape[1:]), generator=torch.Generator().manual_seed(noise_seed))[part]
         conditions = self.text_conditions([data.captions[i] for i in mine], data.size_ids(mine), x0.shape[2:],
-                                          data.control_latents(mine))
+                                          data.control_latents(mine), data.control_pictures(mine))
         return [self._batch(x0, noise, torch.full((len(mine),), t), conditions, weighted=False)
                 for t in self.eval_timesteps(tuple(x0.shape[1:]))]
 

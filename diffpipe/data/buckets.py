@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["Bucket", "Placement", "make_buckets", "place", "to_pixels", "clip_to_pixels"]
+__all__ = ["Bucket", "Placement", "make_buckets", "place", "placed", "pixels_of", "to_pixels", "clip_to_pixels"]
 
 
 @dataclass(frozen=True, order=True)
@@ -66,13 +66,21 @@ def place(width: int, height: int, buckets: list[Bucket], frames: int = 0) -> Pl
     return Placement(bucket, resized, (resized[1] - bucket.height) // 2, (resized[0] - bucket.width) // 2, frames)
 
 
-def to_pixels(image: Image.Image, placement: Placement) -> torch.Tensor:
-    """An RGB image resized and cropped into its bucket: (3, height, width) in [-1, 1]."""
+def placed(image: Image.Image, placement: Placement) -> Image.Image:
+    """An RGB image resized and cropped into its bucket."""
     b = placement.bucket
     resized = image.resize(placement.resized, Image.LANCZOS)
-    crop = resized.crop((placement.left, placement.top, placement.left + b.width, placement.top + b.height))
-    pixels = torch.from_numpy(np.asarray(crop, dtype=np.float32).copy()).permute(2, 0, 1)
-    return pixels / 127.5 - 1
+    return resized.crop((placement.left, placement.top, placement.left + b.width, placement.top + b.height))
+
+
+def pixels_of(image: Image.Image) -> torch.Tensor:
+    """An RGB image as (3, height, width) in [-1, 1]."""
+    return torch.from_numpy(np.asarray(image, dtype=np.float32).copy()).permute(2, 0, 1) / 127.5 - 1
+
+
+def to_pixels(image: Image.Image, placement: Placement) -> torch.Tensor:
+    """An RGB image resized and cropped into its bucket: (3, height, width) in [-1, 1]."""
+    return pixels_of(placed(image, placement))
 
 
 def clip_to_pixels(frames: list[Image.Image], placement: Placement) -> torch.Tensor:

@@ -16,7 +16,7 @@ from ..config import DataConfig
 from .buckets import place
 from .cache import ShardStore
 from .folder import BadImage, ImageItem, Skipped, files_beside, probe_image, scan_folders
-from .images import FolderImages, data_folders, regularisation_folders, store_latents
+from .images import FolderImages, data_folders, file_hash, latent_key, regularisation_folders, store_latents
 
 __all__ = ["find_controls", "cache_controls", "first_edits", "GRID_EDITS"]
 
@@ -29,8 +29,8 @@ def _controls_of(items: list[ImageItem], folders: list[Path], data: DataConfig) 
 
 
 def find_controls(dataset: FolderImages, data: DataConfig) -> None:
-    """Give each item of `dataset` its control image and that image's placement in the item's bucket; items whose
-    control has no readable header are skipped."""
+    """Give each item of `dataset` its control image, that image's placement in the item's bucket and its key (as
+    its cached latents'); items whose control has no readable header are skipped."""
     folders = [f for f, _ in data_folders(data) + data_folders(data, eval_split=True) + regularisation_folders(data)]
     controls = _controls_of(dataset.items, folders, data)
     placements, kept = [], []
@@ -43,7 +43,9 @@ def find_controls(dataset: FolderImages, data: DataConfig) -> None:
             continue
         placements.append(place(width, height, [placement.bucket]))
         kept.append(i)
+    contents = {path: file_hash(path) for path in {controls[i] for i in kept}}
     dataset.controls, dataset.control_placements = controls, placements
+    dataset.control_keys = [latent_key(contents[c], p) if p is not None else "" for c, p in zip(controls, placements)]
     dataset.keep(kept)
 
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from rich.progress import track
 
 from .. import seeds
@@ -27,7 +29,8 @@ from ..config import DataConfig
 from ..errors import DataError
 from ..models.pipeline_folder import PipelineText, component_weights, fingerprint_files
 from ..models.vae import encode_latents
-from .buckets import Bucket, Placement, clip_to_pixels, make_buckets, place, to_pixels
+from .batches import step_texts
+from .buckets import Bucket, Placement, clip_to_pixels, make_buckets, place, placed, to_pixels
 from .cache import ShardStore, fill_store
 from .folder import BadImage, ImageItem, Skipped, files_beside, read_rgb, scan_folders, uncaptioned_note
 from .videos import clip_frames, read_clip
@@ -66,7 +69,7 @@ def cache_folder(data: DataConfig) -> Path:
     return Path(data.cache_dir) if data.cache_dir else data_folders(data)[0][0] / ".diffpipe_cache"
 
 
-def _file_hash(path: Path) -> str:
+def file_hash(path: Path) -> str:
     """sha256 of the file's bytes, read in blocks (videos may be large)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -110,10 +113,12 @@ class FolderImages:
     controls: list[Path] | None = None  # data.control_path's file for each item (data/controls.py)
     control_placements: list[Placement] | None = None  # each control in its item's bucket
     cached_controls: list[torch.Tensor] | None = None  # their latents, when cached
+    control_keys: list[str] | None = None  # each control as placed: its latents' key, and its picture's for the text
 
     def keep(self, kept: list[int]) -> None:
         """Only the items at `kept`, with everything held per item."""
-        for name in ("items", "placements", "latents", "controls", "control_placements", "cached_controls"):
+        for name in ("items", "placements", "latents", "controls", "control_placements", "cached_controls",
+                     "control_keys"):
             if getattr(self, name) is not None:
                 setattr(self, name, [getattr(self, name)[i] for i in kept])
 
@@ -183,6 +188,18 @@ class FolderImages:
         pixels = torch.stack([to_pixels(read_rgb(self.controls[i]), self.control_placements[i]) for i in indices])
         return encode_latents(self.vae, pixels).cpu()
 
+    def control_pictures(self, indices: list[int]) -> list[str] | None:
+        """The keys of the items' control pictures as placed (what `picture_readers` reads), None without."""
+        return None if self.control_keys is None else [self.control_keys[i] for i in indices]
+
+    def picture_readers(self) -> dict[str, Callable[[], Image.Image]]:
+        """Each control picture, placed in its item's bucket, by its key: what a text encoder that reads pictures
+        is shown (CaptionEncoder.show)."""
+        if self.control_keys is None:
+            return {}
+        return {key: partial(_placed_picture, path, placement)
+                for key, path, placement in zip(self.control_keys, self.controls, self.control_placements)}
+
     def loss_weights(self, indices: list[int]) -> torch.Tensor:
         """Each item's loss weight: data.regularisation_weight for regularisation images, else 1."""
         return torch.tensor([self.items[i].loss_weight for i in indices], dtype=torch.float32)
@@ -205,6 +222,10 @@ class FolderImages:
             item, p = self.items[i], self.placements[i]
             rows.append([item.height, item.width, p.top, p.left, p.bucket.height, p.bucket.width])
         return torch.tensor(rows, dtype=torch.float32)
+
+
+def _placed_picture(path: Path, placement: Placement) -> Image.Image:
+    return placed(read_rgb(path), placement)
 
 
 def _by_shape(ready: list[tuple[str, torch.Tensor]]):
@@ -246,6 +267,8 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
         for part in parts:
             find_controls(part, data)
     for part in parts:
+        if text.reads_pictures:  # the text encoder reads each control picture with its caption
+            text.show(part.picture_readers())
         if data.cache:
             _cache_latents(part, latent_store, vae, rank, world, barrier, show)
             if part.controls is not None:
@@ -330,7 +353,7 @@ def store_latents(items: list[ImageItem], placements: list[Placement], store: Sh
                   show: bool, description: str) -> tuple[list[torch.Tensor | None], dict[int, str]]:
     """Each item's latent as placed, from the store, this process encoding its share of what the store lacks; None
     for an item that cannot be read, with the reason by the first such index of each file."""
-    contents = {path: _file_hash(path) for path in {item.path for item in items}}
+    contents = {path: file_hash(path) for path in {item.path for item in items}}
     keys = [latent_key(contents[item.path], p) for item, p in zip(items, placements)]
     first_index: dict[str, int] = {}  # repeated items share a key
     for i, key in enumerate(keys):
@@ -367,11 +390,14 @@ def _cache_latents(dataset: FolderImages, store: ShardStore, vae, rank, world, b
 
 
 def _cache_text(dataset: FolderImages, store: ShardStore, text: PipelineText, rank, world, barrier, show) -> None:
-    captions = {caption_key(c): c for c in sorted(set(dataset.captions) | {""})}  # "": captions dropped for guidance
+    """Every text a step may ask for: each caption, and "" (a caption dropped for guidance); for an encoder that
+    reads pictures, each joined with its item's control picture."""
+    captions = {caption_key(c): c for c in sorted(set(step_texts(text, dataset)) or {""})}
 
     def compute(keys: list[str]):
         entries = {}
-        chunks = [keys[s:s + 64] for s in range(0, len(keys), 64)]
+        size = 8 if text.reads_pictures else 64  # a picture is a thousand positions of text at 1024^2
+        chunks = [keys[s:s + size] for s in range(0, len(keys), size)]
         for chunk in track(chunks, description="caching text-encoder outputs", disable=not (show and rank == 0)):
             hidden, pooled = text.encode([captions[k] for k in chunk])
             entries.update({k: {"hidden": h.cpu(), "pooled": p.cpu()} for k, h, p in zip(chunk, hidden, pooled)})

@@ -220,7 +220,7 @@ class FolderSource(DataSource):
         if config.data.control_path and not family.reads_control:
             raise DataError(f"data.control_path gives each picture a control image, and the {family.backbone_name} "
                              f"of model.architecture = {config.model.architecture!r} reads none; train an edit model "
-                             "(flux_kontext), or unset data.control_path")
+                             "(flux_kontext, qwen_image_edit), or unset data.control_path")
         if config.data.mask_path and family.latent_frames(cfg) is not None:
             raise ValueError(f"data.mask_path masks pictures, and the {family.backbone_name} trains on clips: unset "
                              "data.mask_path")

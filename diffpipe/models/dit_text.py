@@ -9,7 +9,10 @@ projections concatenated. Both are tested equal to the pipelines' `encode_prompt
 pipeline's default), the caption cleaned as the pipeline cleans it, every position past the caption's tokens zero;
 no pooled text. Qwen-Image (QwenImagePipeline's `_get_qwen_prompt_embeds`): Qwen2.5-VL's last hidden states of the
 caption set in the pipeline's chat template, the template's first 34 tokens dropped, zero past the caption's tokens
-(512 positions, the pipeline's max_sequence_length). Weights are read from safetensors files only.
+(512 positions, the pipeline's max_sequence_length). Qwen-Image-Edit (QwenImageEditPipeline's `_get_qwen_prompt_embeds`):
+the same encoder reads the control picture with the instruction (its vision tower's tokens in place of the template's
+<|image_pad|>, as the pipeline's Qwen2VLProcessor expands it), the template's first 64 tokens dropped, kept whole (no
+cut: the picture's tokens and the caption's). Weights are read from safetensors files only.
 """
 from __future__ import annotations
 
@@ -22,9 +25,9 @@ from transformers import (CLIPTextModel, CLIPTextModelWithProjection, Qwen2_5_VL
 
 from .loading import CheckpointError, load_tokenizer
 from .pipeline_folder import component_weights, fingerprint_files, text_encoder_configs
-from .text import CaptionEncoder
+from .text import CaptionEncoder, caption_and_picture
 
-__all__ = ["FluxText", "SD3Text", "WanText", "QwenImageText", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "WAN_T5_TOKENS", "flux_text_widths",
+__all__ = ["FluxText", "SD3Text", "WanText", "QwenImageText", "QwenImageEditText", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "WAN_T5_TOKENS", "flux_text_widths",
            "sd3_text_widths"]
 
 FLUX_T5_TOKENS = 512  # FluxPipeline's max_sequence_length
@@ -37,6 +40,14 @@ _QWEN_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color
                   "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
                   "<|im_start|>assistant\n")
 _QWEN_TEMPLATE_TOKENS = 34
+# QwenImageEditPipeline's: the picture's tokens go where <|image_pad|> is
+_QWEN_EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
+                       "objects, background), then explain how the user's text instruction should alter or modify the "
+                       "image. Generate a new image that meets the user's requirements while maintaining consistency "
+                       "with the original input where appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
+                       "<|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
+_QWEN_EDIT_TEMPLATE_TOKENS = 64
+_IMAGE_PAD = "<|image_pad|>"
 
 
 def _load(folder: Path, index: str, model_class) -> tuple:
@@ -189,6 +200,58 @@ class QwenImageText(_FolderText):
             kept = row[mask][dropped:][:self.max_length]
             hidden[i, :len(kept)] = kept
         return hidden, torch.zeros(len(captions), 0, device=self.device)
+
+
+class QwenImageEditText(QwenImageText):
+    """Qwen-Image-Edit's: each caption read beside its picture (`texts(captions, pictures)`); a caption without one
+    is encoded as the pipeline encodes a prompt without an image (the template's <|image_pad|> left as one token)."""
+
+    max_length = 1369 + 512  # what a caption's outputs are counted as: a 1024^2 picture's tokens and a long caption
+    reads_pictures = True
+
+    def __init__(self, tokenizers: list, models: list[torch.nn.Module], folder: Path, pictures):
+        super().__init__(tokenizers, models, folder)
+        self.image_processor = pictures
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "QwenImageEditText":
+        from transformers import AutoImageProcessor
+
+        _, model = _load(folder, "1", Qwen2_5_VLForConditionalGeneration)
+        if not (folder / "processor" / "preprocessor_config.json").is_file():
+            raise CheckpointError(f"model.path={folder}: a Qwen-Image-Edit folder has processor/ (Qwen2VLProcessor: its "
+                                  "preprocessor_config.json and tokenizer), which reads the control picture; copy it "
+                                  "from the model's release")
+        # the processor's own tokenizer and image processor, as the pipeline's Qwen2VLProcessor holds them
+        tokenizer = load_tokenizer(folder, "processor")
+        pictures = AutoImageProcessor.from_pretrained(folder, subfolder="processor", local_files_only=True)
+        return cls([tokenizer], [model], folder, pictures)
+
+    def fingerprint(self) -> str:
+        files = component_weights(self.folder, "text_encoder") + sorted(
+            f for f in (self.folder / "processor").iterdir() if f.is_file())
+        return fingerprint_files(files, extra=type(self).__name__)
+
+    @torch.no_grad()
+    def _encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        captions, keys = zip(*(caption_and_picture(t) for t in texts))
+        pictures = [self.picture(k) for k in keys if k is not None]
+        seen = self.image_processor(images=pictures, return_tensors="pt") if pictures else {}
+        merged = self.image_processor.merge_size ** 2
+        counts = iter((seen["image_grid_thw"].prod(-1) // merged).tolist() if pictures else [])
+        prompts = [_QWEN_EDIT_TEMPLATE.format(c) if k is None else
+                   _QWEN_EDIT_TEMPLATE.format(c).replace(_IMAGE_PAD, _IMAGE_PAD * next(counts), 1)
+                   for c, k in zip(captions, keys)]
+        tokens = self.tokenizers[0](prompts, padding=True, return_tensors="pt").to(self.device)
+        states = self.models[0](input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                                pixel_values=seen["pixel_values"].to(self.device) if pictures else None,
+                                image_grid_thw=seen["image_grid_thw"].to(self.device) if pictures else None,
+                                output_hidden_states=True).hidden_states[-1]
+        kept = [row[mask][_QWEN_EDIT_TEMPLATE_TOKENS:] for row, mask in zip(states, tokens.attention_mask.bool())]
+        hidden = states.new_zeros(len(texts), max(len(k) for k in kept), states.shape[-1])
+        for i, row in enumerate(kept):
+            hidden[i, :len(row)] = row
+        return hidden, torch.zeros(len(texts), 0, device=self.device)
 
 
 def flux_text_widths(folder: Path) -> tuple[int, int]:

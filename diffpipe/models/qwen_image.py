@@ -69,9 +69,10 @@ def rotary_embedding(cfg, grid: tuple[int, int], text_length: int, device) -> tu
     return image.reshape(*grid, -1), text
 
 
-def text_mask(hidden: torch.Tensor, filled: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's text cut to the smallest of TEXT_LENGTHS holding its longest caption, and its mask (True where a
-    caption's encoder filled the position; empty (B, 0) where every position is filled). `filled`: each caption's
+def text_mask(hidden: torch.Tensor, filled: list[int] | None = None,
+              lengths: tuple[int, ...] = TEXT_LENGTHS) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's text cut (or zero-padded) to the smallest of `lengths` holding its longest caption, and its mask
+    (True where a caption's encoder filled the position; empty (B, 0) where every position is filled). `filled`: each caption's
     positions up to its last filled one, known on the host (CaptionEncoder.filled_lengths), so the cut needs no
     wait for the device; read off `hidden` where not given. Text with no filled position at all (the zeros a plan
     traces; never a caption's: Qwen's template leaves tokens even of an empty one) keeps its length, the longest a
@@ -82,7 +83,9 @@ def text_mask(hidden: torch.Tensor, filled: list[int] | None = None) -> tuple[to
     if not any(filled):
         filled = [hidden.shape[1]] * len(filled)
     longest = max(filled)
-    length = min(next((n for n in TEXT_LENGTHS if n >= longest), hidden.shape[1]), hidden.shape[1])
+    length = next((n for n in lengths if n >= longest), max(longest, hidden.shape[1]))
+    if length > hidden.shape[1]:  # texts kept as long as they are (an edit model's: models/qwen_image_edit.py)
+        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, length - hidden.shape[1]))
     if all(n == length for n in filled):
         return hidden[:, :length], torch.zeros(len(filled), 0, dtype=torch.bool, device=hidden.device)
     mask = torch.arange(length)[None, :] < torch.tensor(filled)[:, None]
@@ -144,6 +147,7 @@ class QwenImageFamily(ModelFamily):
     model_class = QwenImageTransformer2DModel
     component = "transformer"
     presets = QWEN_IMAGE_PRESETS
+    pipelines = ("QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline")
     release_layout = QWEN
     reads_text_lengths = True  # a batch's text is cut to its captions (text_mask)
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")

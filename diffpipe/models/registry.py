@@ -22,6 +22,7 @@ BUILTIN_FAMILIES = {
     "wan": "diffpipe.models.wan:WanFamily",
     "unet3d": "diffpipe.models.unet3d:UNet3DFamily",
     "qwen_image": "diffpipe.models.qwen_image:QwenImageFamily",
+    "qwen_image_edit": "diffpipe.models.qwen_image_edit:QwenImageEditFamily",
 }
 
 

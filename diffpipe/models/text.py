@@ -9,8 +9,11 @@ models/pipeline_folder.py.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
+from PIL import Image
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.normalizers import Lowercase
@@ -20,7 +23,11 @@ from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModelWithProject
 
 from .loading import component_weights
 
-__all__ = ["CaptionEncoder", "TextEncoder", "TINY_VOCABULARY", "filled_lengths_of"]
+__all__ = ["CaptionEncoder", "TextEncoder", "TINY_VOCABULARY", "filled_lengths_of", "caption_and_picture"]
+
+# joins a caption and the key of the picture an encoder that reads pictures sees beside it (Qwen-Image-Edit's
+# Qwen2.5-VL reads the control picture with the instruction): a character no caption file holds
+_PICTURE_MARK = "\x1d"
 
 TINY_VOCABULARY = (
     "a an the of digit digits number handwritten written drawn picture photo image "
@@ -39,16 +46,44 @@ def _tiny_tokenizer(max_length: int, extra_words: tuple[str, ...] = ()) -> PreTr
                                    bos_token="<bos>", eos_token="<eos>", model_max_length=max_length)
 
 
+def caption_and_picture(text: str) -> tuple[str, str | None]:
+    """(caption, picture key or None) of what `CaptionEncoder.texts` made."""
+    caption, _, picture = text.partition(_PICTURE_MARK)
+    return caption, picture or None
+
+
 class CaptionEncoder:
     """Captions -> (hidden states, pooled embedding), without gradients, each distinct caption computed once when
-    `keep` or `remember` is asked to. Subclasses give `_encode`, `modules`, `hidden_size` and `pooled_size`."""
+    `keep` or `remember` is asked to. Subclasses give `_encode`, `modules`, `hidden_size` and `pooled_size`.
+
+    An encoder that `reads_pictures` (Qwen-Image-Edit's) encodes a caption together with a picture: it is asked for
+    `texts(captions, pictures)`, each caption joined with its picture's key, and reads each picture through what
+    `show` gave it under that key; such a text is kept, cached and answered as a caption is."""
 
     max_length: int
+    reads_pictures = False
 
     def __init__(self):
         self._kept: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # caption -> (hidden, pooled)
         self._outputs_on: torch.device | None = None  # where outputs go once the weights are parked (`park`)
         self._lengths: dict[str, int] = {}  # caption -> positions up to its last filled one (`filled_lengths`)
+        self._pictures: dict[str, Callable[[], Image.Image]] = {}  # picture key -> its reader (`show`)
+
+    def texts(self, captions: list[str], pictures: list[str] | None) -> list[str]:
+        """What to ask this encoder for: the captions, or, where it reads pictures and each caption has one (a key
+        `show` was given), each caption joined with its picture."""
+        if not self.reads_pictures or pictures is None:
+            return captions
+        return [f"{c}{_PICTURE_MARK}{p}" for c, p in zip(captions, pictures)]
+
+    def show(self, pictures: dict[str, Callable[[], Image.Image]]) -> None:
+        """Readers of the pictures `texts` may name, by key: read only when a text naming one is encoded."""
+        self._pictures.update(pictures)
+
+    def picture(self, key: str) -> Image.Image:
+        if key not in self._pictures:
+            raise KeyError(f"the picture {key} was never shown to the text encoder (CaptionEncoder.show)")
+        return self._pictures[key]()
 
     def modules(self) -> list[torch.nn.Module]:
         raise NotImplementedError
@@ -115,7 +150,9 @@ class CaptionEncoder:
         """(hidden states, pooled embedding) of a batch of captions."""
         if self._kept and all(c in self._kept for c in captions):
             rows = [self._kept[c] for c in captions]
-            return torch.stack([h for h, _ in rows]), torch.stack([p for _, p in rows])
+            longest = max(h.shape[0] for h, _ in rows)  # texts with pictures are kept as long as they are
+            return (torch.stack([F.pad(h, (0, 0, 0, longest - h.shape[0])) for h, _ in rows]),
+                    torch.stack([p for _, p in rows]))
         hidden, pooled = self._encode(captions)
         return hidden.to(self.outputs_device), pooled.to(self.outputs_device)
 

@@ -18,12 +18,13 @@ import torch.nn.functional as F
 from ..build import (boundary_traffic, build_backbone, build_dataset, build_stages, build_text_encoder, feed,
                      sample_shape, shift_schedule, timestep_range)
 from ..config import RunConfig, TrainConfig
-from ..data.batches import BatchMaker, CaptionTags, loss_weighting
+from ..data.batches import BatchMaker, CaptionTags, loss_weighting, step_texts
 from ..diffusion.objectives import element_weighted_mse, weighted_mse
 from ..distributed import Topology
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
 from ..models.units import Backbone
+from ..models.vae import vae_scale_factor
 from ..pipeline.data_parallel import spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
@@ -32,7 +33,7 @@ from ..pipeline.stage import StageModule
 from ..pipeline.tied import TiedGradients, tied_parameters
 from ..pipeline.traffic import Crossing
 from ..planner.plan import resolve_memory, resolve_stages
-from ..sampling import grid_prompts
+from ..sampling import grid_controls, grid_prompts, show_controls
 from .checkpoint import model_shapes
 from .evaluation import held_out_data
 from .optim import LossScaler, make_optimizer
@@ -146,15 +147,27 @@ def _text_and_data(config: RunConfig, backbone, topo: Topology):
     data = build_dataset(config, backbone, text, topo.device, topo.rank, topo.world_size, dist.barrier)
     resolve_epochs(config.train, data, topo.is_main)  # the learning-rate schedule reads max_steps as it goes
     held_out = held_out_data(config, data)
-    prompts = grid_prompts(config, lambda: data.captions)
-    text.keep(prompts, config.data.text_cache_gib)
-    asked = [*data.captions, "", *(held_out.captions if held_out is not None else []), *prompts]
+    grid = _grid_texts(config, text, data, backbone)
+    text.keep(grid, config.data.text_cache_gib)
+    asked = [*step_texts(text, data), *(step_texts(text, held_out) if held_out is not None else []), *grid]
     if not caption_tags(config.data).changes and text.park(asked) and topo.is_main:  # changed: encoded as they come
         print("text encoders moved to host memory: every caption is encoded already", flush=True)
     summary = data.summary(held_out)
     if topo.is_main and summary:
         print(summary, flush=True)
     return text, data, held_out
+
+
+def _grid_texts(config: RunConfig, text, data, backbone) -> list[str]:
+    """The texts the sample grid asks for: its prompts, and where the text encoder reads pictures each prompt (and
+    "", unguided) with its column's control picture at the sample size."""
+    prompts = grid_prompts(config, lambda: data.captions)
+    controls = grid_controls(config)
+    if not (text.reads_pictures and controls and getattr(data, "vae", None) is not None):
+        return prompts
+    factor = vae_scale_factor(data.vae)
+    pictures = show_controls(text, controls, tuple(s * factor for s in sample_shape(config, backbone)[-2:]))
+    return text.texts(prompts, pictures) + text.texts([""] * len(prompts), pictures)
 
 
 def _bytes_moved(crossings: list[Crossing], mine: list[int], stages: int, microbatches: int, rank_of) -> int:
