@@ -48,6 +48,7 @@ _QWEN_EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the inp
                        "<|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
 _QWEN_EDIT_TEMPLATE_TOKENS = 64
 _IMAGE_PAD = "<|image_pad|>"
+_PICTURE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def _load(folder: Path, index: str, model_class) -> tuple:
@@ -203,8 +204,8 @@ class QwenImageText(_FolderText):
 
 
 class QwenImageEditText(QwenImageText):
-    """Qwen-Image-Edit's: each caption read beside its picture (`texts(captions, pictures)`); a caption without one
-    is encoded as the pipeline encodes a prompt without an image (the template's <|image_pad|> left as one token)."""
+    """Qwen-Image-Edit's: each caption read beside its picture (`texts(captions, pictures)`). A caption without one
+    (the pipeline always has one) is read in the template without the picture's tokens."""
 
     max_length = 1369 + 512  # what a caption's outputs are counted as: a 1024^2 picture's tokens and a long caption
     reads_pictures = True
@@ -239,7 +240,7 @@ class QwenImageEditText(QwenImageText):
         seen = self.image_processor(images=pictures, return_tensors="pt") if pictures else {}
         merged = self.image_processor.merge_size ** 2
         counts = iter((seen["image_grid_thw"].prod(-1) // merged).tolist() if pictures else [])
-        prompts = [_QWEN_EDIT_TEMPLATE.format(c) if k is None else
+        prompts = [_QWEN_EDIT_TEMPLATE.replace(_PICTURE, "").format(c) if k is None else
                    _QWEN_EDIT_TEMPLATE.format(c).replace(_IMAGE_PAD, _IMAGE_PAD * next(counts), 1)
                    for c, k in zip(captions, keys)]
         tokens = self.tokenizers[0](prompts, padding=True, return_tensors="pt").to(self.device)

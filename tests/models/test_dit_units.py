@@ -10,6 +10,7 @@ from diffpipe.models.family import Feed
 from diffpipe.models.flux import FluxFamily
 from diffpipe.models.flux_kontext import FluxKontextFamily
 from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS, QwenImageFamily
+from diffpipe.models.qwen_image_edit import QwenImageEditFamily
 from diffpipe.models.sd3 import SD3Family
 from diffpipe.models.unet3d import UNET3D_PRESETS, UNet3DFamily
 from diffpipe.models.wan import WAN_PRESETS, WanFamily
@@ -28,6 +29,7 @@ WAN = dict(WAN_PRESETS["digits"], in_channels=4, out_channels=4, text_dim=24, nu
 QWEN = dict(QWEN_IMAGE_PRESETS["digits"], in_channels=16, out_channels=4, joint_attention_dim=24)
 CASES = {"flux": (FluxFamily(), FLUX), "flux-kontext": (FluxKontextFamily(), FLUX), "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
          "wan": (WanFamily(), WAN), "qwen-image": (QwenImageFamily(), QWEN),
+         "qwen-image-edit": (QwenImageEditFamily(), QWEN),
          "unet3d": (UNet3DFamily(), dict(UNET3D_PRESETS["digits"], in_channels=4,
                                                                           out_channels=4, cross_attention_dim=24))}
 SIZES = {"wan": (3, 8, 12), "unet3d": (3, 8, 12)}  # frames, height, width of a clip
