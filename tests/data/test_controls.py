@@ -99,7 +99,7 @@ def test_a_model_that_reads_no_control_refuses_the_setting(tiny, tmp_path, capfd
                           "--set", f'data.control_path="{edits / "controls"}"'])
     errors = capfd.readouterr().err
     assert result.returncode != 0
-    assert "model.architecture = 'flux' reads none; train an edit model (flux_kontext)" in errors
+    assert "model.architecture = 'flux' reads none; train an edit model (flux_kontext, qwen_image_edit)" in errors
     assert "Traceback" not in errors and not (tmp_path / "run").exists()
 
 

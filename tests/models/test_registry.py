@@ -35,7 +35,7 @@ def test_a_weight_used_by_the_first_and_last_units_is_found_tied():
 
 
 @pytest.mark.parametrize("architecture,says", [
-    ("dit", "choose one of ['flux', 'flux_kontext', 'qwen_image', 'sd3', 'unet2d', 'unet3d', 'wan']"),
+    ("dit", "choose one of ['flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'sd3', 'unet2d', 'unet3d', 'wan']"),
     ("tests.models.nowhere:Family", "cannot import"),
     ("diffpipe.config:RunConfig", "is not a ModelFamily subclass"),
 ])

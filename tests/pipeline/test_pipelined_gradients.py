@@ -89,11 +89,12 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
           "wan": ("wan", WAN_PRESETS["digits"]),  # clips of moving digits
           "unet3d": ("unet3d", UNET3D_PRESETS["digits"]),
           "qwen-image": ("qwen_image", QWEN_IMAGE_PRESETS["digits"]),
-          "flux-kontext": ("flux_kontext", FLUX_PRESETS["digits"])}  # synthetic latents, each with a control
+          "flux-kontext": ("flux_kontext", FLUX_PRESETS["digits"]),  # synthetic latents, each with a control
+          "qwen-image-edit": ("qwen_image_edit", QWEN_IMAGE_PRESETS["digits"])}
 
 
 MOVING = ("wan", "unet3d")  # trained on clips of moving digits
-SYNTHETIC = ("sdxl-style", "flux-kontext")  # trained on synthetic latents (an edit model: with random controls)
+SYNTHETIC = ("sdxl-style", "flux-kontext", "qwen-image-edit")  # trained on synthetic latents (an edit model: with random controls)
 TEXT_LENGTH = 8
 
 
@@ -185,6 +186,7 @@ TWO = {
     # Qwen-Image's last block leaves its text side unused (no gradient): data parallel must not wait for one
     "qwen-image-dp2": _config(1, "1f1b", dp=2, model="qwen-image"),
     "flux-kontext-1f1b-2": _config(2, "1f1b", model="flux-kontext"),  # each item's control tokens beside its own
+    "qwen-image-edit-1f1b-2": _config(2, "1f1b", model="qwen-image-edit"),
     "unet3d-dp2": _config(1, "1f1b", dp=2, model="unet3d"),
     "sdxl-style-dp2": _config(1, "1f1b", dp=2, model="sdxl-style"),
     "dp2-sharded-checkpointed": _config(1, "1f1b", dp=2, shard=True, checkpointing="all"),
