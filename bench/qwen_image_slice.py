@@ -7,6 +7,8 @@ micro-batch.
 
     python bench/qwen_image_slice.py [--blocks 6] [--batch 1] [--steps 6] [--checkpointing] [--only plain|diffpipe]
     python bench/qwen_image_slice.py --blocks 60 --lora 16 --base-dtype bf16 --steps 12   # the whole 20 B model
+    python bench/qwen_image_slice.py --edit ...   # Qwen-Image-Edit: a 1024x1024 control's 4096 tokens beside the
+                                                  # picture's, text of 1536 (the control's 1369 vision tokens + caption)
 
 Both loops clip gradients to --clip's global norm (1.0: diffpipe's default and diffusers' training scripts'; 0 turns
 it off in both). With --profile DIR each loop's CUDA kernels over its steps are written to DIR as a table (the
@@ -41,6 +43,11 @@ from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
 TOKENS, SIDE = 128, 128  # text tokens; latent side of a 1024x1024 picture
+EDIT_TOKENS = 1536  # an edit's text: a 1024x1024 control's 1369 vision tokens and the caption, cut to EDIT_TEXT_LENGTHS
+
+
+def _text_tokens(args) -> int:
+    return EDIT_TOKENS if args.edit else TOKENS
 
 
 def _slice(args) -> dict:
@@ -48,11 +55,12 @@ def _slice(args) -> dict:
 
 
 def _inputs(args, device: str = "cuda") -> dict:
-    on = dict(device=device)
-    return dict(hidden_states=torch.randn(args.batch, (SIDE // 2) ** 2, 64, **on),
+    """The model's inputs; with --edit a control's tokens after the picture's, as QwenImageEditPipeline joins them."""
+    on, copies = dict(device=device), 2 if args.edit else 1
+    return dict(hidden_states=torch.randn(args.batch, copies * (SIDE // 2) ** 2, 64, **on),
                 timestep=torch.rand(args.batch, **on),
-                encoder_hidden_states=torch.randn(args.batch, TOKENS, 3584, **on),
-                img_shapes=[[(1, SIDE // 2, SIDE // 2)]] * args.batch)
+                encoder_hidden_states=torch.randn(args.batch, _text_tokens(args), 3584, **on),
+                img_shapes=[[(1, SIDE // 2, SIDE // 2)] * copies] * args.batch)
 
 
 def step_flops(args) -> float:
@@ -87,7 +95,7 @@ def _report(what: str, args, steps: list[float], flops: float, **extra) -> None:
     median = statistics.median(steps[2:])
     print(json.dumps({"what": what, "blocks": args.blocks, "checkpointing": args.checkpointing, "batch": args.batch,
                       "lora": args.lora, "base_dtype": args.base_dtype, "clip": args.clip,
-                      "text_tokens": TOKENS, "median_step_s": round(median, 4),
+                      "edit": args.edit, "text_tokens": _text_tokens(args), "median_step_s": round(median, 4),
                       "samples_per_s": round(args.batch / median, 3), "tflops": round(flops / median / 1e12, 1),
                       "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), **extra}), flush=True)
 
@@ -129,7 +137,7 @@ def plain_loop(args, flops: float) -> None:
             torch.cuda.synchronize()
             start = time.perf_counter()
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model(**inputs, return_dict=False)[0]
+                out = model(**inputs, return_dict=False)[0][:, :target.shape[1]]  # (an edit's: the picture's)
             torch.nn.functional.mse_loss(out.float(), target).backward()
             if args.clip > 0:
                 torch.nn.utils.clip_grad_norm_(trained, args.clip)
@@ -138,13 +146,14 @@ def plain_loop(args, flops: float) -> None:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters())
-    _report("plain QwenImageTransformer2DModel loop", args, times, flops, params_B=round(params / 1e9, 2))
+    _report(f"plain QwenImageTransformer2DModel loop{' (edit)' if args.edit else ''}", args, times, flops, params_B=round(params / 1e9, 2))
 
 
 def diffpipe_run(args, flops: float) -> None:
     torch.cuda.reset_peak_memory_stats()
     table = {
-        "model": {"architecture": "qwen_image", "config": _slice(args), "text_max_length": TOKENS},
+        "model": {"architecture": "qwen_image_edit" if args.edit else "qwen_image", "config": _slice(args),
+                  "text_max_length": _text_tokens(args)},
         "data": {"dataset": "synthetic", "latent_size": [SIDE, SIDE]},
         "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
                   "objective": "flow_matching", "device": "cuda", "max_grad_norm": args.clip},
@@ -159,7 +168,7 @@ def diffpipe_run(args, flops: float) -> None:
     with _profiled(args, "diffpipe"):
         Trainer(config, single_process_topology("cuda"), run_dir).fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    _report("diffpipe, one stage", args, [r["step_time_s"] for r in rows], flops)
+    _report(f"diffpipe{' qwen_image_edit' if args.edit else ''}, one stage", args, [r["step_time_s"] for r in rows], flops)
 
 
 def main() -> None:
@@ -173,6 +182,7 @@ def main() -> None:
     parser.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--clip", type=float, default=1.0, help="global gradient norm both loops clip to; 0: off")
     parser.add_argument("--profile", default=None, metavar="DIR")
+    parser.add_argument("--edit", action="store_true", help="Qwen-Image-Edit: a control's tokens beside each picture's")
     args = parser.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # as bench/flux_slice.py: cuDNN's attention backward failed on H200
     flops = step_flops(args)
