@@ -102,8 +102,10 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def example_text_length(self, cfg, length: int, latent_size: tuple[int, ...], control: bool) -> int:
         """A caption's positions (`length`) and, beside a control, the vision tokens of a control of the items' size
-        (the VAE's 8x sides)."""
-        return length + (picture_tokens(latent_size[-2] * 8, latent_size[-1] * 8) if control else 0)
+        (the VAE's 8x sides), padded to the next of EDIT_TEXT_LENGTHS: every position filled, so a plan traces the
+        unmasked attention (the fused kernels keep no probability matrix for a mask either)."""
+        filled = length + (picture_tokens(latent_size[-2] * 8, latent_size[-1] * 8) if control else 0)
+        return next((n for n in EDIT_TEXT_LENGTHS if n >= filled), filled)
 
     def conditions(self, cfg, text: TextBatch):
         hidden, mask = text_mask(text.hidden, text.filled, EDIT_TEXT_LENGTHS)
