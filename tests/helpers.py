@@ -103,3 +103,19 @@ def check_diffusers_lora(pipeline_class, folder, run, out, predict) -> None:
     pipe.load_lora_weights(out / "pytorch_lora_weights.safetensors")
     assert (base - want).abs().max() > 1e-3  # the adapters matter
     torch.testing.assert_close(predict(pipe.transformer), want, rtol=1e-5, atol=1e-5)
+
+
+EDIT_QUICK = ["--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0",
+              "--set", "train.warmup_steps=0", "--set", "data.caption_dropout=0.0"]
+
+
+def train_edit_example(example: str, model_folder, tiny, out, *extra: str) -> Ran:
+    """`diffpipe train examples/EXAMPLE.toml` of an edit model on the tiny edits (tiny/edits: pictures and their grey
+    controls) with `model_folder`, quickly (no samples, checkpoints or warmup; captions kept), plus `extra`."""
+    from pathlib import Path
+
+    edits = Path(tiny) / "edits"
+    return run_command(["train", str(Path(__file__).parent.parent / "examples" / f"{example}.toml"),
+                        "--output-dir", str(out), "--set", f'model.path="{model_folder}"',
+                        "--set", f'data.path="{edits / "pictures"}"', "--set", f'data.control_path="{edits / "controls"}"',
+                        "--set", f'data.cache_dir="{Path(out).parent / "cache"}"', *EDIT_QUICK, *extra])

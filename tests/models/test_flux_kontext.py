@@ -23,11 +23,9 @@ from diffpipe.models.flux import pack_latents
 from diffpipe.models.flux_kontext import FluxKontextFamily
 from diffpipe.models.vae import load_vae
 
-from ..helpers import check_diffusers_lora, run_command
+from ..helpers import check_diffusers_lora, train_edit_example
 
 ROOT = Path(__file__).parent.parent.parent
-QUICK = ["--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0",
-         "--set", "train.warmup_steps=0", "--set", "data.caption_dropout=0.0"]
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +34,7 @@ def pipe(tiny) -> FluxKontextPipeline:
 
 
 def _train(tiny: Path, out: Path, *extra: str):
-    edits = tiny / "edits"
-    return run_command(["train", str(ROOT / "examples" / "flux_kontext_tiny.toml"), "--output-dir", str(out),
-                        "--set", f'model.path="{tiny / "flux_kontext"}"', "--set", f'data.path="{edits / "pictures"}"',
-                        "--set", f'data.control_path="{edits / "controls"}"',
-                        "--set", f'data.cache_dir="{out.parent / "cache"}"', *QUICK, *extra])
+    return train_edit_example("flux_kontext_tiny", tiny / "flux_kontext", tiny, out, *extra)
 
 
 def _losses(run: Path) -> list[float]:

@@ -29,11 +29,9 @@ from diffpipe.models.family import Feed
 from diffpipe.models.qwen_image_edit import QwenImageEditFamily, picture_tokens
 from diffpipe.models.vae import load_vae
 
-from ..helpers import check_diffusers_lora, run_command
+from ..helpers import check_diffusers_lora, train_edit_example
 
 ROOT = Path(__file__).parent.parent.parent
-QUICK = ["--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0",
-         "--set", "train.warmup_steps=0", "--set", "data.caption_dropout=0.0"]
 
 
 def edit_pipeline(folder: Path) -> QwenImageEditPipeline:
@@ -57,11 +55,7 @@ def pipe(tiny) -> QwenImageEditPipeline:
 
 
 def _train(tiny: Path, out: Path, *extra: str):
-    edits = tiny / "edits"
-    return run_command(["train", str(ROOT / "examples" / "qwen_image_edit_tiny.toml"), "--output-dir", str(out),
-                        "--set", f'model.path="{tiny / "qwen_image_edit"}"', "--set", f'data.path="{edits / "pictures"}"',
-                        "--set", f'data.control_path="{edits / "controls"}"',
-                        "--set", f'data.cache_dir="{out.parent / "cache"}"', *QUICK, *extra])
+    return train_edit_example("qwen_image_edit_tiny", tiny / "qwen_image_edit", tiny, out, *extra)
 
 
 def _losses(run: Path) -> list[float]:
