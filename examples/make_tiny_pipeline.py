@@ -314,7 +314,9 @@ def write_qwen_image(out: Path, seed: int = 0, edit: bool = False) -> Path:
     # torchvision (for its video half): the folder is written as the edit pipeline writes it, processor/ by its parts
     folder = out / "qwen_image_edit"
     QwenImagePipeline(**parts).save_pretrained(folder, safe_serialization=True)
-    Qwen2VLImageProcessor().save_pretrained(folder / "processor")  # 14-pixel patches merged 2x2, as Qwen's
+    # 14-pixel patches merged 2x2, as Qwen's; at most 112^2 pixels (Qwen's: 3584^2), so the pipeline's 1024^2 input
+    # is 16 vision tokens, not 1,369
+    Qwen2VLImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}).save_pretrained(folder / "processor")
     tokenizer.save_pretrained(folder / "processor")
     index = json.loads((folder / "model_index.json").read_text())
     index.update(_class_name="QwenImageEditPipeline", processor=["transformers", "Qwen2VLProcessor"])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from transformers import (CLIPTextModel, CLIPTextModelWithProjection, Qwen2_5_VLForConditionalGeneration, T5EncoderModel,
                           UMT5EncoderModel)
 
@@ -27,7 +28,7 @@ from .loading import CheckpointError, load_tokenizer
 from .pipeline_folder import component_weights, fingerprint_files, text_encoder_configs
 from .text import CaptionEncoder, caption_and_picture
 
-__all__ = ["FluxText", "SD3Text", "WanText", "QwenImageText", "QwenImageEditText", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "WAN_T5_TOKENS", "flux_text_widths",
+__all__ = ["FluxText", "SD3Text", "WanText", "QwenImageText", "QwenImageEditText", "as_the_pipeline_sizes", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "WAN_T5_TOKENS", "flux_text_widths",
            "sd3_text_widths"]
 
 FLUX_T5_TOKENS = 512  # FluxPipeline's max_sequence_length
@@ -203,9 +204,20 @@ class QwenImageText(_FolderText):
         return hidden, torch.zeros(len(captions), 0, device=self.device)
 
 
+def as_the_pipeline_sizes(picture: Image.Image) -> Image.Image:
+    """A control picture at about 1024^2 pixels in its own proportions, sides multiples of 32 (Lanczos), as
+    QwenImageEditPipeline resizes its input image before its processor reads it: the text encoder sees a control as
+    it will at inference, whatever the bucket it trains in."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    width, height, _ = calculate_dimensions(1024 * 1024, picture.width / picture.height)
+    return picture.resize((width, height), Image.LANCZOS)
+
+
 class QwenImageEditText(QwenImageText):
-    """Qwen-Image-Edit's: each caption read beside its picture (`texts(captions, pictures)`). A caption without one
-    (the pipeline always has one) is read in the template without the picture's tokens."""
+    """Qwen-Image-Edit's: each caption read beside its picture (`texts(captions, pictures)`), the picture sized as
+    the pipeline sizes its input (`as_the_pipeline_sizes`). A caption without one (the pipeline always has one) is
+    read in the template without the picture's tokens."""
 
     max_length = 1369 + 512  # what a caption's outputs are counted as: a 1024^2 picture's tokens and a long caption
     reads_pictures = True
@@ -236,7 +248,7 @@ class QwenImageEditText(QwenImageText):
     @torch.no_grad()
     def _encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         captions, keys = zip(*(caption_and_picture(t) for t in texts))
-        pictures = [self.picture(k) for k in keys if k is not None]
+        pictures = [as_the_pipeline_sizes(self.picture(k)) for k in keys if k is not None]
         seen = self.image_processor(images=pictures, return_tensors="pt") if pictures else {}
         merged = self.image_processor.merge_size ** 2
         counts = iter((seen["image_grid_thw"].prod(-1) // merged).tolist() if pictures else [])

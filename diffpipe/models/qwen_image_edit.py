@@ -33,10 +33,13 @@ _EDIT_MAX_PIXELS = 12845056  # Qwen-Image-Edit's processor/preprocessor_config.j
 
 
 def picture_tokens(height: int, width: int) -> int:
-    """Vision tokens Qwen2.5-VL makes of a picture of height x width pixels: 14-pixel patches merged 2x2, after its
-    processor's resize (transformers' smart_resize, Qwen-Image-Edit's pixel limits)."""
+    """Vision tokens Qwen2.5-VL makes of a control of height x width pixels: sized to about 1024^2 as the pipeline
+    sizes its input (models/dit_text.py as_the_pipeline_sizes), then resized by its processor (transformers'
+    smart_resize, Qwen-Image-Edit's pixel limits) into 14-pixel patches merged 2x2."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # (needs no torchvision)
 
+    width, height, _ = calculate_dimensions(1024 * 1024, width / height)
     rows, columns = smart_resize(height, width, factor=28, min_pixels=56 * 56, max_pixels=_EDIT_MAX_PIXELS)
     return rows * columns // 28**2
 

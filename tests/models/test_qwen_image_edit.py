@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import QwenImageEditPipeline, QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from PIL import Image
 from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor
 
@@ -32,6 +33,12 @@ from diffpipe.models.vae import load_vae
 from ..helpers import check_diffusers_lora, train_edit_example
 
 ROOT = Path(__file__).parent.parent.parent
+
+
+def as_the_pipeline_reads(pipe: QwenImageEditPipeline, picture: Image.Image) -> Image.Image:
+    """What QwenImageEditPipeline.__call__ hands its processor of an input image: about 1024^2 pixels."""
+    width, height, _ = calculate_dimensions(1024 * 1024, picture.size[0] / picture.size[1])
+    return pipe.image_processor.resize(picture, height, width)
 
 
 def edit_pipeline(folder: Path) -> QwenImageEditPipeline:
@@ -68,7 +75,8 @@ def test_text_is_read_with_its_picture_as_the_pipeline_does(tiny, pipe):
     pictures = [Image.fromarray(rng.integers(0, 255, size, dtype=np.uint8)) for size in ((128, 96, 3), (64, 160, 3))]
     captions = ["a photo of the chinese temple", ""]
     with torch.no_grad():  # one batch, as the pipeline pads it: each caption's states, zero past them
-        states, mask = pipe.encode_prompt(captions, image=pictures, device="cpu")
+        states, mask = pipe.encode_prompt(captions, image=[as_the_pipeline_reads(pipe, p) for p in pictures],
+                                          device="cpu")
     want = [row[:int(n)] for row, n in zip(states, mask.sum(1))]
     text = QwenImageEditText.from_folder(tiny / "qwen_image_edit")
     text.show({"first": lambda: pictures[0], "second": lambda: pictures[1]})
@@ -83,8 +91,9 @@ def test_text_is_read_with_its_picture_as_the_pipeline_does(tiny, pipe):
 
 
 def test_a_step_reads_each_pictures_own_control(tiny, pipe, tmp_path):
-    """The batch's text is its caption read with its own control picture (placed in the picture's bucket), and its
-    reference tokens are that control's latents; the eval loss's batches too."""
+    """The batch's text is its caption read with its own control picture (placed in the picture's bucket, then sized
+    as the pipeline sizes its input), and its reference tokens are that control's latents; the eval loss's batches
+    too."""
     folder = tiny / "qwen_image_edit"
     config = build_config({"model": {"architecture": "qwen_image_edit", "path": str(folder)},
                            "data": {"dataset": "folder", "path": str(tiny / "edits" / "pictures"), "resolution": 128,
@@ -98,7 +107,7 @@ def test_a_step_reads_each_pictures_own_control(tiny, pipe, tmp_path):
         indices = data.batch_indices(step, 2, config.train.seed)
         batch = maker.make(step, 0, 1)
         for row, i in zip(batch.conditions["encoder_hidden_states"], indices):
-            picture = placed(read_rgb(data.controls[i]), data.control_placements[i])
+            picture = as_the_pipeline_reads(pipe, placed(read_rgb(data.controls[i]), data.control_placements[i]))
             with torch.no_grad():
                 wanted = pipe.encode_prompt(data.captions[i], image=picture, device="cpu")[0][0]
             torch.testing.assert_close(row[:len(wanted)], wanted, rtol=1e-5, atol=1e-6)
@@ -107,7 +116,7 @@ def test_a_step_reads_each_pictures_own_control(tiny, pipe, tmp_path):
     same_bucket = data.groups()[0][:2]
     fixed = maker.make_fixed(data, same_bucket, 0, 0, 1)[0]
     first = same_bucket[0]
-    picture = placed(read_rgb(data.controls[first]), data.control_placements[first])
+    picture = as_the_pipeline_reads(pipe, placed(read_rgb(data.controls[first]), data.control_placements[first]))
     with torch.no_grad():
         wanted = pipe.encode_prompt(data.captions[first], image=picture, device="cpu")[0][0]
     torch.testing.assert_close(fixed.conditions["encoder_hidden_states"][0, :len(wanted)], wanted, rtol=1e-5,
@@ -181,7 +190,7 @@ def test_plans_count_the_controls_vision_tokens():
     from diffpipe.build import build_backbone, example_inputs
     from diffpipe.config_files import load_config
 
-    assert picture_tokens(1024, 1024) == 37 * 37 and picture_tokens(64, 64) == 4
+    assert picture_tokens(1024, 1024) == picture_tokens(64, 64) == 37 * 37  # any control is sized to ~1024^2 first
     config = load_config(ROOT / "examples" / "qwen_image_edit_lora.toml")
     _, conditions = example_inputs(config, build_backbone(config, "meta"), 1)
     assert conditions["reference"].shape == (1, 4096, 64)
