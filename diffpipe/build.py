@@ -177,7 +177,7 @@ def example_inputs(config: RunConfig, backbone: Backbone, batch: int) -> tuple[d
     fed = feed(config, backbone)
     control = torch.zeros(batch, *shape) if source_of(config).has_controls(config, backbone.family) else None
     length = backbone.family.example_text_length(backbone.model.config, text_length(config), shape[1:],
-                                                 control is not None)
+                                                 control is not None, config.model.pipeline_folder())
     conditions = fed.conditions(torch.zeros(batch, length, hidden), torch.zeros(batch, pooled),
                                 torch.zeros(batch, 6), shape[1:], control=control)
     conditions["timestep"] = torch.zeros(batch)

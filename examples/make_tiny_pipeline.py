@@ -99,7 +99,7 @@ _QWEN_TEMPLATE_WORDS = ("system user assistant Describe the image by detailing c
 # newlines and "user": 64 tokens, the pipeline's prompt_template_encode_start_idx), as Qwen's own tokenizer counts them
 _QWEN_EDIT_WORDS = ("Describe key features input image color shape size texture objects background then explain how "
                     "user text instruction should alter or modify Generate new that meets requirements while "
-                    "maintaining consistency with original where appropriate").split()
+                    "maintaining consistency with original where appropriate Picture").split()
 _QWEN_EDIT_PIECES = ("(", "),", "'s", ".")
 
 
@@ -275,11 +275,13 @@ def write_wan22_ti2v(out: Path, seed: int = 0) -> Path:
     return out / "wan22_ti2v"
 
 
-def write_qwen_image(out: Path, seed: int = 0, edit: bool = False) -> Path:
+def write_qwen_image(out: Path, seed: int = 0, edit: bool = False, plus: bool = False) -> Path:
     """Qwen-Image layout: a Qwen2.5-VL model (text 32 wide, a one-block vision tower), Qwen's VAE (4 latent channels,
     8x smaller sides; random weights, latents scaled to spread 1) and a two-block QwenImageTransformer2DModel reading
     the latents packed 2x2; the scheduler as Qwen/Qwen-Image's. `edit`: Qwen-Image-Edit's layout (QwenImageEditPipeline:
-    the same components and a Qwen2VLProcessor under processor/, whose vision tower reads the control picture)."""
+    the same components and a Qwen2VLProcessor under processor/, whose vision tower reads the control picture);
+    `plus`: QwenImageEditPlusPipeline's, with Qwen-Image-Edit-2511's transformer (zero_cond_t: the control's tokens
+    modulated at time zero)."""
     torch.manual_seed(seed)
     tokenizer = tiny_qwen_tokenizer(vision=edit)
     chat_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -301,7 +303,7 @@ def write_qwen_image(out: Path, seed: int = 0, edit: bool = False) -> Path:
     vae.register_to_config(latents_mean=z.mean(dim=(0, 2, 3, 4)).tolist(), latents_std=z.std(dim=(0, 2, 3, 4)).tolist())
     transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
                                               attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                              axes_dims_rope=(4, 6, 6))
+                                              axes_dims_rope=(4, 6, 6), zero_cond_t=plus)
     scheduler = FlowMatchEulerDiscreteScheduler(
         base_image_seq_len=256, base_shift=0.5, max_image_seq_len=8192, max_shift=0.9, shift=1.0, shift_terminal=0.02,
         time_shift_type="exponential", use_dynamic_shifting=True)
@@ -312,14 +314,15 @@ def write_qwen_image(out: Path, seed: int = 0, edit: bool = False) -> Path:
         return out / "qwen_image"
     # QwenImageEditPipeline's save_pretrained needs a Qwen2VLProcessor object, which transformers builds only beside
     # torchvision (for its video half): the folder is written as the edit pipeline writes it, processor/ by its parts
-    folder = out / "qwen_image_edit"
+    folder = out / ("qwen_image_edit_plus" if plus else "qwen_image_edit")
     QwenImagePipeline(**parts).save_pretrained(folder, safe_serialization=True)
     # 14-pixel patches merged 2x2, as Qwen's; at most 112^2 pixels (Qwen's: 3584^2), so the pipeline's 1024^2 input
     # is 16 vision tokens, not 1,369
     Qwen2VLImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112}).save_pretrained(folder / "processor")
     tokenizer.save_pretrained(folder / "processor")
     index = json.loads((folder / "model_index.json").read_text())
-    index.update(_class_name="QwenImageEditPipeline", processor=["transformers", "Qwen2VLProcessor"])
+    index.update(_class_name="QwenImageEditPlusPipeline" if plus else "QwenImageEditPipeline",
+                 processor=["transformers", "Qwen2VLProcessor"])
     (folder / "model_index.json").write_text(json.dumps(dict(sorted(index.items())), indent=2) + "\n")
     return folder
 
@@ -477,7 +480,7 @@ def main() -> None:
     vae = fitted_vae()  # one VAE for every layout: they differ in the backbone and text encoders
     for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_flux(out, vae, kontext=True),
                  write_sd3(out, vae), write_wan(out), write_wan22(out), write_qwen_image(out),
-                 write_qwen_image(out, edit=True), write_photos(out),
+                 write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True), write_photos(out),
                  write_edits(out), write_clips(out)):
         print(f"wrote {path}")
     (out / STAMP).write_text(_this_script() + "\n")

@@ -16,6 +16,7 @@ cut: the picture's tokens and the caption's). Weights are read from safetensors 
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -28,7 +29,8 @@ from .loading import CheckpointError, load_tokenizer
 from .pipeline_folder import component_weights, fingerprint_files, text_encoder_configs
 from .text import CaptionEncoder, caption_and_picture
 
-__all__ = ["FluxText", "SD3Text", "WanText", "QwenImageText", "QwenImageEditText", "as_the_pipeline_sizes", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "WAN_T5_TOKENS", "flux_text_widths",
+__all__ = ["FluxText", "SD3Text", "WanText", "QwenImageText", "QwenImageEditText", "as_the_pipeline_sizes",
+           "reads_pictures_as_plus", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "WAN_T5_TOKENS", "flux_text_widths",
            "sd3_text_widths"]
 
 FLUX_T5_TOKENS = 512  # FluxPipeline's max_sequence_length
@@ -50,6 +52,11 @@ _QWEN_EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the inp
 _QWEN_EDIT_TEMPLATE_TOKENS = 64
 _IMAGE_PAD = "<|image_pad|>"
 _PICTURE = "<|vision_start|><|image_pad|><|vision_end|>"
+# QwenImageEditPlusPipeline's (Qwen-Image-Edit-2509, -2511): the pictures named in the instruction, before it
+_QWEN_EDIT_PLUS_TEMPLATE = _QWEN_EDIT_TEMPLATE.replace(_PICTURE, "")
+_QWEN_EDIT_PLUS_PICTURE = "Picture 1: " + _PICTURE
+EDIT_PICTURE_AREA = 1024 * 1024  # QwenImageEditPipeline sizes its input to about this many pixels for its processor
+EDIT_PLUS_PICTURE_AREA = 384 * 384  # QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE
 
 
 def _load(folder: Path, index: str, model_class) -> tuple:
@@ -204,27 +211,36 @@ class QwenImageText(_FolderText):
         return hidden, torch.zeros(len(captions), 0, device=self.device)
 
 
-def as_the_pipeline_sizes(picture: Image.Image) -> Image.Image:
-    """A control picture at about 1024^2 pixels in its own proportions, sides multiples of 32 (Lanczos), as
-    QwenImageEditPipeline resizes its input image before its processor reads it: the text encoder sees a control as
-    it will at inference, whatever the bucket it trains in."""
+def as_the_pipeline_sizes(picture: Image.Image, area: int = EDIT_PICTURE_AREA) -> Image.Image:
+    """A control picture at about `area` pixels in its own proportions, sides multiples of 32 (Lanczos), as
+    QwenImageEditPipeline (1024^2) and QwenImageEditPlusPipeline (384^2) resize their input image before their
+    processor reads it: the text encoder sees a control as it will at inference, whatever the bucket it trains in."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
-    width, height, _ = calculate_dimensions(1024 * 1024, picture.width / picture.height)
+    width, height, _ = calculate_dimensions(area, picture.width / picture.height)
     return picture.resize((width, height), Image.LANCZOS)
+
+
+def reads_pictures_as_plus(folder: Path) -> bool:
+    """Whether a Qwen-Image-Edit folder is QwenImageEditPlusPipeline's (2509, 2511: model_index.json says)."""
+    index = folder / "model_index.json"
+    return index.is_file() and json.loads(index.read_text()).get("_class_name") == "QwenImageEditPlusPipeline"
 
 
 class QwenImageEditText(QwenImageText):
     """Qwen-Image-Edit's: each caption read beside its picture (`texts(captions, pictures)`), the picture sized as
-    the pipeline sizes its input (`as_the_pipeline_sizes`). A caption without one (the pipeline always has one) is
-    read in the template without the picture's tokens."""
+    the pipeline sizes its input (`as_the_pipeline_sizes`); a QwenImageEditPlusPipeline folder's (2509, 2511) in that
+    pipeline's template ("Picture 1: " and the picture before the caption) at its 384^2 pixels. A caption without a
+    picture (the Plus pipeline's text-only prompt; the first pipeline always has one) is read in the template without
+    the picture's tokens."""
 
     max_length = 1369 + 512  # what a caption's outputs are counted as: a 1024^2 picture's tokens and a long caption
     reads_pictures = True
 
-    def __init__(self, tokenizers: list, models: list[torch.nn.Module], folder: Path, pictures):
+    def __init__(self, tokenizers: list, models: list[torch.nn.Module], folder: Path, pictures, plus: bool = False):
         super().__init__(tokenizers, models, folder)
         self.image_processor = pictures
+        self.plus = plus  # QwenImageEditPlusPipeline's template and picture size
 
     @classmethod
     def from_folder(cls, folder: Path) -> "QwenImageEditText":
@@ -238,7 +254,17 @@ class QwenImageEditText(QwenImageText):
         # the processor's own tokenizer and image processor, as the pipeline's Qwen2VLProcessor holds them
         tokenizer = load_tokenizer(folder, "processor")
         pictures = AutoImageProcessor.from_pretrained(folder, subfolder="processor", local_files_only=True)
-        return cls([tokenizer], [model], folder, pictures)
+        return cls([tokenizer], [model], folder, pictures, reads_pictures_as_plus(folder))
+
+    def _prompt(self, caption: str, picture_tokens: int) -> str:
+        """The caption in the pipeline's template, its picture's tokens where the processor puts them (none: the
+        template without a picture)."""
+        if self.plus:
+            named = _QWEN_EDIT_PLUS_PICTURE if picture_tokens else ""
+            text = _QWEN_EDIT_PLUS_TEMPLATE.format(named + caption)
+        else:
+            text = _QWEN_EDIT_TEMPLATE.format(caption) if picture_tokens else _QWEN_EDIT_PLUS_TEMPLATE.format(caption)
+        return text.replace(_IMAGE_PAD, _IMAGE_PAD * picture_tokens, 1)
 
     def fingerprint(self) -> str:
         files = component_weights(self.folder, "text_encoder") + sorted(
@@ -248,13 +274,12 @@ class QwenImageEditText(QwenImageText):
     @torch.no_grad()
     def _encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         captions, keys = zip(*(caption_and_picture(t) for t in texts))
-        pictures = [as_the_pipeline_sizes(self.picture(k)) for k in keys if k is not None]
+        area = EDIT_PLUS_PICTURE_AREA if self.plus else EDIT_PICTURE_AREA
+        pictures = [as_the_pipeline_sizes(self.picture(k), area) for k in keys if k is not None]
         seen = self.image_processor(images=pictures, return_tensors="pt") if pictures else {}
         merged = self.image_processor.merge_size ** 2
         counts = iter((seen["image_grid_thw"].prod(-1) // merged).tolist() if pictures else [])
-        prompts = [_QWEN_EDIT_TEMPLATE.replace(_PICTURE, "").format(c) if k is None else
-                   _QWEN_EDIT_TEMPLATE.format(c).replace(_IMAGE_PAD, _IMAGE_PAD * next(counts), 1)
-                   for c, k in zip(captions, keys)]
+        prompts = [self._prompt(c, next(counts) if k is not None else 0) for c, k in zip(captions, keys)]
         tokens = self.tokenizers[0](prompts, padding=True, return_tensors="pt").to(self.device)
         states = self.models[0](input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
                                 pixel_values=seen["pixel_values"].to(self.device) if pictures else None,

@@ -161,9 +161,11 @@ class ModelFamily:
 
         return caption_tokens(folder)
 
-    def example_text_length(self, cfg: Any, length: int, latent_size: tuple[int, ...], control: bool) -> int:
+    def example_text_length(self, cfg: Any, length: int, latent_size: tuple[int, ...], control: bool,
+                            folder: Path | None) -> int:
         """Text positions a step of items of `latent_size` (with a control picture each, where `control`) feeds,
-        for plans to trace: `length`, the text encoders' per caption, unless the text reads the control too."""
+        for plans to trace: `length`, the text encoders' per caption, unless the text reads the control too (as
+        the pipeline folder `folder`, if any, reads it)."""
         return length
 
     def objective_of_folder(self, folder: Path) -> str:

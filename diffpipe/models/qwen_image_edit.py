@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .dit_text import EDIT_PICTURE_AREA, EDIT_PLUS_PICTURE_AREA, reads_pictures_as_plus
 from .family import TextBatch
 from .qwen_image import QWEN_TEXT_TOKENS, QwenImageFamily, _Block, _Embed, _mask_or_none, _Out, _rope_table, text_mask
 from .flux import pack_latents
@@ -32,14 +33,14 @@ EDIT_TEXT_LENGTHS = (64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
 _EDIT_MAX_PIXELS = 12845056  # Qwen-Image-Edit's processor/preprocessor_config.json max_pixels (Qwen2.5-VL's)
 
 
-def picture_tokens(height: int, width: int) -> int:
-    """Vision tokens Qwen2.5-VL makes of a control of height x width pixels: sized to about 1024^2 as the pipeline
-    sizes its input (models/dit_text.py as_the_pipeline_sizes), then resized by its processor (transformers'
-    smart_resize, Qwen-Image-Edit's pixel limits) into 14-pixel patches merged 2x2."""
+def picture_tokens(height: int, width: int, area: int = EDIT_PICTURE_AREA) -> int:
+    """Vision tokens Qwen2.5-VL makes of a control of height x width pixels: sized to about `area` pixels as the
+    pipeline sizes its input (models/dit_text.py as_the_pipeline_sizes), then resized by its processor
+    (transformers' smart_resize, Qwen-Image-Edit's pixel limits) into 14-pixel patches merged 2x2."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # (needs no torchvision)
 
-    width, height, _ = calculate_dimensions(1024 * 1024, width / height)
+    width, height, _ = calculate_dimensions(area, width / height)
     rows, columns = smart_resize(height, width, factor=28, min_pixels=56 * 56, max_pixels=_EDIT_MAX_PIXELS)
     return rows * columns // 28**2
 
@@ -58,27 +59,43 @@ def rotary_embedding(cfg, grid: tuple[int, int], reference_grid: tuple[int, int]
 
 
 class _EditEmbed(_Embed):
+    """With zero_cond_t (Qwen-Image-Edit-2511) `temb` is the timestep's embedding and, after it along the batch, time
+    zero's, which the control's tokens are modulated by (the model's own `torch.cat([timestep, timestep * 0])`)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.zero_cond_t = bool(model.config.get("zero_cond_t"))
+
     def forward(self, sample, reference, timestep, encoder_hidden_states):
-        return super().forward(torch.cat((sample, reference), dim=1), timestep, encoder_hidden_states)
+        joined = torch.cat((sample, reference), dim=1)
+        if not self.zero_cond_t:
+            return super().forward(joined, timestep, encoder_hidden_states)
+        h = self.img_in(joined)
+        t = (timestep / 1000).to(h.dtype)
+        return {"h": h, "context": self.txt_in(self.txt_norm(encoder_hidden_states)),
+                "temb": self.time_text_embed(torch.cat((t, t * 0)), h)}
 
 
 class _EditBlock(_Block):
-    def forward(self, h, context, temb, encoder_hidden_states_mask, image_rotary, reference_rotary, text_rotary):
+    def forward(self, h, context, temb, encoder_hidden_states_mask, image_rotary, reference_rotary, text_rotary,
+                modulate_index):
         images = torch.cat((image_rotary[0].flatten(0, 1), reference_rotary[0].flatten(0, 1)))
         context, h = self.block(hidden_states=h, encoder_hidden_states=context,
                                 encoder_hidden_states_mask=_mask_or_none(encoder_hidden_states_mask), temb=temb,
-                                image_rotary_emb=(images, text_rotary[0]))
+                                image_rotary_emb=(images, text_rotary[0]), modulate_index=_mask_or_none(modulate_index))
         return {"h": h, "context": context}
 
 
 class _EditOut(_Out):
     def forward(self, h, temb, reference):
+        if h.shape[0] != temb.shape[0]:  # zero_cond_t: the timestep's embedding, then time zero's
+            temb = temb.chunk(2)[0]
         return super().forward(h[:, :h.shape[1] - reference.shape[1]], temb)
 
 
 def qwen_image_edit_backbone(model: nn.Module) -> Backbone:
     conditions = ("reference", "timestep", "encoder_hidden_states", "encoder_hidden_states_mask", "image_rotary",
-                  "reference_rotary", "text_rotary")
+                  "reference_rotary", "text_rotary", "modulate_index")
     block_reads = ("h", "context", "temb") + conditions[3:]
     units = [Unit("embed", _EditEmbed(model), ("sample",) + conditions[:3], ("h", "context", "temb"))]
     units += [Unit(f"block.{i}", _EditBlock(b), block_reads, ("h", "context"))
@@ -93,7 +110,17 @@ class QwenImageEditFamily(QwenImageFamily):
 
     name = "qwen_image_edit"
     reads_control = True
-    pipelines = ("QwenImageEditPipeline",)
+    pipelines = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+
+    def check_supported(self, model):
+        cfg = model.config
+        if cfg.patch_size != 2:
+            raise ValueError(f"Qwen-Image-Edit config patch_size={cfg.patch_size} is not supported: the pipeline "
+                             "packs latents 2x2 outside the model")
+        unsupported = [k for k in ("guidance_embeds", "use_additional_t_cond", "use_layer3d_rope") if cfg.get(k)]
+        if unsupported:
+            raise ValueError(f"Qwen-Image configs with {', '.join(unsupported)} (the layered variant) are not supported "
+                             "yet: the qwen_image_edit adapter trains edits of one control picture")
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers
@@ -103,11 +130,13 @@ class QwenImageEditFamily(QwenImageFamily):
     def describe(self, model, granularity):
         return qwen_image_edit_backbone(model)
 
-    def example_text_length(self, cfg, length: int, latent_size: tuple[int, ...], control: bool) -> int:
+    def example_text_length(self, cfg, length: int, latent_size: tuple[int, ...], control: bool, folder) -> int:
         """A caption's positions (`length`) and, beside a control, the vision tokens of a control of the items' size
-        (the VAE's 8x sides), padded to the next of EDIT_TEXT_LENGTHS: every position filled, so a plan traces the
-        unmasked attention (the fused kernels keep no probability matrix for a mask either)."""
-        filled = length + (picture_tokens(latent_size[-2] * 8, latent_size[-1] * 8) if control else 0)
+        (the VAE's 8x sides) as the folder's pipeline sizes it, padded to the next of EDIT_TEXT_LENGTHS: every
+        position filled, so a plan traces the unmasked attention (the fused kernels keep no probability matrix for a
+        mask either)."""
+        area = EDIT_PLUS_PICTURE_AREA if folder is not None and reads_pictures_as_plus(folder) else EDIT_PICTURE_AREA
+        filled = length + (picture_tokens(latent_size[-2] * 8, latent_size[-1] * 8, area) if control else 0)
         return next((n for n in EDIT_TEXT_LENGTHS if n >= filled), filled)
 
     def conditions(self, cfg, text: TextBatch):
@@ -116,7 +145,12 @@ class QwenImageEditFamily(QwenImageFamily):
         control = text.control
         reference_grid = (control.shape[2] // 2, control.shape[3] // 2) if control is not None else None
         picture, reference, words = rotary_embedding(cfg, grid, reference_grid, hidden.shape[1], hidden.device)
+        # zero_cond_t: which image tokens are modulated by time zero's embedding (1: the control's), as the model's
+        # own modulate_index; else none
+        tokens = (grid[0] * grid[1], reference.shape[0] * reference.shape[1]) if cfg.get("zero_cond_t") else (0, 0)
+        index = torch.cat((torch.zeros(tokens[0], dtype=torch.int), torch.ones(tokens[1], dtype=torch.int)))
         return {"encoder_hidden_states": hidden, "encoder_hidden_states_mask": mask,
+                "modulate_index": index.to(hidden.device).expand(batch, -1),
                 "reference": (pack_latents(control) if control is not None
                               else hidden.new_zeros(batch, 0, cfg.in_channels)),
                 "image_rotary": picture.expand(batch, *picture.shape),

@@ -30,6 +30,7 @@ QWEN = dict(QWEN_IMAGE_PRESETS["digits"], in_channels=16, out_channels=4, joint_
 CASES = {"flux": (FluxFamily(), FLUX), "flux-kontext": (FluxKontextFamily(), FLUX), "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
          "wan": (WanFamily(), WAN), "qwen-image": (QwenImageFamily(), QWEN),
          "qwen-image-edit": (QwenImageEditFamily(), QWEN),
+         "qwen-image-edit-2511": (QwenImageEditFamily(), dict(QWEN, zero_cond_t=True)),  # the control at time zero
          "unet3d": (UNet3DFamily(), dict(UNET3D_PRESETS["digits"], in_channels=4,
                                                                           out_channels=4, cross_attention_dim=24))}
 SIZES = {"wan": (3, 8, 12), "unet3d": (3, 8, 12)}  # frames, height, width of a clip

@@ -14,8 +14,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from diffusers import QwenImageEditPipeline, QwenImagePipeline
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE
 from PIL import Image
 from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor
 
@@ -35,15 +36,16 @@ from ..helpers import check_diffusers_lora, train_edit_example
 ROOT = Path(__file__).parent.parent.parent
 
 
-def as_the_pipeline_reads(pipe: QwenImageEditPipeline, picture: Image.Image) -> Image.Image:
-    """What QwenImageEditPipeline.__call__ hands its processor of an input image: about 1024^2 pixels."""
-    width, height, _ = calculate_dimensions(1024 * 1024, picture.size[0] / picture.size[1])
+def as_the_pipeline_reads(pipe: QwenImageEditPipeline, picture: Image.Image, area: int = 1024 * 1024) -> Image.Image:
+    """What QwenImageEditPipeline.__call__ hands its processor of an input image: about 1024^2 pixels
+    (QwenImageEditPlusPipeline's: its CONDITION_IMAGE_SIZE, 384^2)."""
+    width, height, _ = calculate_dimensions(area, picture.size[0] / picture.size[1])
     return pipe.image_processor.resize(picture, height, width)
 
 
-def edit_pipeline(folder: Path) -> QwenImageEditPipeline:
-    """QwenImageEditPipeline of the folder, its Qwen2VLProcessor assembled from processor/'s tokenizer and image
-    processor (see the module's note)."""
+def edit_pipeline(folder: Path, pipeline_class=QwenImageEditPipeline) -> QwenImageEditPipeline:
+    """`pipeline_class` (QwenImageEditPipeline, QwenImageEditPlusPipeline) of the folder, its Qwen2VLProcessor
+    assembled from processor/'s tokenizer and image processor (see the module's note)."""
     base = QwenImagePipeline.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder / "processor")
     processor = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
@@ -52,8 +54,8 @@ def edit_pipeline(folder: Path) -> QwenImageEditPipeline:
     processor.image_token, processor.video_token = "<|image_pad|>", "<|video_pad|>"
     processor.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     processor.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
-    return QwenImageEditPipeline(scheduler=base.scheduler, vae=base.vae, text_encoder=base.text_encoder,
-                                 tokenizer=base.tokenizer, processor=processor, transformer=base.transformer)
+    return pipeline_class(scheduler=base.scheduler, vae=base.vae, text_encoder=base.text_encoder,
+                          tokenizer=base.tokenizer, processor=processor, transformer=base.transformer)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +200,33 @@ def test_plans_count_the_controls_vision_tokens():
 
 
 def test_a_folder_names_its_family_by_its_pipeline(tiny):
-    for layout in ("qwen_image", "qwen_image_edit"):
+    for layout, family in (("qwen_image", "qwen_image"), ("qwen_image_edit", "qwen_image_edit"),
+                           ("qwen_image_edit_plus", "qwen_image_edit")):
         config = build_config({"model": {"path": str(tiny / layout)},
                                "data": {"dataset": "folder", "path": str(tiny / "photos"), "resolution": 128}})
-        assert config.model.architecture == layout
+        assert config.model.architecture == family
+
+
+def test_the_plus_pipelines_text_and_2511s_time_zero_control(tiny, tmp_path):
+    """A QwenImageEditPlusPipeline folder (2509, 2511): a caption read with its picture at 384^2 in that pipeline's
+    template, and alone, as its `encode_prompt` reads them; its 2511 transformer (zero_cond_t: the control's tokens
+    modulated at time zero, `temb` twice the batch across the boundary) trains on 1 and 2 stages to the same losses."""
+    folder = tiny / "qwen_image_edit_plus"
+    plus = edit_pipeline(folder, QwenImageEditPlusPipeline)
+    text = QwenImageEditText.from_folder(folder)
+    picture = Image.open(tiny / "edits" / "controls" / "china_0.png").convert("RGB")
+    text.show({"control": lambda: picture})
+    with torch.no_grad():
+        want = plus.encode_prompt("a photo of the chinese temple",
+                                  image=as_the_pipeline_reads(plus, picture, CONDITION_IMAGE_SIZE), device="cpu")[0]
+        alone = plus.encode_prompt("a photo of the chinese temple", image=None, device="cpu")[0]
+    assert torch.equal(text.encode(text.texts(["a photo of the chinese temple"], ["control"]))[0], want)
+    assert torch.equal(text.encode(["a photo of the chinese temple"])[0], alone)
+    runs = {}
+    for stages in (1, 2):
+        runs[stages] = tmp_path / f"stages{stages}"
+        result = _train(tiny, runs[stages], "--set", "train.max_steps=4", "--set", f"pipeline.stages={stages}",
+                        "--set", f'model.path="{folder}"')
+        assert result.returncode == 0, result.stdout[-3000:]
+        assert f"training qwen_image_edit ({folder}" in result.stdout
+    torch.testing.assert_close(torch.tensor(_losses(runs[2])), torch.tensor(_losses(runs[1])), rtol=1e-5, atol=0)
