@@ -171,7 +171,8 @@ class QwenImageFamily(ModelFamily):
                        if cfg.get(k)]
         if unsupported:
             raise ValueError(f"Qwen-Image configs with {', '.join(unsupported)} (the edit-2511 and layered variants) "
-                             "are not supported yet: the qwen_image adapter trains text-to-image")
+                             "are not text-to-image models: train Qwen-Image-Edit-2511 with model.architecture = "
+                             "\"qwen_image_edit\" (the layered variant is not supported yet)")
 
     def unreached(self, model):
         """The last block's text side after attention: the prediction reads image tokens only."""
