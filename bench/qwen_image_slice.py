@@ -9,6 +9,7 @@ micro-batch.
     python bench/qwen_image_slice.py --blocks 60 --lora 16 --base-dtype bf16 --steps 12   # the whole 20 B model
     python bench/qwen_image_slice.py --edit ...   # Qwen-Image-Edit: a 1024x1024 control's 4096 tokens beside the
                                                   # picture's, text of 1536 (the control's 1369 vision tokens + caption)
+    python bench/qwen_image_slice.py --edit --zero-cond-t ...   # Qwen-Image-Edit-2511's transformer, 512 text positions
 
 Both loops clip gradients to --clip's global norm (1.0: diffpipe's default and diffusers' training scripts'; 0 turns
 it off in both). With --profile DIR each loop's CUDA kernels over its steps are written to DIR as a table (the
@@ -46,12 +47,17 @@ TOKENS, SIDE = 128, 128  # text tokens; latent side of a 1024x1024 picture
 EDIT_TOKENS = 1536  # an edit's text: a 1024x1024 control's 1369 vision tokens and the caption, cut to EDIT_TEXT_LENGTHS
 
 
+PLUS_TOKENS = 512  # 2509/2511 (the Plus pipeline): a 384x384-sized control's 196 vision tokens and the caption
+
+
 def _text_tokens(args) -> int:
-    return EDIT_TOKENS if args.edit else TOKENS
+    if args.edit:
+        return PLUS_TOKENS if args.zero_cond_t else EDIT_TOKENS
+    return TOKENS
 
 
 def _slice(args) -> dict:
-    return dict(QWEN_IMAGE_PRESETS["20b"], num_layers=args.blocks)
+    return dict(QWEN_IMAGE_PRESETS["20b"], num_layers=args.blocks, **({"zero_cond_t": True} if args.zero_cond_t else {}))
 
 
 def _inputs(args, device: str = "cuda") -> dict:
@@ -95,7 +101,7 @@ def _report(what: str, args, steps: list[float], flops: float, **extra) -> None:
     median = statistics.median(steps[2:])
     print(json.dumps({"what": what, "blocks": args.blocks, "checkpointing": args.checkpointing, "batch": args.batch,
                       "lora": args.lora, "base_dtype": args.base_dtype, "clip": args.clip,
-                      "edit": args.edit, "text_tokens": _text_tokens(args), "median_step_s": round(median, 4),
+                      "edit": args.edit, "zero_cond_t": args.zero_cond_t, "text_tokens": _text_tokens(args), "median_step_s": round(median, 4),
                       "samples_per_s": round(args.batch / median, 3), "tflops": round(flops / median / 1e12, 1),
                       "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), **extra}), flush=True)
 
@@ -183,6 +189,8 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=1.0, help="global gradient norm both loops clip to; 0: off")
     parser.add_argument("--profile", default=None, metavar="DIR")
     parser.add_argument("--edit", action="store_true", help="Qwen-Image-Edit: a control's tokens beside each picture's")
+    parser.add_argument("--zero-cond-t", action="store_true",
+                        help="with --edit, Qwen-Image-Edit-2511's transformer: the control's tokens at time zero")
     args = parser.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # as bench/flux_slice.py: cuDNN's attention backward failed on H200
     flops = step_flops(args)
