@@ -1,5 +1,6 @@
-"""Adapter for Qwen-Image-Edit (diffusers' `QwenImageEditPipeline`): Qwen-Image's `QwenImageTransformer2DModel`,
-trained to edit a control picture (data.control_path: the picture each training picture was made from).
+"""Adapter for Qwen-Image-Edit (diffusers' `QwenImageEditPipeline`; -2509 and -2511 through
+`QwenImageEditPlusPipeline`): Qwen-Image's `QwenImageTransformer2DModel`, trained to edit a control picture
+(data.control_path: the picture each training picture was made from).
 
 The control picture enters twice, as the pipeline feeds it. Its latents, packed 2x2 as the picture's, are appended
 after the picture's tokens, their rotary positions in the model's second frame (`img_shapes` of two entries), and
@@ -7,7 +8,9 @@ the prediction is the picture's tokens only (`noise_pred[:, : latents.size(1)]`)
 reads the picture with the instruction (models/dit_text.py QwenImageEditText): a caption's states hold the picture's
 vision tokens, so a text is encoded and cached per (caption, control picture). The control's tokens (`reference`)
 and rotary table (`reference_rotary`) are conditions every stage is given: `embed` joins them to the picture's and
-`out` cuts them back off, so only Qwen-Image's `h`, `context` and `temb` cross a boundary.
+`out` cuts them back off, so only Qwen-Image's `h`, `context` and `temb` cross a boundary. 2511's transformer
+(`zero_cond_t`) modulates the control's tokens by time zero's embedding: `temb` then holds the timestep's and zero's
+(twice the batch) and `modulate_index` (a condition) marks the control's tokens, as the model's own forward does.
 
 The text is as long as the control's vision tokens and the caption (a 1024^2 control: about 1,400 positions); a
 batch's text is cut (or zero-padded) to the smallest of `EDIT_TEXT_LENGTHS` that holds its longest, masked, as
@@ -21,8 +24,8 @@ from torch import nn
 
 from .dit_text import EDIT_PICTURE_AREA, EDIT_PLUS_PICTURE_AREA, reads_pictures_as_plus
 from .family import TextBatch
-from .qwen_image import QWEN_TEXT_TOKENS, QwenImageFamily, _Block, _Embed, _mask_or_none, _Out, _rope_table, text_mask
 from .flux import pack_latents
+from .qwen_image import QWEN_TEXT_TOKENS, QwenImageFamily, _Block, _Embed, _mask_or_none, _Out, _rope_table, text_mask
 from .units import Backbone, Unit
 
 __all__ = ["QwenImageEditFamily", "EDIT_TEXT_LENGTHS", "picture_tokens"]
