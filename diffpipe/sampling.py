@@ -108,16 +108,13 @@ class Generator:
         factor = vae_scale_factor(self.vae) if self.vae is not None else 1
         return self.shape[-2] * factor, self.shape[-1] * factor
 
-    def _placed_controls(self, images: list[Path]) -> list[Image.Image]:
-        return placed_controls(images, self.pixel_size)
-
     def control_latents(self, images: list[Path]) -> torch.Tensor:
         """Control images placed at the sample size and encoded by the VAE."""
         from .data.buckets import pixels_of
 
         if self.vae is None:
             raise CheckpointError("control images are encoded by a pipeline folder's VAE, and this run has none")
-        pixels = [pixels_of(picture) for picture in self._placed_controls(images)]
+        pixels = [pixels_of(picture) for picture in placed_controls(images, self.pixel_size)]
         return encode_latents(self.vae, torch.stack(pixels).to(next(self.vae.parameters()).device)).float()
 
     def show_controls(self, images: list[Path]) -> list[str]:
