@@ -54,7 +54,7 @@ def cache_controls(dataset: FolderImages, store: ShardStore, vae, rank, world, b
     control cannot be decoded are skipped."""
     as_items = [ImageItem(path, "", 0, 0) for path in dataset.controls]
     latents, reasons = store_latents(as_items, dataset.control_placements, store, vae, rank, world, barrier, show,
-                                     "caching control images' latents")
+                                     "caching control images' latents", keys=dataset.control_keys)
     for i, why in reasons.items():
         dataset.skipped.add(dataset.items[i].path, f"its control image {dataset.controls[i].name}: {why}")
     dataset.cached_controls = latents

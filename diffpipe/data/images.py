@@ -350,11 +350,14 @@ def _check_decodes(dataset: FolderImages) -> None:
 
 
 def store_latents(items: list[ImageItem], placements: list[Placement], store: ShardStore, vae, rank, world, barrier,
-                  show: bool, description: str) -> tuple[list[torch.Tensor | None], dict[int, str]]:
+                  show: bool, description: str, keys: list[str] | None = None
+                  ) -> tuple[list[torch.Tensor | None], dict[int, str]]:
     """Each item's latent as placed, from the store, this process encoding its share of what the store lacks; None
-    for an item that cannot be read, with the reason by the first such index of each file."""
-    contents = {path: file_hash(path) for path in {item.path for item in items}}
-    keys = [latent_key(contents[item.path], p) for item, p in zip(items, placements)]
+    for an item that cannot be read, with the reason by the first such index of each file. `keys`: the items'
+    `latent_key`s where the caller has them (controls: data/controls.py), else read off the files here."""
+    if keys is None:
+        contents = {path: file_hash(path) for path in {item.path for item in items}}
+        keys = [latent_key(contents[item.path], p) for item, p in zip(items, placements)]
     first_index: dict[str, int] = {}  # repeated items share a key
     for i, key in enumerate(keys):
         first_index.setdefault(key, i)

@@ -1,7 +1,8 @@
 """data.control_path: each picture's control image (an edit's source) found under the same name, placed in the
 picture's bucket (a control of another size resized to cover it), encoded by the VAE and cached beside the pictures'
-latents, the same latents whether cached or encoded per step; a missing control stops the run before anything is
-encoded, a broken one skips its picture and says so; a model that reads no control refuses the setting."""
+latents, the same latents whether cached or encoded per step (a control changed on disk encoded again); a missing
+control stops the run before anything is encoded, a broken one skips its picture and says so; a model that reads no
+control refuses the setting."""
 from __future__ import annotations
 
 import shutil
@@ -72,6 +73,13 @@ def test_controls_are_placed_in_their_pictures_buckets_and_cached_as_encoded(tin
     again = _prepared(models, _data(edits))  # a second run reads the cache: nothing new is written
     assert sorted((edits / "cache").rglob("*.safetensors")) == shards
     assert torch.equal(again.control_latents([3]), cached.control_latents([3]))
+    changed = again.controls[3]  # a control edited on disk is encoded again, not read stale from the cache
+    with Image.open(changed) as image:
+        image.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(changed)
+    fresh = _prepared(models, _data(edits))
+    i = fresh.controls.index(changed)
+    pixels = to_pixels(read_rgb(changed), fresh.control_placements[i])
+    torch.testing.assert_close(fresh.control_latents([i])[0], encode_latents(vae, pixels[None])[0], rtol=1e-5, atol=1e-6)
 
 
 def test_a_missing_control_stops_before_anything_is_encoded(tiny, tmp_path, models):
