@@ -119,3 +119,14 @@ def train_edit_example(example: str, model_folder, tiny, out, *extra: str) -> Ra
                         "--output-dir", str(out), "--set", f'model.path="{model_folder}"',
                         "--set", f'data.path="{edits / "pictures"}"', "--set", f'data.control_path="{edits / "controls"}"',
                         "--set", f'data.cache_dir="{Path(out).parent / "cache"}"', *EDIT_QUICK, *extra])
+
+
+def check_edit_lora(example: str, pipeline_class, model_folder, tiny, tmp_path, predict) -> None:
+    """An edit example trained 4 steps as a rank-4 LoRA on one stage (`train_edit_example`) exports for diffusers
+    and loads into `pipeline_class` with the trained output (`check_diffusers_lora`)."""
+    run = tmp_path / "lora"
+    result = train_edit_example(example, model_folder, tiny, run, "--set", "train.max_steps=4",
+                                "--set", "train.learning_rate=1e-2", "--set", "pipeline.stages=1",
+                                "--set", 'adapter.type="lora"', "--set", "adapter.rank=4", "--set", "adapter.alpha=8.0")
+    assert result.returncode == 0, result.stdout[-3000:]
+    check_diffusers_lora(pipeline_class, model_folder, run, tmp_path / "out", predict)

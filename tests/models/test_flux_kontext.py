@@ -23,7 +23,7 @@ from diffpipe.models.flux import pack_latents
 from diffpipe.models.flux_kontext import FluxKontextFamily
 from diffpipe.models.vae import load_vae
 
-from ..helpers import check_diffusers_lora, train_edit_example
+from ..helpers import check_edit_lora, train_edit_example
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -106,12 +106,7 @@ def _predicted(transformer) -> torch.Tensor:
 
 
 def test_a_lora_exports_for_diffusers(tiny, tmp_path):
-    run = tmp_path / "lora"
-    result = _train(tiny, run, "--set", "train.max_steps=4", "--set", "train.learning_rate=1e-2",
-                    "--set", "pipeline.stages=1", "--set", 'adapter.type="lora"', "--set", "adapter.rank=4",
-                    "--set", "adapter.alpha=8.0")
-    assert result.returncode == 0, result.stdout[-3000:]
-    check_diffusers_lora(FluxKontextPipeline, tiny / "flux_kontext", run, tmp_path / "out", _predicted)
+    check_edit_lora("flux_kontext_tiny", FluxKontextPipeline, tiny / "flux_kontext", tiny, tmp_path, _predicted)
 
 
 def test_samples_edit_their_control_images(tiny, tmp_path):

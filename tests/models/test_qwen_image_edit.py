@@ -31,7 +31,7 @@ from diffpipe.models.family import Feed
 from diffpipe.models.qwen_image_edit import QwenImageEditFamily, picture_tokens
 from diffpipe.models.vae import load_vae
 
-from ..helpers import check_diffusers_lora, train_edit_example
+from ..helpers import check_edit_lora, train_edit_example
 
 ROOT = Path(__file__).parent.parent.parent
 
@@ -150,13 +150,8 @@ def _predicted(transformer) -> torch.Tensor:
 
 
 def test_a_lora_exports_for_diffusers(tiny, tmp_path):
-    run = tmp_path / "lora"
-    result = _train(tiny, run, "--set", "train.max_steps=4", "--set", "train.learning_rate=1e-2",
-                    "--set", "pipeline.stages=1", "--set", 'adapter.type="lora"', "--set", "adapter.rank=4",
-                    "--set", "adapter.alpha=8.0")
-    assert result.returncode == 0, result.stdout[-3000:]
-    check_diffusers_lora(SimpleNamespace(from_pretrained=edit_pipeline), tiny / "qwen_image_edit", run,
-                         tmp_path / "out", _predicted)
+    check_edit_lora("qwen_image_edit_tiny", SimpleNamespace(from_pretrained=edit_pipeline), tiny / "qwen_image_edit",
+                    tiny, tmp_path, _predicted)
 
 
 def test_samples_read_their_control_images(tiny, tmp_path):
