@@ -2,20 +2,21 @@
 of real photographs with captions and a folder of short captioned videos, so the real-data path can be tried and
 tested without downloading anything.
 
-    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,flux,flux_kontext,sd3,...}
+    python examples/make_tiny_pipeline.py                  # writes examples/tiny/{sd15,sdxl,flux,flux_kontext,chroma,sd3,...}
     python examples/make_tiny_pipeline.py --out DIR        # somewhere else
     diffpipe train examples/photos.toml                    # then fine-tune the tiny SDXL-layout pipeline on the photos
     diffpipe train examples/flux_tiny.toml                 # or the tiny Flux-layout one (sd3_tiny.toml: SD3)
     diffpipe train examples/wan_clips.toml                 # a tiny Wan-layout video model on the clips
     diffpipe train examples/qwen_image_tiny.toml           # a tiny Qwen-Image-layout model on the photos
     diffpipe train examples/flux_kontext_tiny.toml         # a tiny Flux Kontext-layout edit model on the edits
+    diffpipe train examples/chroma_tiny.toml               # a tiny Chroma-layout model on the photos
     diffpipe train examples/qwen_image_edit_tiny.toml      # a tiny Qwen-Image-Edit-layout edit model on the edits
 
 Each pipeline is built from diffusers' and transformers' own classes (UNet2DConditionModel, AutoencoderKL, CLIP text
 models and a real CLIP BPE tokenizer over a small vocabulary) and written by the pipeline's `save_pretrained`, so
 the folders are laid out as on the Hub: model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/ (and
 text_encoder_2/, tokenizer_2/ for SDXL; transformer/, a CLIP and a T5 encoder with a real T5 unigram tokenizer for
-Flux; three text encoders for SD3; for Wan its video VAE and a umT5 encoder; Wan 2.2 A14B's two experts; for
+Flux; the T5 alone for Chroma; three text encoders for SD3; for Wan its video VAE and a umT5 encoder; Wan 2.2 A14B's two experts; for
 Qwen-Image a Qwen2.5-VL encoder with a real Qwen2 byte-level BPE tokenizer, and Qwen's VAE; for Qwen-Image-Edit
 the same with a Qwen2VLProcessor whose vision tower reads the control picture). The photos are scikit-learn's two sample photographs (china.jpg,
 flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption;
@@ -31,7 +32,8 @@ import json
 from pathlib import Path
 
 import torch
-from diffusers import (AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, EulerDiscreteScheduler,
+from diffusers import (AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, ChromaPipeline,
+                       ChromaTransformer2DModel, EulerDiscreteScheduler,
                        FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel, PNDMScheduler,
                        QwenImagePipeline, QwenImageTransformer2DModel, SD3Transformer2DModel,
                        StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline,
@@ -41,7 +43,7 @@ from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjec
                           T5Config, T5EncoderModel, T5Tokenizer,
                           UMT5Config, UMT5EncoderModel)
 
-__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_qwen_image",
+__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_chroma", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_qwen_image",
            "write_photos", "write_edits", "write_clips",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
 
@@ -223,6 +225,24 @@ def write_flux(out: Path, vae: AutoencoderKL | None = None, seed: int = 0, konte
     folder = out / ("flux_kontext" if kontext else "flux")
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def write_chroma(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Path:
+    """Chroma layout: T5 alone (64 wide, 512 tokens, read with its mask); the transformer reads Flux's packed
+    4-channel latents, two double-stream and two single-stream blocks, modulated by a two-layer distilled guidance
+    layer; Flux's dynamically shifted flow-matching scheduler, as Chroma1-HD's."""
+    torch.manual_seed(seed)
+    tokenizer = tiny_t5_tokenizer()
+    transformer = ChromaTransformer2DModel(
+        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=64, axes_dims_rope=(4, 6, 6), approximator_num_channels=16, approximator_hidden_dim=32,
+        approximator_layers=2)
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = ChromaPipeline(scheduler=scheduler, vae=vae or fitted_vae(), text_encoder=_t5(tokenizer, 64),
+                          tokenizer=tokenizer, transformer=transformer)
+    pipe.save_pretrained(out / "chroma", safe_serialization=True)
+    return out / "chroma"
 
 
 def write_sd3(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Path:
@@ -479,6 +499,7 @@ def main() -> None:
     (out / STAMP).unlink(missing_ok=True)  # written again last: a run cut short leaves no stamp
     vae = fitted_vae()  # one VAE for every layout: they differ in the backbone and text encoders
     for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_flux(out, vae, kontext=True),
+                 write_chroma(out, vae),
                  write_sd3(out, vae), write_wan(out), write_wan22(out), write_qwen_image(out),
                  write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True), write_photos(out),
                  write_edits(out), write_clips(out)):

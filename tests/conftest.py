@@ -32,11 +32,11 @@ def _copy_of_made(tmp_path_factory, name: str, parts: tuple[str, ...]) -> Path |
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
-    """A folder with sd15/, sdxl/, flux/, flux_kontext/, sd3/, qwen_image/, qwen_image_edit/ and qwen_image_edit_plus/
+    """A folder with sd15/, sdxl/, flux/, flux_kontext/, chroma/, sd3/, qwen_image/, qwen_image_edit/ and qwen_image_edit_plus/
     pipeline folders,
     photos/ (16 captioned crops) and edits/ (8 of them under pictures/, a grey copy of each under controls/); treat it
     as read-only (copy photos/ before changing it)."""
-    made = _copy_of_made(tmp_path_factory, "tiny", ("sd15", "sdxl", "flux", "flux_kontext", "sd3", "qwen_image",
+    made = _copy_of_made(tmp_path_factory, "tiny", ("sd15", "sdxl", "flux", "flux_kontext", "chroma", "sd3", "qwen_image",
                                                     "qwen_image_edit", "qwen_image_edit_plus", "photos", "edits"))
     if made is not None:
         return made
@@ -47,6 +47,7 @@ def tiny(tmp_path_factory) -> Path:
     script.write_sdxl(out, vae)
     script.write_flux(out, vae)
     script.write_flux(out, vae, kontext=True)
+    script.write_chroma(out, vae)
     script.write_sd3(out, vae)
     script.write_qwen_image(out)
     script.write_qwen_image(out, edit=True)

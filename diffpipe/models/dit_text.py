@@ -12,7 +12,9 @@ caption set in the pipeline's chat template, the template's first 34 tokens drop
 (512 positions, the pipeline's max_sequence_length). Qwen-Image-Edit (QwenImageEditPipeline's `_get_qwen_prompt_embeds`):
 the same encoder reads the control picture with the instruction (its vision tower's tokens in place of the template's
 <|image_pad|>, as the pipeline's Qwen2VLProcessor expands it), the template's first 64 tokens dropped, kept whole (no
-cut: the picture's tokens and the caption's). Weights are read from safetensors files only.
+cut: the picture's tokens and the caption's). Chroma (ChromaPipeline's `_get_t5_prompt_embeds`): T5's last hidden states
+over 512 tokens, T5 reading the caption with its attention mask, zero past the caption's tokens and its first pad (the
+positions the pipeline leaves unmasked in the transformer). Weights are read from safetensors files only.
 """
 from __future__ import annotations
 
@@ -29,13 +31,14 @@ from .loading import CheckpointError, load_tokenizer
 from .pipeline_folder import component_weights, fingerprint_files, text_encoder_configs
 from .text import CaptionEncoder, caption_and_picture
 
-__all__ = ["FluxText", "SD3Text", "WanText", "QwenImageText", "QwenImageEditText", "as_the_pipeline_sizes",
+__all__ = ["FluxText", "SD3Text", "WanText", "ChromaText", "QwenImageText", "QwenImageEditText", "as_the_pipeline_sizes",
            "reads_pictures_as_plus", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "WAN_T5_TOKENS", "flux_text_widths",
            "sd3_text_widths"]
 
 FLUX_T5_TOKENS = 512  # FluxPipeline's max_sequence_length
 SD3_T5_TOKENS = 256  # StableDiffusion3Pipeline's max_sequence_length
 WAN_T5_TOKENS = 512  # WanPipeline's max_sequence_length
+CHROMA_T5_TOKENS = 512  # ChromaPipeline's max_sequence_length
 _CLIP_TOKENS = 77
 # QwenImagePipeline's prompt_template_encode and prompt_template_encode_start_idx (the template's tokens before the
 # caption, dropped from the states); its tokenizer_max_length is 1024
@@ -178,6 +181,34 @@ class WanText(_FolderText):
         mask = tokens.attention_mask.to(self.device)
         hidden = self.models[0](tokens.input_ids.to(self.device), mask).last_hidden_state
         return hidden * mask.unsqueeze(-1).to(hidden.dtype), torch.zeros(len(captions), 0, device=self.device)
+
+
+class ChromaText(_FolderText):
+    suffixes = ("",)
+    max_length = CHROMA_T5_TOKENS
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> "ChromaText":
+        tokenizer, model = _load(folder, "1", T5EncoderModel)
+        return cls([tokenizer], [model], folder)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.models[0].config.d_model
+
+    @property
+    def pooled_size(self) -> int:
+        return 0
+
+    @torch.no_grad()
+    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.tokenizers[0](captions, padding="max_length", max_length=CHROMA_T5_TOKENS, truncation=True,
+                                    return_tensors="pt")
+        mask = tokens.attention_mask.to(self.device)
+        hidden = self.models[0](tokens.input_ids.to(self.device), attention_mask=mask, output_hidden_states=False)[0]
+        # what the transformer attends to: the caption's tokens and the first pad (ChromaPipeline's mask)
+        kept = torch.arange(mask.shape[1], device=self.device)[None, :] <= mask.sum(dim=1, keepdim=True)
+        return hidden * kept.unsqueeze(-1).to(hidden.dtype), torch.zeros(len(captions), 0, device=self.device)
 
 
 class QwenImageText(_FolderText):

@@ -18,6 +18,7 @@ BUILTIN_FAMILIES = {
     "unet2d": "diffpipe.models.unet:UNet2DFamily",
     "flux": "diffpipe.models.flux:FluxFamily",
     "flux_kontext": "diffpipe.models.flux_kontext:FluxKontextFamily",
+    "chroma": "diffpipe.models.chroma:ChromaFamily",
     "sd3": "diffpipe.models.sd3:SD3Family",
     "wan": "diffpipe.models.wan:WanFamily",
     "unet3d": "diffpipe.models.unet3d:UNet3DFamily",

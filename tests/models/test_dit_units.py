@@ -1,4 +1,4 @@
-"""The Flux, Flux Kontext, SD3, Wan and Qwen-Image adapters' units, run in order and as stages, compute exactly diffusers' forward, and the
+"""The Flux, Flux Kontext, Chroma, SD3, Wan and Qwen-Image adapters' units, run in order and as stages, compute exactly diffusers' forward, and the
 families' latent layouts are what diffusers' pipelines use (packing, unpatchifying) and invert exactly."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
+from diffpipe.models.chroma import CHROMA_PRESETS, ChromaFamily
 from diffpipe.models.family import Feed
 from diffpipe.models.flux import FluxFamily
 from diffpipe.models.flux_kontext import FluxKontextFamily
@@ -27,7 +28,9 @@ SD3 = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_h
 SD35 = dict(SD3, qk_norm="rms_norm", dual_attention_layers=(0,))  # SD3.5's per-head norms, MMDiT-X's extra attention
 WAN = dict(WAN_PRESETS["digits"], in_channels=4, out_channels=4, text_dim=24, num_layers=3)
 QWEN = dict(QWEN_IMAGE_PRESETS["digits"], in_channels=16, out_channels=4, joint_attention_dim=24)
-CASES = {"flux": (FluxFamily(), FLUX), "flux-kontext": (FluxKontextFamily(), FLUX), "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
+CHROMA = dict(CHROMA_PRESETS["digits"], in_channels=16, joint_attention_dim=24, num_single_layers=3)
+CASES = {"flux": (FluxFamily(), FLUX), "flux-kontext": (FluxKontextFamily(), FLUX), "chroma": (ChromaFamily(), CHROMA),
+         "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
          "wan": (WanFamily(), WAN), "qwen-image": (QwenImageFamily(), QWEN),
          "qwen-image-edit": (QwenImageEditFamily(), QWEN),
          "qwen-image-edit-2511": (QwenImageEditFamily(), dict(QWEN, zero_cond_t=True)),  # the control at time zero
@@ -72,7 +75,7 @@ def test_units_in_order_and_as_stages_equal_diffusers_forward(name):
         assert torch.equal(feed.unpack_prediction(units, size), plain)
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3", "wan", "qwen-image"])
+@pytest.mark.parametrize("name", ["flux", "chroma", "sd3", "wan", "qwen-image"])
 def test_prediction_layout_inverts_exactly(name):
     family, config = CASES[name]
     size = SIZES.get(name, (8, 12))

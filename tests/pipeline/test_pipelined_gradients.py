@@ -61,6 +61,7 @@ from diffpipe.data.batches import BatchMaker
 from diffpipe.data.moving_digits import MOTION_WORDS
 from diffpipe.data.sources import source_of
 from diffpipe.models.lora import add_lora, is_adapter
+from diffpipe.models.chroma import CHROMA_PRESETS
 from diffpipe.models.flux import FLUX_PRESETS
 from diffpipe.models.presets import UNET_PRESETS
 from diffpipe.models.registry import family_for
@@ -84,7 +85,8 @@ CHECKS = ("losses", "grad_norms", "grads", "moments", "weights")
 
 
 MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d", SDXL_STYLE),
-          "flux": ("flux", FLUX_PRESETS["digits"]), "sd3": ("sd3", SD3_PRESETS["digits"]),
+          "flux": ("flux", FLUX_PRESETS["digits"]), "chroma": ("chroma", CHROMA_PRESETS["digits"]),
+          "sd3": ("sd3", SD3_PRESETS["digits"]),
           "toy-tied": ("tests.models.toy_family:ToyFamily", {}),  # a norm tied between the first and last units
           "wan": ("wan", WAN_PRESETS["digits"]),  # clips of moving digits
           "unet3d": ("unet3d", UNET3D_PRESETS["digits"]),
@@ -185,6 +187,7 @@ TWO = {
     "wan-dp2": _config(1, "1f1b", dp=2, model="wan"),
     # Qwen-Image's last block leaves its text side unused (no gradient): data parallel must not wait for one
     "qwen-image-dp2": _config(1, "1f1b", dp=2, model="qwen-image"),
+    "chroma-1f1b-2": _config(2, "1f1b", model="chroma"),  # the modulation rows and the joined tokens across stages
     "flux-kontext-1f1b-2": _config(2, "1f1b", model="flux-kontext"),  # each item's control tokens beside its own
     "qwen-image-edit-1f1b-2": _config(2, "1f1b", model="qwen-image-edit"),
     "unet3d-dp2": _config(1, "1f1b", dp=2, model="unet3d"),
