@@ -7,6 +7,7 @@ the Flux adapter computes once and sends across stage boundaries, against the by
     python bench/flux_slice.py [--double 4] [--single 8] [--batch 2] [--steps 8]
     python bench/flux_slice.py --double 19 --single 38 --batch 1 --steps 20 --lora 16 --base-dtype bf16 --gc both
     python bench/flux_slice.py --kontext ...   # Flux Kontext: a 1024x1024 control's 4096 tokens beside the picture's
+    python bench/flux_slice.py --chroma ...    # Chroma1-HD's blocks (no guidance or pooled text; modulation pruned)
 
 With --lora RANK both loops train a LoRA of that rank on to_q/to_k/to_v/to_out.0 (issue 33's anchor) over a base
 stored in --base-dtype. Each diffpipe run also lists the host's garbage collections of the oldest generation (a
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.distributed import single_process_topology  # noqa: E402
+from diffpipe.models.chroma import CHROMA_PRESETS  # noqa: E402
 from diffpipe.models.flux import FLUX_PRESETS, image_ids  # noqa: E402
 from diffpipe.models.flux_kontext import reference_ids  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
@@ -42,33 +44,45 @@ from diffpipe.train.trainer import Trainer  # noqa: E402
 TOKENS, LATENT = 512, 128
 
 
+def architecture(args) -> str:
+    return "chroma" if args.chroma else "flux_kontext" if args.kontext else "flux"
+
+
 def _slice(args) -> dict:
-    return dict(FLUX_PRESETS["dev"], num_layers=args.double, num_single_layers=args.single)
+    preset = CHROMA_PRESETS["hd"] if args.chroma else FLUX_PRESETS["dev"]
+    return dict(preset, num_layers=args.double, num_single_layers=args.single)
 
 
-def _inputs(batch: int, device: str = "cuda", kontext: bool = False) -> dict:
-    """The model's inputs; with `kontext`, a control's tokens after the picture's, as FluxKontextPipeline joins them."""
+def _model_class(args):
+    import diffusers
+
+    return diffusers.ChromaTransformer2DModel if args.chroma else diffusers.FluxTransformer2DModel
+
+
+def _inputs(batch: int, device: str = "cuda", kontext: bool = False, chroma: bool = False) -> dict:
+    """The model's inputs; with `kontext`, a control's tokens after the picture's, as FluxKontextPipeline joins them;
+    with `chroma`, no guidance or pooled text (every text position filled, as the synthetic captions: no mask)."""
     cuda = dict(device=device)
     picture, ids = (LATENT // 2) ** 2, image_ids((LATENT, LATENT), device)
     if kontext:
         ids = torch.cat((ids, reference_ids((LATENT, LATENT), device)))
-    return dict(hidden_states=torch.randn(batch, picture * (2 if kontext else 1), 64, **cuda),
-                timestep=torch.rand(batch, **cuda),
-                guidance=torch.full((batch,), 3.5, **cuda), pooled_projections=torch.randn(batch, 768, **cuda),
-                encoder_hidden_states=torch.randn(batch, TOKENS, 4096, **cuda),
-                img_ids=ids, txt_ids=torch.zeros(TOKENS, 3, **cuda))
+    inputs = dict(hidden_states=torch.randn(batch, picture * (2 if kontext else 1), 64, **cuda),
+                  timestep=torch.rand(batch, **cuda), encoder_hidden_states=torch.randn(batch, TOKENS, 4096, **cuda),
+                  img_ids=ids, txt_ids=torch.zeros(TOKENS, 3, **cuda))
+    if not chroma:
+        inputs.update(guidance=torch.full((batch,), 3.5, **cuda), pooled_projections=torch.randn(batch, 768, **cuda))
+    return inputs
 
 
 def step_flops(args) -> float:
     """One training step's FLOPs: the forward's, counted on the meta device (no memory, no time), times 3."""
-    from diffusers import FluxTransformer2DModel
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.device("meta"):
-        model = FluxTransformer2DModel(**_slice(args))
+        model = _model_class(args)(**_slice(args))
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        model(**_inputs(args.batch, "meta", args.kontext), return_dict=False)
+        model(**_inputs(args.batch, "meta", args.kontext, args.chroma), return_dict=False)
     return 3.0 * counter.get_total_flops()
 
 
@@ -81,7 +95,7 @@ def _report(what: str, batch: int, steps: list[float], flops: float, **extra) ->
 
 def _config(args):
     table = {
-        "model": {"architecture": "flux_kontext" if args.kontext else "flux", "config": _slice(args),
+        "model": {"architecture": architecture(args), "config": _slice(args),
                   "text_max_length": TOKENS},
         "data": {"dataset": "synthetic"},
         "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
@@ -122,8 +136,8 @@ def plain_loop(args, flops: float) -> None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters())
-    _report(f"plain FluxTransformer2DModel loop{' (Kontext)' if args.kontext else ''}", args.batch, times, flops, params_B=round(params / 1e9, 2),
-            step_ms=[round(t * 1e3, 1) for t in times])
+    _report(f"plain {_model_class(args).__name__} loop{' (Kontext)' if args.kontext else ''}", args.batch, times, flops,
+            params_B=round(params / 1e9, 2), step_ms=[round(t * 1e3, 1) for t in times])
     del model, opt
 
 
@@ -163,7 +177,7 @@ def diffpipe_run(args, flops: float, freeze: bool) -> None:
     gc.unfreeze()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in rows]
-    _report(f"diffpipe{' flux_kontext' if args.kontext else ''}, one stage{', gc frozen' if freeze else ''}", args.batch, times, flops,
+    _report(f"diffpipe {architecture(args)}, one stage{', gc frozen' if freeze else ''}", args.batch, times, flops,
             step_ms=[round(t * 1e3, 1) for t in times], tracked_objects=len(gc.get_objects()),
             oldest_collections=[[round(at - started, 2), round(ms, 1)] for at, ms in collections.seen])
     del trainer
@@ -198,6 +212,7 @@ def main() -> None:
     parser.add_argument("--lora", type=int, default=None, metavar="RANK")
     parser.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--kontext", action="store_true", help="Flux Kontext: a control image's tokens beside each picture's")
+    parser.add_argument("--chroma", action="store_true", help="Chroma: its blocks at Chroma1-HD's width")
     parser.add_argument("--gc", choices=["default", "frozen", "both"], default="default",
                         help="diffpipe as it runs, with gc.freeze() before training, or both")
     args = parser.parse_args()

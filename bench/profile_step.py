@@ -109,15 +109,17 @@ def _label(loop: str, compiled: bool, lora_rank: int | None) -> str:
 
 def _plain_model(config, batch: int, lora_rank: int | None, bf16_base: bool):
     """The family's diffusers model on the GPU, its inputs, and the trained parameters, as a user sets them up."""
-    if config.model.architecture in ("flux", "flux_kontext"):
-        from diffusers import FluxTransformer2DModel
-        from diffpipe.models.flux import FLUX_PRESETS
+    if config.model.architecture in ("flux", "flux_kontext", "chroma"):
+        from diffpipe.models.registry import family_for
         from flux_slice import _inputs as flux_inputs
 
-        size = config.model.config or FLUX_PRESETS[config.model.preset]
+        family = family_for(config.model.architecture)
+        size = config.model.config or family.presets[config.model.preset]
         with torch.device("cuda"):  # 12 B random weights: drawn on the GPU, not the host
-            model = FluxTransformer2DModel(**size)
-        inputs, targets = flux_inputs(batch, kontext=config.model.architecture == "flux_kontext"), FLUX_LORA_TARGETS
+            model = family.model_class(**size)
+        inputs = flux_inputs(batch, kontext=config.model.architecture == "flux_kontext",
+                             chroma=config.model.architecture == "chroma")
+        targets = FLUX_LORA_TARGETS
     elif config.model.architecture == "qwen_image":
         from types import SimpleNamespace
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from .family import TextBatch
 from .flux import FluxFamily, image_ids
+from .flux_layout import CHROMA
 from .qwen_image import text_mask
 from .units import Backbone, Unit
 
@@ -143,7 +144,7 @@ class ChromaFamily(FluxFamily):
     model_class = ChromaTransformer2DModel
     presets = CHROMA_PRESETS
     pipelines = ("ChromaPipeline", "ChromaImg2ImgPipeline", "ChromaInpaintPipeline")
-    release_layout = None
+    release_layout = CHROMA  # its releases' single files: BFL's names, the modulation pruned (flux_layout.py)
     reads_text_lengths = True  # a batch's text is cut to its captions (qwen_image.text_mask)
 
     def diffusers_lora_pipeline(self, cfg):

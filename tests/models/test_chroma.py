@@ -84,8 +84,12 @@ def test_text_cut_to_its_length_and_masked_computes_the_models_forward_over_512_
         ours = backbone.forward({"sample": feed.pack(latents)}, conditions)
         theirs = _prediction(transformer, feed.pack(latents), timestep, expected, mask, (8, 6))
         unmasked = _prediction(transformer, feed.pack(latents), timestep, expected, None, (8, 6))
+        added = _prediction(transformer, feed.pack(latents), timestep, expected, mask.float(), (8, 6))
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert (unmasked - theirs).abs().max() > 1e-2  # the mask matters: without it T5's padding is attended to
+    # ones and zeros in floating point (what diffusers 0.42's ChromaPipeline passes) are added to attention's scores,
+    # not a mask (huggingface/diffusers#12116): not what Chroma trains with
+    assert (added - theirs).abs().max() > 1e-2
 
 
 def test_the_tiny_example_trains_on_one_and_two_stages_to_the_same_losses(tiny, tmp_path):
@@ -133,6 +137,9 @@ def test_a_lora_exports_for_diffusers_and_comfyui(tiny, tmp_path):
     downs = [k.removesuffix(".lora_down.weight") for k in load_file(str(comfy)) if k.endswith("lora_down.weight")]
     assert downs and {d.removeprefix("transformer.") for d in downs} <= layers
     assert "transformer.single_transformer_blocks.1.attn.to_q" in downs
+    original = tmp_path / "chroma_finetune.safetensors"  # Chroma's release layout (flux_layout.CHROMA)
+    assert main(["export", str(run), "--format", "original", "--out", str(original)]) == 0
+    assert "distilled_guidance_layer.layers.0.in_layer.weight" in load_file(str(original))
 
 
 def test_a_meta_built_model_gets_the_modulation_rows_sinusoids():

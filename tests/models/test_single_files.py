@@ -1,5 +1,5 @@
 """Backbones as users share them (issue 29): one .safetensors file in the family's own release layout (BFL's Flux,
-Stability's SD3, Wan's own, the A1111/ComfyUI SDXL layout), trained on a folder of images or clips with the VAE, text encoders and
+Chroma's, Stability's SD3, Wan's own, the A1111/ComfyUI SDXL layout), trained on a folder of images or clips with the VAE, text encoders and
 scheduler of their base model's diffusers folder (`model.components`)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from diffpipe.errors import ConfigError
 from diffpipe.models.flux import FLUX_PRESETS
-from diffpipe.models.flux_layout import flux_from_bfl, flux_to_bfl, is_bfl_layout
+from diffpipe.models.flux_layout import flux_from_bfl, flux_to_bfl, is_bfl_layout, is_chroma_layout
 
 from ..helpers import run_command
 
@@ -37,6 +37,36 @@ def test_a_bfl_flux_file_reads_as_diffusers_own_reader_reads_it_at_flux1_width()
     assert set(theirs) == set(mine) == set(ours)
     for key in ours:
         assert torch.equal(mine[key], theirs[key]) and torch.equal(mine[key], ours[key]), key
+
+
+def test_a_chroma_release_file_reads_as_diffusers_own_reader_reads_it_at_chroma1_width():
+    """Chroma's releases: BFL's names less the modulation Chroma pruned, with its distilled guidance layer. Compared
+    with diffusers' `convert_chroma_transformer_checkpoint_to_diffusers` (which assumes the width of 3072) on one
+    double and one single block and the whole guidance layer of Chroma1-HD's size, in bf16."""
+    from diffusers import ChromaTransformer2DModel
+    from diffusers.loaders.single_file_utils import convert_chroma_transformer_checkpoint_to_diffusers
+
+    from diffpipe.models.chroma import CHROMA_PRESETS
+
+    with torch.device("meta"):
+        shapes = ChromaTransformer2DModel(**dict(CHROMA_PRESETS["hd"], num_layers=1, num_single_layers=1)).state_dict()
+    gen = torch.Generator().manual_seed(0)
+    ours = {k: torch.randn(v.shape, generator=gen, dtype=torch.bfloat16) for k, v in shapes.items()}
+    original = flux_to_bfl(ours)
+    assert is_chroma_layout(original) and "distilled_guidance_layer.norms.4.scale" in original
+    assert not any("_mod." in k or "modulation" in k for k in original)  # pruned by Chroma
+    theirs = convert_chroma_transformer_checkpoint_to_diffusers(dict(original))
+    mine = flux_from_bfl({f"model.diffusion_model.{k}": v for k, v in original.items()})  # as ComfyUI saves it
+    assert set(theirs) == set(mine) == set(ours)
+    for key in ours:
+        assert torch.equal(mine[key], theirs[key]) and torch.equal(mine[key], ours[key]), key
+    assert not is_chroma_layout(flux_to_bfl(_flux_one_block()))  # Flux's is not Chroma's
+
+
+def _flux_one_block() -> dict[str, torch.Tensor]:
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(**dict(FLUX_PRESETS["digits"], num_layers=1, num_single_layers=1)).state_dict()
 
 
 def test_wans_own_layout_round_trips_through_diffusers_reader():
@@ -82,8 +112,8 @@ def test_stabilitys_sd3_layout_round_trips_through_diffusers_reader():
 
 def _single_file(tiny: Path, layout: str, out: Path) -> Path:
     """The tiny pipeline's backbone as one file in its family's release layout."""
-    if layout == "flux":
-        weights = flux_to_bfl(load_file(str(tiny / "flux" / "transformer" / "diffusion_pytorch_model.safetensors")))
+    if layout in ("flux", "chroma"):
+        weights = flux_to_bfl(load_file(str(tiny / layout / "transformer" / "diffusion_pytorch_model.safetensors")))
     elif layout == "sd3":
         from diffpipe.models.sd3_layout import sd3_to_sai
 
@@ -106,7 +136,8 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("layout,example,data", [("flux", "flux_tiny", "photos"), ("sdxl", "photos", "photos"),
+@pytest.mark.parametrize("layout,example,data", [("flux", "flux_tiny", "photos"), ("chroma", "chroma_tiny", "photos"),
+                                                ("sdxl", "photos", "photos"),
                                                 ("sd3", "sd3_tiny", "photos"), ("wan", "wan_clips", "clips")])
 def test_a_single_file_trains_with_its_base_folders_components(tiny, tiny_video, tmp_path, monkeypatch, layout,
                                                                example, data):
