@@ -101,6 +101,10 @@ def test_the_low_expert_trained_on_two_stages_exports_into_its_own_subfolder(tin
     assert all(torch.equal(low[k], trained[k]) for k in trained)
     assert any(not torch.equal(v, load_file(str(base / "transformer_2" / name))[k]) for k, v in low.items())
     assert json.loads((out / "model_index.json").read_text())["boundary_ratio"] == 0.875
+    # samples from the run (as at its end): its one backbone, the trained expert (refused as "has one backbone:
+    # leave model.expert unset" before the run's expert was set aside for loading it)
+    assert main(["sample", str(run), "--prompt", "a red square moving right", "--out", str(tmp_path / "s.gif"),
+                 "--steps", "2"]) == 0
 
 
 def test_the_ti2v_layout_trains_text_to_video_through_its_16x_vae(tiny_video, clips, tmp_path, capfd):
