@@ -124,7 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
     sample.add_argument("--steps", type=int, default=None)
     sample.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale")
-    sample.add_argument("--control", default=None, help="an edit model (flux_kontext, qwen_image_edit): the image to edit")
+    sample.add_argument("--control", default=None,
+                        help="an edit model (flux_kontext, qwen_image_edit): the image to edit; an image-to-video "
+                        "model (wan_i2v): the first frame (an image, or a video's first frame)")
     sample.add_argument("--out", required=True)
     sample.set_defaults(run=_sample)
     export = sub.add_parser("export", help="a finished run's weights for diffusers, ComfyUI, A1111 or kohya's tools")

@@ -23,6 +23,7 @@ from .diffusion.samplers import sample
 from .diffusion.timesteps import NUM_TRAIN_TIMESTEPS
 from .models.family import Feed
 from .models.loading import CheckpointError
+from .models.registry import family_for
 from .models.vae import decode_latents, encode_latents, load_vae, vae_scale_factor
 from .models.text import CaptionEncoder, TextEncoder
 from .pipeline.split import stage_specs
@@ -109,13 +110,19 @@ class Generator:
         return self.shape[-2] * factor, self.shape[-1] * factor
 
     def control_latents(self, images: list[Path]) -> torch.Tensor:
-        """Control images placed at the sample size and encoded by the VAE."""
+        """Control images placed at the sample size and encoded by the VAE; an image-to-video model's first frames
+        each followed by grey frames for the clip's length, as the pipeline encodes them."""
         from .data.buckets import pixels_of
+        from .data.first_frames import grey_after
+        from .models.vae import vae_frame_factor
 
         if self.vae is None:
             raise CheckpointError("control images are encoded by a pipeline folder's VAE, and this run has none")
-        pixels = [pixels_of(picture) for picture in placed_controls(images, self.pixel_size)]
-        return encode_latents(self.vae, torch.stack(pixels).to(next(self.vae.parameters()).device)).float()
+        pixels = torch.stack([pixels_of(picture) for picture in placed_controls(images, self.pixel_size)])
+        if self.feed.family.reads_first_frame:
+            factor = vae_frame_factor(self.vae)
+            pixels = grey_after(pixels, 1 + (self.shape[1] - 1) * factor)  # shape: (channels, latent frames, ...)
+        return encode_latents(self.vae, pixels.to(next(self.vae.parameters()).device)).float()
 
     def show_controls(self, images: list[Path]) -> list[str]:
         """Keys of the control images placed at the sample size, shown to a text encoder that reads pictures."""
@@ -184,10 +191,11 @@ def placed_controls(images: list[Path], pixel_size: tuple[int, int]) -> list[Ima
     """Control images placed at `pixel_size` (height, width): resized to cover it, centre-cropped, as a picture in
     its bucket."""
     from .data.buckets import Bucket, place, placed
-    from .data.folder import read_rgb
+    from .data.first_frames import read_first_frame
 
     height, width = pixel_size
-    return [placed(image, place(*image.size, [Bucket(width, height)])) for image in map(read_rgb, map(Path, images))]
+    return [placed(image, place(*image.size, [Bucket(width, height)]))
+            for image in map(read_first_frame, map(Path, images))]
 
 
 def show_controls(text: CaptionEncoder, images: list[Path], pixel_size: tuple[int, int]) -> list[str]:
@@ -211,4 +219,13 @@ def grid_controls(config: RunConfig) -> list[Path] | None:
         from .data.controls import first_edits
 
         return [control for _, control in first_edits(config.data)]
+    if config.data.dataset == "folder" and family_for(config.model.architecture).reads_first_frame:
+        from .data.controls import GRID_EDITS
+        from .data.first_frames import first_clips
+
+        count = len(config.sample.prompts) or GRID_EDITS
+        clips = [path for _, path in first_clips(config.data, count)]
+        if not config.sample.prompts:
+            return clips  # their captions head the columns (data/sources.py FolderSource.grid_prompts)
+        return [clips[i % len(clips)] for i in range(count)]
     return None

@@ -37,13 +37,14 @@ from diffusers import (AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, 
                        FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline, FluxTransformer2DModel, PNDMScheduler,
                        QwenImagePipeline, QwenImageTransformer2DModel, SD3Transformer2DModel,
                        StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline,
-                       UNet2DConditionModel, WanPipeline, WanTransformer3DModel)
+                       UNet2DConditionModel, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel)
 from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, Qwen2_5_VLConfig,
                           Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLImageProcessor,
                           T5Config, T5EncoderModel, T5Tokenizer,
                           UMT5Config, UMT5EncoderModel)
 
-__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_chroma", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_qwen_image",
+__all__ = ["write_sd15", "write_sdxl", "write_flux", "write_chroma", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_wan22_i2v",
+           "write_qwen_image",
            "write_photos", "write_edits", "write_clips",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
 
@@ -278,6 +279,19 @@ def write_wan22(out: Path, seed: int = 0) -> Path:
     return out / "wan22"
 
 
+def write_wan22_i2v(out: Path, seed: int = 0) -> Path:
+    """Wan 2.2 I2V-A14B's layout: Wan's (above) as WanImageToVideoPipeline saves Wan2.2-I2V-A14B-Diffusers: no image
+    encoder, two experts whose transformers read 12 channels (the noisy latents' 4, the first frame's mask's 4 and
+    its latents' 4; 36 at full size) and predict 4, boundary_ratio 0.9."""
+    pipe = _wan_pipeline(seed)
+    torch.manual_seed(seed + 7)
+    high, low = (_wan_transformer(in_channels=12) for _ in range(2))
+    WanImageToVideoPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae, transformer=high,
+                            transformer_2=low, scheduler=pipe.scheduler, boundary_ratio=0.9,
+                            ).save_pretrained(out / "wan22_i2v", safe_serialization=True)
+    return out / "wan22_i2v"
+
+
 def write_wan22_ti2v(out: Path, seed: int = 0) -> Path:
     """Wan 2.2 TI2V-5B's layout: Wan's (above) with Wan 2.2's residual video VAE (2x2 pixel patches before its levels:
     16 pixels a latent along a side, 4 frames a latent frame; `scale_factor_spatial` 16 in its config) and
@@ -347,6 +361,13 @@ def write_qwen_image(out: Path, seed: int = 0, edit: bool = False, plus: bool = 
     return folder
 
 
+def _wan_transformer(in_channels: int = 4) -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=in_channels, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        eps=1e-6, rope_max_seq_len=64)
+
+
 def _wan_pipeline(seed: int, two_experts: bool = False) -> WanPipeline:
     torch.manual_seed(seed)
     tokenizer = tiny_t5_tokenizer()
@@ -358,14 +379,8 @@ def _wan_pipeline(seed: int, two_experts: bool = False) -> WanPipeline:
     with torch.no_grad():  # the spread of its latents of a random clip, as diffusers' configs record Wan's
         z = vae.encode(torch.rand(1, 3, 9, 64, 64, generator=torch.Generator().manual_seed(seed)) * 2 - 1).latent_dist.mean
     vae.register_to_config(latents_mean=z.mean(dim=(0, 2, 3, 4)).tolist(), latents_std=z.std(dim=(0, 2, 3, 4)).tolist())
-    def transformer() -> WanTransformer3DModel:
-        return WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-            text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-            eps=1e-6, rope_max_seq_len=64)
-
-    high = transformer()
-    experts = dict(transformer_2=transformer(), boundary_ratio=0.875) if two_experts else {}
+    high = _wan_transformer()
+    experts = dict(transformer_2=_wan_transformer(), boundary_ratio=0.875) if two_experts else {}
     return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae.eval(), transformer=high,
                        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), **experts)
 
@@ -500,7 +515,7 @@ def main() -> None:
     vae = fitted_vae()  # one VAE for every layout: they differ in the backbone and text encoders
     for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_flux(out, vae, kontext=True),
                  write_chroma(out, vae),
-                 write_sd3(out, vae), write_wan(out), write_wan22(out), write_qwen_image(out),
+                 write_sd3(out, vae), write_wan(out), write_wan22(out), write_wan22_i2v(out), write_qwen_image(out),
                  write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True), write_photos(out),
                  write_edits(out), write_clips(out)):
         print(f"wrote {path}")

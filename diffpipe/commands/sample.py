@@ -21,11 +21,13 @@ def sample_command(args) -> None:
             raise CommandError(f"{name} {value}: give 1 or more")
     _check_image_path(Path(args.out))  # before minutes of sampling, not after
     if args.control is not None and not Path(args.control).is_file():
-        raise CommandError(f"--control {args.control} is not a file; give the image to edit")
+        raise CommandError(f"--control {args.control} is not a file; give the image to edit (or a first frame)")
     gen = load_generator(args.run_dir)
-    if args.control is not None and not gen.feed.family.reads_control:
-        raise CommandError(f"--control gives an edit model the image to edit, and {args.run_dir} trained "
-                           f"{gen.config.model.architecture!r}, which edits none: leave --control out")
+    family = gen.feed.family
+    if args.control is not None and not (family.reads_control or family.reads_first_frame):
+        raise CommandError(f"--control gives an edit model the image to edit (an image-to-video model its first "
+                           f"frame), and {args.run_dir} trained {gen.config.model.architecture!r}, which reads "
+                           "none: leave --control out")
     steps = gen.config.sample.steps if args.steps is None else args.steps
     guidance = gen.config.sample.guidance_scale if args.guidance is None else args.guidance
     seeds = [args.seed + i for i in range(args.num)]

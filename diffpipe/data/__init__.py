@@ -9,7 +9,8 @@ __all__ = ["make_dataset"]
 
 def make_dataset(name: str, sample_shape: tuple[int, ...], seed: int, controls: bool = False):
     """The images (N, C, H, W) or clips (N, C, F, H, W) and captions of `data.dataset` digits, moving_digits or
-    synthetic, as `TensorImages` (folders: data/images.py); with `controls`, synthetic data's control latents."""
+    synthetic, as `TensorImages` (folders: data/images.py); with `controls`, synthetic data's control latents, or
+    for moving digits each clip's first frame (an image-to-video model's: data/first_frames.py)."""
     from .batches import TensorImages
     from .digits import DigitsDataset
     from .moving_digits import MovingDigits
@@ -19,4 +20,8 @@ def make_dataset(name: str, sample_shape: tuple[int, ...], seed: int, controls: 
                  "synthetic": lambda: SyntheticDataset(sample_shape, seed=seed, controls=controls),
                  "moving_digits": lambda: MovingDigits(frames=sample_shape[1])}
     data = factories[name]()
+    if name == "moving_digits" and controls:
+        from .first_frames import first_frame_conditions
+
+        return TensorImages(data.images, data.captions, first_frame_conditions(data.images))
     return TensorImages(data.images, data.captions, getattr(data, "controls", None))

@@ -114,6 +114,7 @@ class FolderImages:
     control_placements: list[Placement] | None = None  # each control in its item's bucket
     cached_controls: list[torch.Tensor] | None = None  # their latents, when cached
     control_keys: list[str] | None = None  # each control as placed: its latents' key, and its picture's for the text
+    first_frames: bool = False  # the controls are each clip's own first frame (image-to-video: data/first_frames.py)
 
     def keep(self, kept: list[int]) -> None:
         """Only the items at `kept`, with everything held per item."""
@@ -185,7 +186,12 @@ class FolderImages:
             return None
         if self.cached_controls is not None:
             return torch.stack([self.cached_controls[i] for i in indices])
-        pixels = torch.stack([to_pixels(read_rgb(self.controls[i]), self.control_placements[i]) for i in indices])
+        if self.first_frames:
+            from .first_frames import first_frame_pixels
+
+            pixels = torch.stack([first_frame_pixels(self.items[i], self.control_placements[i]) for i in indices])
+        else:
+            pixels = torch.stack([to_pixels(read_rgb(self.controls[i]), self.control_placements[i]) for i in indices])
         return encode_latents(self.vae, pixels).cpu()
 
     def control_pictures(self, indices: list[int]) -> list[str] | None:
@@ -238,10 +244,11 @@ def _by_shape(ready: list[tuple[str, torch.Tensor]]):
 
 def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: PipelineText, rank: int = 0, world: int = 1,
                           barrier: Callable[[], None] = lambda: None, show: bool = True,
-                          frame_buckets: list[int] | None = None) -> FolderImages:
+                          frame_buckets: list[int] | None = None, first_frames: bool = False) -> FolderImages:
     """Scan, bucket and (with data.cache) cache latents and text outputs, this process computing its share of what is
     missing; every process returns the same dataset. Skipped files are printed once (by rank 0) and counted.
-    `frame_buckets` (video families): clip lengths in frames; videos are then read too."""
+    `frame_buckets` (video families): clip lengths in frames; videos are then read too. `first_frames`
+    (image-to-video): each clip's first frame is encoded too, as the model is given it."""
     buckets = data_buckets(data)
     videos = frame_buckets is not None
     skipped = Skipped(kind="image or video" if videos else "image")
@@ -261,17 +268,23 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
         latent_store = ShardStore(cache_folder(data) / f"latents-{vae_fingerprint[:16]}")
         text_store = ShardStore(cache_folder(data) / f"text-{text.fingerprint()[:16]}")
     from .controls import cache_controls, find_controls  # (controls.py reads this module's helpers)
+    from .first_frames import cache_first_frames, find_first_frames
 
     parts = (dataset, held) if held is not None else (dataset,)
     if data.control_path:  # a missing control stops the run here, before anything is encoded
         for part in parts:
             find_controls(part, data)
+    elif first_frames:
+        for part in parts:
+            find_first_frames(part)
     for part in parts:
         if text.reads_pictures:  # the text encoder reads each control picture with its caption
             text.show(part.picture_readers())
         if data.cache:
             _cache_latents(part, latent_store, vae, rank, world, barrier, show)
-            if part.controls is not None:
+            if part.first_frames:
+                cache_first_frames(part, latent_store, vae, rank, world, barrier, show)
+            elif part.controls is not None:
                 cache_controls(part, latent_store, vae, rank, world, barrier, show)
             _cache_text(part, text_store, text, rank, world, barrier, show)
         else:
@@ -350,11 +363,13 @@ def _check_decodes(dataset: FolderImages) -> None:
 
 
 def store_latents(items: list[ImageItem], placements: list[Placement], store: ShardStore, vae, rank, world, barrier,
-                  show: bool, description: str, keys: list[str] | None = None
+                  show: bool, description: str, keys: list[str] | None = None,
+                  reader: Callable[[ImageItem, Placement], torch.Tensor] = read_pixels
                   ) -> tuple[list[torch.Tensor | None], dict[int, str]]:
     """Each item's latent as placed, from the store, this process encoding its share of what the store lacks; None
     for an item that cannot be read, with the reason by the first such index of each file. `keys`: the items'
-    `latent_key`s where the caller has them (controls: data/controls.py), else read off the files here."""
+    `latent_key`s where the caller has them (controls: data/controls.py), else read off the files here. `reader`:
+    the pixels the VAE encodes of an item (its picture or clip; first_frames.py: a clip's first frame)."""
     if keys is None:
         contents = {path: file_hash(path) for path in {item.path for item in items}}
         keys = [latent_key(contents[item.path], p) for item, p in zip(items, placements)]
@@ -371,7 +386,7 @@ def store_latents(items: list[ImageItem], placements: list[Placement], store: Sh
             ready = []
             for key, i in chunk:
                 try:
-                    ready.append((key, read_pixels(items[i], placements[i])))
+                    ready.append((key, reader(items[i], placements[i])))
                 except BadImage as exc:
                     failed[key] = str(exc)
             for chunk_keys, pixels in _by_shape(ready):

@@ -127,6 +127,9 @@ class MovingDigitsSource(DataSource):
                              "use a video family made for them (model.architecture = \"wan\", model.preset = "
                              "\"digits\")")
 
+    def has_controls(self, config, family):
+        return family.reads_first_frame  # each clip's first frame, then zeros (no VAE: the pixels are the latents)
+
     def grid_prompts(self, config, data_captions):
         from .moving_digits import moving_prompts
 
@@ -138,7 +141,8 @@ class SyntheticSource(DataSource):
     samples = False
 
     def has_controls(self, config, family):
-        return family.reads_control  # random control latents beside the random latents: what an edit model reads
+        # random control latents beside the random latents: what an edit or image-to-video model reads
+        return family.reads_control or family.reads_first_frame
 
 
 class FolderSource(DataSource):
@@ -210,7 +214,7 @@ class FolderSource(DataSource):
         elif not trains_images(folder):
             raise CheckpointError(f"{folder}: its VAE encodes video clips but the {family.backbone_name} is an image "
                                   "model; the folder mixes components of different models")
-        if config.sample.control_images and not family.reads_control:
+        if config.sample.control_images and not (family.reads_control or family.reads_first_frame):
             raise DataError(f"sample.control_images are images to edit, and the {family.backbone_name} of "
                              f"model.architecture = {config.model.architecture!r} edits none; unset "
                              "sample.control_images")
@@ -237,13 +241,20 @@ class FolderSource(DataSource):
                                   f"{wanted[1]}; the folder mixes components of different models")
 
     def has_controls(self, config, family):
-        return bool(config.data.control_path)
+        return bool(config.data.control_path) or family.reads_first_frame
 
     def grid_prompts(self, config, data_captions):
         if config.data.control_path and not config.sample.prompts:  # an edit model: the first pictures, each edited
             from .controls import first_edits
 
             return [caption for caption, _ in first_edits(config.data)]
+        from ..models.registry import family_for
+
+        if not config.sample.prompts and family_for(config.model.architecture).reads_first_frame:
+            from .controls import GRID_EDITS
+            from .first_frames import first_clips
+
+            return [caption for caption, _ in first_clips(config.data, GRID_EDITS)]  # each clip continued
         return super().grid_prompts(config, data_captions)
 
     def latent_size(self, config):
@@ -274,7 +285,8 @@ class FolderSource(DataSource):
         vae = load_vae(folder).to(device)
         video = backbone.family.latent_frames(backbone.model.config) is not None
         return prepare_folder_images(config.data, folder, vae, text, rank, world, barrier,
-                                     frame_buckets=sorted(set(config.data.frame_buckets)) if video else None)
+                                     frame_buckets=sorted(set(config.data.frame_buckets)) if video else None,
+                                     first_frames=backbone.family.reads_first_frame)
 
     def cached(self, config):
         return config.data.cache

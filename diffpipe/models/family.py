@@ -55,7 +55,8 @@ class TextBatch:
     embedded guidance value of guidance-distilled models (Flux-dev); filled: each caption's positions up to its last
     filled one (a state not all zero), known on the host, or None (a family needing them reads them off `hidden`);
     control: (B, C, h, w) latents of each sample's control image (data.control_path) for a family that
-    `reads_control`, or None (no control image: the family is fed none).
+    `reads_control`, or (B, C, F, h, w) of each clip's first frame for one that `reads_first_frame`, or None (no
+    control image: the family is fed none).
     """
 
     hidden: torch.Tensor
@@ -82,6 +83,8 @@ class ModelFamily:
     comfyui_lora_alpha: ClassVar[bool] = True  # False: --format comfyui writes no `.alpha` (the scale is in lora_up)
     reads_text_lengths: ClassVar[bool] = False  # True: `conditions` reads TextBatch.filled (the batch maker gives it)
     reads_control: ClassVar[bool] = False  # True: an edit model; `conditions` reads TextBatch.control (data.control_path)
+    # True: image-to-video; `conditions` reads TextBatch.control, each clip's first frame encoded (data/first_frames.py)
+    reads_first_frame: ClassVar[bool] = False
     pipelines: ClassVar[tuple[str, ...]] = ()  # diffusers pipelines whose folders it trains, where a backbone class
     # serves several families (FluxPipeline: flux, FluxKontextPipeline: flux_kontext): model_index.json's _class_name
 

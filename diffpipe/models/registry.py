@@ -21,6 +21,7 @@ BUILTIN_FAMILIES = {
     "chroma": "diffpipe.models.chroma:ChromaFamily",
     "sd3": "diffpipe.models.sd3:SD3Family",
     "wan": "diffpipe.models.wan:WanFamily",
+    "wan_i2v": "diffpipe.models.wan_i2v:WanI2VFamily",
     "unet3d": "diffpipe.models.unet3d:UNet3DFamily",
     "qwen_image": "diffpipe.models.qwen_image:QwenImageFamily",
     "qwen_image_edit": "diffpipe.models.qwen_image_edit:QwenImageEditFamily",

@@ -51,10 +51,10 @@ def vae_latent_channels(folder: Path) -> int | None:
     return cfg.get("latent_channels", cfg.get("z_dim"))
 
 
-def vae_frame_factor(folder: Path) -> int:
-    """Video frames per latent frame after the first: 4 for Wan's VAEs (as they state it, else from their temporal
-    levels); 1 for an image VAE (every frame encoded)."""
-    cfg = _vae_config(folder)
+def vae_frame_factor(source: Path | torch.nn.Module) -> int:
+    """Video frames per latent frame after the first, of a pipeline folder's VAE or a loaded one: 4 for Wan's VAEs
+    (as they state it, else from their temporal levels); 1 for an image VAE (every frame encoded)."""
+    cfg = _vae_config(source) if isinstance(source, Path) else source.config
     if cfg.get("scale_factor_temporal"):
         return int(cfg["scale_factor_temporal"])
     return 2 ** sum(cfg.get("temperal_downsample", []))

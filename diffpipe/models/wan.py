@@ -87,6 +87,7 @@ class WanFamily(ModelFamily):
     component = "transformer"
     presets = WAN_PRESETS
     release_layout = WAN  # its own releases' single-file layout
+    pipelines = ("WanPipeline",)  # WanImageToVideoPipeline's folders: wan_i2v (the same transformer class)
     # Wan LoRA files in this layout carry no `.alpha` outside the blocks (diffusion-pipe's; diffusers' reader of them
     # refuses a `head.head.alpha`): the scale goes into lora_up, which ComfyUI and diffusers then take at 1
     comfyui_lora_alpha = False
@@ -111,8 +112,12 @@ class WanFamily(ModelFamily):
     def check_supported(self, model):
         cfg = model.config
         if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None or cfg.pos_embed_seq_len is not None:
-            raise ValueError("Wan image-to-video configs (image_dim, added_kv_proj_dim, pos_embed_seq_len) are not "
-                             "supported yet: the wan adapter trains text-to-video")
+            raise ValueError("Wan 2.1 image-to-video configs (image_dim, added_kv_proj_dim, pos_embed_seq_len) are "
+                             "not supported yet: the wan adapter trains text-to-video")
+        if cfg.in_channels != cfg.out_channels:
+            raise ValueError(f"this Wan transformer reads {cfg.in_channels} channels and predicts {cfg.out_channels}: "
+                             "an image-to-video one (the first frame beside the latents); train it with "
+                             "model.architecture = \"wan_i2v\"")
 
     def describe(self, model, granularity):
         return wan_backbone(model)
@@ -121,10 +126,10 @@ class WanFamily(ModelFamily):
         return cfg.in_channels
 
     def default_latent_size(self, cfg):
-        return 8 if cfg.in_channels == 1 else 60  # digits clips; else 480 x 480 pixels through Wan's 8x VAE
+        return 8 if cfg.out_channels == 1 else 60  # digits clips; else 480 x 480 pixels through Wan's 8x VAE
 
     def latent_frames(self, cfg):
-        return 4 if cfg.in_channels == 1 else 21  # Wan's VAE: 81 frames -> 1 + 80 / 4 latent frames
+        return 4 if cfg.out_channels == 1 else 21  # Wan's VAE: 81 frames -> 1 + 80 / 4 latent frames
 
     def latent_multiple(self, cfg):
         return cfg.patch_size[1]
