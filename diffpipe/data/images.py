@@ -354,7 +354,7 @@ def _check_decodes(dataset: FolderImages) -> None:
     for i, (item, placement) in enumerate(zip(dataset.items, dataset.placements)):
         try:
             read_pixels(item, placement)
-            if dataset.controls is not None:
+            if dataset.controls is not None and not dataset.first_frames:  # a first frame: read with its clip
                 read_rgb(dataset.controls[i])
             kept.append(i)
         except BadImage as exc:

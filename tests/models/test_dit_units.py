@@ -15,6 +15,7 @@ from diffpipe.models.qwen_image_edit import QwenImageEditFamily
 from diffpipe.models.sd3 import SD3Family
 from diffpipe.models.unet3d import UNET3D_PRESETS, UNet3DFamily
 from diffpipe.models.wan import WAN_PRESETS, WanFamily
+from diffpipe.models.wan_i2v import WanI2VFamily
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
 from diffpipe.sampling import run_stages
@@ -31,12 +32,13 @@ QWEN = dict(QWEN_IMAGE_PRESETS["digits"], in_channels=16, out_channels=4, joint_
 CHROMA = dict(CHROMA_PRESETS["digits"], in_channels=16, joint_attention_dim=24, num_single_layers=3)
 CASES = {"flux": (FluxFamily(), FLUX), "flux-kontext": (FluxKontextFamily(), FLUX), "chroma": (ChromaFamily(), CHROMA),
          "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
-         "wan": (WanFamily(), WAN), "qwen-image": (QwenImageFamily(), QWEN),
+         "wan": (WanFamily(), WAN), "wan-i2v": (WanI2VFamily(), dict(WAN, in_channels=4 + 4 + 4)),
+         "qwen-image": (QwenImageFamily(), QWEN),
          "qwen-image-edit": (QwenImageEditFamily(), QWEN),
          "qwen-image-edit-2511": (QwenImageEditFamily(), dict(QWEN, zero_cond_t=True)),  # the control at time zero
          "unet3d": (UNet3DFamily(), dict(UNET3D_PRESETS["digits"], in_channels=4,
                                                                           out_channels=4, cross_attention_dim=24))}
-SIZES = {"wan": (3, 8, 12), "unet3d": (3, 8, 12)}  # frames, height, width of a clip
+SIZES = {"wan": (3, 8, 12), "wan-i2v": (3, 8, 12), "unet3d": (3, 8, 12)}  # frames, height, width of a clip
 
 
 def _fed(family, model, size=(8, 12), batch=3):  # noqa: C901
@@ -48,6 +50,8 @@ def _fed(family, model, size=(8, 12), batch=3):  # noqa: C901
     hidden, pooled = family.text_widths(cfg)
     feed = Feed(family, cfg, guidance=3.5)
     control = torch.randn(batch, family.latent_channels(cfg), 6, 8, generator=gen) if family.reads_control else None
+    if family.reads_first_frame:  # a clip's first frame encoded: the clip's size
+        control = torch.randn(batch, family.latent_channels(cfg), *size, generator=gen)
     conditions = feed.conditions(torch.randn(batch, 7, hidden, generator=gen), torch.randn(batch, pooled, generator=gen),
                                  torch.zeros(batch, 6), size, control=control)
     conditions["timestep"] = torch.tensor([0.0, 417.0, 999.0][:batch])

@@ -72,6 +72,7 @@ from diffpipe.models.sd3 import SD3_PRESETS
 from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS
 from diffpipe.models.unet3d import UNET3D_PRESETS
 from diffpipe.models.wan import WAN_PRESETS
+from diffpipe.models.wan_i2v import WAN_I2V_PRESETS
 from diffpipe.torch_support import schedule_problem
 
 from ..helpers import run_workers
@@ -89,13 +90,14 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
           "sd3": ("sd3", SD3_PRESETS["digits"]),
           "toy-tied": ("tests.models.toy_family:ToyFamily", {}),  # a norm tied between the first and last units
           "wan": ("wan", WAN_PRESETS["digits"]),  # clips of moving digits
+          "wan-i2v": ("wan_i2v", WAN_I2V_PRESETS["digits"]),  # each clip's first frame beside its noisy latents
           "unet3d": ("unet3d", UNET3D_PRESETS["digits"]),
           "qwen-image": ("qwen_image", QWEN_IMAGE_PRESETS["digits"]),
           "flux-kontext": ("flux_kontext", FLUX_PRESETS["digits"]),  # synthetic latents, each with a control
           "qwen-image-edit": ("qwen_image_edit", QWEN_IMAGE_PRESETS["digits"])}
 
 
-MOVING = ("wan", "unet3d")  # trained on clips of moving digits
+MOVING = ("wan", "wan-i2v", "unet3d")  # trained on clips of moving digits
 SYNTHETIC = ("sdxl-style", "flux-kontext", "qwen-image-edit")  # trained on synthetic latents (an edit model: with random controls)
 TEXT_LENGTH = 8
 
@@ -187,7 +189,8 @@ TWO = {
     "wan-dp2": _config(1, "1f1b", dp=2, model="wan"),
     # Qwen-Image's last block leaves its text side unused (no gradient): data parallel must not wait for one
     "qwen-image-dp2": _config(1, "1f1b", dp=2, model="qwen-image"),
-    "chroma-1f1b-2": _config(2, "1f1b", model="chroma"),  # the modulation rows and the joined tokens across stages
+    "chroma-1f1b-2": _config(2, "1f1b", model="chroma"),
+    "wan-i2v-1f1b-2": _config(2, "1f1b", model="wan-i2v"),  # the modulation rows and the joined tokens across stages
     "flux-kontext-1f1b-2": _config(2, "1f1b", model="flux-kontext"),  # each item's control tokens beside its own
     "qwen-image-edit-1f1b-2": _config(2, "1f1b", model="qwen-image-edit"),
     "unet3d-dp2": _config(1, "1f1b", dp=2, model="unet3d"),
