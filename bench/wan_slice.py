@@ -5,6 +5,7 @@ clips of 33 or 81 video frames (9 or 21 latent frames through Wan's VAE: 14,040 
 fp32 weights, bf16 autocast, fused AdamW, the whole batch as one micro-batch.
 
     python bench/wan_slice.py [--preset t2v-14b] [--blocks 4] [--frames 21] [--batch 1] [--steps 6] [--checkpointing]
+    python bench/wan_slice.py --preset i2v-a14b ...   # image-to-video (Wan 2.2 I2V-A14B's expert): 36 input channels
 
 --checkpointing recomputes every block's activations in backward: diffusers' `enable_gradient_checkpointing()` in
 the plain loop, `pipeline.checkpointing = "all"` in diffpipe (the whole 1.3B model at 81 frames needs it on 141 GB).
@@ -32,18 +33,26 @@ sys.path.insert(0, str(ROOT))
 from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.distributed import single_process_topology  # noqa: E402
 from diffpipe.models.wan import WAN_PRESETS  # noqa: E402
+from diffpipe.models.wan_i2v import WAN_I2V_PRESETS  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
 TOKENS, HEIGHT, WIDTH = 512, 60, 104  # text tokens; latent rows and columns of an 832x480 clip
 
 
 def _slice(args) -> dict:
-    return dict(WAN_PRESETS[args.preset], num_layers=args.blocks)
+    return dict({**WAN_PRESETS, **WAN_I2V_PRESETS}[args.preset], num_layers=args.blocks)
+
+
+def _architecture(args) -> str:
+    return "wan_i2v" if args.preset in WAN_I2V_PRESETS else "wan"
 
 
 def _inputs(args, device: str = "cuda") -> dict:
+    """The transformer's input: noisy latents (image-to-video: with the first frame's mask and latents joined, as
+    WanImageToVideoPipeline joins them), timesteps, text."""
     on = dict(device=device)
-    return dict(hidden_states=torch.randn(args.batch, 16, args.frames, HEIGHT, WIDTH, **on),
+    channels = _slice(args)["in_channels"]
+    return dict(hidden_states=torch.randn(args.batch, channels, args.frames, HEIGHT, WIDTH, **on),
                 timestep=torch.rand(args.batch, **on) * 1000,
                 encoder_hidden_states=torch.randn(args.batch, TOKENS, 4096, **on))
 
@@ -83,7 +92,7 @@ def plain_loop(args, flops: float) -> None:
         model.enable_gradient_checkpointing()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     inputs = _inputs(args)
-    target = torch.randn_like(inputs["hidden_states"])
+    target = torch.randn_like(inputs["hidden_states"][:, :16])
 
     times = []
     for _ in range(args.steps):
@@ -103,7 +112,7 @@ def plain_loop(args, flops: float) -> None:
 def diffpipe_run(args, flops: float) -> None:
     torch.cuda.reset_peak_memory_stats()
     config = build_config({
-        "model": {"architecture": "wan", "config": _slice(args), "text_max_length": TOKENS},
+        "model": {"architecture": _architecture(args), "config": _slice(args), "text_max_length": TOKENS},
         "data": {"dataset": "synthetic", "frames": args.frames, "latent_size": [HEIGHT, WIDTH]},
         "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
                   "objective": "flow_matching", "device": "cuda"},
@@ -118,7 +127,7 @@ def diffpipe_run(args, flops: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=["t2v-1.3b", "t2v-14b"], default="t2v-14b")
+    parser.add_argument("--preset", choices=[*WAN_PRESETS, *WAN_I2V_PRESETS], default="t2v-14b")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--frames", type=int, default=21, help="latent frames (21: 81 video frames; 9: 33)")
     parser.add_argument("--batch", type=int, default=1)

@@ -219,13 +219,6 @@ def grid_controls(config: RunConfig) -> list[Path] | None:
         from .data.controls import first_edits
 
         return [control for _, control in first_edits(config.data)]
-    if config.data.dataset == "folder" and family_for(config.model.architecture).reads_first_frame:
-        from .data.controls import GRID_EDITS
-        from .data.first_frames import first_clips
-
-        count = len(config.sample.prompts) or GRID_EDITS
-        clips = [path for _, path in first_clips(config.data, count)]
-        if not config.sample.prompts:
-            return clips  # their captions head the columns (data/sources.py FolderSource.grid_prompts)
-        return [clips[i % len(clips)] for i in range(count)]
+    if family_for(config.model.architecture).reads_first_frame:  # an image-to-video model: its data's first frames
+        return source_of(config).grid_first_frames(config)
     return None

@@ -61,6 +61,11 @@ class DataSource:
         """Whether this data gives each item a control image (an edit model's): what steps feed and plans count."""
         return False
 
+    def grid_first_frames(self, config: RunConfig) -> list[Path] | None:
+        """Files whose first frames an image-to-video model's sample grid continues, one per column (else None: each
+        column from nothing)."""
+        return None
+
     def latent_size(self, config: RunConfig) -> tuple[int, int] | None:
         """(height, width) of the latents this data has, where the data decides it (else None)."""
         return None
@@ -256,6 +261,16 @@ class FolderSource(DataSource):
 
             return [caption for caption, _ in first_clips(config.data, GRID_EDITS)]  # each clip continued
         return super().grid_prompts(config, data_captions)
+
+    def grid_first_frames(self, config):
+        """The first clips of data.path (their captions head the columns without sample.prompts), repeated to give
+        each of sample.prompts one."""
+        from .controls import GRID_EDITS
+        from .first_frames import first_clips
+
+        count = len(config.sample.prompts) or GRID_EDITS
+        clips = [path for _, path in first_clips(config.data, count)]
+        return clips if not config.sample.prompts else [clips[i % len(clips)] for i in range(count)]
 
     def latent_size(self, config):
         from ..models.vae import vae_scale_factor

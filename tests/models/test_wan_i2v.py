@@ -128,6 +128,15 @@ def test_the_folder_resolves_to_wan_i2v_and_a_text_to_video_architecture_refuses
     assert build_config({"model": {"path": str(tiny_video / "wan")}, "data": data}).model.architecture == "wan"
     from diffpipe.build import build_backbone
 
+    from diffpipe.sampling import grid_controls, grid_prompts
+
+    assert grid_prompts(config, list) == [(tiny_video / "clips" / n).with_suffix(".txt").read_text().strip()
+                                          for n in ("blue_disc_down_7", "blue_disc_right_1", "blue_square_left_4",
+                                                    "blue_square_up_10")]  # the first clips, each continued
+    assert [p.name for p in grid_controls(config)] == ["blue_disc_down_7.mp4", "blue_disc_right_1.mp4",
+                                                       "blue_square_left_4.mp4", "blue_square_up_10.mp4"]
+    config.sample.prompts = ["a", "b", "c", "d", "e"]  # prompts of one's own: a first clip for each
+    assert [p.name for p in grid_controls(config)][3:] == ["blue_square_up_10.mp4", "red_disc_down_3.mp4"]
     wrong = build_config({"model": {"path": str(tiny_video / "wan22_i2v"), "expert": "low",
                                     "architecture": "wan_i2v"}, "data": data})
     wrong.model.architecture = "wan"  # as a hand-edited run folder would say
