@@ -130,3 +130,26 @@ def check_edit_lora(example: str, pipeline_class, model_folder, tiny, tmp_path, 
                                 "--set", 'adapter.type="lora"', "--set", "adapter.rank=4", "--set", "adapter.alpha=8.0")
     assert result.returncode == 0, result.stdout[-3000:]
     check_diffusers_lora(pipeline_class, model_folder, run, tmp_path / "out", predict)
+
+
+def trains_alike_on_one_and_two_stages(train: Callable[..., Ran], tmp_path, steps: int = 6) -> None:
+    """`train(out, *args)` (a `diffpipe train` of an example with `args` added) on 1 and on 2 stages, captions kept:
+    the same losses (rtol 1e-5, fp32) and the same merged weights (rtol 1e-4)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    runs, losses = {}, {}
+    for stages in (1, 2):
+        runs[stages] = tmp_path / f"stages{stages}"
+        result = train(runs[stages], "--set", f"train.max_steps={steps}", "--set", f"pipeline.stages={stages}",
+                       "--set", "data.caption_dropout=0.0")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"{stages} stage(s)" in result.stdout
+        losses[stages] = [json.loads(line)["loss"] for line in (runs[stages] / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses[1]) == steps and all(loss == loss for loss in losses[1])
+    torch.testing.assert_close(torch.tensor(losses[2]), torch.tensor(losses[1]), rtol=1e-5, atol=0)
+    merged = [load_file(str(runs[s] / "model.safetensors")) for s in (1, 2)]
+    for name, tensor in merged[0].items():
+        torch.testing.assert_close(merged[1][name], tensor, rtol=1e-4, atol=1e-6)

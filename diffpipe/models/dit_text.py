@@ -154,13 +154,15 @@ class SD3Text(_FolderText):
         return torch.cat([clip, t5], dim=-2), torch.cat(pooled, dim=-1)
 
 
-class WanText(_FolderText):
+class _OneT5(_FolderText):
+    """A T5 encoder alone (text_encoder/, tokenizer/): its states, no pooled text."""
+
     suffixes = ("",)
-    max_length = WAN_T5_TOKENS
+    model_class: type
 
     @classmethod
-    def from_folder(cls, folder: Path) -> "WanText":
-        tokenizer, model = _load(folder, "1", UMT5EncoderModel)
+    def from_folder(cls, folder: Path) -> "_OneT5":
+        tokenizer, model = _load(folder, "1", cls.model_class)
         return cls([tokenizer], [model], folder)
 
     @property
@@ -170,6 +172,11 @@ class WanText(_FolderText):
     @property
     def pooled_size(self) -> int:
         return 0
+
+
+class WanText(_OneT5):
+    model_class = UMT5EncoderModel
+    max_length = WAN_T5_TOKENS
 
     @torch.no_grad()
     def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,22 +190,9 @@ class WanText(_FolderText):
         return hidden * mask.unsqueeze(-1).to(hidden.dtype), torch.zeros(len(captions), 0, device=self.device)
 
 
-class ChromaText(_FolderText):
-    suffixes = ("",)
+class ChromaText(_OneT5):
+    model_class = T5EncoderModel
     max_length = CHROMA_T5_TOKENS
-
-    @classmethod
-    def from_folder(cls, folder: Path) -> "ChromaText":
-        tokenizer, model = _load(folder, "1", T5EncoderModel)
-        return cls([tokenizer], [model], folder)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.models[0].config.d_model
-
-    @property
-    def pooled_size(self) -> int:
-        return 0
 
     @torch.no_grad()
     def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

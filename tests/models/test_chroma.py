@@ -20,7 +20,7 @@ from diffpipe.models.chroma import CHROMA_PRESETS, ChromaFamily
 from diffpipe.models.dit_text import ChromaText
 from diffpipe.models.family import Feed
 
-from ..helpers import check_diffusers_lora, run_command
+from ..helpers import check_diffusers_lora, run_command, trains_alike_on_one_and_two_stages
 
 ROOT = Path(__file__).parent.parent.parent
 CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]
@@ -98,19 +98,7 @@ def test_the_tiny_example_trains_on_one_and_two_stages_to_the_same_losses(tiny, 
     shutil.copytree(tiny / "photos", photos)
     for caption in photos.glob("*_4.txt"):
         caption.write_text(" ".join([caption.read_text().strip()] * 8))
-    runs = {}
-    for stages in (1, 2):
-        runs[stages] = tmp_path / f"stages{stages}"
-        result = _train(tiny, runs[stages], "--set", "train.max_steps=6", "--set", f"pipeline.stages={stages}",
-                        "--set", "data.caption_dropout=0.0", photos=photos)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert f"{stages} stage(s)" in result.stdout
-    one, two = _losses(runs[1]), _losses(runs[2])
-    assert len(one) == 6 and all(l == l for l in one)
-    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=0)
-    merged = [load_file(str(runs[s] / "model.safetensors")) for s in (1, 2)]
-    for name, tensor in merged[0].items():
-        torch.testing.assert_close(merged[1][name], tensor, rtol=1e-4, atol=1e-6)
+    trains_alike_on_one_and_two_stages(lambda out, *args: _train(tiny, out, *args, photos=photos), tmp_path)
 
 
 @torch.no_grad()
