@@ -75,10 +75,12 @@ class Generator:
         height, width = self.pixel_size
         control = pictures = None
         if controls is not None:
-            control = self.control_latents(controls)
+            placed = placed_controls(controls, self.pixel_size)  # each file read and placed once
+            control = self.control_latents(placed)
             control = torch.cat([control, control]) if guided else control
-            pictures = self.show_controls(controls)
-            pictures = pictures + pictures if guided else pictures
+            if self.text.reads_pictures:
+                pictures = show_controls(self.text, controls, self.pixel_size, placed)
+                pictures = pictures + pictures if guided else pictures
         conditions = maker.text_conditions(texts, square_size_ids(len(texts), height, width), latent_size, control,
                                            pictures)
 
@@ -109,24 +111,20 @@ class Generator:
         factor = vae_scale_factor(self.vae) if self.vae is not None else 1
         return self.shape[-2] * factor, self.shape[-1] * factor
 
-    def control_latents(self, images: list[Path]) -> torch.Tensor:
-        """Control images placed at the sample size and encoded by the VAE; an image-to-video model's first frames
-        each followed by grey frames for the clip's length, as the pipeline encodes them."""
+    def control_latents(self, placed: list[Image.Image]) -> torch.Tensor:
+        """Control images placed at the sample size (`placed_controls`), encoded by the VAE; an image-to-video
+        model's first frames each followed by grey frames for the clip's length, as the pipeline encodes them."""
         from .data.buckets import pixels_of
         from .data.first_frames import grey_after
         from .models.vae import vae_frame_factor
 
         if self.vae is None:
             raise CheckpointError("control images are encoded by a pipeline folder's VAE, and this run has none")
-        pixels = torch.stack([pixels_of(picture) for picture in placed_controls(images, self.pixel_size)])
+        pixels = torch.stack([pixels_of(picture) for picture in placed])
         if self.feed.family.reads_first_frame:
             factor = vae_frame_factor(self.vae)
             pixels = grey_after(pixels, 1 + (self.shape[1] - 1) * factor)  # shape: (channels, latent frames, ...)
         return encode_latents(self.vae, pixels.to(next(self.vae.parameters()).device)).float()
-
-    def show_controls(self, images: list[Path]) -> list[str]:
-        """Keys of the control images placed at the sample size, shown to a text encoder that reads pictures."""
-        return show_controls(self.text, images, self.pixel_size)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents scaled as in training (models/vae.py) to RGB in [-1, 1]: images, or clips (N, 3, F, H, W)."""
@@ -198,14 +196,16 @@ def placed_controls(images: list[Path], pixel_size: tuple[int, int]) -> list[Ima
             for image in map(read_first_frame, map(Path, images))]
 
 
-def show_controls(text: CaptionEncoder, images: list[Path], pixel_size: tuple[int, int]) -> list[str]:
+def show_controls(text: CaptionEncoder, images: list[Path], pixel_size: tuple[int, int],
+                  placed: list[Image.Image] | None = None) -> list[str]:
     """Keys of the control images placed at `pixel_size` (the file's bytes and the size), each shown to `text`
-    under its key (CaptionEncoder.show): what an encoder that reads pictures reads beside a sample's prompt."""
+    under its key (CaptionEncoder.show): what an encoder that reads pictures reads beside a sample's prompt.
+    `placed`: the images already placed (`placed_controls`), else they are read and placed here."""
     from .data.images import file_hash
 
     keys = [f"{file_hash(Path(path))}/{pixel_size[1]}x{pixel_size[0]}" for path in images]
     if text.reads_pictures:
-        pictures = placed_controls(images, pixel_size)
+        pictures = placed if placed is not None else placed_controls(images, pixel_size)
         text.show({key: (lambda picture=picture: picture) for key, picture in zip(keys, pictures)})
     return keys
 
