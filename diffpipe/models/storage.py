@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["FrozenStorage", "StoredLinear", "Fp8Linear", "FP8", "FP8_MAX", "quantise", "dequantise", "quantisable",
-           "PRODUCT_LAYERS", "LINEAR_FORMATS", "linear_class", "element_bytes"]
+           "PRODUCT_LAYERS", "LINEAR_FORMATS", "DEQUANTISE_FLOPS", "linear_class", "element_bytes"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -37,6 +37,12 @@ PRODUCT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # memory.base_dtype's formats for frozen linear weights -> bytes a weight takes (its scales included: an fp32 scale
 # per row of thousands for fp8 and int8, counted as nothing; NF4's fp32 scale per block of 64: 4/64 of a byte)
 LINEAR_FORMATS = {"fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64}
+# -> the time a pass (a forward, a backward, a recomputation) spends turning one stored weight back into the compute
+# dtype, in FLOPs of the device's matrix work (so it scales with plan.device_tflops). Measured on an H200 (taken at
+# the planner's 300 TFLOP/s) with Flux.1-dev's LoRA, 11.8 B frozen linear weights (docs/benchmarks.md): fp8 against
+# a bf16 base 1.42 against 1.72 samples/s uncheckpointed (2 passes), 5.2 ps a weight a pass; int8 as fp8 (0.956
+# against 0.950 checkpointed); nf4 against fp8 0.782 against 0.950 checkpointed (3 passes), 6.4 ps more
+DEQUANTISE_FLOPS = {"fp8": 1560.0, "int8": 1560.0, "nf4": 3480.0}
 
 
 def quantisable(module: nn.Module) -> bool:
@@ -159,6 +165,11 @@ class FrozenStorage:
     def linear_bytes(self, weights: int) -> float:
         """Bytes that many frozen linear weights take as held."""
         return weights * (LINEAR_FORMATS[self.linear] if self.linear else element_bytes(self.dtype))
+
+    def dequantise_flops(self, weights: int) -> float:
+        """The time a pass spends turning that many stored linear weights back into the compute dtype, as FLOPs of
+        the device's matrix work (DEQUANTISE_FLOPS); none for weights held as they are computed."""
+        return weights * DEQUANTISE_FLOPS[self.linear] if self.linear else 0.0
 
     def store(self, module: nn.Module) -> None:
         """Hold `module`'s own frozen weights (just given, real) this way."""

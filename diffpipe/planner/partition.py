@@ -66,6 +66,15 @@ class Replicas:
         return (unit.trainable_params * BYTES_PER_WEIGHT + (rest - linear) * element_bytes(self.frozen.dtype)
                 + self.frozen.linear_bytes(linear))
 
+    def unit_times(self, unit: UnitCost, hw: Hardware) -> tuple[float, float]:
+        """A unit's (forward, backward) seconds: measured ones as measured; else from its FLOPs, each pass with the
+        time a quantised base (memory.base_dtype fp8, int8, nf4) spends turning its weights back into bf16."""
+        forward, backward = unit_times(unit, hw)
+        if unit.forward_s is not None and unit.backward_s is not None:
+            return forward, backward
+        extra = self.frozen.dequantise_flops(unit.frozen_linear_params) / (hw.tflops * 1e12)
+        return forward + extra, backward + extra
+
     def frozen_bytes(self, unit: UnitCost) -> float:
         return self.weight_bytes(unit) - unit.trainable_params * BYTES_PER_WEIGHT
 
@@ -162,7 +171,7 @@ def unit_times(cost: UnitCost, hw: Hardware) -> tuple[float, float]:
 
 def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, schedule, hw, checkpointed,
            replicas: Replicas = Replicas()):
-    times = [unit_times(c, hw) for c in costs[first:last]]
+    times = [replicas.unit_times(c, hw) for c in costs[first:last]]
     forward = sum(t[0] for t in times)
     backward = sum(t[1] for t in times) + (forward if checkpointed else 0.0)
     received = boundary_bytes[first - 1] if first > 0 else 0
@@ -208,7 +217,7 @@ def _swap_costs(swapped: list[UnitCost], replicas: Replicas, hw: Hardware,
     time does not hide. Unless the stage is checkpointed whole, their recomputation is an extra forward each."""
     frozen = [replicas.frozen_bytes(c) for c in swapped]
     copy = [b / (hw.host_gbps * 1e9) for b in frozen]
-    times = [unit_times(c, hw) for c in swapped]
+    times = [replicas.unit_times(c, hw) for c in swapped]
     forward = sum(max(0.0, s - t[0]) for s, t in zip(copy, times))
     backward = sum(max(0.0, s - t[1]) for s, t in zip(copy, times))
     if not checkpointed:

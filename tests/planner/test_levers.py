@@ -81,3 +81,28 @@ def test_a_moving_average_of_the_weights_is_charged_as_one_more_fp32_copy_of_the
     trained = sum(p.numel() for p in built(load_config(EXAMPLES / "digits.toml", full), "meta").model.parameters())
     extra = _peak("digits.toml", [*full, "train.ema_decay=0.999"]) - _peak("digits.toml", full)
     assert extra * 2**30 == pytest.approx(4 * trained, rel=1e-6)
+
+
+def test_a_quantised_base_spends_time_turning_its_weights_back_at_every_pass():
+    """memory.base_dtype fp8/int8/nf4: a forward, a recomputation and a backward each turn every stored linear
+    weight back into bf16, DEQUANTISE_FLOPS of the device's matrix work a weight (measured on an H200: 5.2 ps a
+    weight a pass for fp8, 11.6 for nf4; docs/benchmarks.md); a bf16 base computes as it is held."""
+    from diffpipe.models.storage import DEQUANTISE_FLOPS
+    from diffpipe.planner.plan import unit_costs
+
+    sets = [*LORA, "plan.device_tflops=100", 'train.precision="bf16"']
+    config = load_config(EXAMPLES / "flux_tiny.toml", sets)
+    meta = build_backbone(config, "meta")
+    frozen = sum(c.frozen_linear_params for c in unit_costs(config, meta, config.micro_batch_size))
+    passes = 3 * config.pipeline.microbatches  # every unit checkpointed: forward, recomputation, backward
+
+    def step_s(base: str) -> float:
+        config = load_config(EXAMPLES / "flux_tiny.toml", [*sets, f'memory.base_dtype="{base}"'])
+        meta = build_backbone(config, "meta")
+        starts, checkpointed = resolve_stages(config, meta)
+        return planned_figures(config, meta, starts, checkpointed).step_s
+
+    bf16 = step_s("bf16")
+    for base in ("fp8", "int8", "nf4"):
+        expected = passes * frozen * DEQUANTISE_FLOPS[base] / 100e12
+        assert frozen > 0 and step_s(base) - bf16 == pytest.approx(expected, rel=1e-6), base
