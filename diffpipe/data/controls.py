@@ -64,6 +64,7 @@ def cache_controls(dataset: FolderImages, store: ShardStore, vae, rank, world, b
 def first_edits(data: DataConfig) -> list[tuple[str, Path]]:
     """The first pictures of data.path (in name order, each once): their captions and control images, what a sample
     grid edits when sample.prompts and sample.control_images are unset."""
-    items = list({item.path: item for item in scan_folders(data_folders(data), 0, Skipped())}.values())[:GRID_EDITS]
+    scanned = scan_folders(data_folders(data), 0, Skipped(), first=GRID_EDITS)  # the rest of the folder unread
+    items = list({item.path: item for item in scanned}.values())
     controls = _controls_of(items, [folder for folder, _ in data_folders(data)], data)
     return list(zip([item.caption for item in items], controls))

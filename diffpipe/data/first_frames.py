@@ -42,8 +42,8 @@ def first_frame_pixels(item: ImageItem, placement: Placement) -> torch.Tensor:
 def first_clips(data: DataConfig, count: int) -> list[tuple[str, Path]]:
     """The first `count` clips (or images) of data.path in name order, each once: their captions and files, what a
     sample grid continues when sample.control_images is unset."""
-    items = scan_folders(data_folders(data), 0, Skipped(), videos=True)
-    return [(item.caption, item.path) for item in {item.path: item for item in items}.values()][:count]
+    items = scan_folders(data_folders(data), 0, Skipped(), videos=True, first=count)
+    return [(item.caption, item.path) for item in {item.path: item for item in items}.values()]
 
 
 def first_frame_conditions(clips: torch.Tensor) -> torch.Tensor:

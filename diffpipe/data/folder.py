@@ -101,13 +101,14 @@ def probe_image(path: Path) -> tuple[int, int, int]:
 
 
 def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skipped,
-                 videos: bool = False) -> list[ImageItem]:
+                 videos: bool = False, first: int | None = None) -> list[ImageItem]:
     """Every usable image (and with `videos`, video) of the folders (subfolders included), each listed `repeats`
-    times, in a stable order. Reads only the headers: truncated files are caught when they are decoded."""
+    times, in a stable order; with `first`, only the first that many usable files (the rest not read: a sample grid's
+    pictures of a large dataset). Reads only the headers: truncated files are caught when they are decoded."""
     from .videos import VIDEO_SUFFIXES, probe_video
 
     probes = dict.fromkeys(IMAGE_SUFFIXES, probe_image) | (dict.fromkeys(VIDEO_SUFFIXES, probe_video) if videos else {})
-    items = []
+    items, usable = [], 0
     for folder, repeats in folders:
         if not folder.is_dir():
             raise FileNotFoundError(f"data.path: {folder} is not a folder")
@@ -124,6 +125,9 @@ def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skippe
                 skipped.add(path, f"{width}x{height} is too small (shorter side under {min_side} pixels)")
                 continue
             items += [ImageItem(path, _caption(path, metadata, folder), width, height, frames)] * repeats
+            usable += 1
+            if usable == first:
+                return items
     return items
 
 

@@ -148,3 +148,16 @@ def test_captions_looked_up_by_file_name_fail_the_subfolder_check(tmp_path):
     by_name = planted("diffpipe.data.folder", "relative = image.relative_to(folder).as_posix()", "relative = image.name")
     with pytest.raises(AssertionError):
         test_captions_of_images_in_subfolders_by_both_conventions(tmp_path, by_name.scan_folders)
+
+
+def test_a_scan_for_the_first_files_reads_no_further(tmp_path):
+    """A sample grid's pictures (the first few of a folder, at every grid) are found without reading the rest of a
+    large folder: a broken file after them is never opened."""
+    for name in ("a", "b", "c"):
+        _photo(tmp_path / f"{name}.png")
+    (tmp_path / "d.png").write_bytes(b"not an image")
+    skipped = Skipped()
+    first = scan_folders([(tmp_path, 2)], 0, skipped, first=2)  # each listed twice (repeats), two files
+    assert [item.path.name for item in first] == ["a.png", "a.png", "b.png", "b.png"] and not skipped.files
+    everything = Skipped()
+    assert len(scan_folders([(tmp_path, 1)], 0, everything)) == 3 and len(everything.files) == 1
