@@ -15,11 +15,11 @@ from ..config import DataConfig
 from .buckets import Placement, to_pixels
 from .cache import ShardStore
 from .folder import ImageItem, Skipped, read_rgb, scan_folders
-from .images import FolderImages, caption_key, data_folders, file_hash, latent_key, store_latents
+from .images import FolderImages, caption_key, data_folders, store_latents
 from .videos import VIDEO_SUFFIXES, read_clip
 
-__all__ = ["first_frame_pixels", "find_first_frames", "cache_first_frames", "first_frame_conditions",
-           "read_first_frame", "first_clips", "grey_after"]
+__all__ = ["first_frame_pixels", "find_first_frames", "cache_first_frames", "read_first_frame", "first_clips",
+           "grey_after"]
 
 
 def read_first_frame(path: Path) -> Image.Image:
@@ -28,7 +28,8 @@ def read_first_frame(path: Path) -> Image.Image:
 
 
 def grey_after(first: torch.Tensor, frames: int) -> torch.Tensor:
-    """(..., 3, H, W) pixels of a first frame -> (..., 3, frames, H, W): it, then grey (zero) frames."""
+    """(..., C, H, W) pixels (or moving digits' pixel latents) of a first frame -> (..., C, frames, H, W): it, then
+    grey (zero) frames."""
     pixels = first.new_zeros(*first.shape[:-2], frames, *first.shape[-2:])
     pixels[..., 0, :, :] = first
     return pixels
@@ -46,28 +47,20 @@ def first_clips(data: DataConfig, count: int) -> list[tuple[str, Path]]:
     return [(item.caption, item.path) for item in {item.path: item for item in items}.values()]
 
 
-def first_frame_conditions(clips: torch.Tensor) -> torch.Tensor:
-    """Clips (N, C, F, H, W) in pixel space (moving digits: no VAE): each first frame, then zeros."""
-    conditions = torch.zeros_like(clips)
-    conditions[:, :, 0] = clips[:, :, 0]
-    return conditions
-
-
 def find_first_frames(dataset: FolderImages) -> None:
-    """Each item's first frame as its control: its own file, placed as its clip, keyed apart from the clip's latents."""
-    contents = {path: file_hash(path) for path in {item.path for item in dataset.items}}
+    """Each item's first frame as its control: its own file, placed as its clip."""
     dataset.controls = [item.path for item in dataset.items]
     dataset.control_placements = list(dataset.placements)
-    dataset.control_keys = [caption_key(latent_key(contents[item.path], p) + ":first-frame")
-                            for item, p in zip(dataset.items, dataset.placements)]
     dataset.first_frames = True
 
 
-def cache_first_frames(dataset: FolderImages, store: ShardStore, vae, rank, world, barrier, show) -> None:
-    """The items' first-frame latents from the store (this process encoding its share of what it lacks)."""
+def cache_first_frames(dataset: FolderImages, clip_keys: list[str], store: ShardStore, vae, rank, world, barrier,
+                       show) -> None:
+    """The items' first-frame latents from the store (this process encoding its share of what it lacks), keyed apart
+    from their clips' latents (`clip_keys`, one per item: the files already hashed for those)."""
+    keys = [caption_key(key + ":first-frame") for key in clip_keys]
     latents, reasons = store_latents(dataset.items, dataset.control_placements, store, vae, rank, world, barrier, show,
-                                     "caching first frames' latents", keys=dataset.control_keys,
-                                     reader=first_frame_pixels)
+                                     "caching first frames' latents", keys=keys, reader=first_frame_pixels)
     for i, why in reasons.items():
         dataset.skipped.add(dataset.items[i].path, f"its first frame: {why}")
     dataset.cached_controls = latents

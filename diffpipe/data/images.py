@@ -281,9 +281,9 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
         if text.reads_pictures:  # the text encoder reads each control picture with its caption
             text.show(part.picture_readers())
         if data.cache:
-            _cache_latents(part, latent_store, vae, rank, world, barrier, show)
+            clip_keys = _cache_latents(part, latent_store, vae, rank, world, barrier, show)
             if part.first_frames:
-                cache_first_frames(part, latent_store, vae, rank, world, barrier, show)
+                cache_first_frames(part, clip_keys, latent_store, vae, rank, world, barrier, show)
             elif part.controls is not None:
                 cache_controls(part, latent_store, vae, rank, world, barrier, show)
             _cache_text(part, text_store, text, rank, world, barrier, show)
@@ -363,16 +363,13 @@ def _check_decodes(dataset: FolderImages) -> None:
 
 
 def store_latents(items: list[ImageItem], placements: list[Placement], store: ShardStore, vae, rank, world, barrier,
-                  show: bool, description: str, keys: list[str] | None = None,
+                  show: bool, description: str, keys: list[str],
                   reader: Callable[[ImageItem, Placement], torch.Tensor] = read_pixels
                   ) -> tuple[list[torch.Tensor | None], dict[int, str]]:
     """Each item's latent as placed, from the store, this process encoding its share of what the store lacks; None
-    for an item that cannot be read, with the reason by the first such index of each file. `keys`: the items'
-    `latent_key`s where the caller has them (controls: data/controls.py), else read off the files here. `reader`:
-    the pixels the VAE encodes of an item (its picture or clip; first_frames.py: a clip's first frame)."""
-    if keys is None:
-        contents = {path: file_hash(path) for path in {item.path for item in items}}
-        keys = [latent_key(contents[item.path], p) for item, p in zip(items, placements)]
+    for an item that cannot be read, with the reason by the first such index of each file. `keys`: the items' keys
+    in the store (`latent_keys`, or a control's: data/controls.py, data/first_frames.py). `reader`: the pixels the
+    VAE encodes of an item (its picture or clip; first_frames.py: a clip's first frame)."""
     first_index: dict[str, int] = {}  # repeated items share a key
     for i, key in enumerate(keys):
         first_index.setdefault(key, i)
@@ -398,13 +395,23 @@ def store_latents(items: list[ImageItem], placements: list[Placement], store: Sh
     return [entries[key]["latent"] if key in entries else None for key in keys], reasons
 
 
-def _cache_latents(dataset: FolderImages, store: ShardStore, vae, rank, world, barrier, show) -> None:
+def latent_keys(items: list[ImageItem], placements: list[Placement]) -> list[str]:
+    """Each item's `latent_key`: its file's bytes (each file read once) and its placement."""
+    contents = {path: file_hash(path) for path in {item.path for item in items}}
+    return [latent_key(contents[item.path], p) for item, p in zip(items, placements)]
+
+
+def _cache_latents(dataset: FolderImages, store: ShardStore, vae, rank, world, barrier, show) -> list[str]:
+    """The items' latents from the store; returns the kept items' latent keys."""
+    keys = latent_keys(dataset.items, dataset.placements)
     latents, reasons = store_latents(dataset.items, dataset.placements, store, vae, rank, world, barrier, show,
-                                     "caching VAE latents")
+                                     "caching VAE latents", keys=keys)
     for i, why in reasons.items():
         dataset.skipped.add(dataset.items[i].path, why)
     dataset.latents = latents
-    dataset.keep([i for i, latent in enumerate(latents) if latent is not None])
+    kept = [i for i, latent in enumerate(latents) if latent is not None]
+    dataset.keep(kept)
+    return [keys[i] for i in kept]
 
 
 def _cache_text(dataset: FolderImages, store: ShardStore, text: PipelineText, rank, world, barrier, show) -> None:
