@@ -153,3 +153,34 @@ def trains_alike_on_one_and_two_stages(train: Callable[..., Ran], tmp_path, step
     merged = [load_file(str(runs[s] / "model.safetensors")) for s in (1, 2)]
     for name, tensor in merged[0].items():
         torch.testing.assert_close(merged[1][name], tensor, rtol=1e-4, atol=1e-6)
+
+
+def predicted_with_padded_text(family, transformer, text_width: int):
+    """The diffusers forward (`family.diffusers_forward`) of two random 16 x 12 latents of 4 channels beside random
+    texts of 512 positions, the first filled for 20 and the second for 9 (zero after, as captions are padded): a
+    `predict` for `check_diffusers_lora` of a family that cuts and masks its text (Qwen-Image, Chroma)."""
+    import torch
+
+    from diffpipe.models.family import Feed
+
+    gen = torch.Generator().manual_seed(0)
+    feed = Feed(family, transformer.config)
+    hidden = torch.randn(2, 512, text_width, generator=gen)
+    hidden[0, 20:], hidden[1, 9:] = 0, 0
+    with torch.no_grad():
+        conditions = dict(feed.conditions(hidden, torch.zeros(2, 0), torch.zeros(2, 6), (16, 12)),
+                          timestep=torch.tensor([500.0, 20.0]))
+        return family.diffusers_forward(transformer.eval(), feed.pack(torch.randn(2, 4, 16, 12, generator=gen)),
+                                        conditions)
+
+
+def photos_with_long_captions(tiny, out, *patterns: str):
+    """A copy of the tiny photos in `out` whose captions matching `patterns` are their caption eight times over (a
+    bucket of long captions: its steps cut the text to more positions than the others')."""
+    import shutil
+
+    photos = shutil.copytree(tiny / "photos", out / "photos")
+    for pattern in patterns:
+        for caption in photos.glob(pattern):
+            caption.write_text(" ".join([caption.read_text().strip()] * 8))
+    return photos

@@ -6,7 +6,6 @@ output, and for ComfyUI under Flux's diffusers names (ComfyUI's Chroma is a Flux
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,8 @@ from diffpipe.models.chroma import CHROMA_PRESETS, ChromaFamily
 from diffpipe.models.dit_text import ChromaText
 from diffpipe.models.family import Feed
 
-from ..helpers import check_diffusers_lora, run_command, trains_alike_on_one_and_two_stages
+from ..helpers import (check_diffusers_lora, photos_with_long_captions, predicted_with_padded_text,
+                       run_command, trains_alike_on_one_and_two_stages)
 
 ROOT = Path(__file__).parent.parent.parent
 CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]
@@ -94,22 +94,12 @@ def test_text_cut_to_its_length_and_masked_computes_the_models_forward_over_512_
 
 def test_the_tiny_example_trains_on_one_and_two_stages_to_the_same_losses(tiny, tmp_path):
     """Long captions on the upright pictures: their bucket's steps cut the text to 64 positions, the others' to 32."""
-    photos = tmp_path / "photos"
-    shutil.copytree(tiny / "photos", photos)
-    for caption in photos.glob("*_4.txt"):
-        caption.write_text(" ".join([caption.read_text().strip()] * 8))
+    photos = photos_with_long_captions(tiny, tmp_path, "*_4.txt")
     trains_alike_on_one_and_two_stages(lambda out, *args: _train(tiny, out, *args, photos=photos), tmp_path)
 
 
-@torch.no_grad()
 def _sampled(transformer) -> torch.Tensor:
-    family, gen = ChromaFamily(), torch.Generator().manual_seed(0)
-    feed = Feed(family, transformer.config)
-    hidden = torch.randn(2, 512, 64, generator=gen)
-    hidden[0, 20:], hidden[1, 9:] = 0, 0
-    conditions = dict(feed.conditions(hidden, torch.zeros(2, 0), torch.zeros(2, 6), (16, 12)),
-                      timestep=torch.tensor([500.0, 20.0]))
-    return family.diffusers_forward(transformer.eval(), feed.pack(torch.randn(2, 4, 16, 12, generator=gen)), conditions)
+    return predicted_with_padded_text(ChromaFamily(), transformer, 64)
 
 
 def test_a_lora_exports_for_diffusers_and_comfyui(tiny, tmp_path):

@@ -5,7 +5,6 @@ loads into QwenImagePipeline with the trained output, and for ComfyUI under the 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,8 @@ from diffpipe.models.dit_text import QwenImageText
 from diffpipe.models.family import Feed
 from diffpipe.models.qwen_image import QwenImageFamily, text_mask
 
-from ..helpers import check_diffusers_lora, run_command, trains_alike_on_one_and_two_stages
+from ..helpers import (check_diffusers_lora, photos_with_long_captions, predicted_with_padded_text,
+                       run_command, trains_alike_on_one_and_two_stages)
 
 ROOT = Path(__file__).parent.parent.parent
 CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]
@@ -95,22 +95,12 @@ def test_text_cut_to_its_length_and_masked_computes_what_the_pipelines_padding_c
 def test_the_tiny_example_trains_on_one_and_two_stages_to_the_same_losses(tiny, tmp_path):
     """The upright pictures' captions made long (53 tokens): their bucket's steps cut text to 64 positions, the others'
     to 32, each shape with its own receive buffers."""
-    photos = tmp_path / "photos"
-    shutil.copytree(tiny / "photos", photos)
-    for caption in [*photos.glob("*_4.txt"), *photos.glob("*_5.txt")]:
-        caption.write_text(" ".join([caption.read_text().strip()] * 8))
+    photos = photos_with_long_captions(tiny, tmp_path, "*_4.txt", "*_5.txt")
     trains_alike_on_one_and_two_stages(lambda out, *args: _train(tiny, out, *args, photos=photos), tmp_path)
 
 
-@torch.no_grad()
 def _sampled(transformer) -> torch.Tensor:
-    family, gen = QwenImageFamily(), torch.Generator().manual_seed(0)
-    feed = Feed(family, transformer.config)
-    hidden = torch.randn(2, 512, 32, generator=gen)
-    hidden[0, 20:], hidden[1, 9:] = 0, 0
-    conditions = dict(feed.conditions(hidden, torch.zeros(2, 0), torch.zeros(2, 6), (16, 12)),
-                      timestep=torch.tensor([500.0, 20.0]))
-    return family.diffusers_forward(transformer.eval(), feed.pack(torch.randn(2, 4, 16, 12, generator=gen)), conditions)
+    return predicted_with_padded_text(QwenImageFamily(), transformer, 32)
 
 
 def test_a_lora_exports_for_diffusers_and_comfyui(tiny, tmp_path):
