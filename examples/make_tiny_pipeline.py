@@ -11,6 +11,7 @@ tested without downloading anything.
     diffpipe train examples/flux_kontext_tiny.toml         # a tiny Flux Kontext-layout edit model on the edits
     diffpipe train examples/chroma_tiny.toml               # a tiny Chroma-layout model on the photos
     diffpipe train examples/qwen_image_edit_tiny.toml      # a tiny Qwen-Image-Edit-layout edit model on the edits
+    diffpipe train examples/hunyuan_video15_tiny.toml      # a tiny HunyuanVideo 1.5-layout video model on the clips
 
 Each pipeline is built from diffusers' and transformers' own classes (UNet2DConditionModel, AutoencoderKL, CLIP text
 models and a real CLIP BPE tokenizer over a small vocabulary) and written by the pipeline's `save_pretrained`, so
@@ -18,7 +19,8 @@ the folders are laid out as on the Hub: model_index.json, unet/, vae/, text_enco
 text_encoder_2/, tokenizer_2/ for SDXL; transformer/, a CLIP and a T5 encoder with a real T5 unigram tokenizer for
 Flux; the T5 alone for Chroma; three text encoders for SD3; for Wan its video VAE and a umT5 encoder; Wan 2.2 A14B's two experts; for
 Qwen-Image a Qwen2.5-VL encoder with a real Qwen2 byte-level BPE tokenizer, and Qwen's VAE; for Qwen-Image-Edit
-the same with a Qwen2VLProcessor whose vision tower reads the control picture). The photos are scikit-learn's two sample photographs (china.jpg,
+the same with a Qwen2VLProcessor whose vision tower reads the control picture; for HunyuanVideo 1.5 a Qwen2.5-VL text
+model with a chat template, a ByT5 encoder and its 16x video VAE). The photos are scikit-learn's two sample photographs (china.jpg,
 flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption;
 the edits are eight of them with a grey copy of each as its control image.
 The clips are coloured shapes sliding over a gradient, written as mp4 (H.264) and webm (VP9) by PyAV, captioned with
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 from pathlib import Path
 
@@ -44,7 +47,7 @@ from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjec
                           UMT5Config, UMT5EncoderModel)
 
 __all__ = ["write_sd15", "write_sdxl", "write_flux", "write_chroma", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_wan22_i2v",
-           "write_qwen_image",
+           "write_qwen_image", "write_hunyuan_video15",
            "write_photos", "write_edits", "write_clips",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
 
@@ -80,6 +83,11 @@ def tiny_clip_tokenizer() -> CLIPTokenizer:
             pieces = [pieces[0] + pieces[1]] + pieces[2:]
             if pieces[0] not in vocab:
                 vocab.append(pieces[0])
+    run = 1
+    while 2 * run <= space_run:  # ("Ġ", "Ġ"), ("ĠĠ", "ĠĠ"), ...: a run of spaces merged by halves
+        merges.append((space * run, space * run))
+        vocab.append(space * 2 * run)
+        run *= 2
     vocab += ["<|startoftext|>", "<|endoftext|>"]
     return CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=list(dict.fromkeys(merges)),
                          model_max_length=77)
@@ -106,15 +114,15 @@ _QWEN_EDIT_WORDS = ("Describe key features input image color shape size texture 
 _QWEN_EDIT_PIECES = ("(", "),", "'s", ".")
 
 
-def tiny_qwen_tokenizer(vision: bool = False) -> Qwen2Tokenizer:
-    """A real Qwen2 byte-level BPE tokenizer: every byte, merges that make CAPTION_WORDS and the prompt template's
-    words single tokens (with and without their leading space), and Qwen's chat tokens; with `vision` also the
-    edit template's words and Qwen2.5-VL's picture tokens (<|vision_start|>, <|image_pad|>, <|vision_end|>,
-    <|video_pad|>)."""
+def tiny_qwen_tokenizer(vision: bool = False, extra_words: tuple[str, ...] = (), space_run: int = 1) -> Qwen2Tokenizer:
+    """A real Qwen2 byte-level BPE tokenizer: every byte, merges that make CAPTION_WORDS, the prompt template's words
+    and `extra_words` single tokens (with and without their leading space), runs of up to `space_run` spaces (a power
+    of two) one token, and Qwen's chat tokens; with `vision` also the edit template's words and Qwen2.5-VL's picture
+    tokens (<|vision_start|>, <|image_pad|>, <|vision_end|>, <|video_pad|>)."""
     alphabet = list(_bytes_to_unicode().values())
     space = _bytes_to_unicode()[ord(" ")]
-    words = [*CAPTION_WORDS, *_QWEN_TEMPLATE_WORDS] + ([*_QWEN_EDIT_WORDS, "the", "a"] if vision else [])
-    pieces_of = [space + w for w in words] + _QWEN_TEMPLATE_WORDS + (
+    words = [*CAPTION_WORDS, *_QWEN_TEMPLATE_WORDS, *extra_words] + ([*_QWEN_EDIT_WORDS, "the", "a"] if vision else [])
+    pieces_of = [space + w for w in words] + _QWEN_TEMPLATE_WORDS + list(extra_words) + (
         [*_QWEN_EDIT_WORDS, *_QWEN_EDIT_PIECES, space + "("] if vision else [])
     vocab, merges = list(alphabet), []
     for word in pieces_of:
@@ -124,6 +132,11 @@ def tiny_qwen_tokenizer(vision: bool = False) -> Qwen2Tokenizer:
             pieces = [pieces[0] + pieces[1]] + pieces[2:]
             if pieces[0] not in vocab:
                 vocab.append(pieces[0])
+    run = 1
+    while 2 * run <= space_run:  # ("Ġ", "Ġ"), ("ĠĠ", "ĠĠ"), ...: a run of spaces merged by halves
+        merges.append((space * run, space * run))
+        vocab.append(space * 2 * run)
+        run *= 2
     chat = ["<|im_start|>", "<|im_end|>"] + (["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"] if vision else [])
     vocab = list(dict.fromkeys(vocab)) + ["<|endoftext|>"] + chat
     tokenizer = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=list(dict.fromkeys(merges)))
@@ -361,6 +374,48 @@ def write_qwen_image(out: Path, seed: int = 0, edit: bool = False, plus: bool = 
     return folder
 
 
+def write_hunyuan_video15(out: Path, seed: int = 0) -> Path:
+    """HunyuanVideo 1.5's layout (HunyuanVideo15Pipeline, as hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v): a
+    Qwen2.5-VL text model (32 wide, three layers: the pipeline reads the states three from the last) with a real Qwen2
+    BPE tokenizer carrying a chat template (the system message 108 tokens, as Qwen's own tokenizer counts it and the
+    pipeline drops), a ByT5 encoder (16 wide, ByT5's byte tokenizer) for quoted text, the 16x video VAE (4 latent
+    channels, a latent frame per 4 video frames; random weights, latents scaled to spread 1) and a two-block
+    HunyuanVideo15Transformer3DModel reading 2 x 4 + 1 channels; the scheduler shifted by 5, classifier-free guidance."""
+    import re
+
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, HunyuanVideo15Pipeline,
+                           HunyuanVideo15Transformer3DModel)
+    from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    torch.manual_seed(seed)
+    system = inspect.signature(HunyuanVideo15Pipeline._get_mllm_prompt_embeds).parameters["system_message"].default
+    tokenizer = tiny_qwen_tokenizer(extra_words=tuple(dict.fromkeys(re.findall(r"[A-Za-z]+", system))), space_run=8)
+    tokenizer.chat_template = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                               "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    chat_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=2048, rope_theta=1000000.0,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, bos_token_id=chat_end - 2, eos_token_id=chat_end))
+    glyph_tokenizer = ByT5Tokenizer()
+    glyph_encoder = T5EncoderModel(T5Config(vocab_size=len(glyph_tokenizer), d_model=16, d_kv=8, d_ff=32, num_layers=2,
+                                            num_heads=2, relative_attention_num_buckets=8, pad_token_id=0,
+                                            eos_token_id=1, decoder_start_token_id=0))
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 16, 16, 16, 16), layers_per_block=1)
+    with torch.no_grad():  # latents of a random clip scaled to spread 1, as the release's scaling_factor does
+        z = vae.encode(torch.rand(1, 3, 9, 64, 64, generator=torch.Generator().manual_seed(seed)) * 2 - 1).latent_dist.mean
+    vae.register_to_config(scaling_factor=1.0 / z.std().item())
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2, num_refiner_layers=1,
+        mlp_ratio=2.0, text_embed_dim=32, text_embed_2_dim=16, image_embed_dim=16, rope_axes_dim=(4, 6, 6),
+        target_size=64, task_type="t2v")
+    HunyuanVideo15Pipeline(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae.eval(),
+                           scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=glyph_encoder,
+                           tokenizer_2=glyph_tokenizer, guider=ClassifierFreeGuidance(guidance_scale=6.0),
+                           ).save_pretrained(out / "hunyuan_video15", safe_serialization=True)
+    return out / "hunyuan_video15"
+
+
 def _wan_transformer(in_channels: int = 4) -> WanTransformer3DModel:
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=in_channels, out_channels=4,
@@ -516,7 +571,8 @@ def main() -> None:
     for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_flux(out, vae, kontext=True),
                  write_chroma(out, vae),
                  write_sd3(out, vae), write_wan(out), write_wan22(out), write_wan22_i2v(out), write_qwen_image(out),
-                 write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True), write_photos(out),
+                 write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True),
+                 write_hunyuan_video15(out), write_photos(out),
                  write_edits(out), write_clips(out)):
         print(f"wrote {path}")
     (out / STAMP).write_text(_this_script() + "\n")

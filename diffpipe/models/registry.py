@@ -25,6 +25,7 @@ BUILTIN_FAMILIES = {
     "unet3d": "diffpipe.models.unet3d:UNet3DFamily",
     "qwen_image": "diffpipe.models.qwen_image:QwenImageFamily",
     "qwen_image_edit": "diffpipe.models.qwen_image_edit:QwenImageEditFamily",
+    "hunyuan_video15": "diffpipe.models.hunyuan_video15:HunyuanVideo15Family",
 }
 
 

@@ -1,10 +1,12 @@
 """The frozen VAE of a pipeline folder, and latents scaled as training sees them: images through an image VAE
 (`AutoencoderKL`: SD, SDXL, Flux, SD3, and the spatio-temporal UNet's text-to-video pipelines, frame by frame) and
 clips through Wan's video VAE (`AutoencoderKLWan`: 8x smaller sides, 1 + (F - 1) / 4 latent frames of F frames).
-Qwen-Image's VAE (`AutoencoderKLQwenImage`, Wan's kind) encodes an image as a clip of one frame.
+Qwen-Image's VAE (`AutoencoderKLQwenImage`, Wan's kind) encodes an image as a clip of one frame. HunyuanVideo 1.5's
+(`AutoencoderKLHunyuanVideo15`: 16x smaller sides, a latent frame per 4 video frames) encodes clips too.
 
 Scaling follows diffusers' own training scripts and pipelines: (z - shift_factor) x scaling_factor for image VAEs;
-per channel (z - latents_mean) / latents_std for Wan's and Qwen's (their pipelines decode with the inverse). Weights
+per channel (z - latents_mean) / latents_std for Wan's and Qwen's (their pipelines decode with the inverse);
+z x scaling_factor for HunyuanVideo 1.5's (as its pipelines encode a first frame and decode). Weights
 are read from safetensors files only.
 """
 from __future__ import annotations
@@ -13,14 +15,15 @@ import json
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan
+from diffusers import AutoencoderKL, AutoencoderKLHunyuanVideo15, AutoencoderKLQwenImage, AutoencoderKLWan
 
 from .pipeline_folder import component_weights
 
 __all__ = ["load_vae", "vae_scale_factor", "vae_frame_factor", "trains_images", "vae_latent_channels", "latent_frames", "encode_latents",
            "decode_latents"]
 
-_VIDEO_VAES = {"AutoencoderKLWan": AutoencoderKLWan, "AutoencoderKLQwenImage": AutoencoderKLQwenImage}
+_VIDEO_VAES = {"AutoencoderKLWan": AutoencoderKLWan, "AutoencoderKLQwenImage": AutoencoderKLQwenImage,
+               "AutoencoderKLHunyuanVideo15": AutoencoderKLHunyuanVideo15}
 
 
 def _vae_config(folder: Path) -> dict:
@@ -40,8 +43,8 @@ def vae_scale_factor(source: Path | torch.nn.Module) -> int:
     Wan 2.1's; 16 for Wan 2.2's, whose 2x2 patching comes before its levels), else 2 per VAE level after the first
     (8 for SD's)."""
     cfg = _vae_config(source) if isinstance(source, Path) else source.config
-    if cfg.get("scale_factor_spatial"):
-        return int(cfg["scale_factor_spatial"])
+    if cfg.get("scale_factor_spatial") or cfg.get("spatial_compression_ratio"):  # Wan's name; HunyuanVideo 1.5's
+        return int(cfg.get("scale_factor_spatial") or cfg["spatial_compression_ratio"])
     return 2 ** (len(cfg.get("block_out_channels") or cfg.get("dim_mult")) - 1)
 
 
@@ -55,15 +58,16 @@ def vae_frame_factor(source: Path | torch.nn.Module) -> int:
     """Video frames per latent frame after the first, of a pipeline folder's VAE or a loaded one: 4 for Wan's VAEs
     (as they state it, else from their temporal levels); 1 for an image VAE (every frame encoded)."""
     cfg = _vae_config(source) if isinstance(source, Path) else source.config
-    if cfg.get("scale_factor_temporal"):
-        return int(cfg["scale_factor_temporal"])
+    if cfg.get("scale_factor_temporal") or cfg.get("temporal_compression_ratio"):
+        return int(cfg.get("scale_factor_temporal") or cfg["temporal_compression_ratio"])
     return 2 ** sum(cfg.get("temperal_downsample", []))
 
 
 def trains_images(folder: Path) -> bool:
     """Whether a folder's VAE is one an image model trains through: an image VAE, or Qwen's (a video VAE whose
-    pipelines encode each image as a clip of one frame). Wan's makes latents of clips for video models."""
-    return _vae_config(folder).get("_class_name") != "AutoencoderKLWan"
+    pipelines encode each image as a clip of one frame). Wan's and HunyuanVideo 1.5's make latents of clips for video
+    models."""
+    return _vae_config(folder).get("_class_name") not in ("AutoencoderKLWan", "AutoencoderKLHunyuanVideo15")
 
 
 def latent_frames(video_frames: int, frame_factor: int) -> int:
@@ -76,6 +80,11 @@ def _wan_statistics(vae, device: torch.device) -> tuple[torch.Tensor, torch.Tens
     channel = (1, -1, 1, 1, 1)
     return (torch.tensor(vae.config.latents_mean, device=device).view(channel),
             torch.tensor(vae.config.latents_std, device=device).view(channel))
+
+
+# _one_at_a_time: HunyuanVideo 1.5's VAE attends with a (B, S, S) mask that torch broadcasts against (B, 1, S, S)
+# queries as (1, B, S, S), so diffusers 0.42's encode and decode fail for more than one clip (huggingface/diffusers
+# PR #13133, open): it is given one clip at a time
 
 
 def _frame_by_frame(fn, clips: torch.Tensor) -> torch.Tensor:
@@ -91,11 +100,16 @@ def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
     posterior. An image VAE encodes a clip frame by frame."""
     weights = next(vae.parameters())
     pixels = pixels.to(weights.device, weights.dtype)
+    if isinstance(vae, AutoencoderKLHunyuanVideo15) and len(pixels) > 1:
+        return torch.cat([encode_latents(vae, clip[None]) for clip in pixels])  # _one_at_a_time
     if isinstance(vae, tuple(_VIDEO_VAES.values())):
         if pixels.dim() == 4:  # images as clips of one frame
             return encode_latents(vae, pixels.unsqueeze(2))[:, :, 0]
+        z = vae.encode(pixels).latent_dist.mean.float()
+        if isinstance(vae, AutoencoderKLHunyuanVideo15):
+            return z * vae.config.scaling_factor
         mean, std = _wan_statistics(vae, weights.device)
-        return (vae.encode(pixels).latent_dist.mean.float() - mean) / std
+        return (z - mean) / std
     if pixels.dim() == 5:
         return _frame_by_frame(lambda images: encode_latents(vae, images), pixels)
     cfg = vae.config
@@ -107,11 +121,16 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """RGB in [-1, 1] on the CPU of latents scaled as `encode_latents` scales them (images or clips)."""
     weights = next(vae.parameters())
     latents = latents.to(weights.device, torch.float32)
+    if isinstance(vae, AutoencoderKLHunyuanVideo15) and len(latents) > 1:
+        return torch.cat([decode_latents(vae, clip[None]) for clip in latents])  # _one_at_a_time
     if isinstance(vae, tuple(_VIDEO_VAES.values())):
         if latents.dim() == 4:
             return decode_latents(vae, latents.unsqueeze(2))[:, :, 0]
-        mean, std = _wan_statistics(vae, weights.device)
-        z = latents * std + mean
+        if isinstance(vae, AutoencoderKLHunyuanVideo15):
+            z = latents / vae.config.scaling_factor
+        else:
+            mean, std = _wan_statistics(vae, weights.device)
+            z = latents * std + mean
     elif latents.dim() == 5:
         return _frame_by_frame(lambda images: decode_latents(vae, images), latents)
     else:
