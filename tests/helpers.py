@@ -152,7 +152,7 @@ def trains_alike_on_one_and_two_stages(train: Callable[..., Ran], tmp_path, step
     torch.testing.assert_close(torch.tensor(losses[2]), torch.tensor(losses[1]), rtol=1e-5, atol=0)
     merged = [load_file(str(runs[s] / "model.safetensors")) for s in (1, 2)]
     for name, tensor in merged[0].items():
-        torch.testing.assert_close(merged[1][name], tensor, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(merged[1][name], tensor, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def predicted_with_padded_text(family, transformer, text_width: int):

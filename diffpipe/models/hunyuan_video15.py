@@ -110,22 +110,25 @@ class _Embed(nn.Module):
                 "temb": self.time_embed(timestep)}
 
 
-def _attention(attn, h, context, text_valid, rope):
-    """HunyuanVideo15AttnProcessor2_0's joint attention with padded text masked as keys only."""
+def _attention(attn, h, context, text_valid, rope, text_queries: bool = True):
+    """HunyuanVideo15AttnProcessor2_0's joint attention with padded text masked as keys only: (video, text) outputs,
+    or the video's alone without `text_queries` (the text asks nothing)."""
     def heads(x):
         return x.unflatten(2, (attn.heads, -1))
 
     q, k, v = heads(attn.to_q(h)), heads(attn.to_k(h)), heads(attn.to_v(h))
     q = apply_rotary_emb(attn.norm_q(q), rope, sequence_dim=1)
     k = apply_rotary_emb(attn.norm_k(k), rope, sequence_dim=1)
-    cq, ck, cv = heads(attn.add_q_proj(context)), heads(attn.add_k_proj(context)), heads(attn.add_v_proj(context))
-    q, k = torch.cat([q, attn.norm_added_q(cq)], 1), torch.cat([k, attn.norm_added_k(ck)], 1)
+    k = torch.cat([k, attn.norm_added_k(heads(attn.add_k_proj(context)))], 1)
+    v = torch.cat([v, heads(attn.add_v_proj(context))], 1)
+    if text_queries:
+        q = torch.cat([q, attn.norm_added_q(heads(attn.add_q_proj(context)))], 1)
     keys = torch.cat([text_valid.new_ones(h.shape[:2]), text_valid], 1)[:, None, None, :]
-    out = dispatch_attention_fn(q, k, torch.cat([v, cv], 1), attn_mask=keys, dropout_p=0.0, is_causal=False,
+    out = dispatch_attention_fn(q, k, v, attn_mask=keys, dropout_p=0.0, is_causal=False,
                                 backend=attn.processor._attention_backend)
     out = out.flatten(2, 3).to(q.dtype)
-    h, context = out[:, :h.shape[1]], out[:, h.shape[1]:]
-    return attn.to_out[1](attn.to_out[0](h)), attn.to_add_out(context)
+    video = attn.to_out[1](attn.to_out[0](out[:, :h.shape[1]]))
+    return (video, attn.to_add_out(out[:, h.shape[1]:])) if text_queries else (video, None)
 
 
 class _Block(nn.Module):
@@ -151,14 +154,15 @@ class _Block(nn.Module):
 
 
 class _LastBlock(_Block):
-    """The last block: the prediction reads only its video tokens, so the text's side after attention is not run."""
+    """The last block: the prediction reads only its video tokens, so the text asks no queries and its side after
+    attention is not run."""
 
     def forward(self, h, context, temb, encoder_attention_mask, encoder_attention_mask_2, rotary):
         block = self.block
         norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(h, emb=temb)
         norm_c = block.norm1_context(context, emb=temb)[0]
         text_valid = torch.cat([encoder_attention_mask_2, encoder_attention_mask], 1)
-        attn_h, _ = _attention(block.attn, norm_h, norm_c, text_valid, (rotary[0, 0], rotary[0, 1]))
+        attn_h, _ = _attention(block.attn, norm_h, norm_c, text_valid, (rotary[0, 0], rotary[0, 1]), text_queries=False)
         h = h + attn_h * gate_msa.unsqueeze(1)
         norm_h = block.norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         return {"h": h + gate_mlp.unsqueeze(1) * block.ff(norm_h)}
@@ -199,9 +203,11 @@ class HunyuanVideo15Family(ModelFamily):
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     def diffusers_lora_pipeline(self, cfg):
-        """HunyuanVideoPipeline's writer: `transformer.`-prefixed PEFT names, which diffusers 0.42 loads into this
-        model with `pipe.transformer.load_lora_adapter(path, prefix="transformer")` (HunyuanVideo15Pipeline has no
-        `load_lora_weights`)."""
+        """HunyuanVideoPipeline's writer: `transformer.`-prefixed PEFT names and the LoRA config in the header.
+        HunyuanVideo15Pipeline has no `load_lora_weights` in diffusers 0.42; read the file with
+        `state, metadata = HunyuanVideoPipeline.lora_state_dict(path, return_lora_metadata=True)` and load it with
+        `pipe.transformer.load_lora_adapter(state, prefix="transformer", metadata=metadata)` (without the metadata
+        peft takes alpha = rank)."""
         import diffusers
 
         return diffusers.HunyuanVideoPipeline
@@ -221,10 +227,11 @@ class HunyuanVideo15Family(ModelFamily):
                              "latents, mask)")
 
     def unreached(self, model):
-        """The image embedder (text-to-video's image tokens are all masked out) and the last block's text side after
-        attention: the prediction reads video tokens only."""
+        """The image embedder (text-to-video's image tokens are all masked out) and the last block's text queries and
+        its text side after attention: the prediction reads video tokens only."""
         last = f"transformer_blocks.{len(model.transformer_blocks) - 1}"
-        return ["image_embedder", f"{last}.attn.to_add_out", f"{last}.ff_context"]
+        return ["image_embedder"] + [f"{last}.{name}" for name in ("attn.add_q_proj", "attn.norm_added_q",
+                                                                   "attn.to_add_out", "ff_context")]
 
     def describe(self, model, granularity):
         return hunyuan_video15_backbone(model)
