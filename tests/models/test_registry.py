@@ -35,8 +35,8 @@ def test_a_weight_used_by_the_first_and_last_units_is_found_tied():
 
 
 @pytest.mark.parametrize("architecture,says", [
-    ("dit", "choose one of ['chroma', 'flux', 'flux_kontext', 'qwen_image', 'qwen_image_edit', 'sd3', 'unet2d', 'unet3d', 'wan', "
-            "'wan_i2v']"),
+    ("dit", "choose one of ['chroma', 'flux', 'flux_kontext', 'hunyuan_video15', 'qwen_image', 'qwen_image_edit', 'sd3', "
+            "'unet2d', 'unet3d', 'wan', 'wan_i2v']"),
     ("tests.models.nowhere:Family", "cannot import"),
     ("diffpipe.config:RunConfig", "is not a ModelFamily subclass"),
 ])
@@ -48,7 +48,8 @@ def test_a_wrong_architecture_is_refused_naming_the_choices(architecture, says):
 @pytest.mark.parametrize("architecture,preset,billions", [("flux", "dev", 11.9), ("sd3", "medium", 2.0),
                                                           ("sd3", "large35", 8.1), ("wan", "t2v-1.3b", 1.4),
                                                           ("wan", "t2v-14b", 14.3), ("chroma", "hd", 8.9),
-                                                          ("wan_i2v", "i2v-a14b", 14.3)])
+                                                          ("wan_i2v", "i2v-a14b", 14.3),
+                                                          ("hunyuan_video15", "480p-t2v", 8.3)])
 def test_the_real_width_presets_build_on_the_meta_device(architecture, preset, billions):
     config = build_config({"model": {"architecture": architecture, "preset": preset}, "data": {"dataset": "synthetic"}})
     backbone = build_backbone(config, "meta")

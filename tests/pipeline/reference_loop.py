@@ -113,6 +113,11 @@ def _model(config, family, draws: Draws) -> torch.nn.Module:
     model.load_state_dict(load_file(str(Path(config.model.path) / "diffusion_pytorch_model.safetensors")))
     for dropout in (m for m in model.modules() if isinstance(m, torch.nn.Dropout)):
         dropout.eval()  # train.dropout = false, as the pipeline
+    # what the family never trains, frozen as the run freezes it: modules no prediction reads (where diffusers'
+    # forward still runs them, HunyuanVideo 1.5's image embedder multiplied by zero, a plain loop's AdamW would decay
+    # them with zero gradients)
+    for name in family.unreached(model):
+        model.get_submodule(name).requires_grad_(False)
     if config.adapter.type != "none":
         inject_adapter_in_model(_peft_config(config.adapter, family), model)
         adapters = {n: p for n, p in model.named_parameters() if _ADAPTER.search(n)}

@@ -63,6 +63,7 @@ from diffpipe.data.sources import source_of
 from diffpipe.models.lora import add_lora, is_adapter
 from diffpipe.models.chroma import CHROMA_PRESETS
 from diffpipe.models.flux import FLUX_PRESETS
+from diffpipe.models.hunyuan_video15 import HUNYUAN_VIDEO15_PRESETS
 from diffpipe.models.presets import UNET_PRESETS
 from diffpipe.models.registry import family_for
 from diffpipe.models.text import TextEncoder
@@ -94,10 +95,11 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
           "unet3d": ("unet3d", UNET3D_PRESETS["digits"]),
           "qwen-image": ("qwen_image", QWEN_IMAGE_PRESETS["digits"]),
           "flux-kontext": ("flux_kontext", FLUX_PRESETS["digits"]),  # synthetic latents, each with a control
-          "qwen-image-edit": ("qwen_image_edit", QWEN_IMAGE_PRESETS["digits"])}
+          "qwen-image-edit": ("qwen_image_edit", QWEN_IMAGE_PRESETS["digits"]),
+          "hunyuan-video15": ("hunyuan_video15", HUNYUAN_VIDEO15_PRESETS["digits"])}
 
 
-MOVING = ("wan", "wan-i2v", "unet3d")  # trained on clips of moving digits
+MOVING = ("wan", "wan-i2v", "unet3d", "hunyuan-video15")  # trained on clips of moving digits
 SYNTHETIC = ("sdxl-style", "flux-kontext", "qwen-image-edit")  # trained on synthetic latents (an edit model: with random controls)
 TEXT_LENGTH = 8
 
@@ -190,7 +192,8 @@ TWO = {
     # Qwen-Image's last block leaves its text side unused (no gradient): data parallel must not wait for one
     "qwen-image-dp2": _config(1, "1f1b", dp=2, model="qwen-image"),
     "chroma-1f1b-2": _config(2, "1f1b", model="chroma"),
-    "wan-i2v-1f1b-2": _config(2, "1f1b", model="wan-i2v"),  # the modulation rows and the joined tokens across stages
+    "wan-i2v-1f1b-2": _config(2, "1f1b", model="wan-i2v"),
+    "hunyuan-video15-1f1b-2": _config(2, "1f1b", model="hunyuan-video15"),  # two text masks; the last block's text side  # the modulation rows and the joined tokens across stages
     "flux-kontext-1f1b-2": _config(2, "1f1b", model="flux-kontext"),  # each item's control tokens beside its own
     "qwen-image-edit-1f1b-2": _config(2, "1f1b", model="qwen-image-edit"),
     "unet3d-dp2": _config(1, "1f1b", dp=2, model="unet3d"),
@@ -321,14 +324,20 @@ def draws_of(config) -> Draws:
     return Draws(steps, adapters)
 
 
-def _mismatch(got, want, scale: float | None = None) -> float:
-    """Largest difference relative to `scale` (default: the largest magnitude of `want`); inf for any NaN or inf."""
+# a gradient below float32's resolution of the largest of its kind is zero but for rounding (an attention key's bias
+# without a norm after it: softmax ignores what it adds to a row): compared to that floor, not to its own noise
+ROUNDING_ZERO = torch.finfo(torch.float32).eps
+
+
+def _mismatch(got, want, scale: float | None = None, floor: float = 0.0) -> float:
+    """Largest difference relative to `scale` (default: the largest magnitude of `want`, at least `floor`); inf for
+    any NaN or inf."""
     got, want = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
     if got.shape != want.shape:
         return math.inf
     if not (torch.isfinite(got).all() and torch.isfinite(want).all()):
         return math.inf
-    scale = want.abs().max().item() if scale is None else scale
+    scale = max(want.abs().max().item(), floor) if scale is None else scale
     diff = (got - want).abs().max().item()
     return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
 
@@ -350,11 +359,21 @@ def compare(ref: dict, ranks: list[dict], weight_scale: float) -> dict:
         for key in ("grads", "moments", "weights"):
             for name, value in got[key].items():
                 scale = weight_scale if key == "weights" else None
-                found = _mismatch(value, ref[key][name], scale) if name in ref[key] else math.inf
+                floor = _rounding_floor(ref[key], name) if key != "weights" else 0.0
+                found = _mismatch(value, ref[key][name], scale, floor) if name in ref[key] else math.inf
                 if not found <= worst[key][0]:
                     worst[key] = (found, f"rank {rank} {name}")
         held |= set(got["grads"])
     return {"worst": worst, "missing": sorted(set(ref["grads"]) - held)}
+
+
+def _rounding_floor(reference: dict, name: str) -> float:
+    """ROUNDING_ZERO of the largest reference tensor of `name`'s kind (gradients; each optimizer moment apart, the
+    second moments' squared)."""
+    kind = name.rpartition(":")[2] if ":" in name else ""
+    largest = max(torch.as_tensor(v).abs().max().item() for k, v in reference.items()
+                  if (k.rpartition(":")[2] if ":" in k else "") == kind)
+    return largest * ROUNDING_ZERO ** (2 if kind == "exp_avg_sq" else 1)
 
 
 def failures(found: dict) -> list[str]:
