@@ -37,6 +37,7 @@ from torch import nn
 
 from .family import ModelFamily, TextBatch
 from .qwen_image import text_mask
+from .text import filled_lengths_of
 from .units import Backbone, Unit
 
 __all__ = ["HunyuanVideo15Family", "hunyuan_video15_backbone", "HUNYUAN_VIDEO15_PRESETS", "TEXT_LENGTHS",
@@ -76,16 +77,34 @@ def rotary_embedding(cfg, latent_size: tuple[int, int, int], device) -> torch.Te
 
 def text_streams(cfg, hidden: torch.Tensor, filled: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Qwen's and ByT5's states of a batch (side by side along the width, as HunyuanVideo15Text gives them) cut to
-    `TEXT_LENGTHS`, and each one's mask: True where its encoder filled the position."""
+    `TEXT_LENGTHS`, and each one's mask: True where its encoder filled the position. Text with nothing filled (the
+    zeros a plan traces) gets empty (B, 0) masks: unmasked, as qwen_image.text_mask leaves it, so a plan counts
+    attention as the fused kernels run it."""
+    filled = filled_lengths_of(hidden) if filled is None else filled
     hidden, _ = text_mask(hidden, filled, TEXT_LENGTHS)
     qwen, byt5 = hidden.split([cfg.text_embed_dim, cfg.text_embed_2_dim], dim=-1)
+    if not any(filled):
+        unmasked = torch.zeros(len(hidden), 0, dtype=torch.bool, device=hidden.device)
+        return {"encoder_hidden_states": qwen, "encoder_attention_mask": unmasked,
+                "encoder_hidden_states_2": byt5, "encoder_attention_mask_2": unmasked}
     return {"encoder_hidden_states": qwen, "encoder_attention_mask": qwen.abs().amax(dim=-1) > 0,
             "encoder_hidden_states_2": byt5, "encoder_attention_mask_2": byt5.abs().amax(dim=-1) > 0}
 
 
-def _valid(states: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
+    return mask if mask.shape[1] else None
+
+
+def _valid(states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """States where the mask is set, zeros elsewhere (the model's forward puts zeros there)."""
+    if mask is None:
+        return states
     return torch.where(mask[..., None], states, torch.zeros((), dtype=states.dtype, device=states.device))
+
+
+def _text_valid(mask: torch.Tensor, mask_2: torch.Tensor) -> torch.Tensor | None:
+    """Which of the context's tokens (ByT5's, then Qwen's) are keys; None: all of them."""
+    return torch.cat([mask_2, mask], 1) if mask.shape[1] else None
 
 
 class _Embed(nn.Module):
@@ -96,18 +115,19 @@ class _Embed(nn.Module):
         self.image_embedder = model.image_embedder  # not run (text-to-video), held so the stage saves its weights
         self.in_channels = model.config.in_channels
 
-    def _typed(self, mask: torch.Tensor, kind: int) -> torch.Tensor:
-        return self.cond_type_embed(torch.full(mask.shape, kind, dtype=torch.long, device=mask.device))
+    def _typed(self, states: torch.Tensor, kind: int) -> torch.Tensor:
+        return self.cond_type_embed(torch.full(states.shape[:2], kind, dtype=torch.long, device=states.device))
 
     def forward(self, sample, timestep, encoder_hidden_states, encoder_attention_mask, encoder_hidden_states_2,
                 encoder_attention_mask_2):
         b, c, *frames = sample.shape  # text-to-video: zero condition latents and a zero mask after the latents
         sample = torch.cat([sample, sample.new_zeros(b, self.in_channels - c, *frames)], dim=1)
-        qwen = self.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
-        qwen = _valid(qwen + self._typed(encoder_attention_mask, 0), encoder_attention_mask)
-        byt5 = self.context_embedder_2(encoder_hidden_states_2) + self._typed(encoder_attention_mask_2, 1)
-        return {"h": self.x_embedder(sample), "context": torch.cat([_valid(byt5, encoder_attention_mask_2), qwen], 1),
-                "temb": self.time_embed(timestep)}
+        mask, mask_2 = _mask_or_none(encoder_attention_mask), _mask_or_none(encoder_attention_mask_2)
+        qwen = self.context_embedder(encoder_hidden_states, timestep, mask)
+        qwen = _valid(qwen + self._typed(qwen, 0), mask)
+        byt5 = self.context_embedder_2(encoder_hidden_states_2)
+        byt5 = _valid(byt5 + self._typed(byt5, 1), mask_2)
+        return {"h": self.x_embedder(sample), "context": torch.cat([byt5, qwen], 1), "temb": self.time_embed(timestep)}
 
 
 def _attention(attn, h, context, text_valid, rope, text_queries: bool = True):
@@ -123,7 +143,7 @@ def _attention(attn, h, context, text_valid, rope, text_queries: bool = True):
     v = torch.cat([v, heads(attn.add_v_proj(context))], 1)
     if text_queries:
         q = torch.cat([q, attn.norm_added_q(heads(attn.add_q_proj(context)))], 1)
-    keys = torch.cat([text_valid.new_ones(h.shape[:2]), text_valid], 1)[:, None, None, :]
+    keys = None if text_valid is None else torch.cat([text_valid.new_ones(h.shape[:2]), text_valid], 1)[:, None, None, :]
     out = dispatch_attention_fn(q, k, v, attn_mask=keys, dropout_p=0.0, is_causal=False,
                                 backend=attn.processor._attention_backend)
     out = out.flatten(2, 3).to(q.dtype)
@@ -142,7 +162,7 @@ class _Block(nn.Module):
         block = self.block
         norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(h, emb=temb)
         norm_c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(context, emb=temb)
-        text_valid = torch.cat([encoder_attention_mask_2, encoder_attention_mask], 1)
+        text_valid = _text_valid(encoder_attention_mask, encoder_attention_mask_2)
         attn_h, attn_c = _attention(block.attn, norm_h, norm_c, text_valid, (rotary[0, 0], rotary[0, 1]))
         h = h + attn_h * gate_msa.unsqueeze(1)
         context = context + attn_c * c_gate_msa.unsqueeze(1)
@@ -161,7 +181,7 @@ class _LastBlock(_Block):
         block = self.block
         norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(h, emb=temb)
         norm_c = block.norm1_context(context, emb=temb)[0]
-        text_valid = torch.cat([encoder_attention_mask_2, encoder_attention_mask], 1)
+        text_valid = _text_valid(encoder_attention_mask, encoder_attention_mask_2)
         attn_h, _ = _attention(block.attn, norm_h, norm_c, text_valid, (rotary[0, 0], rotary[0, 1]), text_queries=False)
         h = h + attn_h * gate_msa.unsqueeze(1)
         norm_h = block.norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
