@@ -30,7 +30,7 @@ from torch import nn
 from .family import TextBatch
 from .flux import FluxFamily, image_ids
 from .flux_layout import CHROMA
-from .qwen_image import text_mask
+from .qwen_image import mask_or_none, text_mask
 from .units import Backbone, Unit
 
 __all__ = ["ChromaFamily", "chroma_backbone", "CHROMA_PRESETS", "modulation_rows"]
@@ -69,9 +69,6 @@ class _Embed(nn.Module):
                 "rope": torch.stack((cos, sin))}
 
 
-def _mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
-    return mask if mask.shape[1] else None
-
 
 class _Double(nn.Module):
     """Double block i: its image rows of the modulation, then its text rows, as the model's forward joins them."""
@@ -83,7 +80,7 @@ class _Double(nn.Module):
     def forward(self, h, context, temb, rope, attention_mask):
         rows = torch.cat((temb[:, self.image_rows:self.image_rows + 6], temb[:, self.text_rows:self.text_rows + 6]), 1)
         context, h = self.block(hidden_states=h, encoder_hidden_states=context, temb=rows,
-                                image_rotary_emb=(rope[0], rope[1]), attention_mask=_mask_or_none(attention_mask))
+                                image_rotary_emb=(rope[0], rope[1]), attention_mask=mask_or_none(attention_mask))
         return {"h": h, "context": context}
 
 
@@ -96,7 +93,7 @@ class _Single(nn.Module):
 
     def run(self, h, temb, rope, attention_mask):
         h = self.block(hidden_states=h, temb=temb[:, self.rows:self.rows + 3], image_rotary_emb=(rope[0], rope[1]),
-                       attention_mask=_mask_or_none(attention_mask))
+                       attention_mask=mask_or_none(attention_mask))
         return {"h": h}
 
     def forward(self, h, temb, rope, attention_mask):
@@ -171,7 +168,7 @@ class ChromaFamily(FluxFamily):
     def diffusers_forward(self, model, sample, conditions):
         return model(hidden_states=sample, timestep=conditions["timestep"] / 1000,
                      encoder_hidden_states=conditions["encoder_hidden_states"], img_ids=conditions["img_ids"][0],
-                     txt_ids=conditions["txt_ids"][0], attention_mask=_mask_or_none(conditions["attention_mask"]),
+                     txt_ids=conditions["txt_ids"][0], attention_mask=mask_or_none(conditions["attention_mask"]),
                      return_dict=False)[0]
 
     def constructor_buffers(self, model):

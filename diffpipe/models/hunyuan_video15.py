@@ -36,7 +36,7 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVid
 from torch import nn
 
 from .family import ModelFamily, TextBatch
-from .qwen_image import text_mask
+from .qwen_image import mask_or_none, reset_rms_norm, text_mask
 from .text import filled_lengths_of
 from .units import Backbone, Unit
 
@@ -91,9 +91,6 @@ def text_streams(cfg, hidden: torch.Tensor, filled: list[int] | None = None) -> 
             "encoder_hidden_states_2": byt5, "encoder_attention_mask_2": byt5.abs().amax(dim=-1) > 0}
 
 
-def _mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
-    return mask if mask.shape[1] else None
-
 
 def _valid(states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """States where the mask is set, zeros elsewhere (the model's forward puts zeros there)."""
@@ -122,7 +119,7 @@ class _Embed(nn.Module):
                 encoder_attention_mask_2):
         b, c, *frames = sample.shape  # text-to-video: zero condition latents and a zero mask after the latents
         sample = torch.cat([sample, sample.new_zeros(b, self.in_channels - c, *frames)], dim=1)
-        mask, mask_2 = _mask_or_none(encoder_attention_mask), _mask_or_none(encoder_attention_mask_2)
+        mask, mask_2 = mask_or_none(encoder_attention_mask), mask_or_none(encoder_attention_mask_2)
         qwen = self.context_embedder(encoder_hidden_states, timestep, mask)
         qwen = _valid(qwen + self._typed(qwen, 0), mask)
         byt5 = self.context_embedder_2(encoder_hidden_states_2)
@@ -301,6 +298,10 @@ class HunyuanVideo15Family(ModelFamily):
                     encoder_attention_mask_2=conditions["encoder_attention_mask_2"], image_embeds=image_embeds,
                     return_dict=False)[0]
         return self.pack_prediction(cfg, out)
+
+    def reset_own_parameters(self, module):
+        """diffusers' RMSNorm (the attention's query and key norms), drawn as diffusers builds it."""
+        return reset_rms_norm(module)
 
     def folder_text_encoder(self, folder):
         from .hunyuan_text import HunyuanVideo15Text

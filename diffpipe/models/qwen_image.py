@@ -31,7 +31,8 @@ from .flux import pack_latents, unpack_latents
 from .text import filled_lengths_of
 from .units import Backbone, Unit
 
-__all__ = ["QwenImageFamily", "qwen_image_backbone", "QWEN_IMAGE_PRESETS", "TEXT_LENGTHS", "QWEN_TEXT_TOKENS"]
+__all__ = ["QwenImageFamily", "qwen_image_backbone", "QWEN_IMAGE_PRESETS", "TEXT_LENGTHS", "QWEN_TEXT_TOKENS",
+           "reset_rms_norm", "mask_or_none"]
 
 QWEN_TEXT_TOKENS = 512  # QwenImagePipeline.__call__'s max_sequence_length
 TEXT_LENGTHS = (32, 64, 128, 256, QWEN_TEXT_TOKENS)  # a batch's text is cut to the smallest that holds it
@@ -92,7 +93,18 @@ def text_mask(hidden: torch.Tensor, filled: list[int] | None = None,
     return hidden[:, :length], mask.to(hidden.device, non_blocking=True)
 
 
-def _mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
+def reset_rms_norm(module: nn.Module) -> bool:
+    """diffusers' RMSNorm (no `reset_parameters`) drawn as diffusers builds it: weight 1, bias 0; False for another
+    module."""
+    if not isinstance(module, RMSNorm):
+        return False
+    for name, p in module.named_parameters(recurse=False):
+        p.fill_(1.0 if name == "weight" else 0.0)
+    return True
+
+
+def mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
+    """A mask, or None for an empty (B, 0) one (nothing masked: attention may take its unmasked kernels)."""
     return mask if mask.shape[1] else None
 
 
@@ -115,7 +127,7 @@ class _Block(nn.Module):
 
     def forward(self, h, context, temb, encoder_hidden_states_mask, image_rotary, text_rotary):
         rope = (image_rotary[0].flatten(0, 1), text_rotary[0])  # every sample of a bucket shares them
-        mask = _mask_or_none(encoder_hidden_states_mask)
+        mask = mask_or_none(encoder_hidden_states_mask)
         context, h = self.block(hidden_states=h, encoder_hidden_states=context, encoder_hidden_states_mask=mask,
                                 temb=temb, image_rotary_emb=rope)
         return {"h": h, "context": context}
@@ -211,16 +223,12 @@ class QwenImageFamily(ModelFamily):
         rows, columns = conditions["image_rotary"].shape[1:3]
         return model(hidden_states=sample, timestep=conditions["timestep"] / 1000,
                      encoder_hidden_states=conditions["encoder_hidden_states"],
-                     encoder_hidden_states_mask=_mask_or_none(conditions["encoder_hidden_states_mask"]),
+                     encoder_hidden_states_mask=mask_or_none(conditions["encoder_hidden_states_mask"]),
                      img_shapes=[[(1, rows, columns)]] * sample.shape[0], return_dict=False)[0]
 
     def reset_own_parameters(self, module):
-        """diffusers' RMSNorm (the text's input norm), drawn as diffusers builds it: weight 1, bias 0."""
-        if not isinstance(module, RMSNorm):
-            return False
-        for name, p in module.named_parameters(recurse=False):
-            p.fill_(1.0 if name == "weight" else 0.0)
-        return True
+        """diffusers' RMSNorm (the text's input norm), drawn as diffusers builds it."""
+        return reset_rms_norm(module)
 
     def folder_text_encoder(self, folder):
         from .dit_text import QwenImageText

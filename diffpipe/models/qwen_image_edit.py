@@ -25,7 +25,7 @@ from torch import nn
 from .dit_text import EDIT_PICTURE_AREA, EDIT_PLUS_PICTURE_AREA, reads_pictures_as_plus
 from .family import TextBatch
 from .flux import pack_latents
-from .qwen_image import QWEN_TEXT_TOKENS, QwenImageFamily, _Block, _Embed, _mask_or_none, _Out, _rope_table, text_mask
+from .qwen_image import QWEN_TEXT_TOKENS, QwenImageFamily, _Block, _Embed, mask_or_none, _Out, _rope_table, text_mask
 from .units import Backbone, Unit
 
 __all__ = ["QwenImageEditFamily", "EDIT_TEXT_LENGTHS", "picture_tokens"]
@@ -84,8 +84,8 @@ class _EditBlock(_Block):
                 modulate_index):
         images = torch.cat((image_rotary[0].flatten(0, 1), reference_rotary[0].flatten(0, 1)))
         context, h = self.block(hidden_states=h, encoder_hidden_states=context,
-                                encoder_hidden_states_mask=_mask_or_none(encoder_hidden_states_mask), temb=temb,
-                                image_rotary_emb=(images, text_rotary[0]), modulate_index=_mask_or_none(modulate_index))
+                                encoder_hidden_states_mask=mask_or_none(encoder_hidden_states_mask), temb=temb,
+                                image_rotary_emb=(images, text_rotary[0]), modulate_index=mask_or_none(modulate_index))
         return {"h": h, "context": context}
 
 
@@ -167,7 +167,7 @@ class QwenImageEditFamily(QwenImageFamily):
             shapes.append((1, *conditions["reference_rotary"].shape[1:3]))
         out = model(hidden_states=torch.cat((sample, conditions["reference"]), dim=1),
                     timestep=conditions["timestep"] / 1000, encoder_hidden_states=conditions["encoder_hidden_states"],
-                    encoder_hidden_states_mask=_mask_or_none(conditions["encoder_hidden_states_mask"]),
+                    encoder_hidden_states_mask=mask_or_none(conditions["encoder_hidden_states_mask"]),
                     img_shapes=[shapes] * sample.shape[0], return_dict=False)[0]
         return out[:, :sample.shape[1]]
 

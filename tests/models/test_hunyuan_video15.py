@@ -185,3 +185,13 @@ def test_a_folder_resolves_and_an_image_to_video_transformer_is_refused(tiny_vid
     result = _train(folder.parent, clips, tmp_path / "run", "--set", f'model.path="{folder}"')
     err = capfd.readouterr().err
     assert result.returncode != 0 and "task_type is 'i2v'" in err and "Traceback" not in err
+
+
+def test_the_digits_preset_trains_from_random_weights_on_two_stages(tmp_path):
+    """No pipeline folder: every weight drawn (diffusers' RMSNorm, which has no reset_parameters, as diffusers builds
+    it), clips of moving digits, a stand-in text encoder of both streams' widths."""
+    result = run_command(["train", str(ROOT / "examples" / "video_tiny.toml"), "--output-dir", str(tmp_path / "run"),
+                          "--set", 'model.architecture="hunyuan_video15"', "--set", "train.max_steps=2", *QUICK])
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)
