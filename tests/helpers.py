@@ -132,9 +132,10 @@ def check_edit_lora(example: str, pipeline_class, model_folder, tiny, tmp_path, 
     check_diffusers_lora(pipeline_class, model_folder, run, tmp_path / "out", predict)
 
 
-def trains_alike_on_one_and_two_stages(train: Callable[..., Ran], tmp_path, steps: int = 6) -> None:
+def trains_alike_on_one_and_two_stages(train: Callable[..., Ran], tmp_path, steps: int = 6,
+                                       weights_atol: float = 1e-6) -> None:
     """`train(out, *args)` (a `diffpipe train` of an example with `args` added) on 1 and on 2 stages, captions kept:
-    the same losses (rtol 1e-5, fp32) and the same merged weights (rtol 1e-4)."""
+    the same losses (rtol 1e-5, fp32) and the same merged weights (rtol 1e-4, atol `weights_atol`)."""
     import json
 
     import torch
@@ -152,7 +153,7 @@ def trains_alike_on_one_and_two_stages(train: Callable[..., Ran], tmp_path, step
     torch.testing.assert_close(torch.tensor(losses[2]), torch.tensor(losses[1]), rtol=1e-5, atol=0)
     merged = [load_file(str(runs[s] / "model.safetensors")) for s in (1, 2)]
     for name, tensor in merged[0].items():
-        torch.testing.assert_close(merged[1][name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(merged[1][name], tensor, rtol=1e-4, atol=weights_atol, msg=name)
 
 
 def predicted_with_padded_text(family, transformer, text_width: int):

@@ -139,7 +139,11 @@ def clips(tiny_video, tmp_path_factory) -> Path:
 
 
 def test_the_tiny_example_trains_on_one_and_two_stages_to_the_same_losses(tiny_video, clips, tmp_path):
-    trains_alike_on_one_and_two_stages(lambda out, *args: _train(tiny_video, clips, out, *args), tmp_path, steps=4)
+    """Weights within 4e-5 (1 % of what AdamW moves one in 4 steps at 1e-3): a weight whose gradients are nearly
+    zero (the time embedding's rows reading sinusoids that barely change) gets steps of the order of lr from
+    rounding, whichever way the micro-batches' sums were ordered (seen once: 1.2e-5 on one of 8,192)."""
+    trains_alike_on_one_and_two_stages(lambda out, *args: _train(tiny_video, clips, out, *args), tmp_path, steps=4,
+                                       weights_atol=4e-5)
 
 
 def test_a_lora_exported_for_diffusers_loads_into_the_transformer(tiny_video, clips, tmp_path):
