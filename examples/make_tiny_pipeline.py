@@ -83,11 +83,6 @@ def tiny_clip_tokenizer() -> CLIPTokenizer:
             pieces = [pieces[0] + pieces[1]] + pieces[2:]
             if pieces[0] not in vocab:
                 vocab.append(pieces[0])
-    run = 1
-    while 2 * run <= space_run:  # ("Ġ", "Ġ"), ("ĠĠ", "ĠĠ"), ...: a run of spaces merged by halves
-        merges.append((space * run, space * run))
-        vocab.append(space * 2 * run)
-        run *= 2
     vocab += ["<|startoftext|>", "<|endoftext|>"]
     return CLIPTokenizer(vocab={t: i for i, t in enumerate(vocab)}, merges=list(dict.fromkeys(merges)),
                          model_max_length=77)
