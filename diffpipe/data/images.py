@@ -424,8 +424,10 @@ def _cache_text(dataset: FolderImages, store: ShardStore, text: PipelineText, ra
         size = 8 if text.reads_pictures else 64  # a picture is a thousand positions of text at 1024^2
         chunks = [keys[s:s + size] for s in range(0, len(keys), size)]
         for chunk in track(chunks, description="caching text-encoder outputs", disable=not (show and rank == 0)):
-            hidden, pooled = text.encode([captions[k] for k in chunk])
-            entries.update({k: {"hidden": h.cpu(), "pooled": p.cpu()} for k, h, p in zip(chunk, hidden, pooled)})
+            texts = [captions[k] for k in chunk]
+            hidden, pooled = text.encode(texts)
+            entries.update({k: {"hidden": h.cpu(), "pooled": p.cpu()}
+                            for k, h, p in zip(chunk, text.rows(texts, hidden), pooled)})
         return entries, {}
 
     entries, _ = fill_store(store, list(captions), compute, rank, world, barrier)

@@ -39,7 +39,7 @@ def _prepare(config, tiny):
 @pytest.fixture()
 def photos(tiny, tmp_path) -> Path:
     folder = tmp_path / "photos"
-    shutil.copytree(tiny / "photos", folder)
+    shutil.copytree(tiny / "photos", folder, ignore=shutil.ignore_patterns(".diffpipe_cache"))  # others' runs cache there
     return folder
 
 

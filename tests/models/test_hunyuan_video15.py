@@ -54,6 +54,10 @@ def test_text_is_encoded_as_the_pipeline_does(tiny_video, pipe):
     assert torch.equal(hidden[:, :256, 32:][mask_2], byt5[mask_2]) and not hidden[:, :256, 32:][~mask_2].any()
     assert not hidden[:, 256:, 32:].any()
     assert text.filled_lengths(CAPTIONS, hidden) == [18, 33, 6]
+    # kept (and cached) up to each caption's last filled position, a batch padded to its longest
+    assert text.keep(CAPTIONS, max_gib=1.0) and [len(r) for r in text.rows(CAPTIONS, hidden)] == [18, 33, 6]
+    kept, _ = text.encode(CAPTIONS)
+    assert torch.equal(kept, hidden[:, :33])
 
 
 def _model(seed: int = 0):
