@@ -69,7 +69,6 @@ class _Embed(nn.Module):
                 "rope": torch.stack((cos, sin))}
 
 
-
 class _Double(nn.Module):
     """Double block i: its image rows of the modulation, then its text rows, as the model's forward joins them."""
 

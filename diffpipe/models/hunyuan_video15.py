@@ -91,7 +91,6 @@ def text_streams(cfg, hidden: torch.Tensor, filled: list[int] | None = None) -> 
             "encoder_hidden_states_2": byt5, "encoder_attention_mask_2": byt5.abs().amax(dim=-1) > 0}
 
 
-
 def _valid(states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """States where the mask is set, zeros elsewhere (the model's forward puts zeros there)."""
     if mask is None:
