@@ -11,7 +11,7 @@ What the pipeline feeds and how it is kept the same:
 - The transformer reads 2 x latent channels + 1: the noisy latents, then (text-to-video) zero condition latents and a
   zero mask, as `HunyuanVideo15Pipeline.prepare_cond_latents_and_mask`; `embed` joins the zeros, so the first stage
   is fed the latents alone.
-- Text: a caption's Qwen states and its ByT5 states side by side along the width (dit_text.HunyuanVideo15Text), zero
+- Text: a caption's Qwen states and its ByT5 states side by side along the width (hunyuan_text.HunyuanVideo15Text), zero
   past each one's tokens; a batch is cut to the smallest of `TEXT_LENGTHS` holding its longest (qwen_image.text_mask),
   and each stream's mask read off its zeros on the device (no wait).
 - The model's forward gathers each sample's valid tokens first (image, ByT5, Qwen) and zeroes the rest; the image's
@@ -106,7 +106,8 @@ def _text_valid(mask: torch.Tensor, mask_2: torch.Tensor) -> torch.Tensor | None
 class _Embed(nn.Module):
     def __init__(self, model: HunyuanVideo15Transformer3DModel):
         super().__init__()
-        self.x_embedder, self.time_embed, self.cond_type_embed = model.x_embedder, model.time_embed, model.cond_type_embed
+        self.x_embedder, self.time_embed = model.x_embedder, model.time_embed
+        self.cond_type_embed = model.cond_type_embed
         self.context_embedder, self.context_embedder_2 = model.context_embedder, model.context_embedder_2
         self.image_embedder = model.image_embedder  # not run (text-to-video), held so the stage saves its weights
         self.in_channels = model.config.in_channels
@@ -139,7 +140,7 @@ def _attention(attn, h, context, text_valid, rope, text_queries: bool = True):
     v = torch.cat([v, heads(attn.add_v_proj(context))], 1)
     if text_queries:
         q = torch.cat([q, attn.norm_added_q(heads(attn.add_q_proj(context)))], 1)
-    keys = None if text_valid is None else torch.cat([text_valid.new_ones(h.shape[:2]), text_valid], 1)[:, None, None, :]
+    keys = None if text_valid is None else torch.cat([text_valid.new_ones(h.shape[:2]), text_valid], 1)[:, None, None]
     out = dispatch_attention_fn(q, k, v, attn_mask=keys, dropout_p=0.0, is_causal=False,
                                 backend=attn.processor._attention_backend)
     out = out.flatten(2, 3).to(q.dtype)
@@ -148,40 +149,27 @@ def _attention(attn, h, context, text_valid, rope, text_queries: bool = True):
 
 
 class _Block(nn.Module):
-    """HunyuanVideo15TransformerBlock.forward, its attention through `_attention`."""
+    """HunyuanVideo15TransformerBlock.forward, its attention through `_attention`. The `last` block runs its video
+    side alone: the prediction reads no text, so the text asks no queries and its side after attention is not run."""
 
-    def __init__(self, block: nn.Module):
+    def __init__(self, block: nn.Module, last: bool = False):
         super().__init__()
-        self.block = block
+        self.block, self.last = block, last
 
     def forward(self, h, context, temb, encoder_attention_mask, encoder_attention_mask_2, rotary):
         block = self.block
         norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(h, emb=temb)
         norm_c, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = block.norm1_context(context, emb=temb)
         text_valid = _text_valid(encoder_attention_mask, encoder_attention_mask_2)
-        attn_h, attn_c = _attention(block.attn, norm_h, norm_c, text_valid, (rotary[0, 0], rotary[0, 1]))
+        attn_h, attn_c = _attention(block.attn, norm_h, norm_c, text_valid, (rotary[0, 0], rotary[0, 1]),
+                                    text_queries=not self.last)
         h = h + attn_h * gate_msa.unsqueeze(1)
+        h = h + gate_mlp.unsqueeze(1) * block.ff(block.norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None])
+        if self.last:
+            return {"h": h}
         context = context + attn_c * c_gate_msa.unsqueeze(1)
-        norm_h = block.norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
         norm_c = block.norm2_context(context) * (1 + c_scale_mlp[:, None]) + c_shift_mlp[:, None]
-        h = h + gate_mlp.unsqueeze(1) * block.ff(norm_h)
-        context = context + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_c)
-        return {"h": h, "context": context}
-
-
-class _LastBlock(_Block):
-    """The last block: the prediction reads only its video tokens, so the text asks no queries and its side after
-    attention is not run."""
-
-    def forward(self, h, context, temb, encoder_attention_mask, encoder_attention_mask_2, rotary):
-        block = self.block
-        norm_h, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.norm1(h, emb=temb)
-        norm_c = block.norm1_context(context, emb=temb)[0]
-        text_valid = _text_valid(encoder_attention_mask, encoder_attention_mask_2)
-        attn_h, _ = _attention(block.attn, norm_h, norm_c, text_valid, (rotary[0, 0], rotary[0, 1]), text_queries=False)
-        h = h + attn_h * gate_msa.unsqueeze(1)
-        norm_h = block.norm2(h) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
-        return {"h": h + gate_mlp.unsqueeze(1) * block.ff(norm_h)}
+        return {"h": h, "context": context + c_gate_mlp.unsqueeze(1) * block.ff_context(norm_c)}
 
 
 class _Out(nn.Module):
@@ -200,13 +188,13 @@ def hunyuan_video15_backbone(model: HunyuanVideo15Transformer3DModel) -> Backbon
     *blocks, last = model.transformer_blocks
     units = [Unit("embed", _Embed(model), ("sample",) + conditions[:5], ("h", "context", "temb"))]
     units += [Unit(f"block.{i}", _Block(b), block_reads, ("h", "context")) for i, b in enumerate(blocks)]
-    units.append(Unit(f"block.{len(blocks)}", _LastBlock(last), block_reads, ("h",)))
+    units.append(Unit(f"block.{len(blocks)}", _Block(last, last=True), block_reads, ("h",)))
     units.append(Unit("out", _Out(model), ("h", "temb"), ("prediction",)))
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 
 class HunyuanVideo15Family(ModelFamily):
-    """HunyuanVideo 1.5 text-to-video: Qwen2.5-VL's and ByT5's states (dit_text.HunyuanVideo15Text), its own video
+    """HunyuanVideo 1.5 text-to-video: Qwen2.5-VL's and ByT5's states (hunyuan_text.HunyuanVideo15Text), its own video
     VAE (32 channels, 16x smaller sides, a latent frame per 4 video frames, latents x scaling_factor); flow matching.
     Latents are clips (B, C, F, H, W)."""
 
