@@ -1,8 +1,10 @@
 """HunyuanVideo 1.5 (issue 30): the text is HunyuanVideo15Pipeline.encode_prompt's (Qwen's states and ByT5's of the
-quoted text, bit-equal where the pipeline's masks are set, zero elsewhere); units with a batch's text cut and masked
+quoted text, bit-equal where the pipeline's masks are set, zero elsewhere; kept and cached up to each caption's last
+filled position); units with a batch's text cut and masked
 compute the model's own forward and gradients over the pipeline's full-length padded text; the VAE's latents are the
 pipeline's (scaled, several clips at once); the tiny example trains to the same losses on 1 and 2 stages; a LoRA
-exported for diffusers loads into the transformer with the trained output; image-to-video configs are refused."""
+exported for diffusers loads into the transformer with the trained output; image-to-video configs are refused; the
+digits preset trains from random weights (no folder)."""
 from __future__ import annotations
 
 import json
