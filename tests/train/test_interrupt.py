@@ -61,13 +61,19 @@ def _children(pid: int) -> list[int]:
 
 def _workers(launcher: int) -> list[int]:
     """The launcher's training processes: its own children where it spawns them (a machine with a GPU), the
-    children of its fork server where it forks them (without); not multiprocessing's resource tracker."""
+    children of its fork server where it forks them (without): those carrying the server's own command line (forked,
+    not exec'd: a helper the server runs while importing, seen once with an empty one 5 s before the training
+    processes, would have the test stop the launcher in its checks instead); not multiprocessing's resource tracker."""
     def command(pid: int) -> str:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:  # gone since it was listed
+            return ""
 
     children = [c for c in _children(launcher) if "resource_tracker" not in command(c)]
     servers = [c for c in children if "forkserver" in command(c)]
-    return [c for c in children if c not in servers] + [w for server in servers for w in _children(server)]
+    forked = [w for server in servers for w in _children(server) if command(w) == command(server)]
+    return [c for c in children if c not in servers] + forked
 
 
 def _group_gone(pgid: int, timeout_s: float = 60) -> bool:
