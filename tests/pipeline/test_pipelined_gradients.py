@@ -346,6 +346,7 @@ def compare(ref: dict, ranks: list[dict], weight_scale: float) -> dict:
     """Worst relative difference of each check over every rank, where it was, and the parameters no rank held.
     Weights are compared relative to `weight_scale`, the furthest AdamW can move one in the run (lr x steps)."""
     worst = {key: (0.0, "") for key in CHECKS}
+    floors = {key: _rounding_floors(ref[key] or {}) for key in ("grads", "moments")} | {"weights": {}}
     held = set()
     for rank, got in enumerate(ranks):
         # fp16: the same steps skipped for overflow (their norms are inf); every rank logs the all-reduced figures
@@ -359,7 +360,7 @@ def compare(ref: dict, ranks: list[dict], weight_scale: float) -> dict:
         for key in ("grads", "moments", "weights"):
             for name, value in got[key].items():
                 scale = weight_scale if key == "weights" else None
-                floor = _rounding_floor(ref[key], name) if key != "weights" else 0.0
+                floor = floors[key].get(_kind(name), 0.0)
                 found = _mismatch(value, ref[key][name], scale, floor) if name in ref[key] else math.inf
                 if not found <= worst[key][0]:
                     worst[key] = (found, f"rank {rank} {name}")
@@ -367,13 +368,19 @@ def compare(ref: dict, ranks: list[dict], weight_scale: float) -> dict:
     return {"worst": worst, "missing": sorted(set(ref["grads"]) - held)}
 
 
-def _rounding_floor(reference: dict, name: str) -> float:
-    """ROUNDING_ZERO of the largest reference tensor of `name`'s kind (gradients; each optimizer moment apart, the
-    second moments' squared)."""
-    kind = name.rpartition(":")[2] if ":" in name else ""
-    largest = max(torch.as_tensor(v).abs().max().item() for k, v in reference.items()
-                  if (k.rpartition(":")[2] if ":" in k else "") == kind)
-    return largest * ROUNDING_ZERO ** (2 if kind == "exp_avg_sq" else 1)
+def _kind(name: str) -> str:
+    """What a reference tensor is: "" for a gradient, the optimizer moment's name ("exp_avg", "exp_avg_sq", ...)."""
+    return name.rpartition(":")[2] if ":" in name else ""
+
+
+def _rounding_floors(reference: dict) -> dict[str, float]:
+    """ROUNDING_ZERO of the largest reference tensor of each kind (gradients; each optimizer moment apart, the second
+    moments' squared)."""
+    largest: dict[str, float] = {}
+    for name, value in reference.items():
+        kind = _kind(name)
+        largest[kind] = max(largest.get(kind, 0.0), torch.as_tensor(value).abs().max().item())
+    return {kind: top * ROUNDING_ZERO ** (2 if kind == "exp_avg_sq" else 1) for kind, top in largest.items()}
 
 
 def failures(found: dict) -> list[str]:
