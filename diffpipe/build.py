@@ -159,7 +159,15 @@ def text_length(config: RunConfig) -> int:
 
 
 def build_text_encoder(config: RunConfig, backbone: Backbone) -> CaptionEncoder:
-    """A pipeline folder's own text encoders, else model.text_encoder (tiny-clip or a CLIP folder)."""
+    """A pipeline folder's own text encoders, else model.text_encoder (tiny-clip or a CLIP folder); where the family
+    cuts a batch's text to its captions (`reads_text_lengths`), keeping and caching each caption's states only up to
+    its last filled position."""
+    text = _text_encoder(config, backbone)
+    text.trims_padding = backbone.family.reads_text_lengths
+    return text
+
+
+def _text_encoder(config: RunConfig, backbone: Backbone) -> CaptionEncoder:
     folder = config.model.pipeline_folder()
     if folder is not None:
         return backbone.family.folder_text_encoder(folder)

@@ -193,7 +193,6 @@ class WanText(_OneT5):
 class ChromaText(_OneT5):
     model_class = T5EncoderModel
     max_length = CHROMA_T5_TOKENS
-    trims_padding = True  # models/chroma.py cuts a batch's text to its captions
 
     @torch.no_grad()
     def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +208,6 @@ class ChromaText(_OneT5):
 class QwenImageText(_FolderText):
     suffixes = ("",)
     max_length = 512  # QwenImagePipeline.__call__'s max_sequence_length (models/qwen_image.py QWEN_TEXT_TOKENS)
-    trims_padding = True  # models/qwen_image.py cuts a batch's text to its captions
 
     @classmethod
     def from_folder(cls, folder: Path) -> "QwenImageText":

@@ -23,7 +23,6 @@ __all__ = ["HunyuanVideo15Text"]
 class HunyuanVideo15Text(_FolderText):
     suffixes = ("", "_2")
     max_length = QWEN_TOKENS
-    trims_padding = True  # models/hunyuan_video15.py cuts a batch's text to its captions
 
     @classmethod
     def from_folder(cls, folder: Path) -> "HunyuanVideo15Text":

@@ -62,9 +62,10 @@ class CaptionEncoder:
 
     max_length: int
     reads_pictures = False
-    # True where the family cuts a batch's text to its captions (and pads it to its lengths again): each caption's
-    # outputs are kept and cached only up to their last filled position (`rows`): HunyuanVideo 1.5's 1,000 x 5,056
-    # states of a 40-token caption are 10 MB in bf16 whole, 0.4 MB so
+    # True where the family cuts a batch's text to its captions and pads it to its lengths again (build.py sets it
+    # from the family's `reads_text_lengths`): each caption's outputs are kept and cached only up to their last
+    # filled position (`rows`): HunyuanVideo 1.5's 1,000 x 5,056 states of a 40-token caption are 10 MB in bf16
+    # whole, 0.4 MB so
     trims_padding = False
 
     def __init__(self):
