@@ -43,8 +43,9 @@ def vae_scale_factor(source: Path | torch.nn.Module) -> int:
     Wan 2.1's; 16 for Wan 2.2's, whose 2x2 patching comes before its levels), else 2 per VAE level after the first
     (8 for SD's)."""
     cfg = _vae_config(source) if isinstance(source, Path) else source.config
-    if cfg.get("scale_factor_spatial") or cfg.get("spatial_compression_ratio"):  # Wan's name; HunyuanVideo 1.5's
-        return int(cfg.get("scale_factor_spatial") or cfg["spatial_compression_ratio"])
+    stated = cfg.get("scale_factor_spatial") or cfg.get("spatial_compression_ratio")  # Wan's name; HunyuanVideo 1.5's
+    if stated:
+        return int(stated)
     return 2 ** (len(cfg.get("block_out_channels") or cfg.get("dim_mult")) - 1)
 
 
@@ -58,8 +59,9 @@ def vae_frame_factor(source: Path | torch.nn.Module) -> int:
     """Video frames per latent frame after the first, of a pipeline folder's VAE or a loaded one: 4 for Wan's VAEs
     (as they state it, else from their temporal levels); 1 for an image VAE (every frame encoded)."""
     cfg = _vae_config(source) if isinstance(source, Path) else source.config
-    if cfg.get("scale_factor_temporal") or cfg.get("temporal_compression_ratio"):
-        return int(cfg.get("scale_factor_temporal") or cfg["temporal_compression_ratio"])
+    stated = cfg.get("scale_factor_temporal") or cfg.get("temporal_compression_ratio")
+    if stated:
+        return int(stated)
     return 2 ** sum(cfg.get("temperal_downsample", []))
 
 
@@ -82,9 +84,11 @@ def _wan_statistics(vae, device: torch.device) -> tuple[torch.Tensor, torch.Tens
             torch.tensor(vae.config.latents_std, device=device).view(channel))
 
 
-# _one_at_a_time: HunyuanVideo 1.5's VAE attends with a (B, S, S) mask that torch broadcasts against (B, 1, S, S)
-# queries as (1, B, S, S), so diffusers 0.42's encode and decode fail for more than one clip (huggingface/diffusers
-# PR #13133, open): it is given one clip at a time
+def _clip_by_clip(fn, clips: torch.Tensor) -> torch.Tensor:
+    """`fn` of one clip (1, C, F, H, W) applied to each of clips (N, C, F, H, W). HunyuanVideo 1.5's VAE needs it:
+    it attends with a (B, S, S) mask that torch broadcasts against (B, 1, S, S) queries as (1, B, S, S), so diffusers
+    0.42's encode and decode fail for more than one clip (huggingface/diffusers PR #13133, open)."""
+    return torch.cat([fn(clip[None]) for clip in clips])
 
 
 def _frame_by_frame(fn, clips: torch.Tensor) -> torch.Tensor:
@@ -101,7 +105,7 @@ def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
     weights = next(vae.parameters())
     pixels = pixels.to(weights.device, weights.dtype)
     if isinstance(vae, AutoencoderKLHunyuanVideo15) and len(pixels) > 1:
-        return torch.cat([encode_latents(vae, clip[None]) for clip in pixels])  # _one_at_a_time
+        return _clip_by_clip(lambda clip: encode_latents(vae, clip), pixels)
     if isinstance(vae, tuple(_VIDEO_VAES.values())):
         if pixels.dim() == 4:  # images as clips of one frame
             return encode_latents(vae, pixels.unsqueeze(2))[:, :, 0]
@@ -122,7 +126,7 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     weights = next(vae.parameters())
     latents = latents.to(weights.device, torch.float32)
     if isinstance(vae, AutoencoderKLHunyuanVideo15) and len(latents) > 1:
-        return torch.cat([decode_latents(vae, clip[None]) for clip in latents])  # _one_at_a_time
+        return _clip_by_clip(lambda clip: decode_latents(vae, clip), latents)
     if isinstance(vae, tuple(_VIDEO_VAES.values())):
         if latents.dim() == 4:
             return decode_latents(vae, latents.unsqueeze(2))[:, :, 0]
