@@ -91,6 +91,13 @@ def text_streams(cfg, hidden: torch.Tensor, filled: list[int] | None = None) -> 
             "encoder_hidden_states_2": byt5, "encoder_attention_mask_2": byt5.abs().amax(dim=-1) > 0}
 
 
+def pipeline_input(latents: torch.Tensor, in_channels: int) -> torch.Tensor:
+    """What HunyuanVideo15Pipeline feeds the transformer for text-to-video: the latents, then zero condition latents
+    and a zero mask (`prepare_cond_latents_and_mask`), `in_channels` in all."""
+    b, c, *frames = latents.shape
+    return torch.cat([latents, latents.new_zeros(b, in_channels - c, *frames)], dim=1)
+
+
 def _valid(states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """States where the mask is set, zeros elsewhere (the model's forward puts zeros there)."""
     if mask is None:
@@ -117,8 +124,7 @@ class _Embed(nn.Module):
 
     def forward(self, sample, timestep, encoder_hidden_states, encoder_attention_mask, encoder_hidden_states_2,
                 encoder_attention_mask_2):
-        b, c, *frames = sample.shape  # text-to-video: zero condition latents and a zero mask after the latents
-        sample = torch.cat([sample, sample.new_zeros(b, self.in_channels - c, *frames)], dim=1)
+        sample = pipeline_input(sample, self.in_channels)
         mask, mask_2 = mask_or_none(encoder_attention_mask), mask_or_none(encoder_attention_mask_2)
         qwen = self.context_embedder(encoder_hidden_states, timestep, mask)
         qwen = _valid(qwen + self._typed(qwen, 0), mask)
@@ -275,9 +281,8 @@ class HunyuanVideo15Family(ModelFamily):
 
     def diffusers_forward(self, model, sample, conditions):
         cfg = model.config
-        b, c, *frames = sample.shape
-        sample = torch.cat([sample, sample.new_zeros(b, cfg.in_channels - c, *frames)], dim=1)
-        image_embeds = sample.new_zeros(b, 729, cfg.image_embed_dim)  # the pipeline's text-to-video embedding
+        sample = pipeline_input(sample, cfg.in_channels)
+        image_embeds = sample.new_zeros(len(sample), 729, cfg.image_embed_dim)  # the pipeline's text-to-video one
         out = model(hidden_states=sample, timestep=conditions["timestep"],
                     encoder_hidden_states=conditions["encoder_hidden_states"],
                     encoder_attention_mask=conditions["encoder_attention_mask"],
