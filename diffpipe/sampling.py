@@ -101,6 +101,9 @@ class Generator:
             return uncond + scale * (cond - uncond)
 
         made = sample(predict, noise, steps, self.config.train.objective)
+        if (clean := self.feed.clean_latents(conditions, latent_size)) is not None:  # put back, as the pipeline does
+            mask, latents = (c[:len(made)].to(made.device) for c in clean)
+            made = torch.where(mask > 0, latents.to(made.dtype), made)
         if self.vae is not None and decode:
             return self.decode(made)
         return made.clamp(-1, 1)

@@ -259,7 +259,10 @@ class BatchMaker:
         it carries a weight per element instead (`with_element_weights`): the items' `masks` times those per-sample
         weights, packed as the target; 1 for eval."""
         targets = make_targets(self.train.objective, x0, noise, t)
-        noisy, target = self.feed.pack(targets.noisy), self.feed.pack_prediction(targets.target)
+        target = targets.target
+        if (clean := self.feed.clean_latents(conditions, x0.shape[2:])) is not None:
+            target = target * (1 - clean[0].to(target.device))  # latents given clean: nothing to predict (zero)
+        noisy, target = self.feed.pack(targets.noisy), self.feed.pack_prediction(target)
         weights = (min_snr_weights(self.train.objective, t, self.train.min_snr_gamma)
                    if self.train.min_snr_gamma and weighted else torch.ones(len(t)))
         if item_weights is not None and weighted:

@@ -131,6 +131,19 @@ class ModelFamily:
         """The named conditions every stage gets, less the timestep (the batch maker adds it)."""
         raise NotImplementedError
 
+    def clean_latents(self, cfg: Any, conditions: dict[str, torch.Tensor],
+                      latent_size: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Latents the backbone is given clean, not noised, and does not predict (TI2V-5B's fixed first frame): a 0/1
+        mask and their values, both broadcasting over latents (B, C, *latent_size). Their targets are zero (the
+        backbone predicts zero there, so they add nothing to the loss) and a sample ends with their values. None:
+        every latent is noised and predicted."""
+        return None
+
+    def trains_folder(self, index: dict) -> bool:
+        """Whether this family trains a pipeline folder whose backbone class is its own, from the folder's
+        model_index.json (where several families share a class, the pipeline's class tells them apart)."""
+        return index.get("_class_name") in self.pipelines
+
     def pack(self, cfg: Any, latents: torch.Tensor) -> torch.Tensor:
         """Latents (B, C, H, W) in the layout the backbone reads (Flux: 2x2 patches as tokens)."""
         return latents
@@ -228,6 +241,10 @@ class Feed:
 
     def pack_prediction(self, latents: torch.Tensor) -> torch.Tensor:
         return self.family.pack_prediction(self.cfg, latents)
+
+    def clean_latents(self, conditions: dict[str, torch.Tensor],
+                      latent_size: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.family.clean_latents(self.cfg, conditions, tuple(latent_size))
 
     def unpack_prediction(self, prediction: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
         return self.family.unpack_prediction(self.cfg, prediction, latent_size)

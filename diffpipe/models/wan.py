@@ -28,6 +28,10 @@ WAN_PRESETS = {
     "t2v-14b": dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
                     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+    # Wan-AI/Wan2.2-TI2V-5B-Diffusers' transformer/config.json: 5.0 B parameters over its 16x VAE's 48 channels
+    "ti2v-5b": dict(patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128, in_channels=48,
+                    out_channels=48, text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30, cross_attn_norm=True,
+                    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
     # clips of 1-channel 8x8 frames (moving digits): 4 frames of 16 tokens each
     "digits": dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=12, in_channels=1, out_channels=1,
                    text_dim=32, freq_dim=32, ffn_dim=128, num_layers=4, cross_attn_norm=True,
@@ -126,7 +130,9 @@ class WanFamily(ModelFamily):
         return cfg.in_channels
 
     def default_latent_size(self, cfg):
-        return 8 if cfg.out_channels == 1 else 60  # digits clips; else 480 x 480 pixels through Wan's 8x VAE
+        if cfg.out_channels == 1:
+            return 8  # digits clips
+        return 30 if cfg.out_channels == 48 else 60  # 480 x 480 pixels through Wan 2.2's 16x VAE (48 channels), 2.1's 8x
 
     def latent_frames(self, cfg):
         return 4 if cfg.out_channels == 1 else 21  # Wan's VAE: 81 frames -> 1 + 80 / 4 latent frames

@@ -33,12 +33,13 @@ CHROMA = dict(CHROMA_PRESETS["digits"], in_channels=16, joint_attention_dim=24, 
 CASES = {"flux": (FluxFamily(), FLUX), "flux-kontext": (FluxKontextFamily(), FLUX), "chroma": (ChromaFamily(), CHROMA),
          "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
          "wan": (WanFamily(), WAN), "wan-i2v": (WanI2VFamily(), dict(WAN, in_channels=4 + 4 + 4)),
+         "wan-ti2v-i2v": (WanI2VFamily(), WAN),  # TI2V-5B's: the first frame replaced, its timestep zero
          "qwen-image": (QwenImageFamily(), QWEN),
          "qwen-image-edit": (QwenImageEditFamily(), QWEN),
          "qwen-image-edit-2511": (QwenImageEditFamily(), dict(QWEN, zero_cond_t=True)),  # the control at time zero
          "unet3d": (UNet3DFamily(), dict(UNET3D_PRESETS["digits"], in_channels=4,
                                                                           out_channels=4, cross_attention_dim=24))}
-SIZES = {"wan": (3, 8, 12), "wan-i2v": (3, 8, 12), "unet3d": (3, 8, 12)}  # frames, height, width of a clip
+SIZES = {"wan": (3, 8, 12), "wan-i2v": (3, 8, 12), "wan-ti2v-i2v": (3, 8, 12), "unet3d": (3, 8, 12)}  # frames, height, width of a clip
 
 
 def _fed(family, model, size=(8, 12), batch=3):  # noqa: C901
@@ -71,7 +72,11 @@ def test_units_in_order_and_as_stages_equal_diffusers_forward(name):
         units = backbone.forward({"sample": feed.pack(latents)}, conditions)
         staged = run_stages(build_stage_modules(backbone, stage_specs(backbone, [1, 3, len(backbone.units) - 1])),
                             feed.pack(latents), conditions)
-    assert torch.equal(staged, units) and torch.equal(units, expected)
+    assert torch.equal(staged, units)
+    if name == "wan-ti2v-i2v":  # modulated a frame at a time, not a token at a time: a float's rounding apart
+        torch.testing.assert_close(units, expected, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(units, expected)
     if name in ("sd3", "sd3.5-style", "wan"):  # SD3's and Wan's forward unpatchify: the prediction as latents is exactly diffusers' output
         pooled = {k: conditions[k] for k in ("pooled_projections",) if k in conditions}
         plain = model(hidden_states=latents, timestep=conditions["timestep"], return_dict=False,

@@ -187,6 +187,8 @@ def _train(config, draws: Draws, autocast: torch.dtype | None) -> dict:
         conditions = family.conditions(cfg, TextBatch(hidden, pooled, size_ids, tuple(x0.shape[2:]),
                                                       config.model.guidance, control=drawn.control))
         conditions["timestep"] = timestep
+        if (clean := family.clean_latents(cfg, conditions, tuple(x0.shape[2:]))) is not None:
+            target = target * (1 - clean[0])  # given clean (TI2V's first frame): predicted as zero
         noisy, target = family.pack(cfg, noisy), family.pack_prediction(cfg, target)
         opt.zero_grad(set_to_none=True)
         losses = []

@@ -92,6 +92,7 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
           "toy-tied": ("tests.models.toy_family:ToyFamily", {}),  # a norm tied between the first and last units
           "wan": ("wan", WAN_PRESETS["digits"]),  # clips of moving digits
           "wan-i2v": ("wan_i2v", WAN_I2V_PRESETS["digits"]),  # each clip's first frame beside its noisy latents
+          "wan-ti2v-i2v": ("wan_i2v", WAN_I2V_PRESETS["digits-ti2v"]),  # TI2V's: the first frame replaced, at t = 0
           "unet3d": ("unet3d", UNET3D_PRESETS["digits"]),
           "qwen-image": ("qwen_image", QWEN_IMAGE_PRESETS["digits"]),
           "flux-kontext": ("flux_kontext", FLUX_PRESETS["digits"]),  # synthetic latents, each with a control
@@ -99,7 +100,7 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
           "hunyuan-video15": ("hunyuan_video15", HUNYUAN_VIDEO15_PRESETS["digits"])}
 
 
-MOVING = ("wan", "wan-i2v", "unet3d", "hunyuan-video15")  # trained on clips of moving digits
+MOVING = ("wan", "wan-i2v", "wan-ti2v-i2v", "unet3d", "hunyuan-video15")  # trained on clips of moving digits
 SYNTHETIC = ("sdxl-style", "flux-kontext", "qwen-image-edit")  # trained on synthetic latents (an edit model: with random controls)
 TEXT_LENGTH = 8
 
@@ -193,6 +194,7 @@ TWO = {
     "qwen-image-dp2": _config(1, "1f1b", dp=2, model="qwen-image"),
     "chroma-1f1b-2": _config(2, "1f1b", model="chroma"),
     "wan-i2v-1f1b-2": _config(2, "1f1b", model="wan-i2v"),
+    "wan-ti2v-i2v-1f1b-2": _config(2, "1f1b", model="wan-ti2v-i2v"),  # timesteps and modulations per latent frame
     "hunyuan-video15-1f1b-2": _config(2, "1f1b", model="hunyuan-video15"),  # two text masks; the last block's text side  # the modulation rows and the joined tokens across stages
     "flux-kontext-1f1b-2": _config(2, "1f1b", model="flux-kontext"),  # each item's control tokens beside its own
     "qwen-image-edit-1f1b-2": _config(2, "1f1b", model="qwen-image-edit"),
