@@ -53,9 +53,9 @@ def _resolve_architecture(config: RunConfig) -> None:
     classes = {entry[1] for key, entry in index.items() if key in ("unet", "transformer") and isinstance(entry, list)}
     families = {name for name in BUILTIN_FAMILIES if family_for(name).model_class.__name__ in classes}
     if config.model.architecture in families and family_for(config.model.architecture).trains_folder(index):
-        return  # set to a family of the folder's backbone class that trains such folders (TI2V-5B's as wan_i2v)
+        return  # set to a family of the folder's backbone class that trains such folders (TI2V-5B's: wan_i2v too)
     if len(families) > 1:  # one backbone class, several families (Flux, Flux Kontext): the pipeline's class decides
-        families = {name for name in families if family_for(name).trains_folder(index)} or families
+        families = {name for name in families if index.get("_class_name") in family_for(name).pipelines} or families
     if len(families) != 1 or config.model.architecture in families:
         return
     (found,) = families

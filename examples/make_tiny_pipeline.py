@@ -303,8 +303,7 @@ def write_wan22_i2v(out: Path, seed: int = 0) -> Path:
 def write_wan22_ti2v(out: Path, seed: int = 0) -> Path:
     """Wan 2.2 TI2V-5B's layout: Wan's (above) with Wan 2.2's residual video VAE (2x2 pixel patches before its levels:
     16 pixels a latent along a side, 4 frames a latent frame; `scale_factor_spatial` 16 in its config) and
-    model_index.json's expand_timesteps, as WanPipeline saves Wan2.2-TI2V-5B-Diffusers. Not written by `main`: the
-    tests write it where they need it."""
+    model_index.json's expand_timesteps, as WanPipeline saves Wan2.2-TI2V-5B-Diffusers."""
     pipe = _wan_pipeline(seed)
     torch.manual_seed(seed + 5)
     vae = AutoencoderKLWan(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
@@ -565,7 +564,8 @@ def main() -> None:
     vae = fitted_vae()  # one VAE for every layout: they differ in the backbone and text encoders
     for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_flux(out, vae, kontext=True),
                  write_chroma(out, vae),
-                 write_sd3(out, vae), write_wan(out), write_wan22(out), write_wan22_i2v(out), write_qwen_image(out),
+                 write_sd3(out, vae), write_wan(out), write_wan22(out), write_wan22_i2v(out), write_wan22_ti2v(out),
+                 write_qwen_image(out),
                  write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True),
                  write_hunyuan_video15(out), write_photos(out),
                  write_edits(out), write_clips(out)):

@@ -140,8 +140,8 @@ class ModelFamily:
         return None
 
     def trains_folder(self, index: dict) -> bool:
-        """Whether this family trains a pipeline folder whose backbone class is its own, from the folder's
-        model_index.json (where several families share a class, the pipeline's class tells them apart)."""
+        """Whether this family, set as model.architecture, trains a pipeline folder whose backbone class is its own,
+        from the folder's model_index.json. Unset, the family whose `pipelines` name the folder's class is used."""
         return index.get("_class_name") in self.pipelines
 
     def pack(self, cfg: Any, latents: torch.Tensor) -> torch.Tensor:

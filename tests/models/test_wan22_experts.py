@@ -112,9 +112,7 @@ def test_the_ti2v_layout_trains_text_to_video_through_its_16x_vae(tiny_video, cl
     levels alone would say 8), so buckets step by 32 pixels (16 x the transformer's 2x2 patches); 16 is refused."""
     from diffpipe.models.vae import vae_frame_factor, vae_scale_factor
 
-    from ..conftest import load_tiny_pipeline_script
-
-    folder = load_tiny_pipeline_script().write_wan22_ti2v(tmp_path)
+    folder = tiny_video / "wan22_ti2v"
     assert (vae_scale_factor(folder), vae_frame_factor(folder)) == (16, 4)
     assert vae_scale_factor(tiny_video / "wan") == 8
     train = ["train", str(ROOT / "examples" / "wan_clips.toml"), "--set", f'model.path="{folder}"',
