@@ -6,6 +6,11 @@ fp32 weights, bf16 autocast, fused AdamW, the whole batch as one micro-batch.
 
     python bench/wan_slice.py [--preset t2v-14b] [--blocks 4] [--frames 21] [--batch 1] [--steps 6] [--checkpointing]
     python bench/wan_slice.py --preset i2v-a14b ...   # image-to-video (Wan 2.2 I2V-A14B's expert): 36 input channels
+    python bench/wan_slice.py --preset ti2v-5b --frames 31 ...  # TI2V-5B's image-to-video at 704x1280, 121 frames
+
+TI2V-5B's image-to-video (`--preset ti2v-5b`: 48 channels through Wan 2.2's 16x VAE, 704x1280, 44x80 latents) feeds
+the plain loop what WanImageToVideoPipeline feeds that model: a timestep per token, zero on the first latent frame
+(diffusers then modulates token by token); diffpipe embeds one a latent frame (models/wan_ti2v.py).
 
 --checkpointing recomputes every block's activations in backward: diffusers' `enable_gradient_checkpointing()` in
 the plain loop, `pipeline.checkpointing = "all"` in diffpipe (the whole 1.3B model at 81 frames needs it on 141 GB).
@@ -36,25 +41,38 @@ from diffpipe.models.wan import WAN_PRESETS  # noqa: E402
 from diffpipe.models.wan_i2v import WAN_I2V_PRESETS  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
-TOKENS, HEIGHT, WIDTH = 512, 60, 104  # text tokens; latent rows and columns of an 832x480 clip
+TOKENS = 512  # text tokens
 
 
 def _slice(args) -> dict:
     return dict({**WAN_PRESETS, **WAN_I2V_PRESETS}[args.preset], num_layers=args.blocks)
 
 
+def _latent_size(args) -> tuple[int, int]:
+    """Latent rows and columns: an 832x480 clip through Wan 2.1's 8x VAE, or a 1280x704 one through TI2V's 16x."""
+    return (44, 80) if args.preset == "ti2v-5b" else (60, 104)
+
+
 def _architecture(args) -> str:
     return "wan_i2v" if args.preset in WAN_I2V_PRESETS else "wan"
 
 
+def _replaces_first_frame(args) -> bool:
+    return args.preset in WAN_I2V_PRESETS and _slice(args)["in_channels"] == _slice(args)["out_channels"]
+
+
 def _inputs(args, device: str = "cuda") -> dict:
     """The transformer's input: noisy latents (image-to-video: with the first frame's mask and latents joined, as
-    WanImageToVideoPipeline joins them), timesteps, text."""
+    WanImageToVideoPipeline joins them, or TI2V's first frame in place with a timestep per token), timesteps, text."""
     on = dict(device=device)
-    channels = _slice(args)["in_channels"]
-    return dict(hidden_states=torch.randn(args.batch, channels, args.frames, HEIGHT, WIDTH, **on),
-                timestep=torch.rand(args.batch, **on) * 1000,
-                encoder_hidden_states=torch.randn(args.batch, TOKENS, 4096, **on))
+    channels, (height, width) = _slice(args)["in_channels"], _latent_size(args)
+    timestep = torch.rand(args.batch, **on) * 1000
+    if _replaces_first_frame(args):
+        per_frame = timestep.view(-1, 1).repeat(1, args.frames)
+        per_frame[:, 0] = 0
+        timestep = per_frame.repeat_interleave(height * width // 4, dim=1)  # (B, tokens), 2x2 patches
+    return dict(hidden_states=torch.randn(args.batch, channels, args.frames, height, width, **on),
+                timestep=timestep, encoder_hidden_states=torch.randn(args.batch, TOKENS, 4096, **on))
 
 
 def step_flops(args) -> float:
@@ -92,7 +110,7 @@ def plain_loop(args, flops: float) -> None:
         model.enable_gradient_checkpointing()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     inputs = _inputs(args)
-    target = torch.randn_like(inputs["hidden_states"][:, :16])
+    target = torch.randn_like(inputs["hidden_states"][:, :_slice(args)["out_channels"]])
 
     times = []
     for _ in range(args.steps):
@@ -113,7 +131,7 @@ def diffpipe_run(args, flops: float) -> None:
     torch.cuda.reset_peak_memory_stats()
     config = build_config({
         "model": {"architecture": _architecture(args), "config": _slice(args), "text_max_length": TOKENS},
-        "data": {"dataset": "synthetic", "frames": args.frames, "latent_size": [HEIGHT, WIDTH]},
+        "data": {"dataset": "synthetic", "frames": args.frames, "latent_size": list(_latent_size(args))},
         "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
                   "objective": "flow_matching", "device": "cuda"},
         "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "all" if args.checkpointing else "none"},
