@@ -92,14 +92,20 @@ def test_the_tiny_example_trains_on_one_and_two_stages_to_the_same_losses_cached
     assert cached  # the clips' and their first frames' latents, and the text, were stored
 
 
-@torch.no_grad()
-def _predicted(transformer) -> torch.Tensor:
-    family, gen = WanI2VFamily(), torch.Generator().manual_seed(0)
-    feed = Feed(family, transformer.config)
-    conditions = dict(feed.conditions(torch.randn(2, 512, 32, generator=gen), torch.zeros(2, 0), torch.zeros(2, 6),
-                                      (3, 8, 8), control=torch.randn(2, 4, 3, 8, 8, generator=gen)),
-                      timestep=torch.tensor([950.0, 920.0]))
-    return family.diffusers_forward(transformer.eval(), torch.randn(2, 4, 3, 8, 8, generator=gen), conditions)
+def predictor(latent_size: tuple[int, int, int], timesteps: tuple[float, float]):
+    """`predict(transformer)` for check_diffusers_lora: the family's reference forward on two seeded clips of
+    `latent_size` (4 channels), each with a first frame, at `timesteps`."""
+    @torch.no_grad()
+    def predicted(transformer) -> torch.Tensor:
+        family, gen = WanI2VFamily(), torch.Generator().manual_seed(0)
+        feed = Feed(family, transformer.config)
+        conditions = dict(feed.conditions(torch.randn(2, 512, 32, generator=gen), torch.zeros(2, 0),
+                                          torch.zeros(2, 6), latent_size,
+                                          control=torch.randn(2, 4, *latent_size, generator=gen)),
+                          timestep=torch.tensor(timesteps))
+        return family.diffusers_forward(transformer.eval(), torch.randn(2, 4, *latent_size, generator=gen), conditions)
+
+    return predicted
 
 
 def test_a_lora_loads_into_the_pipeline_and_samples_continue_their_first_frame(tiny_video, clips, tmp_path):
@@ -108,7 +114,8 @@ def test_a_lora_loads_into_the_pipeline_and_samples_continue_their_first_frame(t
                     "--set", "pipeline.stages=1", "--set", 'adapter.type="lora"', "--set", "adapter.rank=4",
                     "--set", "adapter.alpha=8.0", "--set", f'data.cache_dir="{tmp_path / "cache"}"')
     assert result.returncode == 0, result.stderr[-3000:]
-    check_diffusers_lora(WanImageToVideoPipeline, tiny_video / "wan22_i2v", run, tmp_path / "out", _predicted)
+    check_diffusers_lora(WanImageToVideoPipeline, tiny_video / "wan22_i2v", run, tmp_path / "out",
+                         predictor((3, 8, 8), (950.0, 920.0)))
     from diffpipe.sampling import load_generator
 
     gen = load_generator(run)

@@ -27,6 +27,7 @@ from diffpipe.models.wan_i2v import WanI2VFamily
 from diffpipe.models.wan_ti2v import ti2v_pipeline_input
 
 from ..helpers import check_diffusers_lora, run_command
+from .test_wan_i2v import predictor
 
 ROOT = Path(__file__).parent.parent.parent
 QUICK = ["--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0",
@@ -126,22 +127,13 @@ def test_the_fixed_frame_adds_nothing_to_the_loss_and_a_prompt_alone_predicts_ev
     assert unfixed[:, :, 0].abs().min() > 0
 
 
-@torch.no_grad()
-def _predicted(transformer) -> torch.Tensor:
-    family, gen = WanI2VFamily(), torch.Generator().manual_seed(0)
-    feed = Feed(family, transformer.config)
-    conditions = dict(feed.conditions(torch.randn(2, 512, 32, generator=gen), torch.zeros(2, 0), torch.zeros(2, 6),
-                                      (3, 4, 4), control=torch.randn(2, 4, 3, 4, 4, generator=gen)),
-                      timestep=torch.tensor([950.0, 420.0]))
-    return family.diffusers_forward(transformer.eval(), torch.randn(2, 4, 3, 4, 4, generator=gen), conditions)
-
-
 def test_a_lora_loads_into_the_pipeline_and_samples_keep_their_first_frame(tiny_video, clips, tmp_path):
     run = tmp_path / "lora"
     result = _train(tiny_video, clips, run, "train.max_steps=4", "train.learning_rate=1e-2", "pipeline.stages=1",
                     'adapter.type="lora"', "adapter.rank=4", "adapter.alpha=8.0", f'data.cache_dir="{tmp_path / "cache"}"')
     assert result.returncode == 0, result.stderr[-3000:]
-    check_diffusers_lora(WanImageToVideoPipeline, tiny_video / "wan22_ti2v", run, tmp_path / "out", _predicted)
+    check_diffusers_lora(WanImageToVideoPipeline, tiny_video / "wan22_ti2v", run, tmp_path / "out",
+                         predictor((3, 4, 4), (950.0, 420.0)))
     from diffpipe.sampling import load_generator
 
     gen = load_generator(run)
