@@ -302,7 +302,10 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
             f"{len(backbone.units)} stages")
     meta = backbone if is_meta(backbone.model) else build_backbone(config, "meta")
     hw = hardware(config)
-    if p.split == "auto":
+    # one stage, its checkpointing set and no device memory known to warn of: the plan could only say [] (counting
+    # the units costs seconds a run, on a CPU; a GPU's memory is known, so it still warns where it would not fit)
+    decided = stages == 1 and p.checkpointing != "auto" and hw.memory_bytes is None
+    if p.split == "auto" and not decided:
         try:
             plan = make_plan(config, meta, stages, p.data_parallel, p.microbatches, hw)
         except Infeasible as exc:
@@ -312,7 +315,10 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
                   "the run may run out of memory", file=sys.stderr, flush=True)
             plan = make_plan(config, meta, stages, p.data_parallel, p.microbatches, replace(hw, memory_bytes=None))
         return plan.planned.starts, [s.index for s in plan.planned.stages if s.checkpointed]
-    starts = balanced_by_parameters(backbone, stages) if p.split == "parameters" else list(p.split)
+    if p.split == "auto":
+        starts = []
+    else:
+        starts = balanced_by_parameters(backbone, stages) if p.split == "parameters" else list(p.split)
     stage_specs(backbone, starts)  # validates
     if p.checkpointing == "auto":
         return starts, [s.index for s in planned_figures(config, meta, starts, "auto").stages if s.checkpointed]

@@ -46,6 +46,7 @@ Scenarios of one world size share one launch (a launch costs ~10 s here).
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
 from pathlib import Path
@@ -69,6 +70,7 @@ from diffpipe.models.registry import family_for
 from diffpipe.models.text import TextEncoder
 from diffpipe.pipeline.data_parallel import full
 from diffpipe.pipeline.schedules import schedule_named
+from diffpipe.planner.plan import hardware, make_plan, unit_costs
 from diffpipe.models.sd3 import SD3_PRESETS
 from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS
 from diffpipe.models.unet3d import UNET3D_PRESETS
@@ -270,6 +272,27 @@ def resolved(data: dict, folders: dict[str, str]):
     return build_config(data)
 
 
+def planned_splits(configs: dict) -> None:
+    """Each config's pipeline.split "auto" set to the planner's split here, once, as `diffpipe train` sets it before
+    starting its processes (preflight.py), rather than by every process of every scenario: counting the units' costs
+    takes a second or two a model on this CPU, and scenarios that differ only in their pipeline share the count."""
+    counted = {}
+    for config in configs.values():
+        p = config.pipeline
+        if p.split != "auto":
+            continue
+        key = json.dumps([config.model.model_dump(mode="json"), config.data.model_dump(mode="json"),
+                          config.adapter.model_dump(mode="json"), config.memory.model_dump(mode="json"),
+                          config.train.precision, config.train.device])
+        if key not in counted:
+            meta = build_backbone(config, "meta")
+            counted[key] = meta, unit_costs(config, meta, 1)
+        meta, per_sample = counted[key]
+        plan = make_plan(config, meta, p.stages * p.virtual_stages, p.data_parallel, p.microbatches, hardware(config),
+                         per_sample)
+        p.split = plan.planned.starts
+
+
 def _scenario_worker(scenarios: list[tuple[str, dict]], out_dir: str, device_kind: str = "cpu") -> None:
     """Each scenario trained for STEPS steps on this rank (gloo on CPU; NCCL on GPUs for bench/nccl_gradients.py):
     what `compare` checks, saved per rank."""
@@ -418,6 +441,7 @@ SMOKE = ("1f1b-2", "sdxl-style-1f1b-2", "zb1p-2x2", "zbv-2x2", "dualpipev-2x2-ch
     (4, FOUR)], ids=["2-processes", "2-processes-smoke", "4-processes"])
 def test_pipelined_training_equals_the_unsplit_diffusers_model(world, scenarios, model_folders, tmp_path):
     configs = {name: resolved(data, model_folders) for name, data in scenarios.items()}
+    planned_splits(configs)
     payload = [(name, cfg.model_dump(mode="json")) for name, cfg in configs.items()]
     run_workers(_scenario_worker, (payload, str(tmp_path)), world)
     problems = []
@@ -431,6 +455,7 @@ def test_pipelined_training_equals_the_unsplit_diffusers_model(world, scenarios,
 
 def test_low_precision_matches_unsplit_model_under_the_same_autocast(model_folders, tmp_path):
     configs = {name: resolved(data, model_folders) for name, data in LOW_PRECISION.items()}
+    planned_splits(configs)
     payload = [(name, cfg.model_dump(mode="json")) for name, cfg in configs.items()]
     run_workers(_scenario_worker, (payload, str(tmp_path)), 2)
     for name, config in configs.items():
