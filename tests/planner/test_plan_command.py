@@ -124,3 +124,23 @@ def test_processes_running_several_stages_are_given_their_peak_together(capsys):
         # V-shaped: process 0 runs stages 0 and 3, process 1 stages 1 and 2
         assert plan[key]["process_peak_GiB"] == pytest.approx([peaks[0] + peaks[3], peaks[1] + peaks[2]], abs=0.02)
     assert max(plan["planned"]["process_peak_GiB"]) <= 139.8 * 0.9
+
+
+def test_one_stage_is_planned_only_where_the_plan_could_say_more_than_its_split(monkeypatch, capsys):
+    """One stage on a CPU without plan.memory_gib: split [] and the checkpointing set, without counting the units (2 s
+    of a tiny run); with a memory to fit, the units are counted and a stage that does not fit is warned of."""
+    from diffpipe.build import build_backbone
+    from diffpipe.config_files import load_config
+    from diffpipe.planner import plan
+
+    counted = []
+    real = plan.unit_costs
+    monkeypatch.setattr(plan, "unit_costs", lambda *args: counted.append(1) or real(*args))
+    settings = ["pipeline.stages=1", "pipeline.microbatches=1", 'train.device="cpu"']
+    for checkpointing, expect in (('"none"', []), ('"all"', [0])):
+        config = load_config(EXAMPLES / "digits.toml", [*settings, f"pipeline.checkpointing={checkpointing}"])
+        assert plan.resolve_stages(config, build_backbone(config, "meta")) == ([], expect)
+    assert counted == []
+    config = load_config(EXAMPLES / "digits.toml", [*settings, "plan.memory_gib=0.001"])
+    assert plan.resolve_stages(config, build_backbone(config, "meta")) == ([], [])
+    assert counted and "the run may run out of memory" in capsys.readouterr().err
