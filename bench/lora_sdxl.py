@@ -2,7 +2,7 @@
 fine-tuning; samples/s and peak memory. SDXL UNet config, random weights, 1024x1024 (128x128 latents), fp32
 weights, bf16 autocast, batch 8 in one micro-batch, fused AdamW.
 
-    python bench/lora_sdxl.py [--ranks 16,64] [--steps 8] [--skip-full] [--base-dtypes bf16,fp32] [--loops]
+    python bench/lora_sdxl.py [--ranks 16,64] [--steps 8] [--skip-full] [--base-dtypes bf16,fp32] [--loops] [--plain-draws] [--rounds N]
                               [--types lora,dora,loha,lokr]
 
 --types: adapter.type of both loops (the plain loop injects peft's adapters of that type the same way).
@@ -13,6 +13,10 @@ plain loop keeps it in fp32, as a user's loop does).
 --loops also runs diffpipe's step by hand with the same trainer (its forward_backward, apply_gradients and
 read_record), in two ways: the batch made in the training thread each step (no background thread competing for
 the GIL), and one batch made once and reused (as the plain loop does): where the LoRA step's time goes.
+
+--plain-draws also runs the plain loop on a batch drawn on the host each step (latents, noise, timesteps, text states
+moved to the device in the loop's thread), as diffpipe's batches are drawn (in a background thread); --rounds N runs
+the LoRA loops N times, alternating (the plain loop's own figure moves several % between runs of one call).
 
 --host-profile runs the plain loop and diffpipe's step by hand (one batch made once, each step waited for) under
 cProfile and prints each one's host seconds a step and the functions that take the most of it: where a host-bound step
@@ -70,8 +74,25 @@ def _host_profile(what: str, run_steps, steps: int, top: int = 25) -> None:
     print(stream.getvalue(), flush=True)
 
 
-def plain_peft_loop(rank: int, steps: int, host_profile: bool = False, kind: str = "lora") -> None:
-    """diffusers' UNet with peft's adapters (the same injection), AdamW on the adapters: the loop a user writes."""
+def _drawn_batch(generator: torch.Generator) -> tuple[dict, torch.Tensor]:
+    """A step's batch drawn on the host and moved to the device, as a loop that reads its data each step has it:
+    latents, noise, timesteps, text states and SDXL's pooled embedding and size ids (what diffpipe's batch maker
+    draws a step, less the reading of cached files)."""
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator).to("cuda", non_blocking=True)
+
+    latents, noise = draw(BATCH, 4, 128, 128), draw(BATCH, 4, 128, 128)
+    t = torch.rand(BATCH, generator=generator).to("cuda", non_blocking=True)
+    noisy = (1 - t.view(-1, 1, 1, 1)) * latents + t.view(-1, 1, 1, 1) * noise
+    inputs = dict(sample=noisy, timestep=t * 1000, encoder_hidden_states=draw(BATCH, 77, 2048),
+                  added_cond_kwargs=dict(text_embeds=draw(BATCH, 1280), time_ids=draw(BATCH, 6)))
+    return inputs, noise - latents
+
+
+def plain_peft_loop(rank: int, steps: int, host_profile: bool = False, kind: str = "lora",
+                    draws: bool = False) -> None:
+    """diffusers' UNet with peft's adapters (the same injection), AdamW on the adapters: the loop a user writes. It
+    trains on one batch made once, or (`draws`) on a batch drawn on the host each step (`_drawn_batch`)."""
     from diffusers import UNet2DConditionModel
 
     torch.cuda.reset_peak_memory_stats()
@@ -87,11 +108,15 @@ def plain_peft_loop(rank: int, steps: int, host_profile: bool = False, kind: str
                                          time_ids=torch.randn(BATCH, 6, device="cuda")))
     target = torch.randn(BATCH, 4, 128, 128, device="cuda")
     times = []
+    generator = torch.Generator().manual_seed(0)
 
     def run_steps(count: int) -> None:
+        nonlocal inputs, target
         for _ in range(count):
             torch.cuda.synchronize()
             start = time.perf_counter()
+            if draws:
+                inputs, target = _drawn_batch(generator)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(**inputs).sample
             torch.nn.functional.mse_loss(out.float(), target).backward()
@@ -103,7 +128,7 @@ def plain_peft_loop(rank: int, steps: int, host_profile: bool = False, kind: str
         _host_profile("plain peft loop", run_steps, steps)
         return
     run_steps(steps)
-    _report(f"plain peft loop, {kind}", rank, times)
+    _report(f"plain peft loop, {kind}" + (", a batch drawn each step" if draws else ""), rank, times)
     del model, opt
 
 
@@ -174,6 +199,9 @@ def main() -> None:
     parser.add_argument("--base-dtypes", default="bf16,fp32", help="memory.base_dtype of diffpipe's LoRA runs")
     parser.add_argument("--types", default="lora", help="adapter.type of both loops, comma-separated")
     parser.add_argument("--loops", action="store_true", help="also diffpipe's step by hand (see above)")
+    parser.add_argument("--plain-draws", action="store_true", help="the plain loop also with a batch drawn on the "
+                        "host each step (as diffpipe's is), beside the one made once")
+    parser.add_argument("--rounds", type=int, default=1, help="the LoRA loops this many times, alternating")
     parser.add_argument("--host-profile", action="store_true", help="the plain loop and diffpipe's step by hand "
                         "under cProfile (see above), nothing else")
     args = parser.parse_args()
@@ -186,9 +214,12 @@ def main() -> None:
                 _free()
         return
     for rank in [int(r) for r in args.ranks.split(",") if r]:
-        for kind in args.types.split(","):
+        for kind in [k for _ in range(args.rounds) for k in args.types.split(",")]:
             plain_peft_loop(rank, args.steps, kind=kind)
             _free()
+            if args.plain_draws:
+                plain_peft_loop(rank, args.steps, kind=kind, draws=True)
+                _free()
             for base_dtype in args.base_dtypes.split(","):
                 diffpipe_run(rank, args.steps, base_dtype, kind)
                 _free()
