@@ -216,6 +216,12 @@ class FolderSource(DataSource):
                                       f"a latent frame of the first frame and of every {frame_factor} after it, so a "
                                       f"clip needs 1 + {frame_factor}k frames; {wrong} are not (e.g. "
                                       f"{1 + 8 * frame_factor})")
+            given = [f for f in config.data.frame_buckets if f <= frame_factor and family.gives_first_latent_frame(cfg)]
+            if given:
+                raise DataError(f"data.frame_buckets = {config.data.frame_buckets}: this {family.backbone_name} is "
+                                "given each clip's first latent frame clean and predicts only the frames after it "
+                                f"(TI2V-5B's image-to-video), so a clip of {given[0]} frame(s), one latent frame, has "
+                                f"nothing to train; leave {given} out (still images are then skipped)")
         elif not trains_images(folder):
             raise CheckpointError(f"{folder}: its VAE encodes video clips but the {family.backbone_name} is an image "
                                   "model; the folder mixes components of different models")

@@ -139,6 +139,11 @@ class ModelFamily:
         every latent is noised and predicted."""
         return None
 
+    def gives_first_latent_frame(self, cfg: Any) -> bool:
+        """Whether every clip's first latent frame is given clean and not predicted (`clean_latents`): a clip of one
+        latent frame then has nothing to train."""
+        return False
+
     def trains_folder(self, index: dict) -> bool:
         """Whether this family, set as model.architecture, trains a pipeline folder whose backbone class is its own,
         from the folder's model_index.json. Unset, the family whose `pipelines` name the folder's class is used."""

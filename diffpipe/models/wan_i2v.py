@@ -102,6 +102,9 @@ class WanI2VFamily(WanFamily):
     def latent_channels(self, cfg):
         return cfg.out_channels
 
+    def gives_first_latent_frame(self, cfg):
+        return replaces_first_frame(cfg)
+
     def clean_latents(self, cfg, conditions, latent_size):
         return ti2v_clean_latents(conditions["first_frame"], latent_size[0]) if replaces_first_frame(cfg) else None
 

@@ -153,3 +153,11 @@ def test_the_folder_trains_image_to_video_only_where_asked(tiny_video):
     assert build_config({"model": asked, "data": data}).model.architecture == "wan_i2v"
     with pytest.raises(ConfigError, match="WanPipeline folder .*set model.architecture = \"wan\""):
         build_config({"model": {"path": str(tiny_video / "wan"), "architecture": "wan_i2v"}, "data": data})
+
+
+def test_a_one_frame_bucket_is_refused_before_anything_loads(tiny_video, clips, tmp_path, capfd):
+    """Its clips are all first frame: nothing to train (their loss is 0). Refused naming the bucket to leave out."""
+    result = _train(tiny_video, clips, tmp_path / "run", "data.frame_buckets=[1, 17]", "pipeline.stages=1")
+    assert result.returncode == 2
+    assert "leave [1] out (still images are then skipped)" in capfd.readouterr().err
+    assert not (tmp_path / "run").exists()
