@@ -187,7 +187,7 @@ class FolderSource(DataSource):
     def check(self, config, backbone, shape):
         """Image folders need a pipeline folder whose VAE and text encoders fit the UNet, and folders that exist."""
         from ..models.loading import CheckpointError
-        from ..models.vae import trains_images, vae_frame_factor, vae_latent_channels, vae_scale_factor
+        from ..models.vae import latent_frames, trains_images, vae_frame_factor, vae_latent_channels, vae_scale_factor
         from .images import data_folders, regularisation_folders
 
         folder = config.model.pipeline_folder()
@@ -216,8 +216,8 @@ class FolderSource(DataSource):
                                       f"a latent frame of the first frame and of every {frame_factor} after it, so a "
                                       f"clip needs 1 + {frame_factor}k frames; {wrong} are not (e.g. "
                                       f"{1 + 8 * frame_factor})")
-            given = [f for f in config.data.frame_buckets if f <= frame_factor and family.gives_first_latent_frame(cfg)]
-            if given:
+            given = [f for f in config.data.frame_buckets if latent_frames(f, frame_factor) == 1]
+            if given and family.gives_first_latent_frame(cfg):
                 raise DataError(f"data.frame_buckets = {config.data.frame_buckets}: this {family.backbone_name} is "
                                 "given each clip's first latent frame clean and predicts only the frames after it "
                                 f"(TI2V-5B's image-to-video), so a clip of {given[0]} frame(s), one latent frame, has "

@@ -53,13 +53,11 @@ def ti2v_pipeline_input(sample: torch.Tensor, first_frame: torch.Tensor, timeste
 
 
 def ti2v_clean_latents(first_frame: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask, latents) broadcasting over a clip's latents (B, C, F, h, w): 1 on a fixed first frame, and its latents."""
+    """(mask, latents) broadcasting over a clip's latents (B, C, F, h, w): (B, 1, F, 1, 1), 1 on a fixed first frame;
+    and that frame's latents (B, C, 1, h, w), the condition's own (the mask decides where they count)."""
     mask = torch.zeros(len(first_frame), 1, frames, 1, 1, device=first_frame.device)
     mask[:, 0, 0] = _fixed(first_frame).float().view(-1, 1, 1)
-    latents = torch.zeros(len(first_frame), first_frame.shape[1] - 1, frames, *first_frame.shape[-2:],
-                          device=first_frame.device)
-    latents[:, :, :1] = first_frame[:, 1:]
-    return mask, latents
+    return mask, first_frame[:, 1:]
 
 
 def _by_frame(h: torch.Tensor, frames: int) -> torch.Tensor:

@@ -197,7 +197,8 @@ TWO = {
     "chroma-1f1b-2": _config(2, "1f1b", model="chroma"),
     "wan-i2v-1f1b-2": _config(2, "1f1b", model="wan-i2v"),
     "wan-ti2v-i2v-1f1b-2": _config(2, "1f1b", model="wan-ti2v-i2v"),  # timesteps and modulations per latent frame
-    "hunyuan-video15-1f1b-2": _config(2, "1f1b", model="hunyuan-video15"),  # two text masks; the last block's text side  # the modulation rows and the joined tokens across stages
+    # two text masks, the last block's text side left out, the modulation rows and the joined tokens across stages
+    "hunyuan-video15-1f1b-2": _config(2, "1f1b", model="hunyuan-video15"),
     "flux-kontext-1f1b-2": _config(2, "1f1b", model="flux-kontext"),  # each item's control tokens beside its own
     "qwen-image-edit-1f1b-2": _config(2, "1f1b", model="qwen-image-edit"),
     "unet3d-dp2": _config(1, "1f1b", dp=2, model="unet3d"),
