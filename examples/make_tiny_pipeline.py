@@ -17,7 +17,7 @@ Each pipeline is built from diffusers' and transformers' own classes (UNet2DCond
 models and a real CLIP BPE tokenizer over a small vocabulary) and written by the pipeline's `save_pretrained`, so
 the folders are laid out as on the Hub: model_index.json, unet/, vae/, text_encoder/, tokenizer/, scheduler/ (and
 text_encoder_2/, tokenizer_2/ for SDXL; transformer/, a CLIP and a T5 encoder with a real T5 unigram tokenizer for
-Flux; the T5 alone for Chroma; three text encoders for SD3; for Wan its video VAE and a umT5 encoder; Wan 2.2 A14B's two experts; for
+Flux; the T5 alone for Chroma; three text encoders for SD3; for Wan its video VAE and a umT5 encoder; Wan 2.2 A14B's two experts; Wan 2.1 I2V's CLIP vision model; for
 Qwen-Image a Qwen2.5-VL encoder with a real Qwen2 byte-level BPE tokenizer, and Qwen's VAE; for Qwen-Image-Edit
 the same with a Qwen2VLProcessor whose vision tower reads the control picture; for HunyuanVideo 1.5 a Qwen2.5-VL text
 model with a chat template, a ByT5 encoder and its 16x video VAE). The photos are scikit-learn's two sample photographs (china.jpg,
@@ -41,12 +41,13 @@ from diffusers import (AutoencoderKL, AutoencoderKLQwenImage, AutoencoderKLWan, 
                        QwenImagePipeline, QwenImageTransformer2DModel, SD3Transformer2DModel,
                        StableDiffusion3Pipeline, StableDiffusionPipeline, StableDiffusionXLPipeline,
                        UNet2DConditionModel, WanImageToVideoPipeline, WanPipeline, WanTransformer3DModel)
-from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, Qwen2_5_VLConfig,
+from transformers import (CLIPImageProcessor, CLIPTextConfig, CLIPTextModel, CLIPVisionConfig, CLIPVisionModel, CLIPTextModelWithProjection, CLIPTokenizer, Qwen2_5_VLConfig,
                           Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer, Qwen2VLImageProcessor,
                           T5Config, T5EncoderModel, T5Tokenizer,
                           UMT5Config, UMT5EncoderModel)
 
 __all__ = ["write_sd15", "write_sdxl", "write_flux", "write_chroma", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_wan22_i2v",
+           "write_wan21_i2v",
            "write_qwen_image", "write_hunyuan_video15",
            "write_photos", "write_edits", "write_clips",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
@@ -300,6 +301,23 @@ def write_wan22_i2v(out: Path, seed: int = 0) -> Path:
     return out / "wan22_i2v"
 
 
+def write_wan21_i2v(out: Path, seed: int = 0) -> Path:
+    """Wan 2.1 I2V's layout (Wan2.1-I2V-14B-480P-Diffusers): Wan's (above) as WanImageToVideoPipeline saves it with
+    one transformer reading 12 channels and a CLIP vision model's penultimate states of the picture (image_encoder/:
+    16 wide, 224 x 224 pixels in 14-pixel patches, 257 tokens as the release's ViT-H/14; image_processor/: CLIP's
+    224-pixel resize and crop), through its `image_dim` embedder and `added_kv_proj_dim` cross-attention."""
+    pipe = _wan_pipeline(seed)
+    torch.manual_seed(seed + 9)
+    transformer = _wan_transformer(in_channels=12, image_dim=16)
+    image_encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, image_size=224, patch_size=14))
+    processor = CLIPImageProcessor(size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224})
+    WanImageToVideoPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                            transformer=transformer, scheduler=pipe.scheduler, image_encoder=image_encoder.eval(),
+                            image_processor=processor).save_pretrained(out / "wan21_i2v", safe_serialization=True)
+    return out / "wan21_i2v"
+
+
 def write_wan22_ti2v(out: Path, seed: int = 0) -> Path:
     """Wan 2.2 TI2V-5B's layout: Wan's (above) with Wan 2.2's residual video VAE (2x2 pixel patches before its levels:
     16 pixels a latent along a side, 4 frames a latent frame; `scale_factor_spatial` 16 in its config) and
@@ -410,11 +428,13 @@ def write_hunyuan_video15(out: Path, seed: int = 0) -> Path:
     return out / "hunyuan_video15"
 
 
-def _wan_transformer(in_channels: int = 4) -> WanTransformer3DModel:
+def _wan_transformer(in_channels: int = 4, image_dim: int | None = None) -> WanTransformer3DModel:
+    """`image_dim`: Wan 2.1 I2V's, reading a CLIP embedding of that width (its added key/value projections take the
+    embedder's output, the transformer's width)."""
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=in_channels, out_channels=4,
         text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
-        eps=1e-6, rope_max_seq_len=64)
+        eps=1e-6, rope_max_seq_len=64, image_dim=image_dim, added_kv_proj_dim=32 if image_dim else None)
 
 
 def _wan_pipeline(seed: int, two_experts: bool = False) -> WanPipeline:
@@ -565,6 +585,7 @@ def main() -> None:
     for path in (write_sd15(out, vae), write_sdxl(out, vae), write_flux(out, vae), write_flux(out, vae, kontext=True),
                  write_chroma(out, vae),
                  write_sd3(out, vae), write_wan(out), write_wan22(out), write_wan22_i2v(out), write_wan22_ti2v(out),
+                 write_wan21_i2v(out),
                  write_qwen_image(out),
                  write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True),
                  write_hunyuan_video15(out), write_photos(out),

@@ -12,13 +12,13 @@ from pathlib import Path
 from PIL import Image
 
 from ..config import DataConfig
-from .buckets import Placement, to_pixels
+from .buckets import Placement, placed, to_pixels
 from .cache import ShardStore
 from .folder import ImageItem, Skipped, read_rgb, scan_folders
-from .images import FolderImages, caption_key, data_folders, store_latents
+from .images import FolderImages, caption_key, data_folders, latent_keys, store_latents
 from .videos import VIDEO_SUFFIXES, read_clip
 
-__all__ = ["first_frame_pixels", "find_first_frames", "cache_first_frames", "read_first_frame", "first_clips",
+__all__ = ["first_frame_pixels", "find_first_frames", "placed_first_frame", "cache_first_frames", "read_first_frame", "first_clips",
            "grey_after"]
 
 
@@ -47,11 +47,20 @@ def first_clips(data: DataConfig, count: int) -> list[tuple[str, Path]]:
     return [(item.caption, item.path) for item in {item.path: item for item in items}.values()]
 
 
-def find_first_frames(dataset: FolderImages) -> None:
-    """Each item's first frame as its control: its own file, placed as its clip."""
+def find_first_frames(dataset: FolderImages, pictures: bool = False) -> None:
+    """Each item's first frame as its control: its own file, placed as its clip. `pictures`: the text encoder reads
+    each first frame as a picture (Wan 2.1 I2V's CLIP), so each gets a key (its clip's bytes and placement)."""
     dataset.controls = [item.path for item in dataset.items]
     dataset.control_placements = list(dataset.placements)
     dataset.first_frames = True
+    if pictures:
+        dataset.control_keys = [f"{key}:first-frame" for key in latent_keys(dataset.items, dataset.placements)]
+
+
+def placed_first_frame(path: Path, placement: Placement) -> Image.Image:
+    """The clip's (or image's) first frame placed in its bucket: the picture a text encoder that reads pictures is
+    shown."""
+    return placed(read_first_frame(path), placement)
 
 
 def cache_first_frames(dataset: FolderImages, clip_keys: list[str], store: ShardStore, vae, rank, world, barrier,

@@ -203,7 +203,10 @@ class FolderImages:
         is shown (CaptionEncoder.show)."""
         if self.control_keys is None:
             return {}
-        return {key: partial(_placed_picture, path, placement)
+        from .first_frames import placed_first_frame  # (first_frames.py reads this module's helpers)
+
+        reader = placed_first_frame if self.first_frames else _placed_picture  # a clip's picture: its first frame
+        return {key: partial(reader, path, placement)
                 for key, path, placement in zip(self.control_keys, self.controls, self.control_placements)}
 
     def loss_weights(self, indices: list[int]) -> torch.Tensor:
@@ -276,7 +279,7 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
             find_controls(part, data)
     elif first_frames:
         for part in parts:
-            find_first_frames(part)
+            find_first_frames(part, pictures=text.reads_pictures)
     for part in parts:
         if text.reads_pictures:  # the text encoder reads each control picture with its caption
             text.show(part.picture_readers())

@@ -13,8 +13,8 @@ Wan 2.2 TI2V-5B's transformer (as many channels read as predicted) is continued 
 `expand_timesteps`: the first latent frame replaced by the picture's, its timestep zero (models/wan_ti2v.py). Its
 WanPipeline folder trains image-to-video with `model.architecture = "wan_i2v"` set (text-to-video without).
 
-Wan 2.1's I2V transformers also read a CLIP vision model's embedding of the picture (`image_dim`, the pipeline's
-`image_encoder/`): not supported yet, and refused naming the keys.
+Wan 2.1's I2V transformers (`image_dim`, the pipeline's `image_encoder/`) also read a CLIP vision model's embedding
+of the picture (models/wan_clip.py). Wan 2.1's first-last-frame model (`pos_embed_seq_len`) is refused.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import torch
 from .family import TextBatch
 from .units import Backbone, Unit
 from .wan import WAN_PRESETS, WanFamily, _Embed, wan_backbone
+from .wan_clip import ClipEmbed, WAN_CLIP_TOKENS, has_image_encoder, image_embeds, image_encoder_widths
 from .wan_ti2v import ti2v_clean_latents, ti2v_first_frame, ti2v_pipeline_input, wan_ti2v_backbone
 
 __all__ = ["WanI2VFamily", "first_frame_mask", "FRAME_MASK_CHANNELS", "WAN_I2V_PRESETS"]
@@ -31,9 +32,13 @@ FRAME_MASK_CHANNELS = 4  # the pipeline's mask: Wan's VAE folds 4 frames into a 
 WAN_I2V_PRESETS = {
     # Wan-AI/Wan2.2-I2V-A14B-Diffusers' transformer/config.json (either expert): 14.3 B parameters
     "i2v-a14b": dict(WAN_PRESETS["t2v-14b"], in_channels=36),
+    # Wan-AI/Wan2.1-I2V-14B-480P-Diffusers' transformer/config.json (also -720P's): 16.4 B parameters
+    "i2v-14b": dict(WAN_PRESETS["t2v-14b"], in_channels=36, image_dim=1280, added_kv_proj_dim=5120),
     "digits": dict(WAN_PRESETS["digits"], in_channels=2 + FRAME_MASK_CHANNELS),  # clips of moving digits
     "ti2v-5b": WAN_PRESETS["ti2v-5b"],  # the first frame replaced (models/wan_ti2v.py)
     "digits-ti2v": WAN_PRESETS["digits"],
+    # Wan 2.1 I2V's: the stand-in text encoder's pooled output in the CLIP states' place (257 tokens of 8)
+    "digits-clip": dict(WAN_PRESETS["digits"], in_channels=2 + FRAME_MASK_CHANNELS, image_dim=8, added_kv_proj_dim=48),
 }
 
 
@@ -55,12 +60,19 @@ class _I2VEmbed(_Embed):
         return super().forward(torch.cat((sample, first_frame.to(sample.dtype)), dim=1), timestep, encoder_hidden_states)
 
 
+def reads_picture(cfg) -> bool:
+    """Whether a Wan transformer also reads a CLIP embedding of the picture (Wan 2.1 I2V: models/wan_clip.py)."""
+    return cfg.image_dim is not None
+
+
 def wan_i2v_backbone(model) -> Backbone:
-    """Wan's units, with an `embed` that joins the first frame's mask and latents to the noisy latents."""
+    """Wan's units, with an `embed` that joins the first frame's mask and latents to the noisy latents (and for Wan
+    2.1 I2V the picture's embedding to the text)."""
     wan = wan_backbone(model)
-    conditions = wan.conditions + ("first_frame",)
-    units = [Unit("embed", _I2VEmbed(model), ("sample", "first_frame") + wan.conditions, wan.units[0].writes),
-             *wan.units[1:]]
+    own = ("first_frame", "image_embeds") if reads_picture(model.config) else ("first_frame",)
+    conditions = wan.conditions + own
+    embed = (ClipEmbed if reads_picture(model.config) else _I2VEmbed)(model)
+    units = [Unit("embed", embed, ("sample",) + own + wan.conditions, wan.units[0].writes), *wan.units[1:]]
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 
@@ -79,10 +91,14 @@ class WanI2VFamily(WanFamily):
 
     def check_supported(self, model):
         cfg = model.config
-        if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None:
-            raise ValueError("Wan 2.1 image-to-video transformers (image_dim, added_kv_proj_dim: they also read a CLIP "
-                             "vision model's embedding of the picture) are not supported yet; Wan 2.2 I2V-A14B's "
-                             "experts train")
+        if cfg.pos_embed_seq_len is not None:
+            raise ValueError("Wan 2.1's first-last-frame transformer (pos_embed_seq_len: it reads two pictures, the "
+                             "first and the last frame) is not supported yet; Wan 2.1 I2V-14B and Wan 2.2's "
+                             "image-to-video models train")
+        if (cfg.image_dim is None) != (cfg.added_kv_proj_dim is None):
+            raise ValueError(f"a Wan transformer that reads a CLIP embedding of the picture has both image_dim and "
+                             f"added_kv_proj_dim; this one image_dim={cfg.image_dim}, added_kv_proj_dim="
+                             f"{cfg.added_kv_proj_dim}")
         expected = 2 * cfg.out_channels + FRAME_MASK_CHANNELS
         if cfg.in_channels not in (expected, cfg.out_channels):
             raise ValueError(f"a Wan image-to-video transformer reads {expected} channels (latents {cfg.out_channels}, "
@@ -102,6 +118,20 @@ class WanI2VFamily(WanFamily):
     def latent_channels(self, cfg):
         return cfg.out_channels
 
+    def text_widths(self, cfg):
+        return cfg.text_dim, WAN_CLIP_TOKENS * cfg.image_dim if reads_picture(cfg) else 0
+
+    def folder_text_encoder(self, folder):
+        if has_image_encoder(folder):
+            from .wan_clip import WanImageText
+
+            return WanImageText.from_folder(folder)
+        return super().folder_text_encoder(folder)
+
+    def folder_text_widths(self, folder):
+        hidden, _ = super().folder_text_widths(folder)
+        return hidden, image_encoder_widths(folder) if has_image_encoder(folder) else 0
+
     def gives_first_latent_frame(self, cfg):
         return replaces_first_frame(cfg)
 
@@ -120,7 +150,10 @@ class WanI2VFamily(WanFamily):
             mask = torch.zeros(batch, FRAME_MASK_CHANNELS, *frames, device=device)
         else:
             latents, mask = control, first_frame_mask(batch, frames, device)
-        return {"encoder_hidden_states": text.hidden, "first_frame": torch.cat((mask, latents.to(mask.dtype)), dim=1)}
+        first = {"first_frame": torch.cat((mask, latents.to(mask.dtype)), dim=1)}
+        if reads_picture(cfg):
+            return {**image_embeds(cfg, text.hidden, text.pooled), **first}
+        return {"encoder_hidden_states": text.hidden, **first}
 
     def diffusers_forward(self, model, sample, conditions):
         if replaces_first_frame(model.config):
@@ -131,5 +164,6 @@ class WanI2VFamily(WanFamily):
             return self.pack_prediction(model.config, out * keep)
         joined = torch.cat((sample, conditions["first_frame"].to(sample.dtype)), dim=1)
         out = model(hidden_states=joined, timestep=conditions["timestep"],
-                    encoder_hidden_states=conditions["encoder_hidden_states"], return_dict=False)[0]
+                    encoder_hidden_states=conditions["encoder_hidden_states"],
+                    encoder_hidden_states_image=conditions.get("image_embeds"), return_dict=False)[0]
         return self.pack_prediction(model.config, out)

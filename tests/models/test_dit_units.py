@@ -34,12 +34,14 @@ CASES = {"flux": (FluxFamily(), FLUX), "flux-kontext": (FluxKontextFamily(), FLU
          "sd3": (SD3Family(), SD3), "sd3.5-style": (SD3Family(), SD35),
          "wan": (WanFamily(), WAN), "wan-i2v": (WanI2VFamily(), dict(WAN, in_channels=4 + 4 + 4)),
          "wan-ti2v-i2v": (WanI2VFamily(), WAN),  # TI2V-5B's: the first frame replaced, its timestep zero
+         # Wan 2.1 I2V's: a CLIP embedding of the picture before the text (7 positions, padded to the model's 512)
+         "wan21-i2v": (WanI2VFamily(), dict(WAN, in_channels=4 + 4 + 4, image_dim=10, added_kv_proj_dim=48)),
          "qwen-image": (QwenImageFamily(), QWEN),
          "qwen-image-edit": (QwenImageEditFamily(), QWEN),
          "qwen-image-edit-2511": (QwenImageEditFamily(), dict(QWEN, zero_cond_t=True)),  # the control at time zero
          "unet3d": (UNet3DFamily(), dict(UNET3D_PRESETS["digits"], in_channels=4,
                                                                           out_channels=4, cross_attention_dim=24))}
-SIZES = {"wan": (3, 8, 12), "wan-i2v": (3, 8, 12), "wan-ti2v-i2v": (3, 8, 12), "unet3d": (3, 8, 12)}  # frames, height, width of a clip
+SIZES = {"wan": (3, 8, 12), "wan-i2v": (3, 8, 12), "wan-ti2v-i2v": (3, 8, 12), "wan21-i2v": (3, 8, 12), "unet3d": (3, 8, 12)}  # frames, height, width of a clip
 
 
 def _fed(family, model, size=(8, 12), batch=3):  # noqa: C901

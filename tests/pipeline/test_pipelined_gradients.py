@@ -95,6 +95,7 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
           "wan": ("wan", WAN_PRESETS["digits"]),  # clips of moving digits
           "wan-i2v": ("wan_i2v", WAN_I2V_PRESETS["digits"]),  # each clip's first frame beside its noisy latents
           "wan-ti2v-i2v": ("wan_i2v", WAN_I2V_PRESETS["digits-ti2v"]),  # TI2V's: the first frame replaced, at t = 0
+          "wan21-i2v": ("wan_i2v", WAN_I2V_PRESETS["digits-clip"]),  # Wan 2.1 I2V's: a picture embedding before the text
           "unet3d": ("unet3d", UNET3D_PRESETS["digits"]),
           "qwen-image": ("qwen_image", QWEN_IMAGE_PRESETS["digits"]),
           "flux-kontext": ("flux_kontext", FLUX_PRESETS["digits"]),  # synthetic latents, each with a control
@@ -102,7 +103,7 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
           "hunyuan-video15": ("hunyuan_video15", HUNYUAN_VIDEO15_PRESETS["digits"])}
 
 
-MOVING = ("wan", "wan-i2v", "wan-ti2v-i2v", "unet3d", "hunyuan-video15")  # trained on clips of moving digits
+MOVING = ("wan", "wan-i2v", "wan-ti2v-i2v", "wan21-i2v", "unet3d", "hunyuan-video15")  # trained on clips of moving digits
 SYNTHETIC = ("sdxl-style", "flux-kontext", "qwen-image-edit")  # trained on synthetic latents (an edit model: with random controls)
 TEXT_LENGTH = 8
 
@@ -197,6 +198,7 @@ TWO = {
     "chroma-1f1b-2": _config(2, "1f1b", model="chroma"),
     "wan-i2v-1f1b-2": _config(2, "1f1b", model="wan-i2v"),
     "wan-ti2v-i2v-1f1b-2": _config(2, "1f1b", model="wan-ti2v-i2v"),  # timesteps and modulations per latent frame
+    "wan21-i2v-1f1b-2": _config(2, "1f1b", model="wan21-i2v"),  # the picture's tokens cross the boundary in `context`
     # two text masks, the last block's text side left out, the modulation rows and the joined tokens across stages
     "hunyuan-video15-1f1b-2": _config(2, "1f1b", model="hunyuan-video15"),
     "flux-kontext-1f1b-2": _config(2, "1f1b", model="flux-kontext"),  # each item's control tokens beside its own
