@@ -7,10 +7,13 @@ fp32 weights, bf16 autocast, fused AdamW, the whole batch as one micro-batch.
     python bench/wan_slice.py [--preset t2v-14b] [--blocks 4] [--frames 21] [--batch 1] [--steps 6] [--checkpointing]
     python bench/wan_slice.py --preset i2v-a14b ...   # image-to-video (Wan 2.2 I2V-A14B's expert): 36 input channels
     python bench/wan_slice.py --preset ti2v-5b --frames 31 ...  # TI2V-5B's image-to-video at 704x1280, 121 frames
+    python bench/wan_slice.py --preset i2v-14b ...    # Wan 2.1 I2V-14B: also 257 CLIP tokens of the picture
 
 TI2V-5B's image-to-video (`--preset ti2v-5b`: 48 channels through Wan 2.2's 16x VAE, 704x1280, 44x80 latents) feeds
 the plain loop what WanImageToVideoPipeline feeds that model: a timestep per token, zero on the first latent frame
-(diffusers then modulates token by token); diffpipe embeds one a latent frame (models/wan_ti2v.py).
+(diffusers then modulates token by token); diffpipe embeds one a latent frame (models/wan_ti2v.py). Wan 2.1
+I2V-14B (`--preset i2v-14b`) also reads a picture's 257 CLIP states (1280 wide) before the text: random ones in the
+plain loop, the stand-in text encoder's pooled output in diffpipe's (models/wan_clip.py).
 
 --checkpointing recomputes every block's activations in backward: diffusers' `enable_gradient_checkpointing()` in
 the plain loop, `pipeline.checkpointing = "all"` in diffpipe (the whole 1.3B model at 81 frames needs it on 141 GB).
@@ -38,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.distributed import single_process_topology  # noqa: E402
 from diffpipe.models.wan import WAN_PRESETS  # noqa: E402
+from diffpipe.models.wan_clip import WAN_CLIP_TOKENS  # noqa: E402
 from diffpipe.models.wan_i2v import WAN_I2V_PRESETS  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
@@ -71,8 +75,11 @@ def _inputs(args, device: str = "cuda") -> dict:
         per_frame = timestep.view(-1, 1).repeat(1, args.frames)
         per_frame[:, 0] = 0
         timestep = per_frame.repeat_interleave(height * width // 4, dim=1)  # (B, tokens), 2x2 patches
+    picture = {}
+    if _slice(args).get("image_dim"):  # Wan 2.1 I2V: the picture's CLIP states
+        picture["encoder_hidden_states_image"] = torch.randn(args.batch, WAN_CLIP_TOKENS, _slice(args)["image_dim"], **on)
     return dict(hidden_states=torch.randn(args.batch, channels, args.frames, height, width, **on),
-                timestep=timestep, encoder_hidden_states=torch.randn(args.batch, TOKENS, 4096, **on))
+                timestep=timestep, encoder_hidden_states=torch.randn(args.batch, TOKENS, 4096, **on), **picture)
 
 
 def step_flops(args) -> float:

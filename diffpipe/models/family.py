@@ -49,7 +49,8 @@ class ReleaseLayout:
 class TextBatch:
     """What the frozen encoders and the data give a batch, before the family names it for its backbone.
 
-    hidden: (B, L, D) text hidden states; pooled: (B, P) pooled text embedding (P may be 0); size_ids: (B, 6)
+    hidden: (B, L, D) text hidden states; pooled: (B, P) pooled text embedding (P may be 0), or what a text encoder
+    that reads pictures makes of each caption's picture (Wan 2.1 I2V: its CLIP states, flattened); size_ids: (B, 6)
     SDXL's (original h, w, crop top, left, target h, w); latent_size: (h, w) of the latents ((frames, h, w) for
     clips); guidance: the
     embedded guidance value of guidance-distilled models (Flux-dev); filled: each caption's positions up to its last

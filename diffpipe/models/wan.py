@@ -116,8 +116,9 @@ class WanFamily(ModelFamily):
     def check_supported(self, model):
         cfg = model.config
         if cfg.image_dim is not None or cfg.added_kv_proj_dim is not None or cfg.pos_embed_seq_len is not None:
-            raise ValueError("Wan 2.1 image-to-video configs (image_dim, added_kv_proj_dim, pos_embed_seq_len) are "
-                             "not supported yet: the wan adapter trains text-to-video")
+            raise ValueError("this Wan transformer reads a CLIP embedding of a picture (image_dim, added_kv_proj_dim, "
+                             "pos_embed_seq_len: Wan 2.1's image-to-video): train it with model.architecture = "
+                             "\"wan_i2v\"")
         if cfg.in_channels != cfg.out_channels:
             raise ValueError(f"this Wan transformer reads {cfg.in_channels} channels and predicts {cfg.out_channels}: "
                              "an image-to-video one (the first frame beside the latents); train it with "

@@ -49,7 +49,7 @@ def test_a_wrong_architecture_is_refused_naming_the_choices(architecture, says):
                                                           ("sd3", "large35", 8.1), ("wan", "t2v-1.3b", 1.4),
                                                           ("wan", "t2v-14b", 14.3), ("chroma", "hd", 8.9),
                                                           ("wan_i2v", "i2v-a14b", 14.3), ("wan", "ti2v-5b", 5.0),
-                                                          ("wan_i2v", "ti2v-5b", 5.0),
+                                                          ("wan_i2v", "ti2v-5b", 5.0), ("wan_i2v", "i2v-14b", 16.4),
                                                           ("hunyuan_video15", "480p-t2v", 8.3)])
 def test_the_real_width_presets_build_on_the_meta_device(architecture, preset, billions):
     config = build_config({"model": {"architecture": architecture, "preset": preset}, "data": {"dataset": "synthetic"}})

@@ -143,10 +143,13 @@ def test_the_folder_resolves_to_wan_i2v_and_a_first_last_frame_transformer_is_re
     data = {"dataset": "folder", "path": str(tiny_video / "clips"), "frame_buckets": [1, 17]}
     config = build_config({"model": {"path": str(tiny_video / "wan21_i2v")}, "data": data})
     assert config.model.architecture == "wan_i2v" and config.model.expert is None
+    from diffpipe.build import build_backbone
+
+    config.model.architecture = "wan"  # as a hand-edited run folder would say
+    with pytest.raises(ValueError, match='reads a CLIP embedding of a picture .*model.architecture = "wan_i2v"'):
+        build_backbone(config)
     folder = shutil.copytree(tiny_video / "wan21_i2v", tmp_path / "flf2v")
     index = json.loads((folder / "transformer" / "config.json").read_text())
     (folder / "transformer" / "config.json").write_text(json.dumps(dict(index, pos_embed_seq_len=2 * WAN_CLIP_TOKENS)))
-    from diffpipe.build import build_backbone
-
     with pytest.raises(ValueError, match="first-last-frame transformer .*pos_embed_seq_len"):
         build_backbone(build_config({"model": {"path": str(folder)}, "data": data}))
