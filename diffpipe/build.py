@@ -3,6 +3,7 @@ sample, plan and the checks before launch."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from .models.loading import CheckpointError, build_model, checked_weights
 from .models.pipeline_folder import dynamic_shift, expert_boundary
 from .models.materialise import is_meta, materialise
 from .models.storage import FrozenStorage
+from .models.two_experts import TwoExperts, each_expert
 from .models.registry import ArchitectureError, family_for
 from .models.text import CaptionEncoder, TextEncoder
 from .models.units import Backbone, full_parameter_names
@@ -25,7 +27,7 @@ from .pipeline.traffic import Crossing, boundary_crossings, trace_tensors
 
 __all__ = ["build_backbone", "give_weights", "build_stages", "choose_attention", "build_text_encoder", "sample_shape", "example_inputs",
            "boundary_traffic", "text_length", "build_dataset", "model_family", "feed", "timestep_range",
-           "shift_schedule"]
+           "shift_schedule", "weights_of_each"]
 
 def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Backbone:
     """The backbone with all its weights on `device`; on "meta", none yet (see `give_weights`), and with
@@ -35,7 +37,8 @@ def build_backbone(config: RunConfig, device: str | torch.device = "cpu") -> Bac
     model = build_model(config.model, family)
     if config.adapter.type != "none" and str(device) == "meta":  # before the units take their modules: peft
         try:  # replaces a targeted module in its parent, and a unit holding the old one would never use its adapter
-            add_lora(model, config.adapter, family.lora_targets, config.train.seed, family.unreached(model))
+            unreached = [prefix + name for prefix, expert in each_expert(model) for name in family.unreached(expert)]
+            add_lora(model, config.adapter, family.lora_targets, config.train.seed, unreached)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     try:
@@ -58,9 +61,12 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
     def reset_own(module: torch.nn.Module) -> bool:  # an adapter's tensors are drawn by seed_lora, below
         return (adapters and is_adapter_holder(module)) or backbone.family.reset_own_parameters(module)
 
-    materialise(backbone.model, config.train.seed, checked_weights(backbone.model, config.model, backbone.family),
-                modules, device, rename=base_module_name, buffers=backbone.family.constructor_buffers(backbone.model),
-                reset_own=reset_own, frozen=frozen)
+    family = backbone.family
+    for model, weights in weights_of_each(backbone.model, config, family):
+        buffers = {prefix + name: value for prefix, expert in each_expert(model)
+                   for name, value in family.constructor_buffers(expert).items()}
+        materialise(model, config.train.seed, weights, modules, device, rename=base_module_name, buffers=buffers,
+                    reset_own=reset_own, frozen=frozen)
     if adapters:
         seed_lora(backbone.model, config.train.seed)
         if config.adapter.init_from:
@@ -69,6 +75,17 @@ def give_weights(backbone: Backbone, config: RunConfig, units: list[int] | None 
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
     backbone.parameter_names = full_parameter_names(backbone.model)  # buffers given values are new objects
+
+
+def weights_of_each(model: torch.nn.Module, config: RunConfig, family) -> list[tuple[torch.nn.Module, Path | None]]:
+    """(model, its checked weights file) to materialise: the model and model.path's weights; both experts of a
+    pipeline folder each with its own subfolder's (a run folder's model.safetensors holds both under their
+    subfolders' names, as the model names them)."""
+    folder = config.model.pipeline_folder()
+    if not isinstance(model, TwoExperts) or config.model.path is None or Path(config.model.path) != folder:
+        return [(model, checked_weights(model, config.model, family))]
+    return [(expert, checked_weights(expert, config.model.model_copy(update={"expert": expert_name}), family))
+            for (_, expert), expert_name in zip(each_expert(model), ("high", "low"))]
 
 
 def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], mine: list[int],
@@ -120,10 +137,10 @@ def feed(config: RunConfig, backbone: Backbone) -> Feed:
 
 def timestep_range(config: RunConfig) -> tuple[float, float] | None:
     """The timesteps the run trains on (and evaluates at the quantiles of): train.timestep_range, else model.expert's
-    side of its pipeline's boundary (high: [boundary, 1], low: [0, boundary]), else None (all)."""
+    side of its pipeline's boundary (high: [boundary, 1], low: [0, boundary]), else None (all: both experts too)."""
     if config.train.timestep_range is not None:
         return tuple(config.train.timestep_range)
-    if config.model.expert is None:
+    if config.model.expert in (None, "both"):
         return None
     boundary = expert_boundary(config.model.pipeline_folder())
     return (boundary, 1.0) if config.model.expert == "high" else (0.0, boundary)

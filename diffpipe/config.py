@@ -41,7 +41,7 @@ class ModelConfig(_Section):
     text_encoder: str = Field("tiny-clip", description="Frozen text encoder: tiny-clip (built locally from a small config) or a local transformers CLIP folder.")
     text_max_length: int = Field(8, ge=2, le=16384, description="Tokens per caption (padded/truncated); a pipeline folder's tokenizers decide their own (77 for CLIP). Above 512 only for plans and benchmarks of an edit model whose text holds a control's vision tokens (qwen_image_edit: 1536 at 1024x1024).")
     guidance: float = Field(3.5, ge=0.0, description="Guidance-distilled models (Flux-dev: guidance_embeds = true): the guidance value embedded while training and sampling (diffusers' Flux scripts: 3.5).")
-    expert: Literal["high", "low"] | None = Field(None, description="A pipeline folder with two experts (Wan 2.2 A14B: transformer/ for high noise, transformer_2/ for low noise, switched at model_index.json's boundary_ratio): the one this run trains, on its own timesteps only (high: t >= boundary_ratio; low: below; train.timestep_range overrides). Required for such a folder; unset otherwise.")
+    expert: Literal["high", "low", "both"] | None = Field(None, description="A pipeline folder with two experts (Wan 2.2 A14B: transformer/ for high noise, transformer_2/ for low noise, switched at model_index.json's boundary_ratio): the one this run trains, on its own timesteps only (high: t >= boundary_ratio; low: below; train.timestep_range overrides), or both: each sample trains the expert its timestep picks, as WanPipeline picks one (both experts' units i on one stage; models/two_experts.py). Required for such a folder; unset otherwise.")
 
     @model_validator(mode="after")
     def _check_architecture(self) -> "ModelConfig":

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from .build import build_backbone, sample_shape
+from .build import build_backbone, sample_shape, weights_of_each
 from .config import ConfigError, RunConfig
 from .data.sources import source_of
 from .distributed import resolve_device_kind, under_torchrun
 from .errors import DataError
-from .models.loading import CheckpointError, checked_weights
+from .models.loading import CheckpointError
 from .models.units import Backbone
 from .pipeline.schedules import schedule_named
 from .pipeline.split import SplitError
@@ -38,7 +38,7 @@ class Checked:
 
 def check_before_launch(config: RunConfig) -> Checked:
     backbone = build_backbone(config, device="meta")
-    checked_weights(backbone.model, config.model, backbone.family)  # converts an original-layout file once
+    weights_of_each(backbone.model, config, backbone.family)  # converts an original-layout file once
     if config.model.text_encoder != "tiny-clip" and not (Path(config.model.text_encoder) / "config.json").is_file():
         raise CheckpointError(f"model.text_encoder={config.model.text_encoder}: no config.json there; give a local "
                               "transformers CLIP folder or \"tiny-clip\"")

@@ -149,9 +149,13 @@ def load_generator(run_dir: str | Path) -> Generator:
             raise CheckpointError(f"{run_dir} is not a finished run folder: {name} is missing "
                                   "(train first with `diffpipe train CONFIG`)")
     config.model.path = str(run_dir)  # the run's own weights (model.safetensors, model_config.json), not its start
-    expert, config.model.expert = config.model.expert, None  # one of two experts trained: the run holds that one
+    expert, components = config.model.expert, config.model.components
+    if expert == "both":  # the run holds both experts; the folder says where they switch
+        config.model.components = str(pipeline)
+    else:  # one of two experts trained: the run holds that one
+        config.model.expert = None
     backbone = build_backbone(config)
-    config.model.expert = expert
+    config.model.expert, config.model.components = expert, components
     backbone.model.eval()
     split = config.pipeline.split if isinstance(config.pipeline.split, list) else []
     modules = build_stage_modules(backbone, stage_specs(backbone, split), AUTOCAST_DTYPES[config.train.precision])

@@ -41,7 +41,11 @@ def _prepare_run(args) -> tuple:
     note = optimizer_note(config.train)
     if note is not None and int(os.environ.get("RANK", "0")) == 0:
         print(note, flush=True)
-    if config.model.expert is not None and int(os.environ.get("RANK", "0")) == 0:
+    if config.model.expert == "both" and int(os.environ.get("RANK", "0")) == 0:
+        print(f"model.expert = \"both\": each sample trains the expert its timestep picks (transformer/ from "
+              f"{checked.backbone.model.boundary / 1000:.3f} up, transformer_2/ below), both on every stage; samples "
+              "during training use both, as WanPipeline does", flush=True)
+    elif config.model.expert is not None and int(os.environ.get("RANK", "0")) == 0:
         low, high = timestep_range(config)
         print(f"model.expert = \"{config.model.expert}\": trains on timesteps {low:.3f} to {high:.3f} (1 = pure "
               "noise); samples during training are this expert's at every step (the other is not loaded): a rough "

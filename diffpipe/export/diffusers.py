@@ -7,7 +7,10 @@
   (`ModelFamily.diffusers_lora_pipeline`: SD, SDXL, Flux, SD3, Wan), with the LoRA config (rank, alpha, targets,
   use_dora) in the header. LoHa and LoKr: refused (diffusers loads neither; --format comfyui writes them). A LoRA of
   Wan 2.2's low-noise expert (model.expert = "low") loads with `pipe.load_lora_weights(path,
-  load_into_transformer_2=True)`; a full fine-tune of either expert replaces that expert's subfolder only.
+  load_into_transformer_2=True)`; a full fine-tune of either expert replaces that expert's subfolder only. Both
+  experts (model.expert = "both"): a full fine-tune replaces both subfolders; a LoRA is two files in the folder,
+  `pytorch_lora_weights.safetensors` (the high-noise expert's) and `pytorch_lora_weights_low_noise.safetensors`
+  (`load_lora_weights(folder, weight_name=..., load_into_transformer_2=True)`).
 """
 from __future__ import annotations
 
@@ -24,16 +27,28 @@ from safetensors.torch import load_file
 from ..errors import ExportError
 from ..models.loading import backbone_component
 from ..models.lora import adapted_module
+from ..models.two_experts import EXPERT_COMPONENTS
 from ..written_files import give_user_mode, save_tensors
 from .run import replacing
 
-__all__ = ["check", "target", "write"]
+__all__ = ["check", "target", "write", "WRITES_TWO_EXPERTS"]
 
 _LORA_FILE = "pytorch_lora_weights.safetensors"
+_LOW_NOISE_LORA_FILE = "pytorch_lora_weights_low_noise.safetensors"  # both experts: the low-noise one's
+WRITES_TWO_EXPERTS = True  # model.expert = "both" (export/run.py refuses it for the formats without this)
 
 
 def target(out: Path) -> Path:
     return out
+
+
+def _by_expert(run, weights: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The run's weights by the pipeline subfolder they go in: both experts' apart (under their subfolders' names in
+    the run's files: models/two_experts.py), else all in the trained backbone's."""
+    if run.config.model.expert != "both":
+        return {backbone_component(run.config.model, run.family): weights}
+    return {name: {k[len(name) + 1:]: v for k, v in weights.items() if k.startswith(f"{name}.")}
+            for name in EXPERT_COMPONENTS}
 
 
 def check(run) -> None:
@@ -46,23 +61,30 @@ def check(run) -> None:
 
 
 def write(run, out: Path) -> Path:
+    if run.config.model.expert == "both" and out.suffix == ".safetensors":
+        raise ExportError(f"{run.folder} trained both experts (model.expert = \"both\"): --out names a folder, "
+                          "which gets both (one .safetensors file holds one backbone)")
     return _write_lora(run, out) if run.lora else _write_folder(run, out)
 
 
 def _write_folder(run, out: Path) -> Path:
     family = run.family
-    with torch.device("meta"):
-        model = family.model_class(**{k: v for k, v in run.model_config.items() if not k.startswith("_")})
-    model.load_state_dict(load_file(str(run.folder / "model.safetensors")), assign=True)
+    models = {}  # pipeline subfolder -> the trained backbone in it (a two-expert pipeline: the one trained, or both)
+    for component, weights in _by_expert(run, load_file(str(run.folder / "model.safetensors"))).items():
+        with torch.device("meta"):
+            models[component] = family.model_class(**{k: v for k, v in run.model_config.items()
+                                                      if not k.startswith("_")})
+        models[component].load_state_dict(weights, assign=True)
     if out.suffix == ".safetensors":  # the backbone alone, in diffusers' names (from_single_file, ComfyUI)
+        (model,) = models.values()
         return save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, out, metadata={"format": "pt"})
     base = run.config.model.pipeline_folder()
-    component = backbone_component(run.config.model, family)  # a two-expert pipeline: the trained one's subfolder
 
     def write_into(folder: Path) -> None:
         if base is not None:
-            shutil.copytree(base, folder, ignore=shutil.ignore_patterns(component, ".diffpipe*"), dirs_exist_ok=True)
-        model.save_pretrained(folder / component if base is not None else folder, safe_serialization=True)
+            shutil.copytree(base, folder, ignore=shutil.ignore_patterns(*models, ".diffpipe*"), dirs_exist_ok=True)
+        for component, model in models.items():
+            model.save_pretrained(folder / component if base is not None else folder, safe_serialization=True)
 
     return replacing(out, write_into)
 
@@ -79,10 +101,12 @@ def _write_lora(run, out: Path) -> Path:
                         "use_dora": adapter.type == "dora"}
     pipeline = run.family.diffusers_lora_pipeline(run.model_config)
     component = run.family.component  # "unet" or "transformer": the keyword save_lora_weights takes them under
-    layers = {f"{component}_lora_layers": adapters, f"{component}_lora_adapter_metadata": adapter_metadata}
+    files = list(zip(_by_expert(run, adapters).values(), (_LORA_FILE, _LOW_NOISE_LORA_FILE)))  # both: one each
 
     def write_into(folder: Path) -> None:
-        pipeline.save_lora_weights(folder, weight_name=_LORA_FILE, **layers)
+        for layers, name in files:
+            pipeline.save_lora_weights(folder, weight_name=name, **{f"{component}_lora_layers": layers,
+                                                                    f"{component}_lora_adapter_metadata": adapter_metadata})
 
     if out.suffix == ".safetensors":  # the file alone (pipe.load_lora_weights reads a file too)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -87,6 +87,10 @@ def export_files(folder: Path, config: RunConfig, writer, out: Path) -> Path:
         _check_readable(folder / name)
     run = ExportedRun(folder, config, family_for(config.model.architecture),
                       json.loads((folder / "model_config.json").read_text()))
+    if config.model.expert == "both" and not getattr(writer, "WRITES_TWO_EXPERTS", False):
+        raise ExportError(f"{folder} trained both experts of {config.model.path} (model.expert = \"both\"): "
+                          "--format diffusers writes them (a pipeline folder with both subfolders, or a LoRA file for "
+                          "each); other formats hold one backbone")
     writer.check(run)
     return writer.write(run, out)
 

@@ -92,10 +92,16 @@ class ModelFamily:
     def backbone(self, model: nn.Module, granularity: str) -> Backbone:
         """`model` checked (`check_supported`), what it never trains frozen (`unreached`), and described as units,
         with this family attached."""
-        self.check_supported(model)
-        for name in self.unreached(model):
-            model.get_submodule(name).requires_grad_(False)
-        backbone = self.describe(model, granularity)
+        from .two_experts import TwoExperts, each_expert, two_expert_backbone
+
+        for _, expert in each_expert(model):  # (both experts of a TwoExperts: models/two_experts.py)
+            self.check_supported(expert)
+            for name in self.unreached(expert):
+                expert.get_submodule(name).requires_grad_(False)
+        if isinstance(model, TwoExperts):
+            backbone = two_expert_backbone(self, model, granularity)
+        else:
+            backbone = self.describe(model, granularity)
         backbone.family = self
         return backbone
 

@@ -35,9 +35,9 @@ def backbone_component(cfg: ModelConfig, family: ModelFamily) -> str:
     if two and cfg.expert is None:
         raise CheckpointError(f"model.path={folder} has two experts (transformer/ for high noise, transformer_2/ for "
                               f"low, switched at boundary_ratio {expert_boundary(folder)}): set model.expert = "
-                              "\"high\" or \"low\" to train one (each on its own timesteps); training both in one "
-                              "run is not supported yet")
-    return "transformer_2" if cfg.expert == "low" else family.component
+                              "\"high\" or \"low\" to train one (each on its own timesteps), or \"both\" (each sample "
+                              "the expert its timestep picks)")
+    return "transformer_2" if cfg.expert == "low" else family.component  # "both": the high expert's config
 
 
 def model_kwargs(cfg: ModelConfig, family: ModelFamily) -> dict:
@@ -113,14 +113,35 @@ def check_checkpoint(model: torch.nn.Module, path: Path) -> None:
 
 def build_model(cfg: ModelConfig, family: ModelFamily) -> torch.nn.Module:
     """The backbone of `cfg` on the meta device, without weights: `build.give_weights` gives them (the checkpoint's,
-    else seeded random ones)."""
+    else seeded random ones). model.expert = "both": a TwoExperts of the folder's two (models/two_experts.py)."""
     kwargs = model_kwargs(cfg, family)
     with torch.device("meta"):
         try:
-            return family.model_class(**kwargs)
+            model = family.model_class(**kwargs)
+            if cfg.expert == "both":
+                return _two_experts(cfg, family, model, kwargs)
+            return model
         except (TypeError, ValueError, AssertionError) as exc:
             raise CheckpointError(f"model config is not a valid {family.model_class.__name__} config "
                                   f"(model.architecture = {family.name!r}): {exc}") from None
+
+
+def _two_experts(cfg: ModelConfig, family: ModelFamily, high: torch.nn.Module, kwargs: dict) -> torch.nn.Module:
+    """The high-noise expert `high` and the low-noise one beside it, switched at the folder's boundary_ratio. The low
+    one's config is its own subfolder's (or, from a run folder, the same: model_config.json), which must be the high
+    one's: the units of both live on the same stages."""
+    from .pipeline_folder import expert_boundary
+    from .two_experts import TwoExperts
+
+    folder = cfg.pipeline_folder()
+    own = folder / "transformer_2" / "config.json" if folder is not None else None
+    if own is not None and own.is_file() and (cfg.path is None or Path(cfg.path) == folder):
+        low_kwargs = {k: v for k, v in json.loads(own.read_text()).items() if not k.startswith("_")}
+        if low_kwargs != kwargs:
+            differ = sorted(k for k in set(low_kwargs) | set(kwargs) if low_kwargs.get(k) != kwargs.get(k))
+            raise CheckpointError(f"model.expert = \"both\": {folder}'s experts differ in {', '.join(differ)}; both "
+                                  "must be one architecture (train them one at a time: \"high\", \"low\")")
+    return TwoExperts(high, family.model_class(**kwargs), 1000.0 * expert_boundary(folder))
 
 
 def checked_weights(model: torch.nn.Module, cfg: ModelConfig, family: ModelFamily) -> Path | None:

@@ -42,6 +42,8 @@ class Backbone:
     parameter_names: maps each parameter/buffer object id to its name in the original model,
     so a stage's weights can be saved and loaded under the names diffusers uses.
     family: the ModelFamily that described the model (how it is fed, its diffusers forward).
+    tables: names of tensors that are one table for the whole batch (a rotary table computed from the latents'
+    shape), not a row per sample: what a unit that routes samples (models/two_experts.py) passes whole.
     """
 
     units: list[Unit]
@@ -51,6 +53,7 @@ class Backbone:
     model: nn.Module
     parameter_names: dict[int, str] = field(default_factory=dict)
     family: Any = None  # the ModelFamily that described it (family.py)
+    tables: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.parameter_names:

@@ -79,7 +79,8 @@ def wan_backbone(model: WanTransformer3DModel) -> Backbone:
     units = [Unit("embed", _Embed(model), ("sample",) + conditions, streams)]
     units += [Unit(f"block.{i}", _Block(b), ("h", "context", "tproj", "rope"), ("h",)) for i, b in enumerate(model.blocks)]
     units.append(Unit("out", _Out(model), ("h", "temb"), ("prediction",)))
-    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model,
+                    tables=("rope",))
 
 
 class WanFamily(ModelFamily):

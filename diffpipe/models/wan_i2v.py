@@ -73,7 +73,8 @@ def wan_i2v_backbone(model) -> Backbone:
     conditions = wan.conditions + own
     embed = (ClipEmbed if reads_picture(model.config) else _I2VEmbed)(model)
     units = [Unit("embed", embed, ("sample",) + own + wan.conditions, wan.units[0].writes), *wan.units[1:]]
-    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model,
+                    tables=("rope",))
 
 
 class WanI2VFamily(WanFamily):

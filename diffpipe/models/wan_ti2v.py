@@ -131,4 +131,5 @@ def wan_ti2v_backbone(model) -> Backbone:
     units += [Unit(f"block.{i}", _FrameBlock(b), ("h", "context", "tproj", "rope"), ("h",))
               for i, b in enumerate(model.blocks)]
     units.append(Unit("out", _FrameOut(model), ("h", "temb", "first_frame"), ("prediction",)))
-    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
+    return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model,
+                    tables=("rope",))
