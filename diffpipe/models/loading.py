@@ -28,7 +28,8 @@ def backbone_component(cfg: ModelConfig, family: ModelFamily) -> str:
 
     folder = cfg.pipeline_folder()
     two = folder is not None and is_pipeline_folder(folder) and expert_boundary(folder) is not None
-    if cfg.expert is not None and not two:
+    random_pair = cfg.expert == "both" and cfg.path is None  # two of a preset (plans, benches): random weights
+    if cfg.expert is not None and not two and not random_pair:
         raise CheckpointError(f"model.expert = \"{cfg.expert}\" picks one of a pipeline's two experts (Wan 2.2 A14B: "
                               "transformer/ and transformer_2/ with a boundary_ratio in model_index.json), and "
                               f"{folder or 'this model'} has one backbone: leave model.expert unset")
@@ -131,9 +132,10 @@ def _two_experts(cfg: ModelConfig, family: ModelFamily, high: torch.nn.Module, k
     one's config is its own subfolder's (or, from a run folder, the same: model_config.json), which must be the high
     one's: the units of both live on the same stages."""
     from .pipeline_folder import expert_boundary
-    from .two_experts import TwoExperts
+    from .two_experts import WAN22_T2V_BOUNDARY, TwoExperts
 
     folder = cfg.pipeline_folder()
+    boundary = expert_boundary(folder) if folder is not None else WAN22_T2V_BOUNDARY
     own = folder / "transformer_2" / "config.json" if folder is not None else None
     if own is not None and own.is_file() and (cfg.path is None or Path(cfg.path) == folder):
         low_kwargs = {k: v for k, v in json.loads(own.read_text()).items() if not k.startswith("_")}
@@ -141,7 +143,7 @@ def _two_experts(cfg: ModelConfig, family: ModelFamily, high: torch.nn.Module, k
             differ = sorted(k for k in set(low_kwargs) | set(kwargs) if low_kwargs.get(k) != kwargs.get(k))
             raise CheckpointError(f"model.expert = \"both\": {folder}'s experts differ in {', '.join(differ)}; both "
                                   "must be one architecture (train them one at a time: \"high\", \"low\")")
-    return TwoExperts(high, family.model_class(**kwargs), 1000.0 * expert_boundary(folder))
+    return TwoExperts(high, family.model_class(**kwargs), 1000.0 * boundary)
 
 
 def checked_weights(model: torch.nn.Module, cfg: ModelConfig, family: ModelFamily) -> Path | None:

@@ -15,6 +15,11 @@ random (about 1 in 8 above Wan 2.2 T2V's boundary under a shift of 5: more under
 uniform draw), so a GPU holding one expert only would wait whenever its expert drew few samples. Memory is both
 experts' weights per stage (2 x 14.3 B for A14B), which the planner counts (a unit's parameters are both experts')
 and the memory levers (bf16 or fp8 bases, block swap, more stages) bring under the cards' limit.
+
+Not with data-parallel replicas yet: a replica whose samples all go to one expert makes no gradient for the other's
+weights, and torch's data parallelism needs every replica's for each (DDP stops; FSDP2 would pair unlike
+collectives). Running the idle expert on no samples would give zero gradients, which AdamW does not skip as it skips
+none (its moments move the weights on): a difference from the plain loop the central test would have to allow.
 """
 from __future__ import annotations
 
@@ -23,9 +28,11 @@ from torch import nn
 
 from .units import Backbone, Unit
 
-__all__ = ["TwoExperts", "two_expert_backbone", "each_expert", "EXPERT_COMPONENTS"]
+__all__ = ["TwoExperts", "two_expert_backbone", "each_expert", "EXPERT_COMPONENTS", "replicas_problem",
+           "WAN22_T2V_BOUNDARY"]
 
 EXPERT_COMPONENTS = ("transformer", "transformer_2")  # high noise, low noise: the pipeline folder's subfolders
+WAN22_T2V_BOUNDARY = 0.875  # Wan2.2-T2V-A14B-Diffusers' boundary_ratio: two of a preset (no folder) switch here
 
 
 def _rows(value, rows: torch.Tensor):
@@ -65,6 +72,16 @@ class TwoExperts(nn.Module):
                 out = part.new_empty(hidden_states.shape[0], *part.shape[1:])
             out[rows] = part
         return (out,)
+
+
+def replicas_problem(expert: str | None, data_parallel: int) -> str | None:
+    """Why a run of these settings cannot have its data-parallel replicas (the module's docstring), or None."""
+    if expert == "both" and data_parallel > 1:
+        return ("model.expert = \"both\" trains on pipeline stages without data-parallel replicas yet (a replica "
+                "whose samples all go to one expert makes no gradient for the other, and torch's data parallelism "
+                "needs every replica's): set pipeline.data_parallel = 1 with more stages, or train the experts one at "
+                "a time (\"high\", \"low\") with replicas")
+    return None
 
 
 def each_expert(model: nn.Module) -> list[tuple[str, nn.Module]]:
