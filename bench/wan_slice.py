@@ -8,12 +8,15 @@ fp32 weights, bf16 autocast, fused AdamW, the whole batch as one micro-batch.
     python bench/wan_slice.py --preset i2v-a14b ...   # image-to-video (Wan 2.2 I2V-A14B's expert): 36 input channels
     python bench/wan_slice.py --preset ti2v-5b --frames 31 ...  # TI2V-5B's image-to-video at 704x1280, 121 frames
     python bench/wan_slice.py --preset i2v-14b ...    # Wan 2.1 I2V-14B: also 257 CLIP tokens of the picture
+    python bench/wan_slice.py --both ...              # Wan 2.2 A14B's two experts: each step the one its timestep picks
 
 TI2V-5B's image-to-video (`--preset ti2v-5b`: 48 channels through Wan 2.2's 16x VAE, 704x1280, 44x80 latents) feeds
 the plain loop what WanImageToVideoPipeline feeds that model: a timestep per token, zero on the first latent frame
 (diffusers then modulates token by token); diffpipe embeds one a latent frame (models/wan_ti2v.py). Wan 2.1
 I2V-14B (`--preset i2v-14b`) also reads a picture's 257 CLIP states (1280 wide) before the text: random ones in the
-plain loop, the stand-in text encoder's pooled output in diffpipe's (models/wan_clip.py).
+plain loop, the stand-in text encoder's pooled output in diffpipe's (models/wan_clip.py). `--both`: two slices,
+the plain loop stepping the one its step's timestep picks (WanPipeline's boundary 0.875; one AdamW over both, as a
+user would hold them), diffpipe's `model.expert = "both"` (models/two_experts.py); both draw the timesteps the same way.
 
 --checkpointing recomputes every block's activations in backward: diffusers' `enable_gradient_checkpointing()` in
 the plain loop, `pipeline.checkpointing = "all"` in diffpipe (the whole 1.3B model at 81 frames needs it on 141 GB).
@@ -99,6 +102,7 @@ def _report(what: str, args, steps: list[float], flops: float, **extra) -> None:
     median = statistics.median(steps[2:])
     video_frames = args.batch * (4 * args.frames - 3)
     print(json.dumps({"what": what, "preset": args.preset, "blocks": args.blocks, "checkpointing": args.checkpointing,
+                      "experts": 2 if args.both else 1,
                       "latent_frames": args.frames,
                       "video_frames": 4 * args.frames - 3, "batch": args.batch, "median_step_s": round(median, 4),
                       "video_frames_per_s": round(video_frames / median, 2),
@@ -112,10 +116,11 @@ def plain_loop(args, flops: float) -> None:
 
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
-    model = WanTransformer3DModel(**_slice(args)).to("cuda").train()
+    experts = [WanTransformer3DModel(**_slice(args)).to("cuda").train() for _ in range(2 if args.both else 1)]
     if args.checkpointing:
-        model.enable_gradient_checkpointing()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        for model in experts:
+            model.enable_gradient_checkpointing()
+    opt = torch.optim.AdamW([p for model in experts for p in model.parameters()], lr=1e-5, fused=True)
     inputs = _inputs(args)
     target = torch.randn_like(inputs["hidden_states"][:, :_slice(args)["out_channels"]])
 
@@ -123,6 +128,7 @@ def plain_loop(args, flops: float) -> None:
     for _ in range(args.steps):
         torch.cuda.synchronize()
         start = time.perf_counter()
+        model = experts[0] if float(inputs["timestep"].flatten()[0]) >= 875 else experts[-1]  # WanPipeline's pick
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = model(**inputs, return_dict=False)[0]
         torch.nn.functional.mse_loss(out.float(), target).backward()
@@ -130,14 +136,15 @@ def plain_loop(args, flops: float) -> None:
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(p.numel() for model in experts for p in model.parameters())
     _report("plain WanTransformer3DModel loop", args, times, flops, params_B=round(params / 1e9, 2))
 
 
 def diffpipe_run(args, flops: float) -> None:
     torch.cuda.reset_peak_memory_stats()
     config = build_config({
-        "model": {"architecture": _architecture(args), "config": _slice(args), "text_max_length": TOKENS},
+        "model": {"architecture": _architecture(args), "config": _slice(args), "text_max_length": TOKENS,
+                  "expert": "both" if args.both else None},
         "data": {"dataset": "synthetic", "frames": args.frames, "latent_size": list(_latent_size(args))},
         "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
                   "objective": "flow_matching", "device": "cuda"},
@@ -159,6 +166,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--only", choices=["plain", "diffpipe"], default=None)
+    parser.add_argument("--both", action="store_true", help="two experts (Wan 2.2 A14B's), switched by timestep")
     args = parser.parse_args()
     torch.backends.cuda.enable_cudnn_sdp(False)  # as bench/flux_slice.py: cuDNN's attention backward failed on H200
     flops = step_flops(args)
