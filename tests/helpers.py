@@ -26,6 +26,14 @@ class Ran:
     stderr: str = "(in this process: its errors are in pytest's captured output)"
 
 
+def losses_of(run) -> list[float]:
+    """Each step's loss of a finished run folder (its metrics.jsonl)."""
+    import json
+    from pathlib import Path
+
+    return [json.loads(line)["loss"] for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
 def grid_size(columns: int, rows: int, tile: tuple[int, int], seeds: list[int]) -> tuple[int, int]:
     """The size of a labelled grid of samples (diffpipe/grids.py): tiles of `tile` pixels (as enlarged) with each
     column's prompt above and each row's "seed N" at its left."""
@@ -137,8 +145,6 @@ def trains_alike_on_one_and_two_stages(train: Callable[..., Ran], tmp_path, step
                                        weights_atol: float = 1e-6) -> None:
     """`train(out, *args)` (a `diffpipe train` of an example with `args` added) on 1 and on 2 stages, captions kept:
     the same losses (rtol 1e-5, fp32) and the same merged weights (rtol 1e-4, atol `weights_atol`)."""
-    import json
-
     import torch
     from safetensors.torch import load_file
 
@@ -149,7 +155,7 @@ def trains_alike_on_one_and_two_stages(train: Callable[..., Ran], tmp_path, step
                        "--set", "data.caption_dropout=0.0")
         assert result.returncode == 0, result.stderr[-3000:]
         assert f"{stages} stage(s)" in result.stdout
-        losses[stages] = [json.loads(line)["loss"] for line in (runs[stages] / "metrics.jsonl").read_text().splitlines()]
+        losses[stages] = losses_of(runs[stages])
     assert len(losses[1]) == steps and all(loss == loss for loss in losses[1])
     torch.testing.assert_close(torch.tensor(losses[2]), torch.tensor(losses[1]), rtol=1e-5, atol=0)
     merged = [load_file(str(runs[s] / "model.safetensors")) for s in (1, 2)]

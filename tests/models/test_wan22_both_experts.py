@@ -26,7 +26,7 @@ from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
 from diffpipe.sampling import run_stages
 
-from ..helpers import run_command
+from ..helpers import losses_of, run_command
 
 ROOT = Path(__file__).parent.parent.parent
 QUICK = ["output.sample_every_end=false", "checkpoint.every=0", "observe.log_every=0", 'train.device="cpu"',
@@ -101,8 +101,7 @@ def test_both_experts_train_on_one_and_two_stages_to_the_same_losses_and_export_
                         f'data.cache_dir="{tmp_path / "cache"}"')
         assert result.returncode == 0, result.stderr[-3000:]
         assert 'model.expert = "both"' in result.stdout
-    losses = [[json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
-              for run in runs.values()]
+    losses = [losses_of(run) for run in runs.values()]
     assert len(losses[0]) == 4
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)
     trained = [load_file(str(run / "model.safetensors")) for run in runs.values()]

@@ -20,18 +20,11 @@ from diffpipe.models.family import Feed
 from diffpipe.models.wan_clip import WAN_CLIP_TOKENS, WanImageText
 from diffpipe.models.wan_i2v import WanI2VFamily
 
-from ..helpers import check_diffusers_lora, run_command
+from ..helpers import check_diffusers_lora, losses_of, run_command
+
+from .test_wan_i2v import CLIP, QUICK, clips  # noqa: F401 (clips: the fixture, a copy of the tiny clips)
 
 ROOT = Path(__file__).parent.parent.parent
-QUICK = ["--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0",
-         "--set", "train.warmup_steps=0", "--set", "data.caption_dropout=0.0"]
-CLIP = "red_square_left_0.mp4"
-
-
-@pytest.fixture(scope="module")
-def clips(tiny_video, tmp_path_factory) -> Path:
-    """A copy of the tiny clips (each run's cache is written beside them)."""
-    return shutil.copytree(tiny_video / "clips", tmp_path_factory.mktemp("wan21") / "clips")
 
 
 def _train(tiny_video: Path, clips: Path, out: Path, *settings: str):
@@ -39,10 +32,6 @@ def _train(tiny_video: Path, clips: Path, out: Path, *settings: str):
     return run_command(["train", str(ROOT / "examples" / "wan21_i2v_clips.toml"), "--output-dir", str(out),
                         "--set", f'model.path="{tiny_video / "wan21_i2v"}"', "--set", f'data.path="{clips}"',
                         *QUICK, *extra])
-
-
-def _losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def _encoded(text: WanImageText, caption: str, picture) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,10 +82,10 @@ def test_the_tiny_example_trains_on_one_and_two_stages_to_the_same_losses_cached
         result = _train(tiny_video, clips, runs[name], "train.max_steps=4", *extra,
                         f'data.cache_dir="{tmp_path / "cache"}"')
         assert result.returncode == 0, result.stderr[-3000:]
-    one = _losses(runs["one"])
+    one = losses_of(runs["one"])
     assert len(one) == 4 and all(l == l for l in one)
-    torch.testing.assert_close(torch.tensor(_losses(runs["two"])), torch.tensor(one), rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.tensor(_losses(runs["uncached"])), torch.tensor(one), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses_of(runs["two"])), torch.tensor(one), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(losses_of(runs["uncached"])), torch.tensor(one), rtol=1e-5, atol=0)
     from diffpipe.data.cache import ShardStore
 
     texts = ShardStore(next((tmp_path / "cache").rglob("text-*")))
