@@ -14,7 +14,6 @@ from .data.sources import source_of
 from .distributed import resolve_device_kind, under_torchrun
 from .errors import DataError
 from .models.loading import CheckpointError
-from .models.two_experts import replicas_problem
 from .models.units import Backbone
 from .pipeline.schedules import schedule_named
 from .pipeline.split import SplitError
@@ -39,8 +38,6 @@ class Checked:
 
 def check_before_launch(config: RunConfig) -> Checked:
     backbone = build_backbone(config, device="meta")
-    if (problem := replicas_problem(config.model.expert, config.pipeline.data_parallel)) is not None:
-        raise ConfigError(problem)
     weights_of_each(backbone.model, config, backbone.family)  # converts an original-layout file once
     if config.model.text_encoder != "tiny-clip" and not (Path(config.model.text_encoder) / "config.json").is_file():
         raise CheckpointError(f"model.text_encoder={config.model.text_encoder}: no config.json there; give a local "

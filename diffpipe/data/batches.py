@@ -14,7 +14,7 @@ import torch
 from .. import seeds
 from ..config import DataConfig, TrainConfig
 from ..diffusion.noise import multires_noise
-from ..diffusion.objectives import make_targets, min_snr_weights, with_element_weights, with_weights
+from ..diffusion.objectives import make_targets, min_snr_weights, model_timesteps, with_element_weights, with_weights
 from ..diffusion.timesteps import DYNAMIC_SHIFT, resolution_shift, sample_timesteps, timestep_quantiles
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
@@ -27,15 +27,20 @@ class StepBatch:
     noisy: torch.Tensor
     target: torch.Tensor
     conditions: dict[str, torch.Tensor]
+    # the model timesteps of the step's whole global batch, every replica's, kept on the host (a training step's
+    # only): which experts of a two-expert model the step trains, known without asking the device or the replicas
+    step_timesteps: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "StepBatch":
-        """On `device`; a GPU copies from pinned host memory without making the host wait."""
+        """On `device` (`step_timesteps` stays on the host); a GPU copies from pinned host memory without making the
+        host wait."""
         def move(t: torch.Tensor) -> torch.Tensor:
             if device.type == "cuda" and t.device.type == "cpu":
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
 
-        return StepBatch(move(self.noisy), move(self.target), {k: move(v) for k, v in self.conditions.items()})
+        return StepBatch(move(self.noisy), move(self.target), {k: move(v) for k, v in self.conditions.items()},
+                         self.step_timesteps)
 
 
 @dataclass
@@ -226,7 +231,9 @@ class BatchMaker:
         masks = self.data.loss_masks(mine, x0.shape[-2:]) if self.weighting == "elements" else None
         # image folders' items weigh their own (regularisation images); other data's weigh 1
         items = self.data.loss_weights(mine) if self.weighting != "none" and hasattr(self.data, "loss_weights") else None
-        return self._batch(x0, drawn.noise[part], drawn.t[part], conditions, masks=masks, item_weights=items)
+        batch = self._batch(x0, drawn.noise[part], drawn.t[part], conditions, masks=masks, item_weights=items)
+        batch.step_timesteps = model_timesteps(self.train.objective, drawn.t)
+        return batch
 
     def eval_timesteps(self, item_shape: tuple[int, ...]) -> list[float]:
         """The timesteps an eval loss of items of `item_shape` is measured at: train.eval_quantiles of the density

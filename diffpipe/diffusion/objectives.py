@@ -12,7 +12,7 @@ import torch
 
 from .timesteps import NUM_TRAIN_TIMESTEPS
 
-__all__ = ["TrainingTargets", "make_targets", "alphas_cumprod", "discrete_step", "min_snr_weights", "with_weights",
+__all__ = ["TrainingTargets", "make_targets", "model_timesteps", "alphas_cumprod", "discrete_step", "min_snr_weights", "with_weights",
            "weighted_mse", "with_element_weights", "element_weighted_mse"]
 
 
@@ -37,10 +37,16 @@ def _broadcast(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return v.view(-1, *([1] * (like.dim() - 1))).to(like.dtype)
 
 
+def model_timesteps(objective: str, t: torch.Tensor) -> torch.Tensor:
+    """What the backbone's time embedding receives for timesteps t in (0, 1): t x 1000 for flow matching, the
+    discrete step (as a float) otherwise."""
+    return t * NUM_TRAIN_TIMESTEPS if objective == "flow_matching" else discrete_step(t).float()
+
+
 def make_targets(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> TrainingTargets:
     if objective == "flow_matching":
         tt = _broadcast(t, x0)
-        return TrainingTargets((1 - tt) * x0 + tt * noise, t * NUM_TRAIN_TIMESTEPS, noise - x0)
+        return TrainingTargets((1 - tt) * x0 + tt * noise, model_timesteps(objective, t), noise - x0)
     step = discrete_step(t)
     abar = alphas_cumprod()[step]
     a, s = _broadcast(abar.sqrt(), x0), _broadcast((1 - abar).sqrt(), x0)
@@ -51,7 +57,7 @@ def make_targets(objective: str, x0: torch.Tensor, noise: torch.Tensor, t: torch
         target = a * noise - s * x0  # Salimans & Ho, arXiv:2202.00512
     else:
         raise ValueError(f"unknown objective {objective!r}")
-    return TrainingTargets(noisy, step.float(), target)
+    return TrainingTargets(noisy, model_timesteps(objective, t), target)
 
 
 def min_snr_weights(objective: str, t: torch.Tensor, gamma: float) -> torch.Tensor:

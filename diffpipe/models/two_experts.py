@@ -16,10 +16,13 @@ uniform draw), so a GPU holding one expert only would wait whenever its expert d
 experts' weights per stage (2 x 14.3 B for A14B), which the planner counts (a unit's parameters are both experts')
 and the memory levers (bf16 or fp8 bases, block swap, more stages) bring under the cards' limit.
 
-Not with data-parallel replicas yet: a replica whose samples all go to one expert makes no gradient for the other's
-weights, and torch's data parallelism needs every replica's for each (DDP stops; FSDP2 would pair unlike
-collectives). Running the idle expert on no samples would give zero gradients, which AdamW does not skip as it skips
-none (its moments move the weights on): a difference from the plain loop the central test would have to allow.
+Gradients as a plain loop holding both experts makes them: an expert no sample of the step reached has none, and
+AdamW leaves it be. With data-parallel replicas, a replica whose samples all go to one expert must still make a
+gradient for the other's weights (torch's DDP waits for every one; FSDP2 reduces a unit's together): a unit ties its
+idle expert's trained weights to its output times zero, so each replica gives zeros there and the average over the
+replicas is the batch's. `IdleExpertGradients` then drops, after the backward, the gradients of an expert that no
+sample of the step's global batch reached (the step's timesteps are known on the host), so AdamW's moments do not
+move it on zeros.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from torch import nn
 
 from .units import Backbone, Unit
 
-__all__ = ["TwoExperts", "two_expert_backbone", "each_expert", "EXPERT_COMPONENTS", "replicas_problem",
+__all__ = ["TwoExperts", "two_expert_backbone", "each_expert", "EXPERT_COMPONENTS", "IdleExpertGradients",
            "WAN22_T2V_BOUNDARY"]
 
 EXPERT_COMPONENTS = ("transformer", "transformer_2")  # high noise, low noise: the pipeline folder's subfolders
@@ -74,16 +77,6 @@ class TwoExperts(nn.Module):
         return (out,)
 
 
-def replicas_problem(expert: str | None, data_parallel: int) -> str | None:
-    """Why a run of these settings cannot have its data-parallel replicas (the module's docstring), or None."""
-    if expert == "both" and data_parallel > 1:
-        return ("model.expert = \"both\" trains on pipeline stages without data-parallel replicas yet (a replica "
-                "whose samples all go to one expert makes no gradient for the other, and torch's data parallelism "
-                "needs every replica's): set pipeline.data_parallel = 1 with more stages, or train the experts one at "
-                "a time (\"high\", \"low\") with replicas")
-    return None
-
-
 def each_expert(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name prefix, model) of each expert a backbone's model holds: both of a TwoExperts under their subfolders'
     names, else the model itself with no prefix. What a family says of one model (the modules it never trains, the
@@ -120,9 +113,9 @@ class _RoutedUnit(nn.Module):
             return self.high(**own)
         rows = self.route(named["timestep"])
         if bool(rows.all()):
-            return self.high(**own)
+            return _tied(self.high(**own), self.low, self.tables)
         if not bool(rows.any()):
-            return self.low(**own)
+            return _tied(self.low(**own), self.high, self.tables)
         high, low = self.high(**self._rows(own, rows)), self.low(**self._rows(own, ~rows))
         joined = {}
         for name, written in high.items():
@@ -133,6 +126,35 @@ class _RoutedUnit(nn.Module):
             out[rows], out[~rows] = written, low[name]
             joined[name] = out
         return joined
+
+
+def _tied(written: dict[str, torch.Tensor], idle: nn.Module, tables: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """`written` with the idle expert's trained weights added to a per-sample output times zero: each gets a gradient
+    of zeros (the module's docstring: what data-parallel replicas need)."""
+    trained = [p for p in idle.parameters() if p.requires_grad]
+    if not trained or not torch.is_grad_enabled():
+        return written
+    name = next(n for n in written if n not in tables)
+    zero = torch.stack([p.sum() for p in trained]).sum() * 0
+    return {**written, name: written[name] + zero.to(written[name].dtype)}
+
+
+class IdleExpertGradients:
+    """Drops, after a step's backward, the gradients of an expert that no sample of the step's global batch reached
+    (model timesteps at or above `boundary`: the high-noise expert's), as a plain loop leaves it none.
+    `named`: this process's trained weights by their names (`transformer.` and `transformer_2.` first)."""
+
+    def __init__(self, boundary: float, named):
+        self.boundary = boundary
+        self.params = {component: [p for name, p in named if name.startswith(f"{component}.")]
+                       for component in EXPERT_COMPONENTS}
+
+    def drop(self, step_timesteps: torch.Tensor) -> None:
+        high = step_timesteps >= self.boundary
+        for component, reached in zip(EXPERT_COMPONENTS, (bool(high.any()), not bool(high.all()))):
+            if not reached:
+                for p in self.params[component]:
+                    p.grad = None
 
 
 def two_expert_backbone(family, model: TwoExperts, granularity: str) -> Backbone:

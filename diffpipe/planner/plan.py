@@ -14,7 +14,6 @@ from ..build import build_backbone, example_inputs
 from ..config import RunConfig
 from ..models.materialise import is_meta
 from ..models.storage import LINEAR_FORMATS, FrozenStorage
-from ..models.two_experts import replicas_problem
 from ..models.units import Backbone
 from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, moment_bytes, optimizer_state_bytes
 from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
@@ -282,8 +281,6 @@ def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardw
         if world_size % ranks or stages > len(meta.units):
             continue
         dp = world_size // ranks
-        if replicas_problem(config.model.expert, dp) is not None:
-            continue
         for m in range(1, config.train.batch_size // dp + 1):
             if config.train.batch_size % (m * dp) or choice.schedule.problem(ranks, choice.virtual_stages, m):
                 continue

@@ -23,6 +23,7 @@ from ..diffusion.objectives import element_weighted_mse, weighted_mse
 from ..distributed import Topology
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
+from ..models.two_experts import IdleExpertGradients, TwoExperts
 from ..models.units import Backbone
 from ..models.vae import vae_scale_factor
 from ..pipeline.data_parallel import spread_over_replicas
@@ -59,6 +60,7 @@ class RunParts:
     held_out: Any  # held-out data for the eval loss, or None
     sample_shape: tuple[int, ...]
     bytes_moved: int  # sent and received by this process in a step (the observer's communication figures)
+    idle_experts: IdleExpertGradients | None = None  # both experts of a two-expert model (models/two_experts.py)
 
 
 class _ScaledMSE:
@@ -126,13 +128,16 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     family_feed = feed(config, backbone)
     moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches,
                          lambda s: schedule.rank_of(s, p.stages))
+    trained = {id(q) for params, _ in groups for q in params}
+    idle = (IdleExpertGradients(backbone.model.boundary, [(n, q) for n, q in held.items() if id(q) in trained])
+            if isinstance(backbone.model, TwoExperts) else None)
     return RunParts(model_config, shapes, modules, [q for params, _ in groups for q in params],
                     tied_gradients, scaler, runner, optimizer,
                     lr_schedule, text, data, family_feed,
                     BatchMaker(data, text, config.train, config.data.caption_dropout, family_feed,
                                caption_tags(config.data), weighting,
                                timestep_range(config), shift_schedule(config)), held_out,
-                    sample_shape(config, backbone), moved)
+                    sample_shape(config, backbone), moved, idle)
 
 
 def caption_tags(data) -> CaptionTags:

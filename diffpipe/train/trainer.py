@@ -41,7 +41,7 @@ class Trainer:
         parts = build_run(config, topo)
         self.model_config, self.model_shapes = parts.model_config, parts.model_shapes
         self.modules, self.params, self.tied = parts.modules, parts.params, parts.tied
-        self.scaler, self.runner = parts.scaler, parts.runner
+        self.scaler, self.runner, self.idle_experts = parts.scaler, parts.runner, parts.idle_experts
         self.optimizer, self.lr_schedule = parts.optimizer, parts.lr_schedule
         self.text, self.data, self.feed, self.batches = parts.text, parts.data, parts.feed, parts.batches
         self.held_out, self.sample_shape = parts.held_out, parts.sample_shape
@@ -79,6 +79,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         result = self.runner.step(batch.noisy, batch.conditions, batch.target, timed=self._timed(step))
         self.tied.sum_()  # weights shared by units of several stages: every copy gets the whole gradient
+        if self.idle_experts is not None and batch.step_timesteps is not None:  # none for an expert no sample reached
+            self.idle_experts.drop(batch.step_timesteps)
         return result
 
     def batch_gradients(self) -> dict[str, torch.Tensor]:

@@ -164,17 +164,48 @@ def test_both_on_a_one_backbone_folder_and_experts_of_two_architectures_are_refu
     assert timestep_range(_config(tiny_video, clips)) is None  # the whole range: each sample picks its expert
 
 
-def test_data_parallel_replicas_are_refused_before_launch_and_never_planned(tiny_video, clips, capsys):
-    sets = [f'model.path="{tiny_video / "wan22"}"', f'data.path="{clips}"', *QUICK, "train.max_steps=1",
-            "pipeline.stages=1", "pipeline.data_parallel=2"]
-    result = run_command(["train", str(ROOT / "examples" / "wan_clips.toml"), *[a for s in sets for a in ("--set", s)]])
-    assert result.returncode == 2 and "without data-parallel replicas yet" in capsys.readouterr().err
+def test_data_parallel_replicas_train_as_one_process_does(tiny_video, clips, tmp_path):
+    """1 process, 2 replicas (DDP's engine), 2 stages x 2 replicas (FSDP2's replicate) and 2 stages: the same losses
+    and weights, though a replica's samples often all go to one expert (its other expert's weights tied in at zero)."""
+    runs = {}
+    for stages, replicas in ((1, 1), (1, 2), (2, 2), (2, 1)):
+        runs[stages, replicas] = run = tmp_path / f"{stages}x{replicas}"
+        result = _train(tiny_video, clips, run, "train.max_steps=4", "train.learning_rate=1e-2",
+                        f"pipeline.stages={stages}", f"pipeline.data_parallel={replicas}", "pipeline.microbatches=2",
+                        'train.timestep_sampling="uniform"', f'data.cache_dir="{tmp_path / "cache"}"')
+        assert result.returncode == 0, result.stderr[-3000:]
+    one = losses_of(runs[1, 1])
+    reference = load_file(str(runs[1, 1] / "model.safetensors"))
+    for layout, run in runs.items():
+        torch.testing.assert_close(torch.tensor(losses_of(run)), torch.tensor(one), rtol=1e-5, atol=0, msg=str(layout))
+        weights = load_file(str(run / "model.safetensors"))
+        for name, tensor in reference.items():  # within 1 % of AdamW's 4 steps at 1e-2 (replicas sum in another
+            # order: a weight with a near-zero gradient moved 6e-5 apart)
+            torch.testing.assert_close(weights[name], tensor, rtol=0, atol=4e-4, msg=f"{layout} {name}")
+
+
+def test_an_expert_no_sample_reached_is_left_as_it_was(tiny_video, clips, tmp_path):
+    """Every timestep below the boundary (train.timestep_range): the high-noise expert gets no gradient, and AdamW
+    (with weight decay, which would shrink it on a zero gradient) leaves it bit-equal, on 2 replicas too."""
+    run = tmp_path / "low-side"
+    result = _train(tiny_video, clips, run, "train.max_steps=3", "train.learning_rate=1e-2", "train.weight_decay=0.1",
+                    "pipeline.stages=1", "pipeline.data_parallel=2", "train.timestep_range=[0.0, 0.5]",
+                    f'data.cache_dir="{tmp_path / "cache"}"')
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = load_file(str(run / "model.safetensors"))
+    for component, moved in (("transformer", False), ("transformer_2", True)):
+        base = load_file(str(tiny_video / "wan22" / component / WEIGHTS))
+        changed = [k for k, v in base.items() if not torch.equal(trained[f"{component}.{k}"], v)]
+        assert bool(changed) == moved, (component, changed[:3])
+
+
+def test_two_of_a_preset_plan_at_the_t2v_boundary_with_replicas_where_they_fit():
     from diffpipe.planner.plan import hardware, search_layouts
 
     config = load_config(ROOT / "examples" / "wan22_a14b_both.toml", ["data.latent_size=[8, 8]", "data.frames=3",
-                                                                             "plan.memory_gib=1000"])  # all fit
+                                                                     "plan.memory_gib=1000"])  # all fit
     meta = build_backbone(config, "meta")  # two of the preset (no folder: Wan 2.2 T2V's boundary)
     assert meta.model.boundary == 875.0
     assert round(sum(p.numel() for p in meta.model.parameters() if not p.requires_grad) / 1e9, 1) == 28.6
     layouts = search_layouts(config, meta, 4, hardware(config))
-    assert layouts and all(plan.data_parallel == 1 for plan in layouts)
+    assert {plan.data_parallel for plan in layouts} >= {1, 2, 4}
