@@ -84,12 +84,14 @@ def test_each_sample_goes_to_the_expert_its_timestep_picks_in_order_as_stages_an
         experts.zero_grad(set_to_none=True)
         (predict() ** 2).mean().backward()
         grads.append({n: p.grad.clone() for n, p in experts.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys()
-    for name in grads[0]:
-        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-7)
-    high = any(t >= 875 for t in timesteps)
-    assert any(n.startswith("transformer.") for n in grads[0]) == high  # an expert with no sample: no gradient
-    assert any(n.startswith("transformer_2.") for n in grads[0]) == (not all(t >= 875 for t in timesteps))
+    units, reference = grads
+    assert reference.keys() <= units.keys()
+    for name, grad in units.items():  # an expert no sample reached: zeros from the units (its weights tied in at
+        # zero, for data-parallel replicas; the trainer then drops them), none from the reference
+        torch.testing.assert_close(grad, reference.get(name, torch.zeros_like(grad)), rtol=1e-5, atol=1e-7)
+    for expert, reached in (("transformer.", any(t >= 875 for t in timesteps)),
+                            ("transformer_2.", not all(t >= 875 for t in timesteps))):
+        assert any(n.startswith(expert) for n in reference) == reached
 
 
 def test_both_experts_train_on_one_and_two_stages_to_the_same_losses_and_export_into_the_pipeline(
