@@ -11,8 +11,8 @@ expert's samples (always so with one sample a micro-batch) runs that expert's un
 its rows and puts the rows back in order.
 
 Why the same stages hold both experts, and not one expert a group of GPUs: a step's samples fall on either side at
-random (about 1 in 8 above Wan 2.2 T2V's boundary under a shift of 5: more under Wan's own shift, fewer under a
-uniform draw), so a GPU holding one expert only would wait whenever its expert drew few samples. Memory is both
+random (above Wan 2.2 T2V's boundary of 0.875: 1 in 8 under a uniform draw, about 2 in 5 under a shift of 5), so a
+GPU holding one expert only would wait whenever its expert drew few samples. Memory is both
 experts' weights per stage (2 x 14.3 B for A14B), which the planner counts (a unit's parameters are both experts')
 and the memory levers (bf16 or fp8 bases, block swap, more stages) bring under the cards' limit.
 
