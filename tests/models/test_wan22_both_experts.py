@@ -211,3 +211,20 @@ def test_two_of_a_preset_plan_at_the_t2v_boundary_with_replicas_where_they_fit()
     assert round(sum(p.numel() for p in meta.model.parameters() if not p.requires_grad) / 1e9, 1) == 28.6
     layouts = search_layouts(config, meta, 4, hardware(config))
     assert {plan.data_parallel for plan in layouts} >= {1, 2, 4}
+
+
+def test_a_run_of_both_experts_resumes_on_another_layout_to_the_same_weights(tiny_video, clips, tmp_path):
+    settings = ("train.learning_rate=1e-2", 'train.timestep_sampling="uniform"', "checkpoint.every=2",
+                'train.lr_schedule="constant"',  # (a cosine's rate depends on max_steps, which the halves change)
+                f'data.cache_dir="{tmp_path / "cache"}"')
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    assert _train(tiny_video, clips, whole, "train.max_steps=4", *settings).returncode == 0
+    assert _train(tiny_video, clips, halves, "train.max_steps=2", *settings, "pipeline.stages=1").returncode == 0
+    sets = [f'model.path="{tiny_video / "wan22"}"', f'data.path="{clips}"', *QUICK, *settings, "train.max_steps=4",
+            "pipeline.stages=2"]
+    assert run_command(["train", str(ROOT / "examples" / "wan_clips.toml"), "--resume", str(halves),
+                        *[a for s in sets for a in ("--set", s)]]).returncode == 0
+    torch.testing.assert_close(torch.tensor(losses_of(halves)), torch.tensor(losses_of(whole)), rtol=1e-5, atol=0)
+    resumed, straight = load_file(str(halves / "model.safetensors")), load_file(str(whole / "model.safetensors"))
+    for name, tensor in straight.items():  # (1 and 2 stages round apart: as the replicas' test allows)
+        torch.testing.assert_close(resumed[name], tensor, rtol=0, atol=4e-4, msg=name)
