@@ -84,7 +84,8 @@ def _write_folder(run, out: Path) -> Path:
         if base is not None:
             shutil.copytree(base, folder, ignore=shutil.ignore_patterns(*models, ".diffpipe*"), dirs_exist_ok=True)
         for component, model in models.items():
-            model.save_pretrained(folder / component if base is not None else folder, safe_serialization=True)
+            alone = base is None and len(models) == 1  # no pipeline to sit in: the folder is the backbone's own
+            model.save_pretrained(folder if alone else folder / component, safe_serialization=True)
 
     return replacing(out, write_into)
 
