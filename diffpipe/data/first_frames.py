@@ -15,10 +15,10 @@ from ..config import DataConfig
 from .buckets import Placement, placed, to_pixels
 from .cache import ShardStore
 from .folder import ImageItem, Skipped, read_rgb, scan_folders
-from .images import FolderImages, caption_key, data_folders, latent_keys, store_latents
+from .images import FolderImages, caption_key, data_folders, store_latents
 from .videos import VIDEO_SUFFIXES, read_clip
 
-__all__ = ["first_frame_pixels", "find_first_frames", "placed_first_frame", "cache_first_frames", "read_first_frame", "first_clips",
+__all__ = ["first_frame_pixels", "find_first_frames", "first_frame_key", "placed_first_frame", "cache_first_frames", "read_first_frame", "first_clips",
            "grey_after"]
 
 
@@ -47,14 +47,19 @@ def first_clips(data: DataConfig, count: int) -> list[tuple[str, Path]]:
     return [(item.caption, item.path) for item in {item.path: item for item in items}.values()]
 
 
-def find_first_frames(dataset: FolderImages, pictures: bool = False) -> None:
-    """Each item's first frame as its control: its own file, placed as its clip. `pictures`: the text encoder reads
-    each first frame as a picture (Wan 2.1 I2V's CLIP), so each gets a key (its clip's bytes and placement)."""
+def first_frame_key(clip_key: str) -> str:
+    """A clip's first frame's key, apart from the clip's own (`latent_key`) it is made of."""
+    return f"{clip_key}:first-frame"
+
+
+def find_first_frames(dataset: FolderImages, clip_keys: list[str] | None = None) -> None:
+    """Each item's first frame as its control: its own file, placed as its clip. `clip_keys` (the items' latent
+    keys), where the text encoder reads each first frame as a picture (Wan 2.1 I2V's CLIP): the pictures' keys."""
     dataset.controls = [item.path for item in dataset.items]
     dataset.control_placements = list(dataset.placements)
     dataset.first_frames = True
-    if pictures:
-        dataset.control_keys = [f"{key}:first-frame" for key in latent_keys(dataset.items, dataset.placements)]
+    if clip_keys is not None:
+        dataset.control_keys = [first_frame_key(key) for key in clip_keys]
 
 
 def placed_first_frame(path: Path, placement: Placement) -> Image.Image:
@@ -67,7 +72,7 @@ def cache_first_frames(dataset: FolderImages, clip_keys: list[str], store: Shard
                        show) -> None:
     """The items' first-frame latents from the store (this process encoding its share of what it lacks), keyed apart
     from their clips' latents (`clip_keys`, one per item: the files already hashed for those)."""
-    keys = [caption_key(key + ":first-frame") for key in clip_keys]
+    keys = [caption_key(first_frame_key(key)) for key in clip_keys]
     latents, reasons = store_latents(dataset.items, dataset.control_placements, store, vae, rank, world, barrier, show,
                                      "caching first frames' latents", keys=keys, reader=first_frame_pixels)
     for i, why in reasons.items():

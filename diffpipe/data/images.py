@@ -277,14 +277,17 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
     if data.control_path:  # a missing control stops the run here, before anything is encoded
         for part in parts:
             find_controls(part, data)
-    elif first_frames:
-        for part in parts:
-            find_first_frames(part, pictures=text.reads_pictures)
+    first_frame_pictures = first_frames and not data.control_path and text.reads_pictures
     for part in parts:
+        # each item's key (its file's bytes, hashed once, and its placement): its latents' in the cache, and its first
+        # frame's picture's where the text encoder reads first frames (Wan 2.1 I2V's CLIP)
+        keys = latent_keys(part.items, part.placements) if data.cache or first_frame_pictures else None
+        if first_frames and not data.control_path:
+            find_first_frames(part, keys if first_frame_pictures else None)
         if text.reads_pictures:  # the text encoder reads each control picture with its caption
             text.show(part.picture_readers())
         if data.cache:
-            clip_keys = _cache_latents(part, latent_store, vae, rank, world, barrier, show)
+            clip_keys = _cache_latents(part, keys, latent_store, vae, rank, world, barrier, show)
             if part.first_frames:
                 cache_first_frames(part, clip_keys, latent_store, vae, rank, world, barrier, show)
             elif part.controls is not None:
@@ -404,9 +407,9 @@ def latent_keys(items: list[ImageItem], placements: list[Placement]) -> list[str
     return [latent_key(contents[item.path], p) for item, p in zip(items, placements)]
 
 
-def _cache_latents(dataset: FolderImages, store: ShardStore, vae, rank, world, barrier, show) -> list[str]:
-    """The items' latents from the store; returns the kept items' latent keys."""
-    keys = latent_keys(dataset.items, dataset.placements)
+def _cache_latents(dataset: FolderImages, keys: list[str], store: ShardStore, vae, rank, world, barrier,
+                   show) -> list[str]:
+    """The items' latents from the store under their `keys` (`latent_keys`); returns the kept items' keys."""
     latents, reasons = store_latents(dataset.items, dataset.placements, store, vae, rank, world, barrier, show,
                                      "caching VAE latents", keys=keys)
     for i, why in reasons.items():

@@ -83,8 +83,8 @@ def _write_folder(run, out: Path) -> Path:
     def write_into(folder: Path) -> None:
         if base is not None:
             shutil.copytree(base, folder, ignore=shutil.ignore_patterns(*models, ".diffpipe*"), dirs_exist_ok=True)
+        alone = base is None and len(models) == 1  # no pipeline to sit in: the folder is the backbone's own
         for component, model in models.items():
-            alone = base is None and len(models) == 1  # no pipeline to sit in: the folder is the backbone's own
             model.save_pretrained(folder if alone else folder / component, safe_serialization=True)
 
     return replacing(out, write_into)

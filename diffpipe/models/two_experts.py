@@ -141,16 +141,16 @@ def _tied(written: dict[str, torch.Tensor], idle: nn.Module, tables: tuple[str, 
 
 class IdleExpertGradients:
     """Drops, after a step's backward, the gradients of an expert that no sample of the step's global batch reached
-    (model timesteps at or above `boundary`: the high-noise expert's), as a plain loop leaves it none.
-    `named`: this process's trained weights by their names (`transformer.` and `transformer_2.` first)."""
+    (`experts.high_rows` routes them, as the units do), as a plain loop leaves it none. `named`: this process's
+    weights by their names (`transformer.` and `transformer_2.` first)."""
 
-    def __init__(self, boundary: float, named):
-        self.boundary = boundary
+    def __init__(self, experts: TwoExperts, named):
+        self.route = experts.high_rows
         self.params = {component: [p for name, p in named if name.startswith(f"{component}.")]
                        for component in EXPERT_COMPONENTS}
 
     def drop(self, step_timesteps: torch.Tensor) -> None:
-        high = step_timesteps >= self.boundary
+        high = self.route(step_timesteps)
         for component, reached in zip(EXPERT_COMPONENTS, (bool(high.any()), not bool(high.all()))):
             if not reached:
                 for p in self.params[component]:

@@ -128,9 +128,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     family_feed = feed(config, backbone)
     moved = _bytes_moved(boundary_traffic(config, backbone, p.split), mine, len(specs), p.microbatches,
                          lambda s: schedule.rank_of(s, p.stages))
-    trained = {id(q) for params, _ in groups for q in params}
-    idle = (IdleExpertGradients(backbone.model.boundary, [(n, q) for n, q in held.items() if id(q) in trained])
-            if isinstance(backbone.model, TwoExperts) else None)
+    idle = IdleExpertGradients(backbone.model, held.items()) if isinstance(backbone.model, TwoExperts) else None
     return RunParts(model_config, shapes, modules, [q for params, _ in groups for q in params],
                     tied_gradients, scaler, runner, optimizer,
                     lr_schedule, text, data, family_feed,
