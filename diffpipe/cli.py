@@ -128,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="an edit model (flux_kontext, qwen_image_edit): the image to edit; an image-to-video "
                         "model (wan_i2v): the first frame (an image, or a video's first frame)")
     sample.add_argument("--out", required=True)
+    sample.add_argument("--force", action="store_true",
+                        help="replace an existing image at --out (never a run's own files)")
     sample.set_defaults(run=_sample)
     export = sub.add_parser("export", help="a finished run's weights for diffusers, ComfyUI, A1111 or kohya's tools")
     export.add_argument("run_dir")

@@ -300,6 +300,13 @@ class RunConfig(_Section):
         if self.memory.base_dtype == "bf16" and t.precision == "fp32":
             raise ValueError("memory.base_dtype = \"bf16\" stores frozen weights in bf16, which fp32 compute cannot "
                              "use: set train.precision = \"bf16\" (or \"fp16\"), or memory.base_dtype = \"fp32\"")
+        if self.adapter.type == "none" and (self.memory.base_dtype not in ("auto", "fp32")
+                                            or self.memory.block_swap not in (0, "auto")):
+            # a full fine-tune trains every weight: no frozen base to store otherwise or to keep in host memory
+            key = "base_dtype" if self.memory.base_dtype not in ("auto", "fp32") else "block_swap"
+            raise ValueError(f"memory.{key} = {getattr(self.memory, key)!r} changes how a LoRA run's frozen base is "
+                             "held, and adapter.type = \"none\" (a full fine-tune) trains every weight, so it would "
+                             f"change nothing: leave memory.{key} out, or train adapters (adapter.type = \"lora\")")
         if self.memory.block_swap not in (0, "auto") and (p.data_parallel > 1 or p.compile):
             raise ValueError("memory.block_swap moves weights between host and device while a step runs, which "
                              "data-parallel replicas (they synchronise every weight) and torch.compile (it fixes "

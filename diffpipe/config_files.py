@@ -12,10 +12,11 @@ from typing import Any
 
 from .config import RunConfig, validate_config
 from .errors import ArchitectureError, CheckpointError, ConfigError
+from .written_files import RUN_MARK
 from .models.pipeline_folder import is_pipeline_folder, pipeline_index
 from .models.registry import BUILTIN_FAMILIES, family_for
 
-__all__ = ["load_config", "build_config"]
+__all__ = ["load_config", "build_config", "load_run_config"]
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
@@ -30,6 +31,18 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a text file; give a TOML config such as examples/digits.toml") from None
     return build_config(data, overrides)
+
+
+def load_run_config(run_dir: Path) -> RunConfig:
+    """The config a run folder holds: a folder whose config.toml is not a run's (a project's own) and that diffpipe
+    did not mark is said not to be a run folder, rather than reported as a config with unknown keys."""
+    try:
+        return load_config(Path(run_dir) / "config.toml")
+    except ConfigError:
+        if (Path(run_dir) / RUN_MARK).is_file():
+            raise
+        raise ConfigError(f"{run_dir} is not a run folder: diffpipe did not make it (no {RUN_MARK}) and its "
+                          "config.toml is not a run's; give the folder `diffpipe train` wrote (its output.dir)") from None
 
 
 def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:

@@ -13,7 +13,8 @@ from .config import ConfigError, RunConfig
 from .data.sources import source_of
 from .distributed import resolve_device_kind, under_torchrun
 from .errors import DataError
-from .models.loading import CheckpointError
+from .models.loading import CheckpointError, component_weights
+from .models.pipeline_folder import is_pipeline_folder, pipeline_index
 from .models.units import Backbone
 from .pipeline.schedules import schedule_named
 from .pipeline.split import SplitError
@@ -42,6 +43,7 @@ def check_before_launch(config: RunConfig) -> Checked:
     if config.model.text_encoder != "tiny-clip" and not (Path(config.model.text_encoder) / "config.json").is_file():
         raise CheckpointError(f"model.text_encoder={config.model.text_encoder}: no config.json there; give a local "
                               "transformers CLIP folder or \"tiny-clip\"")
+    _check_frozen_components(config)
     shape = sample_shape(config, backbone)  # UNets: any size (the upsamplers return to each skip's size)
     source = source_of(config)
     source.check(config, backbone, shape)
@@ -62,7 +64,23 @@ def check_before_launch(config: RunConfig) -> Checked:
                   "saving)", flush=True)
     split, checkpointing = resolve_stages(config, backbone)
     _check_first_stage_trains(backbone, split)
+    _check_block_swap(config.memory.block_swap, backbone, split)
     return Checked(backbone, split, checkpointing, changes)
+
+
+def _check_frozen_components(config: RunConfig) -> None:
+    """The text encoders, image encoder and VAE the processes will load hold .safetensors weights: a pickle-only or
+    empty one is refused here (loading.component_weights' words), as the backbone's weights are, not in a process."""
+    if config.model.text_encoder != "tiny-clip":
+        folder = Path(config.model.text_encoder)
+        component_weights(folder.parent, folder.name)
+    folder = config.model.pipeline_folder()
+    if folder is None or not is_pipeline_folder(folder):
+        return
+    for component, entry in pipeline_index(folder).items():
+        frozen = component.startswith("text_encoder") or component in ("image_encoder", "vae")
+        if frozen and isinstance(entry, list) and entry[0] is not None and (folder / component).is_dir():
+            component_weights(folder, component)
 
 
 def _check_device(config: RunConfig) -> str:
@@ -96,3 +114,17 @@ def _check_first_stage_trains(backbone: Backbone, split: list[int]) -> None:
                          "is in it), so nothing before it needs a gradient; put more units into stage 0 "
                          f"(pipeline.split = [{split[0] + 1 if split else 1}, ...]) or add its modules to "
                          "adapter.target_modules (e.g. \"conv1\", \"conv2\")")
+
+
+def _check_block_swap(block_swap, backbone: Backbone, split: list[int]) -> None:
+    """memory.block_swap above the units of every stage that hold frozen weights would change nothing past them:
+    refused, naming the most there are (a setting that cannot apply is never silently ignored)."""
+    if not isinstance(block_swap, int) or block_swap == 0:
+        return
+    edges = [0, *split, len(backbone.units)]
+    holding = max(sum(any(not p.requires_grad for p in unit.module.parameters()) for unit in backbone.units[a:b])
+                  for a, b in zip(edges, edges[1:]))
+    if block_swap > holding:
+        raise ConfigError(f"memory.block_swap = {block_swap} units of each stage, but no stage has more than "
+                          f"{holding} unit(s) holding frozen weights (the only ones it swaps): set memory.block_swap "
+                          f"= {holding} (all of them), fewer, or \"auto\"")

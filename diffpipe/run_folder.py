@@ -15,16 +15,17 @@ import shutil
 import time
 from pathlib import Path
 from .errors import RunFolderError
+from .written_files import RUN_MARK
 
 __all__ = ["RunFolderError", "RunLock", "MARK", "WRITTEN", "prepare_new_run", "is_marked",
            "has_started"]
 
-MARK = ".diffpipe-run"
+MARK = RUN_MARK
 _LOCK = ".diffpipe-lock"
 # everything diffpipe writes into a run folder (trainer, observer, evaluation, checkpoints, the end of `train`)
 WRITTEN = frozenset({MARK, _LOCK, "config.toml", "metrics.jsonl", "stage_times.jsonl", "timeline.json",
                      "timeline.png", "loss.png", "samples.png", "samples", "tensorboard", "checkpoints",
-                     "model.safetensors", "lora.safetensors", "model_config.json", "text_encoder"})
+                     "model.safetensors", "lora.safetensors", "model_config.json", "text_encoder", "exports"})
 
 
 class RunLock:

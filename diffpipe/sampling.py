@@ -16,7 +16,7 @@ from PIL import Image
 
 from .build import build_backbone, build_text_encoder, feed, sample_shape
 from .config import RunConfig
-from .config_files import load_config
+from .config_files import load_run_config
 from .data.batches import BatchMaker, square_size_ids
 from .data.sources import source_of
 from .diffusion.samplers import sample
@@ -141,7 +141,7 @@ def load_generator(run_dir: str | Path) -> Generator:
     if not (run_dir / "config.toml").is_file():
         raise CheckpointError(f"{run_dir} is not a finished run folder: config.toml is missing "
                               "(train first with `diffpipe train CONFIG`)")
-    config = load_config(run_dir / "config.toml")
+    config = load_run_config(run_dir)
     pipeline = config.model.pipeline_folder()
     needed = ("model.safetensors",) if pipeline is not None else ("model.safetensors", "text_encoder")
     for name in needed:

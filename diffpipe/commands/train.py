@@ -30,7 +30,14 @@ def _prepare_run(args) -> tuple:
     from ..train.optim import optimizer_note
     from ..pipeline.traffic import format_crossings
     from ..run_folder import RunLock, prepare_new_run
+    from ..train.checkpoint import remove_unfinished_saves
 
+    if args.resume and args.output_dir and Path(args.resume).resolve() != Path(args.output_dir).resolve():
+        # a resume continues its own folder (checkpoints pruned, weights replaced): never when another was named
+        raise CommandError(f"--resume {args.resume} continues that run in its own folder, and --output-dir "
+                           f"{args.output_dir} names another: leave --output-dir out to continue it there, or to "
+                           f"continue it elsewhere copy it first (cp -r {args.resume} {args.output_dir}) and "
+                           f"--resume {args.output_dir}")
     if _restarted_by_torchrun(args, config):
         args.resume = args.output_dir or config.output.dir
     if args.resume:
@@ -69,6 +76,8 @@ def _prepare_run(args) -> tuple:
             if args.resume:
                 lock = RunLock(run_dir) if (run_dir / "config.toml").is_file() else None
                 _check_resumable(config, run_dir, checked.backbone)
+                for unfinished in remove_unfinished_saves(run_dir):
+                    print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
             else:
                 lock = prepare_new_run(run_dir, args.overwrite)
         except BaseException:

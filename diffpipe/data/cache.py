@@ -2,8 +2,8 @@
 
 Each shard `NAME.safetensors` is sealed by `NAME.json`, written after it: the shard's sha256, the keys it holds and
 the keys that could not be computed (a broken image) with the reason. A shard without a seal (a build that was
-stopped) is ignored; a shard whose bytes do not match its seal, or that safetensors cannot read, is named in a
-warning, removed and its entries computed again: never trained on. Keys are fingerprints of everything an entry
+stopped) is ignored; a shard whose bytes do not match its seal, that safetensors cannot read, or whose seal is
+damaged, is named in a warning, removed with its seal and its entries computed again: never trained on. Keys are fingerprints of everything an entry
 depends on (data/images.py), so a changed input or model simply misses, and several processes can build one
 store at once, each writing its own shards.
 """
@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save_file
+
+from ..errors import DataError
 
 __all__ = ["ShardStore", "fill_store", "Entries"]
 
@@ -40,17 +42,29 @@ class ShardStore:
     def __init__(self, folder: Path):
         self.folder = folder
 
-    def _seals(self) -> dict[Path, dict]:
-        seals = {}
+    def _read_seals(self) -> tuple[dict[Path, dict], list[str]]:
+        """The sound seals by path, and a line for each damaged one (or one of another shape), naming its shard.
+        A seal being written is a dot-file until whole (`write`): never read."""
+        seals, damaged = {}, []
         for path in sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []:
+            if path.name.startswith("."):
+                continue
             try:
                 seal = json.loads(path.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError, OSError):
                 seal = None
-            if not _well_formed(seal):  # a damaged seal (or one of another shape): its shard is rebuilt
-                seal = {"keys": [], "failed": {}, "sha256": None}
-            seals[path] = seal
-        return seals
+            if _well_formed(seal):
+                seals[path] = seal
+            else:
+                damaged.append(f"{path.with_suffix('.safetensors')}: its seal {path.name} is damaged")
+        return seals, damaged
+
+    def _seals(self) -> dict[Path, dict]:
+        return self._read_seals()[0]
+
+    def damaged_seals(self) -> list[str]:
+        """A line for each shard whose seal is damaged (`remove` takes them)."""
+        return self._read_seals()[1]
 
     def known(self) -> tuple[set[str], dict[str, str]]:
         """Keys held by sealed shards, and keys that failed (with the reason), from the seals alone."""
@@ -112,6 +126,12 @@ def fill_store(store: ShardStore, wanted: list[str], compute: Callable[[list[str
     """Every wanted entry, computed (this process's share of the missing ones) and written first where the store
     lacks it; returns (entries, failed keys with their reasons). Every process returns the same."""
     wanted_set = set(wanted)
+    if rank == 0:  # a damaged seal's shard cannot be trusted: named, removed, its entries computed again below
+        damaged_seals = store.damaged_seals()
+        for line in damaged_seals:
+            warn(f"warning: damaged cache shard {line}; removed, its entries are computed again")
+        store.remove(damaged_seals)
+    barrier()
     for attempt in range(2):
         have, failed = store.known()
         missing = [k for k in wanted if k not in have and k not in failed]
@@ -130,5 +150,5 @@ def fill_store(store: ShardStore, wanted: list[str], compute: Callable[[list[str
                 warn(f"warning: damaged cache shard {line}; removed, its entries are computed again")
             store.remove(damaged)
         barrier()
-    raise RuntimeError(f"the cache in {store.folder} is still incomplete or damaged after a rebuild; check the disk "
+    raise DataError(f"the cache in {store.folder} is still incomplete or damaged after a rebuild; check the disk "
                        "and that every process sees the same cache folder (data.cache_dir)")

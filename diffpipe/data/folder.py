@@ -2,9 +2,10 @@
 
 A caption comes from `metadata.jsonl` (one JSON object per line with `file_name` and `text` or `caption`) when the
 folder has one, else from a same-named `.txt` beside the image (`cat.jpg` and `cat.txt`); an image without either
-gets the empty caption. jpg, png and webp; EXIF orientation applied; grey, palette, RGBA (on white), CMYK and 16-bit
-images converted to 8-bit RGB. Files that cannot be used (zero bytes, not an image, truncated, too small) are
-skipped and reported by `Skipped`, never trained on and never a crash mid-run. For video families the folders'
+gets the empty caption; a caption file that is not UTF-8 is refused, naming it. jpg, png and webp; EXIF orientation
+applied; grey, palette, RGBA (on white), CMYK and 16-bit images converted to 8-bit RGB. Files that cannot be used
+(zero bytes, not an image, truncated, too small) are skipped and reported by `Skipped`, never trained on and never
+a crash mid-run. For video families the folders'
 videos are listed too (data/videos.py).
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+from ..errors import DataError
 
 __all__ = ["ImageItem", "Skipped", "scan_folders", "read_rgb", "BadImage", "IMAGE_SUFFIXES", "uncaptioned_note",
            "probe_image", "files_beside"]
@@ -61,10 +64,7 @@ def _metadata_captions(folder: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     captions = {}
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
+    text = _read_caption_file(path)
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -72,7 +72,7 @@ def _metadata_captions(folder: Path) -> dict[str, str]:
             row = json.loads(line)
             captions[row["file_name"]] = str(row.get("text", row.get("caption", "")))
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{path}, line {number}: expected a JSON object with file_name and text") from None
+            raise DataError(f"{path}, line {number}: expected a JSON object with file_name and text") from None
     return captions
 
 
@@ -81,7 +81,17 @@ def _caption(image: Path, metadata: dict[str, str], folder: Path) -> str:
     if relative in metadata:
         return metadata[relative]
     txt = image.with_suffix(".txt")
-    return txt.read_text(errors="replace").strip() if txt.is_file() else ""
+    return _read_caption_file(txt).strip() if txt.is_file() else ""
+
+
+def _read_caption_file(path: Path) -> str:
+    """A caption file's text: UTF-8 (a byte-order mark dropped), else refused naming the file, as a caption that
+    trained with its letters replaced by "\ufffd" would teach the model nothing it was meant to (one rule for .txt
+    captions and metadata.jsonl)."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason}); save it as UTF-8") from None
 
 
 def _oriented_size(image: Image.Image) -> tuple[int, int]:

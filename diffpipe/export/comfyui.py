@@ -48,7 +48,7 @@ def _names(run, modules: list[str]) -> dict[str, str]:
 def write(run, out: Path) -> Path:
     dora_scale = _dora_scale_for_comfyui(run) if run.config.adapter.type == "dora" else None
     return write_adapters(run, out, lambda modules: _names(run, modules), alpha=run.family.comfyui_lora_alpha,
-                          dora_scale=dora_scale)
+                          dora_scale=dora_scale, fmt="comfyui")
 
 
 def _dora_scale_for_comfyui(run):

@@ -28,7 +28,7 @@ from ..errors import ExportError
 from ..models.loading import backbone_component
 from ..models.lora import adapted_module
 from ..models.two_experts import EXPERT_COMPONENTS
-from ..written_files import give_user_mode, save_tensors
+from ..written_files import EXPORT_KEY, give_user_mode, save_tensors
 from .run import replacing
 
 __all__ = ["check", "target", "write", "WRITES_TWO_EXPERTS"]
@@ -77,7 +77,8 @@ def _write_folder(run, out: Path) -> Path:
         models[component].load_state_dict(weights, assign=True)
     if out.suffix == ".safetensors":  # the backbone alone, in diffusers' names (from_single_file, ComfyUI)
         (model,) = models.values()
-        return save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, out, metadata={"format": "pt"})
+        return save_tensors({k: v.contiguous() for k, v in model.state_dict().items()}, out,
+                            metadata={"format": "pt", EXPORT_KEY: "diffusers"})
     base = run.config.model.pipeline_folder()
 
     def write_into(folder: Path) -> None:
@@ -87,7 +88,7 @@ def _write_folder(run, out: Path) -> Path:
         for component, model in models.items():
             model.save_pretrained(folder if alone else folder / component, safe_serialization=True)
 
-    return replacing(out, write_into)
+    return replacing(out, write_into, "diffusers")
 
 
 def _write_lora(run, out: Path) -> Path:
@@ -113,7 +114,11 @@ def _write_lora(run, out: Path) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as folder:
             write_into(Path(folder))
+            written = Path(folder) / _LORA_FILE
+            with safe_open(str(written), framework="pt") as f:  # diffusers' own header, and diffpipe's mark
+                header = {**(f.metadata() or {}), EXPORT_KEY: "diffusers"}
+            save_tensors(load_file(str(written)), written, metadata=header)
             give_user_mode(Path(folder))
-            os.replace(Path(folder) / _LORA_FILE, out)
+            os.replace(written, out)
         return out
-    return replacing(out, write_into) / _LORA_FILE
+    return replacing(out, write_into, "diffusers") / _LORA_FILE

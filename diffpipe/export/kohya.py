@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from ..errors import ExportError
 from ..models.lora import adapted_module, lora_scale
 from ..models.original_layout import kohya_lora_names
-from ..written_files import save_tensors
+from ..written_files import EXPORT_KEY, save_tensors
 from .run import one_file, only_unets
 
 __all__ = ["check", "target", "write", "write_adapters"]
@@ -40,7 +40,7 @@ def write(run, out: Path) -> Path:
     return write_adapters(run, out, lambda modules: kohya_lora_names(modules, run.model_config))
 
 
-def write_adapters(run, out: Path, name_of, alpha: bool = True, dora_scale=None) -> Path:
+def write_adapters(run, out: Path, name_of, alpha: bool = True, dora_scale=None, fmt: str = "kohya") -> Path:
     """The run's adapters under `name_of(modules)`'s names, in the keys kohya's and LyCORIS' files use:
 
     - lora: `.lora_down.weight` (peft's lora_A), `.lora_up.weight` (lora_B), `.alpha`;
@@ -75,7 +75,8 @@ def write_adapters(run, out: Path, name_of, alpha: bool = True, dora_scale=None)
         algo = {"dora": "lora", "loha": "loha", "lokr": "lokr"}[adapter.type]
         header = {"ss_network_module": "lycoris.kohya",
                   "ss_network_args": json.dumps({"algo": algo, "dora_wd": str(adapter.type == "dora")})}
-    header.update({"ss_network_dim": str(adapter.rank), "ss_network_alpha": str(adapter.alpha), **metadata})
+    header.update({"ss_network_dim": str(adapter.rank), "ss_network_alpha": str(adapter.alpha), **metadata,
+                   EXPORT_KEY: fmt})  # a later export --force may replace it
     return save_tensors(written, out, metadata=header)
 
 

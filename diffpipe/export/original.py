@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from ..errors import ExportError
-from ..written_files import save_tensors
+from ..written_files import EXPORT_KEY, save_tensors
 from .run import one_file
 
 __all__ = ["check", "target", "write"]
@@ -28,4 +28,4 @@ def check(run) -> None:
 def write(run, out: Path) -> Path:
     weights = load_file(str(run.folder / "model.safetensors"))
     original = run.family.release_layout.from_diffusers(weights, run.model_config)
-    return save_tensors({k: v.contiguous() for k, v in original.items()}, out, metadata={"format": "pt"})
+    return save_tensors({k: v.contiguous() for k, v in original.items()}, out, metadata={"format": "pt", EXPORT_KEY: "original"})

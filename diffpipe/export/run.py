@@ -3,8 +3,9 @@
 Reads the run folder's files, written on rank 0 at the end of training (weights sent over the process group, so a
 run over several machines needs no shared disk): `model.safetensors` (with LoRA, the base with the adapters merged
 in), `lora.safetensors` (the adapters), `model_config.json` and `config.toml`. An existing --out is refused unless
---force (then replaced whole, once the new export is written); the run's own files and its base model (model.path)
-never. Files get the user's umask.
+--force, and then only what an earlier export wrote (a folder it marked, a .safetensors file whose header names it:
+written_files.check_target); it is replaced whole once the new export is written. No run's files, nor its base model
+(model.path), ever. Files get the user's umask.
 """
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ from pathlib import Path
 from safetensors import safe_open
 
 from ..config import RunConfig
-from ..config_files import load_config
-from ..errors import ExportError
+from ..config_files import load_run_config
+from ..errors import CommandError, ExportError
 from ..models.family import ModelFamily
 from ..models.lora import adapted_module, is_adapter
 from ..models.registry import family_for
-from ..written_files import give_user_mode
+from ..written_files import check_target, give_user_mode, mark_export, written_by_export
 from . import FORMATS
 
 __all__ = ["ExportedRun", "export_run", "prepare_export", "export_files", "format_writer", "replacing",
@@ -70,7 +71,7 @@ def prepare_export(run_dir: Path, fmt: str, out: Path, force: bool, finished: bo
             raise ExportError(f"{run_dir} is not a finished run folder: {name} is missing")
     writer = format_writer(fmt)
     out = writer.target(out)
-    config = load_config(run_dir / "config.toml")
+    config = load_run_config(run_dir)
     _check_target(out, run_dir, config.model.path, force)
     return config, writer, out
 
@@ -96,16 +97,15 @@ def export_files(folder: Path, config: RunConfig, writer, out: Path) -> Path:
 
 
 def _check_target(out: Path, run_dir: Path, base_model: str | None, force: bool) -> None:
-    """Refuse to write over the run's own files or its base model, and over anything that exists without --force."""
-    target = out.resolve()
-    protected = [("the run folder", run_dir.resolve())]
-    if base_model:
-        protected.append(("the run's base model (model.path)", Path(base_model).resolve()))
-    for what, path in protected:
-        if target == path or path in target.parents or target in path.parents:
-            raise ExportError(f"--out {out} is in or around {what} {path}; write the export somewhere else")
-    if out.exists() and not force:
-        raise ExportError(f"--out {out} already exists; choose another path, or add --force to replace it")
+    """Refuse to write over any run's files or this run's base model, over anything that exists without --force,
+    and with it over anything an earlier export did not write (written_files.check_target)."""
+    protected = [("the run folder", run_dir)] + ([("the run's base model (model.path)", Path(base_model))]
+                                                  if base_model else [])
+    try:
+        check_target(out, force, written_by_export, "an earlier export (a folder with its .diffpipe-export mark, or a "
+                     ".safetensors file diffpipe exported)", protected)
+    except CommandError as exc:
+        raise ExportError(str(exc)) from None
     if out.suffix != ".safetensors" and out.is_file():
         raise ExportError(f"--out {out} is a file, and this export is a folder; name a folder, or a .safetensors file")
 
@@ -120,12 +120,14 @@ def _check_readable(path: Path) -> None:
         raise ExportError(f"{path} is damaged ({exc}); export an earlier copy, or train the run again") from None
 
 
-def replacing(out: Path, write) -> Path:
-    """`write(folder)` into a new folder beside `out`, which then replaces `out` whole (nothing half-written)."""
+def replacing(out: Path, write, fmt: str) -> Path:
+    """`write(folder)` into a new folder beside `out`, marked as an export of format `fmt`, which then replaces `out`
+    whole (nothing half-written)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}-"))
     try:
         write(partial)
+        mark_export(partial, fmt)
         give_user_mode(partial)
         if out.is_dir():
             shutil.rmtree(out)

@@ -67,7 +67,7 @@ def _settings(config: RunConfig, replicas: Replicas) -> Iterator[tuple[MemoryCho
         choice = replace(choice, optimizer_state="8bit")
         replicas = replace(replicas, moment_bytes=moment_bytes("8bit"))
         yield choice, replicas
-    if m.base_dtype == "auto":
+    if m.base_dtype == "auto" and config.adapter.type != "none":  # a full fine-tune has no frozen base to quantise
         rest = torch.bfloat16 if config.train.precision != "fp32" else torch.float32
         for format in m.quantise_if_needed:
             yield replace(choice, base_dtype=format), replace(replicas, frozen=FrozenStorage(rest, format))

@@ -402,7 +402,7 @@ def _most_saving(config: RunConfig, meta: Backbone) -> MemoryChoice:
     holding = sum(any(not q.requires_grad for q in unit.module.parameters()) for unit in meta.units)
     shard = config.pipeline.data_parallel_shard and config.pipeline.data_parallel > 1
     return MemoryChoice(
-        min(m.quantise_if_needed, key=LINEAR_FORMATS.get) if m.base_dtype == "auto" and m.quantise_if_needed
-        else choice.base_dtype,
+        min(m.quantise_if_needed, key=LINEAR_FORMATS.get)
+        if m.base_dtype == "auto" and m.quantise_if_needed and config.adapter.type != "none" else choice.base_dtype,
         "8bit" if m.optimizer_state == "auto" and not shard else choice.optimizer_state,
         holding if swap else choice.block_swap)

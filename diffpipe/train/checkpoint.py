@@ -193,6 +193,15 @@ def _seal(trainer, partial: Path, final: Path, next_step: int, keep: int) -> Pat
     return final
 
 
+def remove_unfinished_saves(run_dir: Path) -> list[Path]:
+    """Remove the folders of saves that never finished (`.step-N.partial`: a save stopped by a full disk, a kill or a
+    crash), as a resume starts; returns them. Only under the run's lock: no save of this run is under way then."""
+    unfinished = sorted((Path(run_dir) / CHECKPOINTS).glob(".step-*.partial"))
+    for folder in unfinished:
+        shutil.rmtree(folder, ignore_errors=True)
+    return unfinished
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest complete checkpoint of a run folder (interrupted saves have no complete.json)."""
     done = sorted(p for p in (Path(run_dir) / CHECKPOINTS).glob("step-*") if (p / _COMPLETE).is_file())
