@@ -126,6 +126,12 @@ def test_a_checkpoint_exports_as_the_finished_run_would(tiny, photos, tmp_path, 
     capsys.readouterr()
     assert main(["export", str(run), "--format", "kohya", "--out", str(tmp_path / "x"), "--step", "1"]) == 2
     assert "no checkpoint after step 1; the checkpoints there are after steps 2, 3" in capsys.readouterr().err
+    # the run folder holds only what diffpipe writes (its exports/ too), so --overwrite replaces it (issue 56)
+    from diffpipe.run_folder import WRITTEN, prepare_new_run
+
+    assert {p.name for p in run.iterdir()} <= WRITTEN
+    prepare_new_run(run, overwrite=True).release()
+    assert not (run / "exports").exists()
 
 
 def test_export_every_epochs_writes_the_adapters_after_each_epoch(tiny, photos, tmp_path):

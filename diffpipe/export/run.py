@@ -101,12 +101,14 @@ def _check_target(out: Path, run_dir: Path, base_model: str | None, force: bool)
     and with it over anything an earlier export did not write (written_files.check_target)."""
     protected = [("the run folder", run_dir)] + ([("the run's base model (model.path)", Path(base_model))]
                                                   if base_model else [])
+    folder_over_file = out.suffix != ".safetensors" and out.is_file()  # refused below, naming why
     try:
-        check_target(out, force, written_by_export, "an earlier export (a folder with its .diffpipe-export mark, or a "
-                     ".safetensors file diffpipe exported)", protected)
+        check_target(out, force, lambda p: folder_over_file or written_by_export(p),
+                     "an earlier export (a folder with its .diffpipe-export mark, or a .safetensors file diffpipe "
+                     "exported)", protected)
     except CommandError as exc:
         raise ExportError(str(exc)) from None
-    if out.suffix != ".safetensors" and out.is_file():
+    if folder_over_file:
         raise ExportError(f"--out {out} is a file, and this export is a folder; name a folder, or a .safetensors file")
 
 

@@ -191,5 +191,12 @@ def test_a_seal_of_the_wrong_json_shape_rebuilds_its_shard_instead_of_failing_ev
     (written,) = tmp_path.glob("*.json")
     written.write_text(seal)
     assert store.known() == (set(), {})
-    entries, failed = fill_store(store, ["a", "b"], lambda keys: ({k: {"x": torch.ones(2)} for k in keys}, {}))
+    shard = written.with_suffix(".safetensors")
+    warnings = []
+    entries, failed = fill_store(store, ["a", "b"], lambda keys: ({k: {"x": torch.ones(2)} for k in keys}, {}),
+                                 warn=warnings.append)
     assert set(entries) == {"a", "b"} and not failed
+    # named and removed with its shard, as the README says: no stale shard left beside the rebuilt one (issue 58)
+    assert warnings == [f"warning: damaged cache shard {shard}: its seal {written.name} is damaged; removed, its "
+                        "entries are computed again"]
+    assert not shard.exists() and not written.exists() and len(list(tmp_path.glob("*.safetensors"))) == 1

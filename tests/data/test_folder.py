@@ -12,6 +12,7 @@ from PIL import Image
 
 from diffpipe.data.buckets import Bucket, make_buckets, place, to_pixels
 from diffpipe.data.folder import BadImage, Skipped, read_rgb, scan_folders, uncaptioned_note
+from diffpipe.errors import DataError
 
 from ..planted import planted
 
@@ -121,8 +122,18 @@ def test_a_metadata_jsonl_that_is_not_utf8_is_named(tmp_path):
     _photo(tmp_path / "a.jpg")
     (tmp_path / "metadata.jsonl").write_bytes(json.dumps({"file_name": "a.jpg", "text": "caf"}).encode()
                                               .replace(b"caf", b"caf\xe9"))  # Latin-1
-    with pytest.raises(ValueError, match=r"metadata.jsonl is not UTF-8 text \(byte \d+"):
+    with pytest.raises(DataError, match=r"metadata.jsonl is not UTF-8 text \(byte \d+"):
         scan_folders([(tmp_path, 1)], min_side=16, skipped=Skipped())
+
+
+def test_a_caption_txt_that_is_not_utf8_is_named_as_metadata_jsonl_is(tmp_path):
+    """It trained as "caf\ufffd photo" (read with errors="replace"): one rule for both caption files (issue 58)."""
+    _photo(tmp_path / "a.jpg")
+    (tmp_path / "a.txt").write_bytes("café photo".encode("latin-1"))
+    with pytest.raises(DataError, match=r"a.txt is not UTF-8 text \(byte 3"):
+        scan_folders([(tmp_path, 1)], min_side=16, skipped=Skipped())
+    (tmp_path / "a.txt").write_bytes("\ufeffcafé photo".encode("utf-8"))  # Notepad's byte-order mark: dropped
+    assert [i.caption for i in scan_folders([(tmp_path, 1)], min_side=16, skipped=Skipped())] == ["café photo"]
 
 
 def test_captions_of_images_in_subfolders_by_both_conventions(tmp_path, scan=scan_folders):

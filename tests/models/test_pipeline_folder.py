@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,3 +125,22 @@ def test_a_transformer_in_shards_loads_as_one_file_does(tiny, tmp_path):
     shards[2].unlink()
     with pytest.raises(CheckpointError, match=f"1 are missing \\({shards[2].name}\\)"):
         build_backbone(_config(folder))
+
+
+@pytest.mark.parametrize("component,weights", [("text_encoder_2", "model.safetensors"),
+                                               ("vae", "diffusion_pytorch_model.safetensors")])
+def test_a_pickle_only_frozen_component_is_refused_before_launch_and_writes_nothing(tiny, tmp_path, capsys,
+                                                                                   component, weights):
+    """The text encoders were refused inside a training process (exit 1, after the run folder was written); every
+    frozen component is now refused before any process starts, as the backbone's weights are (issue 58)."""
+    from diffpipe.cli import main
+
+    folder = tmp_path / "sdxl"
+    shutil.copytree(tiny / "sdxl", folder)
+    (folder / component / weights).rename(folder / component / "pytorch_model.bin")
+    run = tmp_path / "run"
+    assert main(["train", str(Path(__file__).parent.parent.parent / "examples" / "photos.toml"), "--output-dir",
+                 str(run), "--set", f'model.path="{folder}"', "--set", f'data.path="{tiny / "photos"}"',
+                 "--set", "data.cache=false", "--set", "pipeline.stages=2"]) == 2
+    assert f"{component}: only pickle weight files (pytorch_model.bin)" in capsys.readouterr().err
+    assert not run.exists()

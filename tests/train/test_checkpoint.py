@@ -68,9 +68,12 @@ LAYOUTS = {"2 stages": ["pipeline.stages=2"], "1 stage": ["pipeline.stages=1"], 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_cut_short_run_resumes_to_the_same_losses(full_run, tmp_path, layout):
     run = _cut_short(full_run, tmp_path / "run")
+    unfinished = run / "checkpoints" / ".step-00000004.partial"
+    unfinished.mkdir()  # a save that a full disk stopped: removed as the resume starts (issue 58)
     result = _train("--resume", str(run), *(arg for item in LAYOUTS[layout] for arg in ("--set", item)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming" in result.stdout and "(step 3)" in result.stdout
+    assert not unfinished.exists() and f"removed {unfinished}" in result.stdout
     got, want = _losses(run), _losses(full_run)
     assert list(got) == list(range(6))  # steps 0-2 kept, 3-5 trained again once each
     if layout == "2 stages":
