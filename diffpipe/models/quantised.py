@@ -59,7 +59,8 @@ class Int8Linear(StoredLinear):
         return ScaledProduct.apply(x.to(compute_dtype(x)), self.weight, self.weight_scale, self.bias)
 
     def dequantised(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.weight.to(dtype) * self.weight_scale.to(dtype)  # int8 values are exact in bf16 and fp32
+        # where the weight is (a swapped unit's: in host memory, its scale on the device); int8 is exact in bf16
+        return self.weight.to(dtype) * self.weight_scale.to(self.weight.device, dtype)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", weight in int8 with a scale per output row"
@@ -117,7 +118,7 @@ class Nf4Linear(StoredLinear):
         return torch.Size((self.out_features, self.in_features))
 
     def dequantised(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return nf4_dequantise(self.weight, self.weight_scales, self._shape, dtype)
+        return nf4_dequantise(self.weight, self.weight_scales.to(self.weight.device), self._shape, dtype)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", weight in NF4 with a scale per block of {NF4_BLOCK}"

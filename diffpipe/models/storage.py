@@ -60,8 +60,9 @@ def quantise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantise(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in `dtype` (the product in that dtype: one kernel over the weight, no fp32 copy)."""
-    return stored.to(dtype) * scale.to(dtype)  # fp8 values are exact in bf16 and fp32
+    """The weight in `dtype` (the product in that dtype: one kernel over the weight, no fp32 copy), where the stored
+    weight is: a swapped unit's lies in host memory while its scale is on the device (pipeline/block_swap.py)."""
+    return stored.to(dtype) * scale.to(stored.device, dtype)  # fp8 values are exact in bf16 and fp32
 
 
 class ScaledProduct(torch.autograd.Function):
