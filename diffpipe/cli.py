@@ -65,13 +65,13 @@ def _plan(args) -> None:
 def _timeline(args) -> None:
     from .commands.observe import timeline_command
 
-    timeline_command(args.run_dir, args.step, args.out)
+    timeline_command(args.run_dir, args.step, args.out, args.force)
 
 
 def _report(args) -> None:
     from .commands.observe import report_command
 
-    report_command(args.run_dir, args.out)
+    report_command(args.run_dir, args.out, args.force)
 
 
 def _config(args) -> None:
@@ -112,10 +112,12 @@ def _parser() -> argparse.ArgumentParser:
     timeline.add_argument("run_dir")
     timeline.add_argument("--step", type=int, default=None, help="default: the last recorded step")
     timeline.add_argument("--out", required=True)
+    timeline.add_argument("--force", action="store_true", help="replace an earlier picture and trace at --out")
     timeline.set_defaults(run=_timeline)
     report = sub.add_parser("report", help="one-page summary of a run (text and PNG)")
     report.add_argument("run_dir")
     report.add_argument("--out", default=None, help="PNG path (default RUN_DIR/report.png)")
+    report.add_argument("--force", action="store_true", help="replace an existing picture at --out")
     report.set_defaults(run=_report)
     sample = sub.add_parser("sample", help="generate images from a finished run")
     sample.add_argument("run_dir")

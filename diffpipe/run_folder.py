@@ -25,7 +25,8 @@ _LOCK = ".diffpipe-lock"
 # everything diffpipe writes into a run folder (trainer, observer, evaluation, checkpoints, the end of `train`)
 WRITTEN = frozenset({MARK, _LOCK, "config.toml", "metrics.jsonl", "stage_times.jsonl", "timeline.json",
                      "timeline.png", "loss.png", "samples.png", "samples", "tensorboard", "checkpoints",
-                     "model.safetensors", "lora.safetensors", "model_config.json", "text_encoder", "exports"})
+                     "model.safetensors", "lora.safetensors", "model_config.json", "text_encoder", "exports",
+                     "report.png"})
 
 
 class RunLock:

@@ -30,7 +30,7 @@ from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 from .precision import AUTOCAST_DTYPES
 
-__all__ = ["Generator", "load_generator", "images_to_pil", "quantise", "run_stages", "grid_prompts", "grid_controls",
+__all__ = ["Generator", "load_generator", "finished_run_config", "images_to_pil", "quantise", "run_stages", "grid_prompts", "grid_controls",
            "placed_controls", "show_controls"]
 
 
@@ -134,20 +134,27 @@ class Generator:
         return decode_latents(self.vae, latents)
 
 
-def load_generator(run_dir: str | Path) -> Generator:
-    """The trained backbone of a finished run; the text encoders (and VAE) of the pipeline folder it started from,
-    else the text encoder saved in the run folder."""
-    run_dir = Path(run_dir)
+def finished_run_config(run_dir: Path):
+    """The config of a finished run folder, or an error naming what it lacks (cheap: no model is built)."""
     if not (run_dir / "config.toml").is_file():
         raise CheckpointError(f"{run_dir} is not a finished run folder: config.toml is missing "
                               "(train first with `diffpipe train CONFIG`)")
     config = load_run_config(run_dir)
-    pipeline = config.model.pipeline_folder()
-    needed = ("model.safetensors",) if pipeline is not None else ("model.safetensors", "text_encoder")
+    needed = ("model.safetensors",) if config.model.pipeline_folder() is not None else ("model.safetensors",
+                                                                                       "text_encoder")
     for name in needed:
         if not (run_dir / name).exists():
             raise CheckpointError(f"{run_dir} is not a finished run folder: {name} is missing "
                                   "(train first with `diffpipe train CONFIG`)")
+    return config
+
+
+def load_generator(run_dir: str | Path) -> Generator:
+    """The trained backbone of a finished run; the text encoders (and VAE) of the pipeline folder it started from,
+    else the text encoder saved in the run folder."""
+    run_dir = Path(run_dir)
+    config = finished_run_config(run_dir)
+    pipeline = config.model.pipeline_folder()
     config.model.path = str(run_dir)  # the run's own weights (model.safetensors, model_config.json), not its start
     expert, components = config.model.expert, config.model.components
     if expert == "both":  # the run holds both experts; the folder says where they switch

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from .errors import CommandError
 
-__all__ = ["save_tensors", "give_user_mode", "check_target", "mark_export", "written_by_export", "RUN_MARK",
+__all__ = ["save_tensors", "give_user_mode", "check_target", "is_image", "mark_export", "written_by_export", "RUN_MARK",
            "EXPORT_MARK", "EXPORT_KEY"]
 
 
@@ -73,6 +73,17 @@ def written_by_export(path: Path) -> bool:
         with safe_open(str(path), framework="pt") as f:
             return EXPORT_KEY in (f.metadata() or {})
     except Exception:  # not a safetensors file (safetensors raises its own error types for a bad header)
+        return False
+
+
+def is_image(path: Path) -> bool:
+    """Whether `path` is a picture (what `sample --force` and the plots' --force may replace)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path):
+            return True
+    except (UnidentifiedImageError, OSError):
         return False
 
 

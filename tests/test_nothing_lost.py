@@ -139,3 +139,26 @@ def test_sample_and_export_of_a_folder_that_is_not_a_run_say_so(tmp_path, capsys
     assert f"{folder} is not a run folder" in err and "unknown key" not in err
     assert main(["export", str(folder), "--format", "diffusers", "--out", str(tmp_path / "x")]) == 2
     assert f"{folder} is not a run folder" in capsys.readouterr().err
+
+
+def test_timeline_and_report_follow_the_same_rule(tmp_path, capsys):
+    """`timeline --out` and `report --out` wrote over any file and into run folders; report's own default,
+    RUN/report.png, is a file the run folder may hold (so --overwrite replaces the run after a report)."""
+    from diffpipe.run_folder import WRITTEN
+
+    run = tmp_path / "run"
+    result = run_command(["train", str(EXAMPLES / "digits.toml"), "--output-dir", str(run), "--set",
+                          "train.max_steps=2", "--set", "train.batch_size=16", "--set", "output.sample_every_end=false",
+                          "--set", "observe.timeline_step=1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    mine = tmp_path / "mine.png"
+    Image.new("RGB", (4, 4)).save(mine)
+    picture = mine.read_bytes()
+    for command in (["timeline", str(run), "--out", str(mine)], ["report", str(run), "--out", str(mine)]):
+        assert main(command) == 2 and "already exists" in capsys.readouterr().err
+        assert main([*command[:2], "--out", str(run / "timeline.png"), "--force"]) == 2
+        assert "is in the run folder" in capsys.readouterr().err
+    assert mine.read_bytes() == picture
+    assert main(["timeline", str(run), "--out", str(mine), "--force"]) == 0 and mine.read_bytes() != picture
+    assert main(["timeline", str(run), "--out", str(mine), "--force"]) == 0  # its own trace (mine.json) replaced
+    assert main(["report", str(run)]) == 0 and "report.png" in WRITTEN and (run / "report.png").is_file()

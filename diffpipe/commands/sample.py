@@ -14,12 +14,16 @@ __all__ = ["sample_command"]
 def sample_command(args) -> None:
     """Images (or clips) from a finished run, enlarged when tiny."""
     from ..grids import enlargement, save_grid
-    from ..sampling import load_generator
+    from ..sampling import finished_run_config, load_generator
+    from ..written_files import check_target, is_image
 
     for name, value in (("--num", args.num), ("--steps", args.steps)):
         if value is not None and value < 1:
             raise CommandError(f"{name} {value}: give 1 or more")
-    _check_image_path(Path(args.out), args.force, Path(args.run_dir))  # before minutes of sampling, not after
+    # before any work: --out's name, what the run folder lacks, then whether --out may be written
+    _check_image_name(Path(args.out))
+    finished_run_config(Path(args.run_dir))
+    check_target(Path(args.out), args.force, is_image, "an image file", [("the run folder", Path(args.run_dir))])
     if args.control is not None and not Path(args.control).is_file():
         raise CommandError(f"--control {args.control} is not a file; give the image to edit (or a first frame)")
     gen = load_generator(args.run_dir)
@@ -34,32 +38,20 @@ def sample_command(args) -> None:
     controls = [Path(args.control)] * args.num if args.control is not None else None
     images = gen.generate([args.prompt] * args.num, seeds, steps, guidance, controls=controls)
     if images.dim() == 5:  # clips are written beside --out as .gif (grids.save_grid): that file obeys the rule too
-        _check_image_path(Path(args.out).with_suffix(".gif"), args.force, Path(args.run_dir))
+        check_target(Path(args.out).with_suffix(".gif"), args.force, is_image, "an image file",
+                     [("the run folder", Path(args.run_dir))])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     scale = enlargement(images.shape[-2])  # tiny images (8x8 digits) enlarged to be seen when opened
     written = save_grid(images, 1, args.out)  # the user's own picture: unlabelled
     print(f"wrote {args.num} image(s) to {written}" + (f", each enlarged {scale}x" if scale > 1 else ""))
 
 
-def _check_image_path(out: Path, force: bool, run_dir: Path) -> None:
-    """An image file name that replaces nothing without --force, and with it only an image, never a run's file."""
+def _check_image_name(out: Path) -> None:
+    """--out names an image file PIL can write."""
     from PIL import Image
-
-    from ..written_files import check_target
 
     writable = {ext for ext, name in Image.registered_extensions().items() if name in Image.SAVE}
     if out.suffix.lower() not in writable:
         raise CommandError(f"--out {out}: give an image file name (.png, .jpg, .webp; clips are written as .gif)")
     if out.is_dir():
         raise CommandError(f"--out {out} is a folder; give an image file name such as {out / 'samples.png'}")
-    check_target(out, force, _is_image, "an image file", [("the run folder", run_dir)])
-
-
-def _is_image(path: Path) -> bool:
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path):
-            return True
-    except (UnidentifiedImageError, OSError):
-        return False
