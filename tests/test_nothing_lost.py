@@ -162,3 +162,16 @@ def test_timeline_and_report_follow_the_same_rule(tmp_path, capsys):
     assert main(["timeline", str(run), "--out", str(mine), "--force"]) == 0 and mine.read_bytes() != picture
     assert main(["timeline", str(run), "--out", str(mine), "--force"]) == 0  # its own trace (mine.json) replaced
     assert main(["report", str(run)]) == 0 and "report.png" in WRITTEN and (run / "report.png").is_file()
+
+
+def test_a_data_error_is_one_line_on_one_stage_as_on_two(tiny, tmp_path, capfd):
+    """A non-UTF-8 metadata.jsonl reached the user of a one-stage run as a ValueError's traceback (two stages gave
+    one line): data errors are DataError, printed as one line whatever the layout."""
+    photos = tmp_path / "photos"
+    shutil.copytree(tiny / "photos", photos)
+    (photos / "metadata.jsonl").write_bytes(b'{"file_name": "china_0.jpg", "text": "caf\xe9"}\n')
+    assert main(["train", str(EXAMPLES / "photos.toml"), "--output-dir", str(tmp_path / "run"),
+                 "--set", f'model.path="{tiny / "sdxl"}"', "--set", f'data.path="{photos}"', "--set", "data.cache=false",
+                 "--set", "pipeline.stages=1", "--set", "train.max_steps=1"]) == 2
+    err = capfd.readouterr().err  # (the process's own stderr: the one-stage worker runs in this process)
+    assert "metadata.jsonl is not UTF-8 text (byte" in err and len(err.strip().splitlines()) == 1
