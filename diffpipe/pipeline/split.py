@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from ..models.units import Backbone
 from ..errors import SplitError
 
-__all__ = ["StageSpec", "SplitError", "stage_specs", "balanced_by_parameters", "balanced_partition", "live_after"]
+__all__ = ["StageSpec", "SplitError", "stage_specs", "balanced_by_parameters", "balanced_partition", "live_after",
+           "check_stage_count"]
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,19 @@ def stage_specs(backbone: Backbone, starts: list[int]) -> list[StageSpec]:
     return specs
 
 
+def check_stage_count(backbone: Backbone, stages: int) -> None:
+    """Every stage needs a unit: more stages than units is refused, naming them (every planner entry asks first)."""
+    n = len(backbone.units)
+    if stages > n:
+        names = ", ".join(u.name for u in backbone.units[:12]) + (f" and {n - 12} more" if n > 12 else "")
+        raise SplitError(f"pipeline.stages x pipeline.virtual_stages = {stages} stages, but the model has only {n} "
+                         f"units ({names}); use at most {n} stages")
+
+
 def balanced_by_parameters(backbone: Backbone, stages: int) -> list[int]:
     """Stage starts that minimise the largest stage's parameter count (contiguous partition, exact DP)."""
     n = len(backbone.units)
-    if stages > n:
-        raise SplitError(f"{stages} stages asked for, but the model has only {n} units "
-                         f"({', '.join(u.name for u in backbone.units)}); use at most {n} stages")
+    check_stage_count(backbone, stages)
     return balanced_partition([backbone.unit_parameters(i) for i in range(n)], stages)
 
 

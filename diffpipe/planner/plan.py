@@ -16,7 +16,8 @@ from ..models.materialise import is_meta
 from ..models.storage import LINEAR_FORMATS, FrozenStorage
 from ..models.units import Backbone
 from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, moment_bytes, optimizer_state_bytes
-from ..pipeline.split import SplitError, balanced_by_parameters, balanced_partition, live_after, stage_specs
+from ..pipeline.split import (balanced_by_parameters, balanced_partition, check_stage_count, live_after,
+                              stage_specs)
 from ..pipeline.schedules import choice_of
 from ..pipeline.traffic import trace_shapes
 from .costs import UnitCost, count_unit_costs, load_profile
@@ -250,6 +251,7 @@ def _memory_levers(costs: list[UnitCost], replicas: Replicas, adamw: bool) -> li
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,
               hw: Hardware, per_sample: list[UnitCost] | None = None) -> Plan:
     """The plan for one layout; `per_sample` (costs at micro-batch 1) saves recounting across layouts."""
+    check_stage_count(meta, stages)  # before any memory reasoning: too many stages is no question of memory
     micro = config.train.batch_size // (microbatches * data_parallel)
     costs = scaled(per_sample if per_sample is not None else unit_costs(config, meta, 1), micro)
     bb = boundary_bytes(meta, costs, example_inputs(config, meta, micro)[0])
@@ -295,11 +297,7 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
     """Stage starts and the stages to checkpoint, as the runtime takes them."""
     p = config.pipeline
     stages = p.stages * p.virtual_stages
-    if stages > len(backbone.units):
-        raise SplitError(
-            f"pipeline.stages x pipeline.virtual_stages = {stages} stages, but the model has only "
-            f"{len(backbone.units)} units ({', '.join(u.name for u in backbone.units)}); use at most "
-            f"{len(backbone.units)} stages")
+    check_stage_count(backbone, stages)
     meta = backbone if is_meta(backbone.model) else build_backbone(config, "meta")
     hw = hardware(config)
     # one stage, its checkpointing set and no device memory known to warn of: the plan could only say [] (counting
@@ -364,9 +362,10 @@ def resolve_memory(config: RunConfig, backbone: Backbone) -> MemoryChoice:
     then warns)."""
     first = unchanged(config)
     hw = hardware(config)
+    p = config.pipeline
+    check_stage_count(backbone, p.stages * p.virtual_stages)
     if not leaves_any(config.memory) or hw.memory_bytes is None:
         return first
-    p = config.pipeline
     meta = backbone if is_meta(backbone.model) else build_backbone(config, "meta")
     stages = p.stages * p.virtual_stages
     if p.split == "auto":

@@ -106,3 +106,21 @@ def test_a_quantised_base_spends_time_turning_its_weights_back_at_every_pass():
     for base in ("fp8", "int8", "nf4"):
         expected = passes * frozen * DEQUANTISE_FLOPS[base] / 100e12
         assert frozen > 0 and step_s(base) - bf16 == pytest.approx(expected, rel=1e-6), base
+
+
+@pytest.mark.parametrize("levers", [['memory.block_swap="auto"', 'memory.optimizer_state="auto"'],
+                                    ["memory.block_swap=0", 'memory.optimizer_state="fp32"']])
+def test_more_stages_than_units_is_one_sentence_at_every_planner_entry(levers):
+    """With levers left to the planner, 12 stages of a 6-unit model was a traceback from deep in the partition
+    (`max() arg is an empty sequence`) through the memory explanation (issue 56): every entry asks first."""
+    from diffpipe.errors import SplitError
+    from diffpipe.planner.plan import hardware, make_plan
+
+    sets = ['adapter.type="lora"', "pipeline.stages=12", "pipeline.microbatches=12", "train.batch_size=12",
+            "plan.memory_gib=1", *levers]
+    config = load_config(EXAMPLES / "flux_tiny.toml", sets)
+    meta = build_backbone(config, "meta")
+    for entry in (lambda: resolve_memory(config, meta), lambda: resolve_stages(config, meta),
+                  lambda: make_plan(config, meta, 12, 1, 12, hardware(config))):
+        with pytest.raises(SplitError, match="12 stages, but the model has only 6 units"):
+            entry()
