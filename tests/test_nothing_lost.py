@@ -175,3 +175,18 @@ def test_a_data_error_is_one_line_on_one_stage_as_on_two(tiny, tmp_path, capfd):
                  "--set", "pipeline.stages=1", "--set", "train.max_steps=1"]) == 2
     err = capfd.readouterr().err  # (the process's own stderr: the one-stage worker runs in this process)
     assert "metadata.jsonl is not UTF-8 text (byte" in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_empty_or_unusable_data_folder_is_named_before_anything_loads_or_is_written(tiny, tmp_path, capsys):
+    """It was reported after the model loaded and the text encoders ran, leaving a config.toml (issue 56)."""
+    empty, broken = tmp_path / "empty", tmp_path / "broken"
+    empty.mkdir()
+    broken.mkdir()
+    (broken / "a.jpg").write_text("not a picture")
+    for folder, why in ((empty, ""), (broken, "a.jpg: not a readable image")):
+        run = tmp_path / f"run-{folder.name}"
+        assert main(["train", str(EXAMPLES / "photos.toml"), "--output-dir", str(run), "--set",
+                     f'model.path="{tiny / "sdxl"}"', "--set", f'data.path="{folder}"']) == 2
+        err = capsys.readouterr().err
+        assert f"data.path: no usable images (.jpg, .jpeg, .png, .webp) in {folder}" in err and why in err
+        assert not run.exists()

@@ -203,6 +203,7 @@ class FolderSource(DataSource):
             if not path.is_dir():
                 raise FileNotFoundError(f"data.regularisation_path: {path} is not a folder")
         family, cfg = backbone.family, backbone.model.config
+        _check_usable_files(config.data, videos=family.latent_frames(cfg) is not None)
         channels = vae_latent_channels(folder)
         if channels != family.latent_channels(cfg):
             raise CheckpointError(f"{folder}: the VAE makes {channels}-channel latents but the "
@@ -319,3 +320,19 @@ SOURCES: dict[str, DataSource] = {source.name: source for source in (
 
 def source_of(config: RunConfig) -> DataSource:
     return SOURCES[config.data.dataset]
+
+
+def _check_usable_files(data, videos: bool) -> None:
+    """data.path holds a file to train on (read up to the first usable one: headers only): an empty or unusable
+    folder is named before any model loads or the run folder is written, not after the text encoders ran."""
+    from .folder import Skipped, scan_folders
+    from .images import data_buckets, data_folders
+
+    skipped = Skipped(kind="image or video" if videos else "image")
+    min_side = min(min(b.width, b.height) for b in data_buckets(data)) // 2  # as prepare_folder_images reads them
+    if scan_folders(data_folders(data), min_side, skipped, videos, first=1):
+        return
+    what = "images or videos" if videos else "images (.jpg, .jpeg, .png, .webp)"
+    folders = ", ".join(str(f) for f, _ in data_folders(data))
+    why = f"; {skipped.warning().removeprefix('warning: ')}" if skipped.files else ""
+    raise DataError(f"data.path: no usable {what} in {folders}{why}")
