@@ -8,6 +8,7 @@ with --profile time each unit first, with --probe run each planned stage alone a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from ..build import build_backbone
 from ..config import RunConfig
@@ -18,10 +19,30 @@ from ..train.probe import format_probe, probe_plan, probed_samples_per_s
 __all__ = ["plan_command"]
 
 
+def _plan_without_weights(config: RunConfig) -> None:
+    """A plan needs the architecture, not the weights: a recipe's model.path that is not on this machine yet is
+    planned as the preset the config names (model.preset, set beside the path), and the plan says so."""
+    from ..errors import CheckpointError
+    from ..models.registry import family_for
+
+    model = config.model
+    if model.path is None or Path(model.path).exists() or model.config is not None:
+        return
+    presets = sorted(family_for(model.architecture).presets)
+    if "preset" not in model.model_fields_set or model.preset not in presets:
+        raise CheckpointError(f"model.path={model.path} does not exist; to plan before the weights are here, name "
+                              f"the architecture's preset of that model: --set model.preset='\"NAME\"' (the "
+                              f"{model.architecture} presets: {', '.join(presets)})")
+    print(f"model.path={model.path} is not on this machine: planning the {model.architecture} preset "
+          f"{model.preset!r} (model.preset), the same architecture with no weights read", flush=True)
+    model.path = None
+
+
 def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | None, as_json: bool,
                  profile: bool, probe: bool = False, probe_unsplit: bool = False) -> None:
     if gpu_memory:
         config.plan.memory_gib = parse_memory(gpu_memory)
+    _plan_without_weights(config)
     meta = build_backbone(config, "meta")
     if profile:
         config.plan.profile = config.plan.profile or "unit_profile.json"
