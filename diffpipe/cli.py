@@ -8,7 +8,7 @@
     diffpipe report runs/digits
     diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
     diffpipe cache examples/photos.toml [--processes N]               # image folders: latents and text ahead
-    diffpipe export runs/photos --format diffusers|kohya|original --out PATH [--step N]  # diffusers, ComfyUI, kohya
+    diffpipe export runs/photos --format diffusers|comfyui|kohya|original --out PATH  # [--step N] [--force]
     diffpipe config [--markdown]                                      # every config key, its default and help
     torchrun --nnodes 2 --nproc-per-node 4 ... -m diffpipe train CONFIG   # multi-node: one process per GPU
 
@@ -136,10 +136,12 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="a finished run's weights for diffusers, ComfyUI, A1111 or kohya's tools")
     export.add_argument("run_dir")
     export.add_argument("--format", required=True, choices=list(FORMATS),
-                        help="diffusers: a pipeline folder (full) or LoRA file; kohya: LoRA for ComfyUI/A1111/kohya; "
-                             "original: the UNet as one file in the original layout")
+                        help="diffusers: a pipeline folder (full) or LoRA file (diffusers' loaders); comfyui: a LoRA "
+                             "of any family in ComfyUI's names (its LoRA loader); kohya: a UNet LoRA for "
+                             "ComfyUI/A1111/kohya's tools; original: the UNet as one file in the original layout")
     export.add_argument("--out", required=True, help="folder (diffusers) or .safetensors file")
-    export.add_argument("--force", action="store_true", help="replace an existing --out (never the run's own files)")
+    export.add_argument("--force", action="store_true",
+                        help="replace an earlier export at --out (never anything else: a run's files, your folders)")
     export.add_argument("--step", type=int, help="export the run's checkpoint after this step instead of its final "
                                                  "weights (the run may still be training)")
     export.set_defaults(run=_export)

@@ -18,6 +18,10 @@ __all__ = ["config_reference"]
 
 def _type_name(annotation) -> str:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:  # a type with bounds: `int (>= 0)`, not pydantic's repr of its FieldInfo
+        base, *extra = args
+        bounds = [_bound(m) for e in extra for m in getattr(e, "metadata", [e])]
+        return _type_name(base) + (f" ({', '.join(b for b in bounds if b)})" if any(bounds) else "")
     if origin is typing.Literal:
         return " | ".join(repr(a).replace("'", '"') for a in args)
     if origin in (typing.Union, types.UnionType):
@@ -25,6 +29,18 @@ def _type_name(annotation) -> str:
     if origin is not None:
         return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
     return getattr(annotation, "__name__", str(annotation))
+
+
+def _bound(constraint) -> str:
+    """One bound in words: `>= 0`, `< 1`, `2 items`."""
+    for attribute, word in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+        if getattr(constraint, attribute, None) is not None:
+            return f"{word} {getattr(constraint, attribute)}"
+    if getattr(constraint, "min_length", None) is not None:
+        return f"at least {constraint.min_length} items"
+    if getattr(constraint, "max_length", None) is not None:
+        return f"at most {constraint.max_length} items"
+    return ""
 
 
 def _toml_value(value) -> str:

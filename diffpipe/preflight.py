@@ -59,9 +59,9 @@ def check_before_launch(config: RunConfig) -> Checked:
         config = config.model_copy(update={"memory": config.memory.model_copy(update=changes)})
         if int(os.environ.get("RANK", "0")) == 0:
             held = frozen_storage(config, device_kind).name
-            print(f"memory settings chosen by the planner (\"auto\"): {memory.words(held)} (planner/levers.py: the "
-                  "first, in order of how little they change, with which the plan fits; where none fits, the most "
-                  "saving)", flush=True)
+            print(f"memory settings chosen by the planner (\"auto\"): {memory.words(held)} (the first, in order "
+                  "of how little they change the model, with which the plan fits: block swap, then 8-bit moments, then "
+                  "a quantised base where memory.quantise_if_needed lists one; where none fits, the most saving)", flush=True)
     split, checkpointing = resolve_stages(config, backbone)
     _check_first_stage_trains(backbone, split)
     _check_block_swap(config.memory.block_swap, backbone, split)

@@ -123,3 +123,22 @@ def test_the_architecture_help_names_every_built_in_family():
 
     words = ModelConfig.model_fields["architecture"].description
     assert [name for name in BUILTIN_FAMILIES if f"{name} (" not in words] == []
+
+
+def test_the_reference_writes_bounded_types_in_words_not_pydantics_repr():
+    """docs/config.md showed `Annotated[int, annotation=NoneType required=True metadata=[Ge(ge=0)]]` (issue 56)."""
+    from diffpipe.config_reference import config_reference
+
+    text = config_reference(markdown=True)
+    assert "Annotated" not in text and "FieldInfo" not in text and "NoneType" not in text
+    assert '| `block_swap` | int (>= 0) &#124; "auto" |' in text and "list[float (>= 0, < 1)]" in text
+
+
+def test_export_help_names_every_format_and_what_force_replaces(capsys):
+    from diffpipe.cli import main
+    from diffpipe.export import FORMATS
+
+    with pytest.raises(SystemExit):
+        main(["export", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(f"{name}:" in text for name in FORMATS) and "replace an earlier export" in text

@@ -124,3 +124,14 @@ def test_more_stages_than_units_is_one_sentence_at_every_planner_entry(levers):
                   lambda: make_plan(config, meta, 12, 1, 12, hardware(config))):
         with pytest.raises(SplitError, match="12 stages, but the model has only 6 units"):
             entry()
+
+
+def test_the_planners_choice_is_told_in_the_users_words_not_a_file_name(capsys):
+    """The line named planner/levers.py (issue 56)."""
+    from diffpipe.preflight import check_before_launch
+
+    config = load_config(EXAMPLES / "flux_tiny.toml", [*LORA[:2], 'memory.optimizer_state="auto"',
+                                                       "plan.memory_gib=0.001"])
+    check_before_launch(config)
+    out = capsys.readouterr().out
+    assert "memory settings chosen by the planner" in out and ".py" not in out
