@@ -91,8 +91,9 @@ def check_target(out: Path, force: bool, replaceable: Callable[[Path], bool], wh
                  protected: Iterable[tuple[str, Path]] = ()) -> None:
     """The one rule for what a writer (`export --out`, `sample --out`) may write over, checked before any work:
     never a run folder's own files or anything in or around a `protected` path ((what it is, path) pairs: the run
-    read from, its base model); an existing target only with `force`, and then only one that `replaceable` says
-    diffpipe wrote (`what_replaces` names it in the refusal). An empty folder is no loss."""
+    read from, its base model); an existing target only with `force`, and then only one that `replaceable` accepts
+    (what diffpipe wrote, or for a picture any picture: `what_replaces` names it in the refusal). An empty folder is
+    no loss."""
     out = Path(out)
     target = out.resolve()
     run = next((folder for folder in [target, *target.parents] if (folder / RUN_MARK).is_file()), None)
@@ -109,6 +110,7 @@ def check_target(out: Path, force: bool, replaceable: Callable[[Path], bool], wh
         raise CommandError(f"--out {out} already exists; choose another path, or add --force to replace it")
     if not replaceable(out):
         held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-        shown = f" (it holds {', '.join(held[:5])}{f' and {len(held) - 5} more' if len(held) > 5 else ''})" if held else ""
+        more = f" and {len(held) - 5} more" if len(held) > 5 else ""
+        shown = f" (it holds {', '.join(held[:5])}{more})" if held else ""
         raise CommandError(f"--out {out} exists{shown}, and --force replaces only {what_replaces}: it is left as it "
                            "is; choose another --out, or move it yourself")

@@ -36,10 +36,21 @@ def test_every_example_header_has_plan_lines():
     assert len(_plan_lines()) >= 25  # a change to how headers are written would otherwise test nothing
 
 
-@pytest.mark.parametrize("line", _plan_lines())
-def test_a_plan_line_of_an_example_header_builds_its_model_without_the_weights(line, monkeypatch):
+def _by_model() -> dict[str, list[str]]:
+    """The plan lines by the model they build (config and --set values): lines that differ only in --world-size or
+    --gpu-memory build the same model, once (15 s of the suite's time)."""
+    lines: dict[str, list[str]] = {}
+    for line in _plan_lines():
+        args = _parser().parse_args(shlex.split(line)[1:])
+        lines.setdefault(" ".join([args.config, *(args.set or [])]), []).append(line)
+    return lines
+
+
+@pytest.mark.parametrize("model", list(_by_model()))
+def test_a_plan_line_of_an_example_header_builds_its_model_without_the_weights(model, monkeypatch):
     monkeypatch.chdir(ROOT)  # the lines name examples/... from the project's root, as the README runs them
-    args = _parser().parse_args(shlex.split(line)[1:])
+    for line in _by_model()[model]:  # every line parses, flags and all
+        args = _parser().parse_args(shlex.split(line)[1:])
     config = load_config(args.config, args.set or [])
     _plan_without_weights(config)
     assert config.model.path is None or Path(config.model.path).exists()

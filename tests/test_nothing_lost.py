@@ -23,11 +23,12 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    """A finished one-stage digits run of 2 steps with its checkpoints."""
+    """A finished one-stage digits run of 2 steps with its checkpoints and a timed step (for `timeline`)."""
     out = tmp_path_factory.mktemp("nothing_lost") / "run"
     result = run_command(["train", str(EXAMPLES / "digits.toml"), "--output-dir", str(out), "--set",
                           "train.max_steps=2", "--set", "train.batch_size=16", "--set", "output.sample_every_end=false",
-                          "--set", "pipeline.stages=1", "--set", "observe.log_every=0", "--set", "checkpoint.every=1"])
+                          "--set", "pipeline.stages=1", "--set", "observe.log_every=0", "--set", "checkpoint.every=1",
+                          "--set", "observe.timeline_step=1"])
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -141,16 +142,11 @@ def test_sample_and_export_of_a_folder_that_is_not_a_run_say_so(tmp_path, capsys
     assert f"{folder} is not a run folder" in capsys.readouterr().err
 
 
-def test_timeline_and_report_follow_the_same_rule(tmp_path, capsys):
+def test_timeline_and_report_follow_the_same_rule(run, tmp_path, capsys):
     """`timeline --out` and `report --out` wrote over any file and into run folders; report's own default,
     RUN/report.png, is a file the run folder may hold (so --overwrite replaces the run after a report)."""
     from diffpipe.run_folder import WRITTEN
 
-    run = tmp_path / "run"
-    result = run_command(["train", str(EXAMPLES / "digits.toml"), "--output-dir", str(run), "--set",
-                          "train.max_steps=2", "--set", "train.batch_size=16", "--set", "output.sample_every_end=false",
-                          "--set", "observe.timeline_step=1"])
-    assert result.returncode == 0, result.stderr[-3000:]
     mine = tmp_path / "mine.png"
     Image.new("RGB", (4, 4)).save(mine)
     picture = mine.read_bytes()
