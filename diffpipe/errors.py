@@ -4,7 +4,8 @@ these; none defines its own."""
 from __future__ import annotations
 
 __all__ = ["DiffpipeError", "CommandError", "ConfigError", "DataError", "SplitError", "CheckpointError", "ArchitectureError",
-           "ExportError", "Infeasible", "RunFolderError", "TorchVersionError"]
+           "ExportError", "Infeasible", "RunFolderError", "TorchVersionError",
+           "BadImage"]
 
 
 class DiffpipeError(Exception):
@@ -47,6 +48,11 @@ class ExportError(DiffpipeError, ValueError):
 
 class RunFolderError(DiffpipeError):
     """A run folder cannot be used as asked; the message says why and what to do."""
+
+
+class BadImage(ValueError):
+    """An image (or video) file that cannot be trained on; the message says why. Not a DiffpipeError: the data code
+    catches it, skips the file and names it in one warning (data/folder.py's `Skipped`)."""
 
 
 class TorchVersionError(DiffpipeError, RuntimeError):

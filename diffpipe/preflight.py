@@ -16,6 +16,7 @@ from .errors import DataError
 from .models.loading import CheckpointError, component_weights
 from .models.pipeline_folder import is_pipeline_folder, pipeline_index
 from .models.units import Backbone
+from .pipeline.block_swap import holds_frozen
 from .pipeline.schedules import schedule_named
 from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
@@ -122,8 +123,7 @@ def _check_block_swap(block_swap, backbone: Backbone, split: list[int]) -> None:
     if not isinstance(block_swap, int) or block_swap == 0:
         return
     edges = [0, *split, len(backbone.units)]
-    holding = max(sum(any(not p.requires_grad for p in unit.module.parameters()) for unit in backbone.units[a:b])
-                  for a, b in zip(edges, edges[1:]))
+    holding = max(sum(holds_frozen(backbone.units[a:b])) for a, b in zip(edges, edges[1:]))
     if block_swap > holding:
         raise ConfigError(f"memory.block_swap = {block_swap} units of each stage, but no stage has more than "
                           f"{holding} unit(s) holding frozen weights (the only ones it swaps): set memory.block_swap "

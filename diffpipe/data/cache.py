@@ -3,9 +3,9 @@
 Each shard `NAME.safetensors` is sealed by `NAME.json`, written after it: the shard's sha256, the keys it holds and
 the keys that could not be computed (a broken image) with the reason. A shard without a seal (a build that was
 stopped) is ignored; a shard whose bytes do not match its seal, that safetensors cannot read, or whose seal is
-damaged, is named in a warning, removed with its seal and its entries computed again: never trained on. Keys are fingerprints of everything an entry
-depends on (data/images.py), so a changed input or model simply misses, and several processes can build one
-store at once, each writing its own shards.
+damaged, is named in a warning, removed with its seal and its entries computed again: never trained on. Keys are
+fingerprints of everything an entry depends on (data/images.py), so a changed input or model simply misses, and
+several processes can build one store at once, each writing its own shards.
 """
 from __future__ import annotations
 
@@ -126,11 +126,8 @@ def fill_store(store: ShardStore, wanted: list[str], compute: Callable[[list[str
     """Every wanted entry, computed (this process's share of the missing ones) and written first where the store
     lacks it; returns (entries, failed keys with their reasons). Every process returns the same."""
     wanted_set = set(wanted)
-    if rank == 0:  # a damaged seal's shard cannot be trusted: named, removed, its entries computed again below
-        damaged_seals = store.damaged_seals()
-        for line in damaged_seals:
-            warn(f"warning: damaged cache shard {line}; removed, its entries are computed again")
-        store.remove(damaged_seals)
+    if rank == 0:  # a damaged seal's shard cannot be trusted: its entries are computed again below
+        _discard(store, store.damaged_seals(), warn)
     barrier()
     for attempt in range(2):
         have, failed = store.known()
@@ -146,9 +143,14 @@ def fill_store(store: ShardStore, wanted: list[str], compute: Callable[[list[str
         if not damaged and wanted_set <= set(entries) | set(failed):
             return entries, failed
         if rank == 0:
-            for line in damaged:
-                warn(f"warning: damaged cache shard {line}; removed, its entries are computed again")
-            store.remove(damaged)
+            _discard(store, damaged, warn)
         barrier()
     raise DataError(f"the cache in {store.folder} is still incomplete or damaged after a rebuild; check the disk "
-                       "and that every process sees the same cache folder (data.cache_dir)")
+                    "and that every process sees the same cache folder (data.cache_dir)")
+
+
+def _discard(store: ShardStore, damaged: list[str], warn: Callable[[str], None]) -> None:
+    """Name each damaged shard in a warning and remove it with its seal."""
+    for line in damaged:
+        warn(f"warning: damaged cache shard {line}; removed, its entries are computed again")
+    store.remove(damaged)

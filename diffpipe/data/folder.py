@@ -5,8 +5,7 @@ folder has one, else from a same-named `.txt` beside the image (`cat.jpg` and `c
 gets the empty caption; a caption file that is not UTF-8 is refused, naming it. jpg, png and webp; EXIF orientation
 applied; grey, palette, RGBA (on white), CMYK and 16-bit images converted to 8-bit RGB. Files that cannot be used
 (zero bytes, not an image, truncated, too small) are skipped and reported by `Skipped`, never trained on and never
-a crash mid-run. For video families the folders'
-videos are listed too (data/videos.py).
+a crash mid-run. For video families the folders' videos are listed too (data/videos.py).
 """
 from __future__ import annotations
 
@@ -17,16 +16,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from ..errors import DataError
+from ..errors import BadImage, DataError
 
 __all__ = ["ImageItem", "Skipped", "scan_folders", "read_rgb", "BadImage", "IMAGE_SUFFIXES", "uncaptioned_note",
            "probe_image", "files_beside"]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
-
-
-class BadImage(ValueError):
-    """An image file that cannot be trained on; the message says why."""
 
 
 @dataclass(frozen=True)
@@ -153,8 +148,6 @@ def files_beside(items: list[ImageItem], folders: list[Path], root: Path, settin
         stem = picture.relative_to(folder).with_suffix("")
         beside = [root / f"{stem}{suffix}" for suffix in IMAGE_SUFFIXES if (root / f"{stem}{suffix}").is_file()]
         if not beside:
-            from ..errors import DataError
-
             raise DataError(f"{setting}: {item.path} has no {what} in {root} (looked for {stem}.png, .jpg, .jpeg or "
                             f".webp there); add one for every picture, or unset {setting}")
         found.append(beside[0])

@@ -41,6 +41,11 @@ __all__ = ["FolderImages", "prepare_folder_images", "data_buckets", "cache_folde
 _CHUNK = 8  # images per VAE call (clips: one per call)
 
 
+def smallest_side(buckets: list[Bucket]) -> int:
+    """The shortest side a picture or clip needs to be trained on: half the smallest bucket's."""
+    return min(min(b.width, b.height) for b in buckets) // 2
+
+
 def data_buckets(data: DataConfig) -> list[Bucket]:
     if data.bucket_sizes is not None:
         return sorted({Bucket(w, h) for w, h in data.bucket_sizes})
@@ -255,7 +260,7 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Pipelin
     buckets = data_buckets(data)
     videos = frame_buckets is not None
     skipped = Skipped(kind="image or video" if videos else "image")
-    min_side = min(min(b.width, b.height) for b in buckets) // 2
+    min_side = smallest_side(buckets)
     items = scan_folders(data_folders(data), min_side, skipped, videos)
     if data.eval_path:
         eval_items = scan_folders(data_folders(data, eval_split=True), min_side, skipped, videos)

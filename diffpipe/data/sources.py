@@ -326,11 +326,10 @@ def _check_usable_files(data, videos: bool) -> None:
     """data.path holds a file to train on (read up to the first usable one: headers only): an empty or unusable
     folder is named before any model loads or the run folder is written, not after the text encoders ran."""
     from .folder import Skipped, scan_folders
-    from .images import data_buckets, data_folders
+    from .images import data_buckets, data_folders, smallest_side
 
     skipped = Skipped(kind="image or video" if videos else "image")
-    min_side = min(min(b.width, b.height) for b in data_buckets(data)) // 2  # as prepare_folder_images reads them
-    if scan_folders(data_folders(data), min_side, skipped, videos, first=1):
+    if scan_folders(data_folders(data), smallest_side(data_buckets(data)), skipped, videos, first=1):
         return
     what = "images or videos" if videos else "images (.jpg, .jpeg, .png, .webp)"
     folders = ", ".join(str(f) for f, _ in data_folders(data))

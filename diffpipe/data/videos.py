@@ -12,7 +12,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from .folder import BadImage
+from ..errors import BadImage
 
 __all__ = ["VIDEO_SUFFIXES", "probe_video", "read_clip", "clip_frames"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["SwappedWeights", "swapped_units", "last_holding"]
+__all__ = ["SwappedWeights", "swapped_units", "last_holding", "holds_frozen"]
 
 
 class SwappedWeights:
@@ -87,6 +87,11 @@ def last_holding(holds_frozen: list[bool], count: int) -> list[int]:
     return holding[max(0, len(holding) - count):] if count else []
 
 
+def holds_frozen(units: list) -> list[bool]:
+    """Whether each unit holds frozen weights: the units block swap can take."""
+    return [any(not p.requires_grad for p in unit.module.parameters()) for unit in units]
+
+
 def swapped_units(units: list, count: int) -> list[int]:
     """Indices of the stage's units whose frozen weights swap."""
-    return last_holding([any(not p.requires_grad for p in unit.module.parameters()) for unit in units], count)
+    return last_holding(holds_frozen(units), count)

@@ -18,6 +18,7 @@ from ..models.units import Backbone
 from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, moment_bytes, optimizer_state_bytes
 from ..pipeline.split import (balanced_by_parameters, balanced_partition, check_stage_count, live_after,
                               stage_specs)
+from ..pipeline.block_swap import holds_frozen
 from ..pipeline.schedules import choice_of
 from ..pipeline.traffic import trace_shapes
 from .costs import UnitCost, count_unit_costs, load_profile
@@ -398,7 +399,7 @@ def _most_saving(config: RunConfig, meta: Backbone) -> MemoryChoice:
     """Where nothing fits: every setting left to the planner at its most saving (the nearest to fitting)."""
     m, choice = config.memory, unchanged(config)
     swap = m.block_swap == "auto" and config.pipeline.data_parallel == 1 and not config.pipeline.compile
-    holding = sum(any(not q.requires_grad for q in unit.module.parameters()) for unit in meta.units)
+    holding = sum(holds_frozen(meta.units))
     shard = config.pipeline.data_parallel_shard and config.pipeline.data_parallel > 1
     return MemoryChoice(
         min(m.quantise_if_needed, key=LINEAR_FORMATS.get)
