@@ -25,7 +25,7 @@ def measure(mode: str, layers: tuple[int, ...], device: str) -> dict:
     from diffusers import UNet2DConditionModel
 
     sys.path.insert(0, str(ROOT))
-    from diffpipe.models.unet import unet_backbone
+    from diffpipe.models.families.unet.unet2d import unet_backbone
     from diffpipe.pipeline.split import stage_specs
     from diffpipe.pipeline.stage import build_stage_modules
     from tests.models.test_unet_units import SDXL_STYLE, _inputs

@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.distributed import single_process_topology  # noqa: E402
-from diffpipe.models.chroma import CHROMA_PRESETS  # noqa: E402
-from diffpipe.models.flux import FLUX_PRESETS, image_ids  # noqa: E402
-from diffpipe.models.flux_kontext import reference_ids  # noqa: E402
+from diffpipe.models.families.flux.chroma import CHROMA_PRESETS  # noqa: E402
+from diffpipe.models.families.flux.flux import FLUX_PRESETS, image_ids  # noqa: E402
+from diffpipe.models.families.flux.kontext import reference_ids  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
 TOKENS, LATENT = 512, 128

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.data.images import prepare_folder_images  # noqa: E402
-from diffpipe.models.pipeline_folder import PipelineText  # noqa: E402
+from diffpipe.models.folder import PipelineText  # noqa: E402
 from diffpipe.models.vae import load_vae  # noqa: E402
 
 _SHAPES = {"real": [(1024, 1024), (1216, 832), (832, 1216)], "tiny": [(128, 128), (160, 96), (96, 160)]}
@@ -47,7 +47,7 @@ def write_real_sdxl(out: Path) -> Path:
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from diffpipe.models.presets import UNET_PRESETS
+    from diffpipe.models.families.unet.presets import UNET_PRESETS
 
     script = _tiny_script()
     tokenizer = script.tiny_clip_tokenizer()

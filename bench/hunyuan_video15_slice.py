@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.distributed import single_process_topology  # noqa: E402
-from diffpipe.models.hunyuan_video15 import HUNYUAN_VIDEO15_PRESETS, HunyuanVideo15Family  # noqa: E402
+from diffpipe.models.families.hunyuan_video15.hunyuan_video15 import HUNYUAN_VIDEO15_PRESETS, HunyuanVideo15Family  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
 HEIGHT, WIDTH = 30, 53  # latent rows and columns of a 480x848 clip

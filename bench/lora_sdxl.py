@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 from diffpipe.config_files import build_config, load_config  # noqa: E402
 from diffpipe.distributed import single_process_topology  # noqa: E402
 from diffpipe.models.lora import add_lora  # noqa: E402
-from diffpipe.models.presets import UNET_PRESETS  # noqa: E402
-from diffpipe.models.unet import UNet2DFamily  # noqa: E402
+from diffpipe.models.families.unet.presets import UNET_PRESETS  # noqa: E402
+from diffpipe.models.families.unet.unet2d import UNet2DFamily  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
 BATCH = 8

@@ -36,8 +36,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from diffpipe.config_files import load_config  # noqa: E402
 from diffpipe.distributed import resolve_device_kind, single_process_topology  # noqa: E402
-from diffpipe.models.presets import UNET_PRESETS  # noqa: E402
-from diffpipe.models.unet import UNet2DFamily  # noqa: E402
+from diffpipe.models.families.unet.presets import UNET_PRESETS  # noqa: E402
+from diffpipe.models.families.unet.unet2d import UNet2DFamily  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 from sdxl_one_gpu import _inputs  # noqa: E402
 
@@ -124,7 +124,7 @@ def _plain_model(config, batch: int, lora_rank: int | None, bf16_base: bool):
         from types import SimpleNamespace
 
         from diffusers import QwenImageTransformer2DModel
-        from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS
+        from diffpipe.models.families.qwen_image.qwen_image import QWEN_IMAGE_PRESETS
         from qwen_image_slice import _inputs as qwen_inputs
 
         size = config.model.config or QWEN_IMAGE_PRESETS[config.model.preset]

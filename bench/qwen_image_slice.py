@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.distributed import single_process_topology  # noqa: E402
-from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS  # noqa: E402
+from diffpipe.models.families.qwen_image.qwen_image import QWEN_IMAGE_PRESETS  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
 TOKENS, SIDE = 128, 128  # text tokens; latent side of a 1024x1024 picture

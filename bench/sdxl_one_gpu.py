@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from diffpipe.models.presets import UNET_PRESETS  # noqa: E402
+from diffpipe.models.families.unet.presets import UNET_PRESETS  # noqa: E402
 
 
 def _inputs(b: int, dev: str) -> dict:

@@ -14,7 +14,7 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups
 
-from diffpipe.models.presets import UNET_PRESETS
+from diffpipe.models.families.unet.presets import UNET_PRESETS
 from diffpipe.pipeline.zero_bubble import missed_parameters
 
 

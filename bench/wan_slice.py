@@ -12,9 +12,9 @@ fp32 weights, bf16 autocast, fused AdamW, the whole batch as one micro-batch.
 
 TI2V-5B's image-to-video (`--preset ti2v-5b`: 48 channels through Wan 2.2's 16x VAE, 704x1280, 44x80 latents) feeds
 the plain loop what WanImageToVideoPipeline feeds that model: a timestep per token, zero on the first latent frame
-(diffusers then modulates token by token); diffpipe embeds one a latent frame (models/wan_ti2v.py). Wan 2.1
+(diffusers then modulates token by token); diffpipe embeds one a latent frame (models/families/wan/ti2v.py). Wan 2.1
 I2V-14B (`--preset i2v-14b`) also reads a picture's 257 CLIP states (1280 wide) before the text: random ones in the
-plain loop, the stand-in text encoder's pooled output in diffpipe's (models/wan_clip.py). `--both`: two slices,
+plain loop, the stand-in text encoder's pooled output in diffpipe's (models/families/wan/clip.py). `--both`: two slices,
 the plain loop stepping the one its step's timestep picks (WanPipeline's boundary 0.875; one AdamW over both, as a
 user would hold them), diffpipe's `model.expert = "both"` (models/two_experts.py); both draw the timesteps the same way.
 
@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))
 
 from diffpipe.config_files import build_config  # noqa: E402
 from diffpipe.distributed import single_process_topology  # noqa: E402
-from diffpipe.models.wan import WAN_PRESETS  # noqa: E402
-from diffpipe.models.wan_clip import WAN_CLIP_TOKENS  # noqa: E402
-from diffpipe.models.wan_i2v import WAN_I2V_PRESETS  # noqa: E402
+from diffpipe.models.families.wan.wan import WAN_PRESETS  # noqa: E402
+from diffpipe.models.families.wan.clip import WAN_CLIP_TOKENS  # noqa: E402
+from diffpipe.models.families.wan.i2v import WAN_I2V_PRESETS  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
 TOKENS = 512  # text tokens

@@ -25,7 +25,7 @@ def main() -> None:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from diffpipe.models.flux import FLUX_PRESETS
+    from diffpipe.models.families.flux.flux import FLUX_PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)

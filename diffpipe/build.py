@@ -13,7 +13,7 @@ from .data.sources import source_of
 from .models.family import Feed, ModelFamily
 from .models.lora import add_lora, base_module_name, is_adapter_holder, load_adapters, seed_lora
 from .models.loading import CheckpointError, build_model, checked_weights
-from .models.pipeline_folder import dynamic_shift, expert_boundary
+from .models.folder import dynamic_shift, expert_boundary
 from .models.materialise import is_meta, materialise
 from .models.storage import FrozenStorage
 from .models.two_experts import TwoExperts, each_expert

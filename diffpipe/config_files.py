@@ -13,7 +13,7 @@ from typing import Any
 from .config import RunConfig, validate_config
 from .errors import ArchitectureError, CheckpointError, ConfigError
 from .written_files import RUN_MARK
-from .models.pipeline_folder import is_pipeline_folder, pipeline_index
+from .models.folder import is_pipeline_folder, pipeline_index
 from .models.registry import BUILTIN_FAMILIES, family_for
 
 __all__ = ["load_config", "build_config", "load_run_config"]

@@ -14,7 +14,7 @@ from .data.sources import source_of
 from .distributed import resolve_device_kind, under_torchrun
 from .errors import DataError
 from .models.loading import CheckpointError, component_weights
-from .models.pipeline_folder import is_pipeline_folder, pipeline_index
+from .models.folder import is_pipeline_folder, pipeline_index
 from .models.units import Backbone
 from .pipeline.block_swap import holds_frozen
 from .pipeline.schedules import schedule_named

@@ -8,7 +8,7 @@ import pytest
 
 from diffpipe.config import ConfigError, save_config
 from diffpipe.config_files import build_config, load_config
-from diffpipe.models.presets import UNET_PRESETS
+from diffpipe.models.families.unet.presets import UNET_PRESETS
 
 
 def test_resolved_config_round_trips(tmp_path):

@@ -19,7 +19,7 @@ from diffusers import StableDiffusionXLPipeline
 from safetensors.torch import load_file
 
 from diffpipe.cli import main
-from diffpipe.models.original_layout import kohya_lora_names
+from diffpipe.models.single_file import kohya_lora_names
 
 from .test_export import _output as unet_output, _train, _trained
 from .test_export_comfyui import COMFYUI_LAYERS, _base, _output as transformer_output, _train_lora, _trained as trained_dit

@@ -123,7 +123,7 @@ def test_flux_and_sd3_loras_load_through_comfyuis_key_map_to_the_trained_output(
 def test_a_layer_or_family_comfyui_would_drop_is_refused_before_training(tmp_path, capsys):
     """ComfyUI loads no LoRA of diffusers' 3-D UNets, and maps no SD3.5 `attn2` layer ("lora key not loaded"): said
     before launch when checkpoint.export_every writes comfyui files, not at the first export."""
-    from diffpipe.models.sd3 import SD3Family
+    from diffpipe.models.families.sd3.sd3 import SD3Family
 
     cmd = ["train", str(ROOT / "examples" / "video_tiny.toml"), "--output-dir", str(tmp_path / "run"),
            "--set", "model.architecture=\"unet3d\"", "--set", "adapter.type=\"lora\"",

@@ -75,7 +75,7 @@ def test_a_text_to_video_unet_folder_trains_on_clips_frame_by_frame_through_its_
     frame encoded alone: any clip length) and CLIP; its family, text encoder and objective come from the folder."""
     from diffusers import StableDiffusionPipeline, TextToVideoSDPipeline, UNet3DConditionModel
 
-    from diffpipe.models.unet3d import UNET3D_PRESETS
+    from diffpipe.models.families.unet.unet3d import UNET3D_PRESETS
 
     sd15 = StableDiffusionPipeline.from_pretrained(tiny / "sd15", local_files_only=True)
     unet = UNet3DConditionModel(**dict(UNET3D_PRESETS["digits"], in_channels=4, out_channels=4, sample_size=8))

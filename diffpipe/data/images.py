@@ -27,7 +27,7 @@ from rich.progress import track
 from .. import seeds
 from ..config import DataConfig
 from ..errors import DataError
-from ..models.pipeline_folder import PipelineText, component_weights, fingerprint_files
+from ..models.folder import PipelineText, component_weights, fingerprint_files
 from ..models.vae import encode_latents
 from .batches import step_texts
 from .buckets import Bucket, Placement, clip_to_pixels, make_buckets, place, placed, to_pixels

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from ..errors import ExportError
 from ..models.lora import adapted_module, lora_scale
-from ..models.original_layout import kohya_lora_names
+from ..models.single_file import kohya_lora_names
 from ..written_files import EXPORT_KEY, save_tensors
 from .run import one_file, only_unets
 

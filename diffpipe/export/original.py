@@ -1,6 +1,6 @@
 """--format original: the backbone's weights (with LoRA merged) in its family's own release layout, one file, for
 ComfyUI's and A1111's loaders: UNets under `model.diffusion_model.` (the SGM layout), Flux in BFL's layout
-(models/flux_layout.py), SD3 in Stability's (models/sd3_layout.py) and Wan in Wan's own (models/wan_layout.py), as
+(models/families/flux/release_layout.py), SD3 in Stability's (models/families/sd3/release_layout.py) and Wan in Wan's own (models/families/wan/release_layout.py), as
 ComfyUI's "Load Diffusion Model" reads those models' own files."""
 from __future__ import annotations
 

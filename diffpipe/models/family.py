@@ -37,7 +37,7 @@ def unprefixed(key: str) -> str:
 class ReleaseLayout:
     """How a family's own releases name its backbone's weights in one file (the SGM UNet layout, BFL's Flux, ...):
     whether a file's names are that layout, and the conversions to and from diffusers' names, for the model of a
-    config. Single-file loading reads it (models/original_layout.py's cache), `export --format original` writes it."""
+    config. Single-file loading reads it (models/single_file.py's cache), `export --format original` writes it."""
 
     name: str
     recognises: Callable[[list[str]], bool]
@@ -185,7 +185,7 @@ class ModelFamily:
 
     def folder_text_length(self, folder: Path) -> int:
         """Length of the hidden-state sequence the folder's text encoders make per caption."""
-        from .pipeline_folder import caption_tokens
+        from .folder import caption_tokens
 
         return caption_tokens(folder)
 

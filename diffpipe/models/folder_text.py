@@ -28,7 +28,7 @@ from transformers import (CLIPTextModel, CLIPTextModelWithProjection, Qwen2_5_VL
                           UMT5EncoderModel)
 
 from .loading import CheckpointError, load_tokenizer
-from .pipeline_folder import component_weights, fingerprint_files, text_encoder_configs
+from .folder import component_weights, fingerprint_files, text_encoder_configs
 from .text import CaptionEncoder, caption_and_picture
 
 __all__ = ["FluxText", "SD3Text", "WanText", "ChromaText", "QwenImageText", "QwenImageEditText", "as_the_pipeline_sizes",
@@ -207,7 +207,7 @@ class ChromaText(_OneT5):
 
 class QwenImageText(_FolderText):
     suffixes = ("",)
-    max_length = 512  # QwenImagePipeline.__call__'s max_sequence_length (models/qwen_image.py QWEN_TEXT_TOKENS)
+    max_length = 512  # QwenImagePipeline.__call__'s max_sequence_length (models/families/qwen_image/qwen_image.py QWEN_TEXT_TOKENS)
 
     @classmethod
     def from_folder(cls, folder: Path) -> "QwenImageText":

@@ -24,7 +24,7 @@ def backbone_component(cfg: ModelConfig, family: ModelFamily) -> str:
     """The pipeline folder's subfolder holding the backbone this run trains: the family's, or for a two-expert
     pipeline (Wan 2.2) the expert model.expert names: `transformer` (high noise) or `transformer_2` (low noise).
     Refuses an expert the folder does not have, and a two-expert folder without model.expert."""
-    from .pipeline_folder import expert_boundary, is_pipeline_folder
+    from .folder import expert_boundary, is_pipeline_folder
 
     folder = cfg.pipeline_folder()
     two = folder is not None and is_pipeline_folder(folder) and expert_boundary(folder) is not None
@@ -131,7 +131,7 @@ def _two_experts(cfg: ModelConfig, family: ModelFamily, high: torch.nn.Module, k
     """The high-noise expert `high` and the low-noise one beside it, switched at the folder's boundary_ratio. The low
     one's config is its own subfolder's (or, from a run folder, the same: model_config.json), which must be the high
     one's: the units of both live on the same stages."""
-    from .pipeline_folder import expert_boundary
+    from .folder import expert_boundary
     from .two_experts import WAN22_T2V_BOUNDARY, TwoExperts
 
     folder = cfg.pipeline_folder()
@@ -148,9 +148,9 @@ def _two_experts(cfg: ModelConfig, family: ModelFamily, high: torch.nn.Module, k
 
 def checked_weights(model: torch.nn.Module, cfg: ModelConfig, family: ModelFamily) -> Path | None:
     """The weights of `cfg.path`: a file, or a folder's shard index (weight_files.py); a single file in the family's
-    original layout converted first (original_layout.py); refused before anything is read if written for another
+    original layout converted first (single_file.py); refused before anything is read if written for another
     architecture."""
-    from .original_layout import converted_file, is_fp8_file, without_scales
+    from .single_file import converted_file, is_fp8_file, without_scales
 
     if cfg.path is None:
         return None

@@ -15,17 +15,17 @@ __all__ = ["BUILTIN_FAMILIES", "family_for", "ArchitectureError"]
 
 # name -> "module:Class" (imported on first use: a config check never imports diffusers)
 BUILTIN_FAMILIES = {
-    "unet2d": "diffpipe.models.unet:UNet2DFamily",
-    "flux": "diffpipe.models.flux:FluxFamily",
-    "flux_kontext": "diffpipe.models.flux_kontext:FluxKontextFamily",
-    "chroma": "diffpipe.models.chroma:ChromaFamily",
-    "sd3": "diffpipe.models.sd3:SD3Family",
-    "wan": "diffpipe.models.wan:WanFamily",
-    "wan_i2v": "diffpipe.models.wan_i2v:WanI2VFamily",
-    "unet3d": "diffpipe.models.unet3d:UNet3DFamily",
-    "qwen_image": "diffpipe.models.qwen_image:QwenImageFamily",
-    "qwen_image_edit": "diffpipe.models.qwen_image_edit:QwenImageEditFamily",
-    "hunyuan_video15": "diffpipe.models.hunyuan_video15:HunyuanVideo15Family",
+    "unet2d": "diffpipe.models.families.unet.unet2d:UNet2DFamily",
+    "flux": "diffpipe.models.families.flux.flux:FluxFamily",
+    "flux_kontext": "diffpipe.models.families.flux.kontext:FluxKontextFamily",
+    "chroma": "diffpipe.models.families.flux.chroma:ChromaFamily",
+    "sd3": "diffpipe.models.families.sd3.sd3:SD3Family",
+    "wan": "diffpipe.models.families.wan.wan:WanFamily",
+    "wan_i2v": "diffpipe.models.families.wan.i2v:WanI2VFamily",
+    "unet3d": "diffpipe.models.families.unet.unet3d:UNet3DFamily",
+    "qwen_image": "diffpipe.models.families.qwen_image.qwen_image:QwenImageFamily",
+    "qwen_image_edit": "diffpipe.models.families.qwen_image.edit:QwenImageEditFamily",
+    "hunyuan_video15": "diffpipe.models.families.hunyuan_video15.hunyuan_video15:HunyuanVideo15Family",
 }
 
 

@@ -2,7 +2,7 @@
 fine-tunes: `model.diffusion_model.input_blocks.1.0.in_layers.0.weight`, ...) and diffusers' layout.
 
 Reading: a single .safetensors file in a family's original layout (this UNet layout, or Flux's BFL layout:
-flux_layout.py, ...) is converted once by the family's `ReleaseLayout` (for UNets `SGM` here: diffusers' own key
+families/flux/release_layout.py, ...) is converted once by the family's `ReleaseLayout` (for UNets `SGM` here: diffusers' own key
 map `convert_ldm_unet_checkpoint`, what `from_single_file` uses) for the architecture of the run, and written as a
 diffusers-named file under ~/.cache/diffpipe/converted (keyed by the file's name, size, time and header and the
 architecture), which every process then reads tensor by tensor as any other weights file.

@@ -4,7 +4,7 @@
 one transformers CLIP text model with its tokenizer: `tiny-clip` builds both locally (random seeded weights, a
 word-level vocabulary) so nothing is downloaded; a path loads a local transformers folder; either way the run folder
 gets a copy that `diffpipe sample` loads. The text encoders of a diffusers pipeline folder (SD, SDXL) are in
-models/pipeline_folder.py.
+models/folder.py.
 """
 from __future__ import annotations
 

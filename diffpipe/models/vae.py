@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLHunyuanVideo15, AutoencoderKLQwenImage, AutoencoderKLWan
 
-from .pipeline_folder import component_weights
+from .folder import component_weights
 
 __all__ = ["load_vae", "vae_scale_factor", "vae_frame_factor", "trains_images", "vae_latent_channels", "latent_frames", "encode_latents",
            "decode_latents"]

@@ -102,7 +102,7 @@ def test_a_resolution_shift_shifts_each_bucket_by_its_own_tokens():
     draw the same uniform numbers, shifted by e^mu at their own token counts (Qwen-Image's line here)."""
     from diffpipe.diffusion.timesteps import resolution_shift
     from diffpipe.models.family import Feed
-    from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS, QwenImageFamily
+    from diffpipe.models.families.qwen_image.qwen_image import QWEN_IMAGE_PRESETS, QwenImageFamily
 
     config = build_config({"data": {"dataset": "synthetic"},
                            "train": {"batch_size": 64, "timestep_sampling": "shift", "shift": "resolution"}})

@@ -17,7 +17,7 @@ from diffpipe.data.buckets import to_pixels
 from diffpipe.data.cache import ShardStore, fill_store
 from diffpipe.data.folder import read_rgb
 from diffpipe.data.images import cache_folder, prepare_folder_images
-from diffpipe.models.pipeline_folder import PipelineText
+from diffpipe.models.folder import PipelineText
 from diffpipe.models.vae import encode_latents, load_vae
 
 

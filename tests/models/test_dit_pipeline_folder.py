@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from diffpipe.build import build_backbone, build_text_encoder, example_inputs, sample_shape
 from diffpipe.config import ConfigError
 from diffpipe.config_files import build_config
-from diffpipe.models.dit_text import FluxText, SD3Text
+from diffpipe.models.folder_text import FluxText, SD3Text
 from diffpipe.models.loading import CheckpointError
 from diffpipe.preflight import check_before_launch
 
@@ -115,7 +115,7 @@ def test_the_tiny_sd3_example_trains_samples_and_exports_as_a_user_runs_it(tiny,
 @torch.no_grad()
 def _flux_output(transformer) -> torch.Tensor:
     from diffpipe.models.family import Feed
-    from diffpipe.models.flux import FluxFamily
+    from diffpipe.models.families.flux.flux import FluxFamily
 
     family, gen = FluxFamily(), torch.Generator().manual_seed(0)
     feed = Feed(family, transformer.config, guidance=3.5)
@@ -129,7 +129,7 @@ def test_the_tiny_flux_example_trains_lora_and_its_export_loads_in_diffusers(tin
     """The Flux example as LoRA (the SD3 one above trains every weight): samples, and a diffusers-layout LoRA file
     that FluxPipeline.load_lora_weights turns into the trained model's output; the merged model in BFL's layout."""
     from diffpipe.cli import main
-    from diffpipe.models.flux_layout import flux_from_bfl
+    from diffpipe.models.families.flux.release_layout import flux_from_bfl
 
     run = tmp_path / "lora"
     result = _train("flux_tiny", tiny, run, "--set", "train.max_steps=20", "--set", "train.learning_rate=1e-2",

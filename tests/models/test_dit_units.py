@@ -6,16 +6,16 @@ import pytest
 import torch
 from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
-from diffpipe.models.chroma import CHROMA_PRESETS, ChromaFamily
+from diffpipe.models.families.flux.chroma import CHROMA_PRESETS, ChromaFamily
 from diffpipe.models.family import Feed
-from diffpipe.models.flux import FluxFamily
-from diffpipe.models.flux_kontext import FluxKontextFamily
-from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS, QwenImageFamily
-from diffpipe.models.qwen_image_edit import QwenImageEditFamily
-from diffpipe.models.sd3 import SD3Family
-from diffpipe.models.unet3d import UNET3D_PRESETS, UNet3DFamily
-from diffpipe.models.wan import WAN_PRESETS, WanFamily
-from diffpipe.models.wan_i2v import WanI2VFamily
+from diffpipe.models.families.flux.flux import FluxFamily
+from diffpipe.models.families.flux.kontext import FluxKontextFamily
+from diffpipe.models.families.qwen_image.qwen_image import QWEN_IMAGE_PRESETS, QwenImageFamily
+from diffpipe.models.families.qwen_image.edit import QwenImageEditFamily
+from diffpipe.models.families.sd3.sd3 import SD3Family
+from diffpipe.models.families.unet.unet3d import UNET3D_PRESETS, UNet3DFamily
+from diffpipe.models.families.wan.wan import WAN_PRESETS, WanFamily
+from diffpipe.models.families.wan.i2v import WanI2VFamily
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
 from diffpipe.sampling import run_stages

@@ -17,10 +17,10 @@ from diffpipe.cli import main
 from diffpipe.config_files import build_config
 from diffpipe.data.batches import BatchMaker
 from diffpipe.data.images import prepare_folder_images
-from diffpipe.models.dit_text import FluxText
+from diffpipe.models.folder_text import FluxText
 from diffpipe.models.family import Feed
-from diffpipe.models.flux import pack_latents
-from diffpipe.models.flux_kontext import FluxKontextFamily
+from diffpipe.models.families.flux.flux import pack_latents
+from diffpipe.models.families.flux.kontext import FluxKontextFamily
 from diffpipe.models.vae import load_vae
 
 from ..helpers import check_edit_lora, train_edit_example

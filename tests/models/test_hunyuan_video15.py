@@ -18,8 +18,8 @@ from diffusers import HunyuanVideo15Pipeline, HunyuanVideoPipeline
 from diffpipe.build import build_backbone, build_text_encoder
 from diffpipe.config_files import build_config
 from diffpipe.models.family import Feed
-from diffpipe.models.hunyuan_text import HunyuanVideo15Text
-from diffpipe.models.hunyuan_video15 import HUNYUAN_VIDEO15_PRESETS, HunyuanVideo15Family
+from diffpipe.models.families.hunyuan_video15.text import HunyuanVideo15Text
+from diffpipe.models.families.hunyuan_video15.hunyuan_video15 import HUNYUAN_VIDEO15_PRESETS, HunyuanVideo15Family
 from diffpipe.models.vae import decode_latents, encode_latents
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules

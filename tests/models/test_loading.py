@@ -13,8 +13,8 @@ from diffpipe.preflight import check_before_launch
 from diffpipe.config import ModelConfig
 from diffpipe.config_files import build_config
 from diffpipe.models.loading import CheckpointError, build_model
-from diffpipe.models.unet import UNet2DFamily
-from diffpipe.models.presets import UNET_PRESETS
+from diffpipe.models.families.unet.unet2d import UNet2DFamily
+from diffpipe.models.families.unet.presets import UNET_PRESETS
 
 
 def _trained_like_unet() -> UNet2DConditionModel:
@@ -99,7 +99,7 @@ def test_pickle_weights_are_refused_unread(tmp_path, suffix):
 def _original_layout_file(tmp_path, unet: UNet2DConditionModel):
     """A single file as A1111 / ComfyUI share them: the UNet under model.diffusion_model.*, beside a VAE's and a
     text encoder's tensors (which the UNet's loading leaves alone)."""
-    from diffpipe.models.original_layout import to_original_layout
+    from diffpipe.models.single_file import to_original_layout
 
     tensors = to_original_layout(unet.state_dict(), dict(unet.config))
     tensors["first_stage_model.decoder.conv_in.weight"] = torch.zeros(4, 4, 3, 3)
@@ -150,8 +150,8 @@ def test_a_text_encoder_folder_of_pickles_is_refused_unread(tmp_path):
 
 def test_a_single_file_converted_for_one_architecture_is_not_reused_for_another(tmp_path, monkeypatch):
     """The conversion cache was keyed by the file alone: a first conversion under a wrong config was used forever."""
-    from diffpipe.models.original_layout import converted_file
-    from diffpipe.models.unet import UNet2DFamily
+    from diffpipe.models.single_file import converted_file
+    from diffpipe.models.families.unet.unet2d import UNet2DFamily
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     config = dict(UNET_PRESETS["digits"])

@@ -10,8 +10,8 @@ from diffusers import UNet2DConditionModel
 from diffpipe.build import build_backbone, example_inputs, give_weights
 from diffpipe.config_files import build_config
 from diffpipe.models.lora import add_lora, is_adapter, lora_scale, merge_lora
-from diffpipe.models.presets import UNET_PRESETS
-from diffpipe.models.unet import UNet2DFamily
+from diffpipe.models.families.unet.presets import UNET_PRESETS
+from diffpipe.models.families.unet.unet2d import UNet2DFamily
 from diffpipe.pipeline.split import SplitError
 from diffpipe.preflight import check_before_launch
 

@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 
 from diffpipe.build import build_backbone, give_weights
 from diffpipe.config_files import build_config
-from diffpipe.models.presets import UNET_PRESETS
+from diffpipe.models.families.unet.presets import UNET_PRESETS
 
 
 def _owned(backbone, units):

@@ -13,9 +13,9 @@ from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
 from diffpipe.cli import main
-from diffpipe.models.dit_text import QwenImageText
+from diffpipe.models.folder_text import QwenImageText
 from diffpipe.models.family import Feed
-from diffpipe.models.qwen_image import QwenImageFamily, text_mask
+from diffpipe.models.families.qwen_image.qwen_image import QwenImageFamily, text_mask
 
 from ..helpers import (check_diffusers_lora, photos_with_long_captions, predicted_with_padded_text,
                        run_command, trains_alike_on_one_and_two_stages)
@@ -182,7 +182,7 @@ def test_a_run_shifts_by_resolution_on_the_folders_own_line(tiny, tmp_path):
     scheduler shifts by a fixed amount gives Flux.1's line; the run trains and evaluates at each bucket's shift."""
     from diffpipe.build import shift_schedule
     from diffpipe.config_files import build_config
-    from diffpipe.models.pipeline_folder import dynamic_shift
+    from diffpipe.models.folder import dynamic_shift
 
     assert dynamic_shift(tiny / "qwen_image") == (256, 8192, 0.5, 0.9)
     assert dynamic_shift(tiny / "flux") is None  # FlowMatchEulerDiscreteScheduler(shift=3.0)

@@ -26,9 +26,9 @@ from diffpipe.data.batches import BatchMaker
 from diffpipe.data.buckets import placed
 from diffpipe.data.folder import read_rgb
 from diffpipe.data.images import prepare_folder_images
-from diffpipe.models.dit_text import QwenImageEditText
+from diffpipe.models.folder_text import QwenImageEditText
 from diffpipe.models.family import Feed
-from diffpipe.models.qwen_image_edit import QwenImageEditFamily, picture_tokens
+from diffpipe.models.families.qwen_image.edit import QwenImageEditFamily, picture_tokens
 from diffpipe.models.vae import load_vae
 
 from ..helpers import check_edit_lora, train_edit_example

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diffpipe.errors import ConfigError
-from diffpipe.models.flux import FLUX_PRESETS
-from diffpipe.models.flux_layout import flux_from_bfl, flux_to_bfl, is_bfl_layout, is_chroma_layout
+from diffpipe.models.families.flux.flux import FLUX_PRESETS
+from diffpipe.models.families.flux.release_layout import flux_from_bfl, flux_to_bfl, is_bfl_layout, is_chroma_layout
 
 from ..helpers import run_command
 
@@ -46,7 +46,7 @@ def test_a_chroma_release_file_reads_as_diffusers_own_reader_reads_it_at_chroma1
     from diffusers import ChromaTransformer2DModel
     from diffusers.loaders.single_file_utils import convert_chroma_transformer_checkpoint_to_diffusers
 
-    from diffpipe.models.chroma import CHROMA_PRESETS
+    from diffpipe.models.families.flux.chroma import CHROMA_PRESETS
 
     with torch.device("meta"):
         shapes = ChromaTransformer2DModel(**dict(CHROMA_PRESETS["hd"], num_layers=1, num_single_layers=1)).state_dict()
@@ -74,8 +74,8 @@ def test_wans_own_layout_round_trips_through_diffusers_reader():
     keys) written in Wan's layout and read back by diffusers' `convert_wan_transformer_to_diffusers`."""
     from diffusers import WanTransformer3DModel
 
-    from diffpipe.models.wan import WAN_PRESETS
-    from diffpipe.models.wan_layout import is_wan_layout, wan_from_original, wan_to_original
+    from diffpipe.models.families.wan.wan import WAN_PRESETS
+    from diffpipe.models.families.wan.release_layout import is_wan_layout, wan_from_original, wan_to_original
 
     for extra in ({}, {"image_dim": 32, "added_kv_proj_dim": 48}):
         torch.manual_seed(0)
@@ -95,8 +95,8 @@ def test_stabilitys_sd3_layout_round_trips_through_diffusers_reader():
     written in Stability's layout and read back by diffusers' `convert_sd3_transformer_checkpoint_to_diffusers`."""
     from diffusers import SD3Transformer2DModel
 
-    from diffpipe.models.sd3 import SD3_PRESETS
-    from diffpipe.models.sd3_layout import is_sai_layout, sd3_from_sai, sd3_to_sai
+    from diffpipe.models.families.sd3.sd3 import SD3_PRESETS
+    from diffpipe.models.families.sd3.release_layout import is_sai_layout, sd3_from_sai, sd3_to_sai
 
     for extra in ({}, {"qk_norm": "rms_norm", "dual_attention_layers": (0,)}):
         torch.manual_seed(0)
@@ -115,15 +115,15 @@ def _single_file(tiny: Path, layout: str, out: Path) -> Path:
     if layout in ("flux", "chroma"):
         weights = flux_to_bfl(load_file(str(tiny / layout / "transformer" / "diffusion_pytorch_model.safetensors")))
     elif layout == "sd3":
-        from diffpipe.models.sd3_layout import sd3_to_sai
+        from diffpipe.models.families.sd3.release_layout import sd3_to_sai
 
         weights = sd3_to_sai(load_file(str(tiny / "sd3" / "transformer" / "diffusion_pytorch_model.safetensors")))
     elif layout == "wan":
-        from diffpipe.models.wan_layout import wan_to_original
+        from diffpipe.models.families.wan.release_layout import wan_to_original
 
         weights = wan_to_original(load_file(str(tiny / "wan" / "transformer" / "diffusion_pytorch_model.safetensors")))
     else:
-        from diffpipe.models.original_layout import to_original_layout
+        from diffpipe.models.single_file import to_original_layout
 
         config = json.loads((tiny / "sdxl" / "unet" / "config.json").read_text())
         weights = to_original_layout(load_file(str(tiny / "sdxl" / "unet" / "diffusion_pytorch_model.safetensors")),
@@ -208,7 +208,7 @@ def test_a_comfyui_fp8_scaled_flux_file_trains_as_the_weights_it_stands_for(tiny
 
 
 def test_fp8_scales_per_row_are_applied_and_block_wise_ones_refused():
-    from diffpipe.models.original_layout import dequantised
+    from diffpipe.models.single_file import dequantised
 
     weight = torch.randn(4, 6).to(torch.float8_e4m3fn)
     rows = torch.tensor([[1.0], [2.0], [0.5], [4.0]])

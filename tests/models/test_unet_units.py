@@ -5,7 +5,7 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from diffpipe.models.unet import unet_backbone
+from diffpipe.models.families.unet.unet2d import unet_backbone
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
 from diffpipe.sampling import run_stages

@@ -17,8 +17,8 @@ from diffpipe.config_files import build_config
 from diffpipe.data.buckets import Bucket, place, placed
 from diffpipe.data.videos import read_clip
 from diffpipe.models.family import Feed
-from diffpipe.models.wan_clip import WAN_CLIP_TOKENS, WanImageText
-from diffpipe.models.wan_i2v import WanI2VFamily
+from diffpipe.models.families.wan.clip import WAN_CLIP_TOKENS, WanImageText
+from diffpipe.models.families.wan.i2v import WanI2VFamily
 
 from ..helpers import check_diffusers_lora, losses_of, run_command
 

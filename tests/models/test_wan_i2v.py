@@ -21,7 +21,7 @@ from diffpipe.data.folder import ImageItem
 from diffpipe.data.videos import read_clip
 from diffpipe.models.family import Feed
 from diffpipe.models.vae import encode_latents
-from diffpipe.models.wan_i2v import WanI2VFamily
+from diffpipe.models.families.wan.i2v import WanI2VFamily
 
 from ..helpers import check_diffusers_lora, run_command
 

@@ -23,8 +23,8 @@ from diffpipe.data.folder import ImageItem
 from diffpipe.errors import ConfigError
 from diffpipe.models.family import Feed
 from diffpipe.models.vae import encode_latents
-from diffpipe.models.wan_i2v import WanI2VFamily
-from diffpipe.models.wan_ti2v import ti2v_pipeline_input
+from diffpipe.models.families.wan.i2v import WanI2VFamily
+from diffpipe.models.families.wan.ti2v import ti2v_pipeline_input
 
 from ..helpers import check_diffusers_lora, run_command
 from .test_wan_i2v import predictor

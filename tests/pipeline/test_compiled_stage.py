@@ -10,7 +10,7 @@ import torch
 import torch._dynamo
 from diffusers import UNet2DConditionModel
 
-from diffpipe.models.unet import UNet2DFamily
+from diffpipe.models.families.unet.unet2d import UNet2DFamily
 from diffpipe.pipeline.split import stage_specs
 from diffpipe.pipeline.stage import build_stage_modules
 from diffpipe.sampling import run_stages

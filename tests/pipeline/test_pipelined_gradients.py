@@ -62,20 +62,20 @@ from diffpipe.data.batches import BatchMaker
 from diffpipe.data.moving_digits import MOTION_WORDS
 from diffpipe.data.sources import source_of
 from diffpipe.models.lora import add_lora, is_adapter
-from diffpipe.models.chroma import CHROMA_PRESETS
-from diffpipe.models.flux import FLUX_PRESETS
-from diffpipe.models.hunyuan_video15 import HUNYUAN_VIDEO15_PRESETS
-from diffpipe.models.presets import UNET_PRESETS
+from diffpipe.models.families.flux.chroma import CHROMA_PRESETS
+from diffpipe.models.families.flux.flux import FLUX_PRESETS
+from diffpipe.models.families.hunyuan_video15.hunyuan_video15 import HUNYUAN_VIDEO15_PRESETS
+from diffpipe.models.families.unet.presets import UNET_PRESETS
 from diffpipe.models.registry import family_for
 from diffpipe.models.text import TextEncoder
 from diffpipe.pipeline.data_parallel import full
 from diffpipe.pipeline.schedules import schedule_named
 from diffpipe.planner.plan import hardware, make_plan, unit_costs
-from diffpipe.models.sd3 import SD3_PRESETS
-from diffpipe.models.qwen_image import QWEN_IMAGE_PRESETS
-from diffpipe.models.unet3d import UNET3D_PRESETS
-from diffpipe.models.wan import WAN_PRESETS
-from diffpipe.models.wan_i2v import WAN_I2V_PRESETS
+from diffpipe.models.families.sd3.sd3 import SD3_PRESETS
+from diffpipe.models.families.qwen_image.qwen_image import QWEN_IMAGE_PRESETS
+from diffpipe.models.families.unet.unet3d import UNET3D_PRESETS
+from diffpipe.models.families.wan.wan import WAN_PRESETS
+from diffpipe.models.families.wan.i2v import WAN_I2V_PRESETS
 from diffpipe.torch_support import schedule_problem
 
 from ..helpers import run_workers

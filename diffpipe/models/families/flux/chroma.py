@@ -27,11 +27,11 @@ from diffusers import ChromaTransformer2DModel
 from diffusers.models.embeddings import get_timestep_embedding
 from torch import nn
 
-from .family import TextBatch
+from ...family import TextBatch
 from .flux import FluxFamily, image_ids
-from .flux_layout import CHROMA
-from .qwen_image import mask_or_none, text_mask
-from .units import Backbone, Unit
+from .release_layout import CHROMA
+from ..qwen_image.qwen_image import mask_or_none, text_mask
+from ...units import Backbone, Unit
 
 __all__ = ["ChromaFamily", "chroma_backbone", "CHROMA_PRESETS", "modulation_rows"]
 
@@ -140,7 +140,7 @@ class ChromaFamily(FluxFamily):
     model_class = ChromaTransformer2DModel
     presets = CHROMA_PRESETS
     pipelines = ("ChromaPipeline", "ChromaImg2ImgPipeline", "ChromaInpaintPipeline")
-    release_layout = CHROMA  # its releases' single files: BFL's names, the modulation pruned (flux_layout.py)
+    release_layout = CHROMA  # its releases' single files: BFL's names, the modulation pruned (release_layout.py)
     reads_text_lengths = True  # a batch's text is cut to its captions (qwen_image.text_mask)
 
     def diffusers_lora_pipeline(self, cfg):
@@ -179,16 +179,16 @@ class ChromaFamily(FluxFamily):
         return {"time_text_embed.mod_proj": table}
 
     def folder_text_encoder(self, folder):
-        from .dit_text import ChromaText
+        from ...folder_text import ChromaText
 
         return ChromaText.from_folder(folder)
 
     def folder_text_widths(self, folder):
-        from .pipeline_folder import text_encoder_configs
+        from ...folder import text_encoder_configs
 
         return text_encoder_configs(folder)[0]["d_model"], 0
 
     def folder_text_length(self, folder):
-        from .dit_text import ChromaText
+        from ...folder_text import ChromaText
 
         return ChromaText.max_length

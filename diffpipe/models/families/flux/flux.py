@@ -19,9 +19,9 @@ import torch
 from diffusers import FluxTransformer2DModel
 from torch import nn
 
-from .family import ModelFamily, TextBatch
-from .flux_layout import BFL
-from .units import Backbone, Unit
+from ...family import ModelFamily, TextBatch
+from .release_layout import BFL
+from ...units import Backbone, Unit
 
 __all__ = ["FluxFamily", "flux_backbone", "FLUX_PRESETS", "pack_latents", "unpack_latents", "image_ids"]
 
@@ -181,16 +181,16 @@ class FluxFamily(ModelFamily):
                      txt_ids=conditions["txt_ids"][0], return_dict=False)[0]
 
     def folder_text_encoder(self, folder):
-        from .dit_text import FluxText
+        from ...folder_text import FluxText
 
         return FluxText.from_folder(folder)
 
     def folder_text_widths(self, folder):
-        from .dit_text import flux_text_widths
+        from ...folder_text import flux_text_widths
 
         return flux_text_widths(folder)
 
     def folder_text_length(self, folder):
-        from .dit_text import FluxText
+        from ...folder_text import FluxText
 
         return FluxText.max_length

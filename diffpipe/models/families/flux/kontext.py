@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .family import TextBatch
+from ...family import TextBatch
 from .flux import FluxFamily, _Embed, _Out, flux_backbone, image_ids, pack_latents
-from .units import Backbone, Unit
+from ...units import Backbone, Unit
 
 __all__ = ["FluxKontextFamily", "reference_ids"]
 

@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from .family import ReleaseLayout, unprefixed
+from ...family import ReleaseLayout, unprefixed
 
 __all__ = ["BFL", "CHROMA", "is_bfl_layout", "is_chroma_layout", "flux_from_bfl", "flux_to_bfl"]
 

@@ -35,10 +35,10 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15RotaryPosEmbed
 from torch import nn
 
-from .family import ModelFamily, TextBatch
-from .qwen_image import mask_or_none, reset_rms_norm, text_mask
-from .text import filled_lengths_of
-from .units import Backbone, Unit
+from ...family import ModelFamily, TextBatch
+from ..qwen_image.qwen_image import mask_or_none, reset_rms_norm, text_mask
+from ...text import filled_lengths_of
+from ...units import Backbone, Unit
 
 __all__ = ["HunyuanVideo15Family", "hunyuan_video15_backbone", "HUNYUAN_VIDEO15_PRESETS", "TEXT_LENGTHS",
            "QWEN_TOKENS", "BYT5_TOKENS"]
@@ -296,12 +296,12 @@ class HunyuanVideo15Family(ModelFamily):
         return reset_rms_norm(module)
 
     def folder_text_encoder(self, folder):
-        from .hunyuan_text import HunyuanVideo15Text
+        from .text import HunyuanVideo15Text
 
         return HunyuanVideo15Text.from_folder(folder)
 
     def folder_text_widths(self, folder):
-        from .pipeline_folder import text_encoder_configs
+        from ...folder import text_encoder_configs
 
         qwen, byt5 = text_encoder_configs(folder)[:2]
         return qwen["hidden_size"] + byt5["d_model"], 0

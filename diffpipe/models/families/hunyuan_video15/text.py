@@ -5,7 +5,7 @@ first 108 tokens dropped: 1,000 positions) and `_get_byt5_prompt_embeds` (ByT5 r
 `Text "..."`, 256 positions; zeros and an empty mask for a caption with no quotes).
 
 A caption's two outputs are given side by side along the width, Qwen's first, ByT5's over the first 256 positions,
-each zero where its mask is (models/hunyuan_video15.py reads the masks back off the zeros); no pooled text.
+each zero where its mask is (models/families/hunyuan_video15/hunyuan_video15.py reads the masks back off the zeros); no pooled text.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen2_5_VLTextModel, T5EncoderModel
 
-from .dit_text import _FolderText, _load
+from ...folder_text import _FolderText, _load
 from .hunyuan_video15 import BYT5_TOKENS, QWEN_TOKENS
 
 __all__ = ["HunyuanVideo15Text"]

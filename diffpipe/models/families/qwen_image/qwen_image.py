@@ -26,10 +26,10 @@ from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 from torch import nn
 
-from .family import ModelFamily, ReleaseLayout, TextBatch, unprefixed
-from .flux import pack_latents, unpack_latents
-from .text import filled_lengths_of
-from .units import Backbone, Unit
+from ...family import ModelFamily, ReleaseLayout, TextBatch, unprefixed
+from ..flux.flux import pack_latents, unpack_latents
+from ...text import filled_lengths_of
+from ...units import Backbone, Unit
 
 __all__ = ["QwenImageFamily", "qwen_image_backbone", "QWEN_IMAGE_PRESETS", "TEXT_LENGTHS", "QWEN_TEXT_TOKENS",
            "reset_rms_norm", "mask_or_none"]
@@ -85,7 +85,7 @@ def text_mask(hidden: torch.Tensor, filled: list[int] | None = None,
         filled = [hidden.shape[1]] * len(filled)
     longest = max(filled)
     length = next((n for n in lengths if n >= longest), max(longest, hidden.shape[1]))
-    if length > hidden.shape[1]:  # texts kept as long as they are (an edit model's: models/qwen_image_edit.py)
+    if length > hidden.shape[1]:  # texts kept as long as they are (an edit model's: models/families/qwen_image/edit.py)
         hidden = torch.nn.functional.pad(hidden, (0, 0, 0, length - hidden.shape[1]))
     if all(n == length for n in filled):
         return hidden[:, :length], torch.zeros(len(filled), 0, dtype=torch.bool, device=hidden.device)
@@ -231,12 +231,12 @@ class QwenImageFamily(ModelFamily):
         return reset_rms_norm(module)
 
     def folder_text_encoder(self, folder):
-        from .dit_text import QwenImageText
+        from ...folder_text import QwenImageText
 
         return QwenImageText.from_folder(folder)
 
     def folder_text_widths(self, folder):
-        from .pipeline_folder import text_encoder_configs
+        from ...folder import text_encoder_configs
 
         cfg = text_encoder_configs(folder)[0]
         return cfg.get("text_config", cfg)["hidden_size"], 0

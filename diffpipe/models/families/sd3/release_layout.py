@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from .family import ReleaseLayout, unprefixed
+from ...family import ReleaseLayout, unprefixed
 
 __all__ = ["SAI", "is_sai_layout", "sd3_from_sai", "sd3_to_sai"]
 

@@ -17,9 +17,9 @@ from diffusers import SD3Transformer2DModel
 from diffusers.models.embeddings import PatchEmbed
 from torch import nn
 
-from .family import ModelFamily, TextBatch
-from .sd3_layout import SAI
-from .units import Backbone, Unit
+from ...family import ModelFamily, TextBatch
+from .release_layout import SAI
+from ...units import Backbone, Unit
 
 __all__ = ["SD3Family", "sd3_backbone", "SD3_PRESETS"]
 
@@ -158,16 +158,16 @@ class SD3Family(ModelFamily):
         return {"pos_embed.pos_embed": table}
 
     def folder_text_encoder(self, folder):
-        from .dit_text import SD3Text
+        from ...folder_text import SD3Text
 
         return SD3Text.from_folder(folder)
 
     def folder_text_widths(self, folder):
-        from .dit_text import sd3_text_widths
+        from ...folder_text import sd3_text_widths
 
         return sd3_text_widths(folder)
 
     def folder_text_length(self, folder):
-        from .dit_text import SD3Text
+        from ...folder_text import SD3Text
 
         return SD3Text.max_length

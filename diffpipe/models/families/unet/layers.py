@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .units import Unit
+from ...units import Unit
 
 __all__ = ["LAYERED_BLOCKS", "down_layers", "mid_layers", "up_layers"]
 

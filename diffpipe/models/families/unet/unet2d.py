@@ -1,7 +1,7 @@
 """Adapter for diffusers' `UNet2DConditionModel` (SD 1.x/2.x style, and SDXL style with text_time conditioning).
 
 Units: time embedding, conv_in, each down block, the mid block, each up block, output (or, at "layers"
-granularity, each layer of the standard blocks: see unet_layers.py). Skip tensors are
+granularity, each layer of the standard blocks: see layers.py). Skip tensors are
 named `skip.0 .. skip.N`: conv_in writes skip.0, each down block writes one skip per resnet (and one for its
 downsampler); the main hidden state entering a down block is the last skip written before it, exactly as
 in `UNet2DConditionModel.forward`. Up blocks read the skips they concatenate, last first.
@@ -12,11 +12,11 @@ import torch
 from diffusers import UNet2DConditionModel
 from torch import nn
 
-from .family import ModelFamily, TextBatch
-from .original_layout import SGM, kohya_lora_names
+from ...family import ModelFamily, TextBatch
+from ...single_file import SGM, kohya_lora_names
 from .presets import UNET_PRESETS
-from .unet_layers import LAYERED_BLOCKS, down_layers, mid_layers, up_layers
-from .units import Backbone, Unit
+from .layers import LAYERED_BLOCKS, down_layers, mid_layers, up_layers
+from ...units import Backbone, Unit
 
 __all__ = ["unet_backbone", "UNET_CONDITIONS", "check_unet_supported", "UNet2DFamily"]
 
@@ -228,18 +228,18 @@ class UNet2DFamily(ModelFamily):
                      added_cond_kwargs=added).sample
 
     def folder_text_encoder(self, folder):
-        from .pipeline_folder import PipelineText
+        from ...folder import PipelineText
 
         return PipelineText.from_folder(folder)
 
     def folder_text_widths(self, folder):
-        from .pipeline_folder import text_encoder_configs
+        from ...folder import text_encoder_configs
 
         configs = text_encoder_configs(folder)
         pooled = configs[-1]["projection_dim"] if len(configs) > 1 else 0  # SDXL: the second's projection
         return sum(c["hidden_size"] for c in configs), pooled
 
     def objective_of_folder(self, folder):
-        from .pipeline_folder import scheduler_objective
+        from ...folder import scheduler_objective
 
         return scheduler_objective(folder)

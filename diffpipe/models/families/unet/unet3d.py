@@ -13,9 +13,9 @@ from __future__ import annotations
 from diffusers import UNet3DConditionModel
 from torch import nn
 
-from .family import ModelFamily, TextBatch
-from .unet import UNet2DFamily
-from .units import Backbone, Unit
+from ...family import ModelFamily, TextBatch
+from .unet2d import UNet2DFamily
+from ...units import Backbone, Unit
 
 __all__ = ["UNet3DFamily", "unet3d_backbone", "UNET3D_PRESETS"]
 

@@ -1,5 +1,5 @@
 """Wan 2.1 image-to-video (Wan2.1-I2V-14B-480P / -720P: diffusers' `WanImageToVideoPipeline` with an
-`image_encoder/`): beside the first frame's latents (as I2V-A14B's experts read them: models/wan_i2v.py), the
+`image_encoder/`): beside the first frame's latents (as I2V-A14B's experts read them: models/families/wan/i2v.py), the
 transformer reads a CLIP vision model's embedding of the picture.
 
 The pipeline's `encode_image`: its CLIPImageProcessor (shortest side to 224 pixels, centre crop, CLIP's
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .dit_text import WAN_T5_TOKENS, WanText
-from .loading import CheckpointError, component_weights
-from .pipeline_folder import fingerprint_files, pipeline_index
-from .text import caption_and_picture
+from ...folder_text import WAN_T5_TOKENS, WanText
+from ...loading import CheckpointError, component_weights
+from ...folder import fingerprint_files, pipeline_index
+from ...text import caption_and_picture
 from .wan import _Embed
 
 __all__ = ["WanImageText", "WAN_CLIP_TOKENS", "has_image_encoder", "image_encoder_widths", "image_embeds",

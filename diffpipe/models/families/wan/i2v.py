@@ -10,21 +10,21 @@ condition every stage is given; `embed` joins them to the noisy latents, so only
 `tproj` and `rope` cross a boundary. The loss is over every frame, as the pipeline predicts them all.
 
 Wan 2.2 TI2V-5B's transformer (as many channels read as predicted) is continued as its pipeline does with
-`expand_timesteps`: the first latent frame replaced by the picture's, its timestep zero (models/wan_ti2v.py). Its
+`expand_timesteps`: the first latent frame replaced by the picture's, its timestep zero (models/families/wan/ti2v.py). Its
 WanPipeline folder trains image-to-video with `model.architecture = "wan_i2v"` set (text-to-video without).
 
 Wan 2.1's I2V transformers (`image_dim`, the pipeline's `image_encoder/`) also read a CLIP vision model's embedding
-of the picture (models/wan_clip.py). Wan 2.1's first-last-frame model (`pos_embed_seq_len`) is refused.
+of the picture (models/families/wan/clip.py). Wan 2.1's first-last-frame model (`pos_embed_seq_len`) is refused.
 """
 from __future__ import annotations
 
 import torch
 
-from .family import TextBatch
-from .units import Backbone, Unit
+from ...family import TextBatch
+from ...units import Backbone, Unit
 from .wan import WAN_PRESETS, WanFamily, _Embed, wan_backbone
-from .wan_clip import ClipEmbed, WAN_CLIP_TOKENS, has_image_encoder, image_embeds, image_encoder_widths
-from .wan_ti2v import ti2v_clean_latents, ti2v_first_frame, ti2v_pipeline_input, wan_ti2v_backbone
+from .clip import ClipEmbed, WAN_CLIP_TOKENS, has_image_encoder, image_embeds, image_encoder_widths
+from .ti2v import ti2v_clean_latents, ti2v_first_frame, ti2v_pipeline_input, wan_ti2v_backbone
 
 __all__ = ["WanI2VFamily", "first_frame_mask", "FRAME_MASK_CHANNELS", "WAN_I2V_PRESETS"]
 
@@ -35,7 +35,7 @@ WAN_I2V_PRESETS = {
     # Wan-AI/Wan2.1-I2V-14B-480P-Diffusers' transformer/config.json (also -720P's): 16.4 B parameters
     "i2v-14b": dict(WAN_PRESETS["t2v-14b"], in_channels=36, image_dim=1280, added_kv_proj_dim=5120),
     "digits": dict(WAN_PRESETS["digits"], in_channels=2 + FRAME_MASK_CHANNELS),  # clips of moving digits
-    "ti2v-5b": WAN_PRESETS["ti2v-5b"],  # the first frame replaced (models/wan_ti2v.py)
+    "ti2v-5b": WAN_PRESETS["ti2v-5b"],  # the first frame replaced (models/families/wan/ti2v.py)
     "digits-ti2v": WAN_PRESETS["digits"],
     # Wan 2.1 I2V's: the stand-in text encoder's pooled output in the CLIP states' place (257 tokens of 8)
     "digits-clip": dict(WAN_PRESETS["digits"], in_channels=2 + FRAME_MASK_CHANNELS, image_dim=8, added_kv_proj_dim=48),
@@ -61,7 +61,7 @@ class _I2VEmbed(_Embed):
 
 
 def reads_picture(cfg) -> bool:
-    """Whether a Wan transformer also reads a CLIP embedding of the picture (Wan 2.1 I2V: models/wan_clip.py)."""
+    """Whether a Wan transformer also reads a CLIP embedding of the picture (Wan 2.1 I2V: models/families/wan/clip.py)."""
     return cfg.image_dim is not None
 
 
@@ -124,7 +124,7 @@ class WanI2VFamily(WanFamily):
 
     def folder_text_encoder(self, folder):
         if has_image_encoder(folder):
-            from .wan_clip import WanImageText
+            from .clip import WanImageText
 
             return WanImageText.from_folder(folder)
         return super().folder_text_encoder(folder)

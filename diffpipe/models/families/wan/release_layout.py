@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from .family import ReleaseLayout, unprefixed
+from ...family import ReleaseLayout, unprefixed
 
 __all__ = ["WAN", "is_wan_layout", "original_wan_name", "wan_from_original", "wan_to_original"]
 

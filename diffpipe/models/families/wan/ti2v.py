@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .units import Backbone, Unit
+from ...units import Backbone, Unit
 
 __all__ = ["wan_ti2v_backbone", "ti2v_first_frame", "ti2v_pipeline_input", "ti2v_clean_latents"]
 

@@ -15,9 +15,9 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 from torch import nn
 
-from .family import ModelFamily, TextBatch
-from .wan_layout import WAN, original_wan_name
-from .units import Backbone, Unit
+from ...family import ModelFamily, TextBatch
+from .release_layout import WAN, original_wan_name
+from ...units import Backbone, Unit
 
 __all__ = ["WanFamily", "wan_backbone", "WAN_PRESETS"]
 
@@ -149,17 +149,17 @@ class WanFamily(ModelFamily):
         return {"encoder_hidden_states": text.hidden}
 
     def folder_text_encoder(self, folder):
-        from .dit_text import WanText
+        from ...folder_text import WanText
 
         return WanText.from_folder(folder)
 
     def folder_text_widths(self, folder):
-        from .pipeline_folder import text_encoder_configs
+        from ...folder import text_encoder_configs
 
         return text_encoder_configs(folder)[0]["d_model"], 0
 
     def folder_text_length(self, folder):
-        from .dit_text import WAN_T5_TOKENS
+        from ...folder_text import WAN_T5_TOKENS
 
         return WAN_T5_TOKENS
 
