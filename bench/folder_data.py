@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from diffpipe.config_files import build_config  # noqa: E402
-from diffpipe.data.images import prepare_folder_images  # noqa: E402
-from diffpipe.models.folder import PipelineText  # noqa: E402
+from diffpipe.data.preparation import prepare_folder_images  # noqa: E402
+from diffpipe.models.families.unet.text import PipelineText  # noqa: E402
 from diffpipe.models.vae import load_vae  # noqa: E402
 
 _SHAPES = {"real": [(1024, 1024), (1216, 832), (832, 1216)], "tiny": [(128, 128), (160, 96), (96, 160)]}

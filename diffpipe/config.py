@@ -14,8 +14,6 @@ from typing import Annotated, Any, Literal
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .data.sources import SOURCES
-from .pipeline.schedules import SCHEDULES
 from .errors import ConfigError
 
 __all__ = [
@@ -31,7 +29,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    architecture: str = Field("unet2d", description="Backbone family: unet2d (diffusers UNet2DConditionModel: SD 1.x/2.x, SDXL), flux (FluxTransformer2DModel), flux_kontext (Flux.1 Kontext's FluxTransformer2DModel: edits data.control_path's images), chroma (ChromaTransformer2DModel: Chroma1-HD, Chroma1-Base), sd3 (SD3Transformer2DModel: SD3, SD3.5), wan (WanTransformer3DModel: Wan 2.1, either expert of Wan 2.2 A14B: model.expert), wan_i2v (Wan image-to-video: WanImageToVideoPipeline folders, Wan 2.1 I2V-14B with its CLIP image encoder or either expert of Wan 2.2 I2V-A14B, or set on a Wan 2.2 TI2V-5B folder; each clip continued from its first frame), unet3d (UNet3DConditionModel: text-to-video UNets), qwen_image (QwenImageTransformer2DModel: Qwen-Image), qwen_image_edit (Qwen-Image-Edit's QwenImageTransformer2DModel: edits data.control_path's images, its text encoder reading each with the caption), hunyuan_video15 (HunyuanVideo15Transformer3DModel: HunyuanVideo 1.5 text-to-video), or a ModelFamily subclass of your own as \"package.module:Class\".")
+    architecture: str = Field("unet2d", description="Backbone family: a built-in name (docs/families.md says what each trains), or a ModelFamily subclass of your own as \"package.module:Class\".")
     preset: str | None = Field("digits", description="Built-in backbone config of the family (unet2d: digits, sd15, sdxl; flux: digits, tiny, dev; sd3: digits, tiny, medium); ignored when `config` or `path` is set.")
     config: dict[str, Any] | None = Field(None, description="Backbone config as keyword arguments of the diffusers class (inline table).")
     path: str | None = Field(None, description="Local diffusers pipeline folder (model_index.json, unet/ or transformer/, vae/, text encoders), backbone folder (config.json), or single .safetensors file of the backbone (diffusers' names, or the family's release layout: A1111/ComfyUI UNets, BFL's Flux, Stability's SD3, Wan's own) to load weights from.")
@@ -42,15 +40,6 @@ class ModelConfig(_Section):
     text_max_length: int = Field(8, ge=2, le=16384, description="Tokens per caption (padded/truncated); a pipeline folder's tokenizers decide their own (77 for CLIP). Above 512 only for plans and benchmarks of an edit model whose text holds a control's vision tokens (qwen_image_edit: 1536 at 1024x1024).")
     guidance: float = Field(3.5, ge=0.0, description="Guidance-distilled models (Flux-dev: guidance_embeds = true): the guidance value embedded while training and sampling (diffusers' Flux scripts: 3.5).")
     expert: Literal["high", "low", "both"] | None = Field(None, description="A pipeline folder with two experts (Wan 2.2 A14B: transformer/ for high noise, transformer_2/ for low noise, switched at model_index.json's boundary_ratio): the one this run trains, on its own timesteps only (high: t >= boundary_ratio; low: below; train.timestep_range overrides), or both: each sample trains the expert its timestep picks, as WanPipeline picks one (both experts' units i on one stage; models/two_experts.py). Required for such a folder; unset otherwise.")
-
-    @model_validator(mode="after")
-    def _check_architecture(self) -> "ModelConfig":
-        from .models.registry import BUILTIN_FAMILIES
-
-        if self.architecture not in BUILTIN_FAMILIES and ":" not in self.architecture:
-            raise ValueError(f"model.architecture={self.architecture!r} is unknown; choose one of "
-                             f"{sorted(BUILTIN_FAMILIES)}, or name a ModelFamily subclass as \"package.module:Class\"")
-        return self
 
     def pipeline_folder(self) -> Path | None:
         """The diffusers pipeline folder of the run's VAE, text encoders, tokenizers and scheduler: model.components,
@@ -73,8 +62,8 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    dataset: Literal[tuple(SOURCES)] = Field(  # data/sources.py
-        "digits", description="digits (scikit-learn's handwritten digits, 8x8 pixels, captioned), moving_digits (clips of them sliding left, right, up or down, captioned with the motion; for video families), synthetic (random latents), or folder (your images with captions, through the VAE of model.path's pipeline folder).")
+    dataset: str = Field(  # a name of data/sources.py's SOURCES (checked by config_files)
+        "digits", description="Where the training data comes from: digits (scikit-learn's handwritten digits, 8x8 pixels, captioned), moving_digits (clips of them sliding left, right, up or down, captioned with the motion; for video families), synthetic (random latents), or folder (your images with captions, through the VAE of model.path's pipeline folder).")
     path: str | list[str] | None = Field(None, description="data.dataset = folder: folder(s) of jpg/png/webp images, captions in same-named .txt files or a metadata.jsonl (file_name, text); subfolders included.")
     repeats: int | list[int] = Field(1, description="Times each folder's images appear per epoch (one number, or one per folder in data.path).")
     resolution: int = Field(1024, ge=64, description="Images are trained at about resolution x resolution pixels of area (SD 1.5: 512, SDXL: 1024).")
@@ -98,12 +87,6 @@ class DataConfig(_Section):
     keep_tokens: int = Field(0, ge=0, description="With data.caption_shuffle or data.tag_dropout: this many leading tags stay in place and are never dropped (a trigger word, the subject).")
     tag_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Drop each comma-separated tag of a training caption after the first data.keep_tokens with this probability, every step (kohya's caption_tag_dropout_rate); the text encoders then encode such captions as they come, as with data.caption_shuffle.")
     text_cache_gib: float = Field(1.0, ge=0, description="digits and synthetic: encode each distinct caption once and keep the text encoder's outputs on its device when they all fit in this many GiB; 0: encode every step's captions.")
-
-    @model_validator(mode="after")
-    def _check_source(self) -> "DataConfig":
-        SOURCES[self.dataset].check_data(self)
-        return self
-
 
 class TrainConfig(_Section):
     max_steps: int = Field(100, ge=1, description="Optimizer steps to run (unless train.epochs is set).")
@@ -174,7 +157,7 @@ class PipelineConfig(_Section):
     virtual_stages: int = Field(1, ge=1, description="Stages per process (interleaved_1f1b and zb1p need 2 or more; zbv and dualpipev exactly 2).")
     data_parallel: int = Field(1, ge=1, description="Data-parallel replicas of the pipeline; processes = stages x data_parallel.")
     data_parallel_shard: bool = Field(False, description="With data_parallel > 1: cut each stage's fp32 weights, gradients and AdamW state across its replicas (torch's FSDP2 fully_shard). With pipeline.stages = 1 each unit's weights are gathered only while it computes and every micro-batch's gradients reduced into each replica's part (16/data_parallel bytes per trained parameter, plus two units whole: a model too large for one GPU trains without a pipeline); in a pipeline, whole weights and summed gradients are held through each step (8 + 16/data_parallel bytes). False: every replica holds everything (torch's replicate: gradients all-reduced).")
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb1p", "zbv", "dualpipev"] = Field(
+    schedule: str = Field(  # a name of pipeline/schedules.py's SCHEDULES (checked by config_files)
         "1f1b", description="Pipeline schedule (torch.distributed.pipelining): gpipe, 1f1b, interleaved_1f1b (pipeline.virtual_stages >= 2 per process), or the zero-bubble ones, which split each backward into input and weight gradients: zb1p (interleaved, virtual_stages >= 2), zbv and dualpipev (V-shaped: virtual_stages = 2).")
     microbatches: int = Field(4, ge=1, description="Micro-batches per step and replica.")
     split: list[int] | Literal["auto", "parameters"] = Field(
@@ -275,14 +258,6 @@ class RunConfig(_Section):
                 f"train.batch_size={t.batch_size} is not divisible by pipeline.microbatches ({p.microbatches}) x "
                 f"pipeline.data_parallel ({p.data_parallel}) = {per_micro}; nearest valid batch sizes: "
                 f"{' or '.join(map(str, nearest))}")
-        problem = SCHEDULES[p.schedule].problem(p.stages, p.virtual_stages, p.microbatches)
-        if problem:
-            raise ValueError(problem)
-        if SCHEDULES[p.schedule].zero_bubble and p.compile:
-            # the split backward starts its weight pass at autograd's nodes inside the stage; a compiled graph is one
-            # node, which neither torch's split nor diffpipe's check of it (pipeline/zero_bubble.py) sees into
-            raise ValueError(f"pipeline.schedule = {p.schedule!r} (zero bubble) with pipeline.compile = {p.compile!r} "
-                             "is not supported; set pipeline.compile = false, or use schedule 1f1b / interleaved_1f1b")
         if isinstance(p.split, list):
             if len(p.split) != p.stages * p.virtual_stages - 1:
                 raise ValueError(
@@ -290,7 +265,6 @@ class RunConfig(_Section):
                     f"{p.stages * p.virtual_stages} stages need {p.stages * p.virtual_stages - 1}; or set split = \"auto\"")
             if any(b <= a for a, b in zip([0] + p.split, p.split)):
                 raise ValueError(f"pipeline.split={p.split} must be strictly increasing unit indices above 0")
-        SOURCES[self.data.dataset].check_config(self)
         if any(not 0 < q < 1 for q in t.eval_quantiles):
             raise ValueError(f"train.eval_quantiles={t.eval_quantiles}: each must lie strictly between 0 and 1")
         chunks = p.stages * p.virtual_stages

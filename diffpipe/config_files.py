@@ -1,22 +1,35 @@
-"""A config file read: TOML parsed, `--set section.key=value` overrides applied, validated (config.py's schema), and
-what the model folder decides filled in: a pipeline folder names its backbone's class, so its family
-(model.architecture), and its scheduler the objective (train.objective), when the config leaves them unset.
+"""A config file read: TOML parsed, `--set section.key=value` overrides applied, validated (config.py's schema), the
+names the registries own checked (`REGISTRY_KEYS`: data sources, schedules, families) with the checks that need
+them (a data source's own, a schedule's stage and micro-batch counts), and what the model folder decides filled in:
+a pipeline folder names its backbone's class, so its family (model.architecture), and its scheduler the objective
+(train.objective), when the config leaves them unset.
 
     config = load_config("examples/digits.toml", ["train.max_steps=10"])
 """
 from __future__ import annotations
 
+import difflib
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .config import RunConfig, validate_config
 from .errors import ArchitectureError, CheckpointError, ConfigError
 from .written_files import RUN_MARK
 from .models.folder import is_pipeline_folder, pipeline_index
 from .models.registry import BUILTIN_FAMILIES, family_for
+from .data.sources import SOURCES
+from .pipeline.schedules import SCHEDULES
 
-__all__ = ["load_config", "build_config", "load_run_config"]
+__all__ = ["load_config", "build_config", "load_run_config", "REGISTRY_KEYS"]
+
+# config keys whose values a registry names: the registry owns the names (the schema takes a string), so a new
+# data source, schedule or family is one registry line; config_reference lists them as each key's choices
+REGISTRY_KEYS: dict[tuple[str, str], Callable[[], dict]] = {
+    ("model", "architecture"): lambda: BUILTIN_FAMILIES,
+    ("data", "dataset"): lambda: SOURCES,
+    ("pipeline", "schedule"): lambda: SCHEDULES,
+}
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
@@ -48,9 +61,43 @@ def load_run_config(run_dir: Path) -> RunConfig:
 def build_config(data: dict[str, Any], overrides: list[str] = ()) -> RunConfig:
     """A config mapping with `overrides` applied, validated and resolved against its model folder."""
     config = validate_config(data, overrides)
+    _check_names(config)
+    try:
+        _check_across_rooms(config)
+    except ValueError as exc:
+        raise ConfigError(f"invalid config:\n  {exc}") from None
     _resolve_architecture(config)
     _resolve_objective(config)
     return config
+
+
+def _check_names(config: RunConfig) -> None:
+    """Each of REGISTRY_KEYS names an entry of its registry (model.architecture may instead name "module:Class")."""
+    for (section, key), registry in REGISTRY_KEYS.items():
+        value, names = getattr(getattr(config, section), key), list(registry())
+        if value in names or (key == "architecture" and ":" in value):
+            continue
+        close = difflib.get_close_matches(value, names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        custom = ", or a ModelFamily subclass as \"package.module:Class\"" if key == "architecture" else ""
+        raise ConfigError(f"invalid config:\n  {section}.{key}: {value!r} is not one of {', '.join(names)}"
+                          f"{custom}{hint}")
+
+
+def _check_across_rooms(config: RunConfig) -> None:
+    """The checks that need a registry's entry: the data source's (its keys, its held-out data), the schedule's
+    (stages, virtual stages and micro-batches it can run)."""
+    p = config.pipeline
+    SOURCES[config.data.dataset].check_data(config.data)
+    problem = SCHEDULES[p.schedule].problem(p.stages, p.virtual_stages, p.microbatches)
+    if problem:
+        raise ValueError(problem)
+    if SCHEDULES[p.schedule].zero_bubble and p.compile:
+        # the split backward starts its weight pass at autograd's nodes inside the stage; a compiled graph is one
+        # node, which neither torch's split nor diffpipe's check of it (pipeline/zero_bubble.py) sees into
+        raise ValueError(f"pipeline.schedule = {p.schedule!r} (zero bubble) with pipeline.compile = {p.compile!r} "
+                         "is not supported; set pipeline.compile = false, or use schedule 1f1b / interleaved_1f1b")
+    SOURCES[config.data.dataset].check_config(config)
 
 
 def _resolve_architecture(config: RunConfig) -> None:

@@ -12,6 +12,7 @@ import tomli_w
 from pydantic import BaseModel
 
 from .config import RunConfig
+from .config_files import REGISTRY_KEYS
 
 __all__ = ["config_reference"]
 
@@ -43,6 +44,14 @@ def _bound(constraint) -> str:
     return ""
 
 
+def _choices(section: str, key: str) -> str | None:
+    """A registry's names as the key's type, where a registry names its values (config_files.REGISTRY_KEYS)."""
+    if (section, key) not in REGISTRY_KEYS:
+        return None
+    names = " | ".join(f'"{name}"' for name in REGISTRY_KEYS[section, key]())
+    return names + (' | "package.module:Class"' if key == "architecture" else "")
+
+
 def _toml_value(value) -> str:
     if value is None:
         return "unset"
@@ -56,7 +65,7 @@ def _sections() -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:
     out = []
     for name, field in RunConfig.model_fields.items():
         section: type[BaseModel] = field.annotation
-        keys = [(key, _type_name(f.annotation), _toml_value(f.get_default(call_default_factory=True)),
+        keys = [(key, _choices(name, key) or _type_name(f.annotation), _toml_value(f.get_default(call_default_factory=True)),
                  f.description or "") for key, f in section.model_fields.items()]
         out.append((name, field.description or "", keys))
     return out

@@ -13,7 +13,8 @@ from .config import ConfigError, RunConfig
 from .data.sources import source_of
 from .distributed import resolve_device_kind, under_torchrun
 from .errors import DataError
-from .models.loading import CheckpointError, component_weights
+from .errors import CheckpointError
+from .models.folder import component_weights
 from .models.folder import is_pipeline_folder, pipeline_index
 from .models.units import Backbone
 from .pipeline.block_swap import holds_frozen
@@ -71,7 +72,7 @@ def check_before_launch(config: RunConfig) -> Checked:
 
 def _check_frozen_components(config: RunConfig) -> None:
     """The text encoders, image encoder and VAE the processes will load hold .safetensors weights: a pickle-only or
-    empty one is refused here (loading.component_weights' words), as the backbone's weights are, not in a process."""
+    empty one is refused here (models/folder.py component_weights' words), as the backbone's weights are, not in a process."""
     if config.model.text_encoder != "tiny-clip":
         folder = Path(config.model.text_encoder)
         component_weights(folder.parent, folder.name)

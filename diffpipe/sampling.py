@@ -118,7 +118,7 @@ class Generator:
         """Control images placed at the sample size (`placed_controls`), encoded by the VAE; an image-to-video
         model's first frames each followed by grey frames for the clip's length, as the pipeline encodes them."""
         from .data.buckets import pixels_of
-        from .data.first_frames import grey_after
+        from .data.frames import grey_after
         from .models.vae import vae_frame_factor
 
         if self.vae is None:
@@ -203,7 +203,7 @@ def placed_controls(images: list[Path], pixel_size: tuple[int, int]) -> list[Ima
     """Control images placed at `pixel_size` (height, width): resized to cover it, centre-cropped, as a picture in
     its bucket."""
     from .data.buckets import Bucket, place, placed
-    from .data.first_frames import read_first_frame
+    from .data.frames import read_first_frame
 
     height, width = pixel_size
     return [placed(image, place(*image.size, [Bucket(width, height)]))

@@ -21,7 +21,7 @@ def make_dataset(name: str, sample_shape: tuple[int, ...], seed: int, controls: 
                  "moving_digits": lambda: MovingDigits(frames=sample_shape[1])}
     data = factories[name]()
     if name == "moving_digits" and controls:
-        from .first_frames import grey_after
+        from .frames import grey_after
 
         return TensorImages(data.images, data.captions, grey_after(data.images[:, :, 0], data.images.shape[2]))
     return TensorImages(data.images, data.captions, getattr(data, "controls", None))

@@ -5,39 +5,15 @@ A still image in a video dataset is its own first frame (a clip of one frame).
 """
 from __future__ import annotations
 
-import torch
-
 from pathlib import Path
 
-from PIL import Image
-
 from ..config import DataConfig
-from .buckets import Placement, placed, to_pixels
 from .cache import ShardStore
-from .folder import ImageItem, Skipped, read_rgb, scan_folders
+from .folder import Skipped, scan_folders
+from .frames import first_frame_pixels
 from .images import FolderImages, caption_key, data_folders, store_latents
-from .videos import VIDEO_SUFFIXES, read_clip
 
-__all__ = ["first_frame_pixels", "find_first_frames", "first_frame_key", "placed_first_frame", "cache_first_frames", "read_first_frame", "first_clips",
-           "grey_after"]
-
-
-def read_first_frame(path: Path) -> Image.Image:
-    """A video's first frame, or an image itself."""
-    return read_clip(path, 1)[0] if Path(path).suffix.lower() in VIDEO_SUFFIXES else read_rgb(path)
-
-
-def grey_after(first: torch.Tensor, frames: int) -> torch.Tensor:
-    """(..., C, H, W) pixels (or moving digits' pixel latents) of a first frame -> (..., C, frames, H, W): it, then
-    grey (zero) frames."""
-    pixels = first.new_zeros(*first.shape[:-2], frames, *first.shape[-2:])
-    pixels[..., 0, :, :] = first
-    return pixels
-
-
-def first_frame_pixels(item: ImageItem, placement: Placement) -> torch.Tensor:
-    """(3, F, H, W): the clip's first frame as placed, then F - 1 grey frames."""
-    return grey_after(to_pixels(read_first_frame(item.path), placement), max(placement.frames, 1))
+__all__ = ["find_first_frames", "first_frame_key", "cache_first_frames", "first_clips"]
 
 
 def first_clips(data: DataConfig, count: int) -> list[tuple[str, Path]]:
@@ -60,12 +36,6 @@ def find_first_frames(dataset: FolderImages, clip_keys: list[str] | None = None)
     dataset.first_frames = True
     if clip_keys is not None:
         dataset.control_keys = [first_frame_key(key) for key in clip_keys]
-
-
-def placed_first_frame(path: Path, placement: Placement) -> Image.Image:
-    """The clip's (or image's) first frame placed in its bucket: the picture a text encoder that reads pictures is
-    shown."""
-    return placed(read_first_frame(path), placement)
 
 
 def cache_first_frames(dataset: FolderImages, clip_keys: list[str], store: ShardStore, vae, rank, world, barrier,

@@ -298,7 +298,7 @@ class FolderSource(DataSource):
     def build(self, config, backbone, shape, text, device, rank, world, barrier):
         from ..models.loading import CheckpointError
         from ..models.vae import load_vae
-        from .images import prepare_folder_images
+        from .preparation import prepare_folder_images
 
         folder = config.model.pipeline_folder()
         if folder is None:

@@ -1,11 +1,10 @@
 """A local diffusers pipeline folder: model_index.json beside unet/, vae/, text_encoder/, tokenizer/, scheduler/ (and
 for SDXL text_encoder_2/, tokenizer_2/), as `save_pretrained` writes it and the Hub serves it.
 
-The UNet is the trained backbone (loading.py reads its unet/ subfolder); the VAE and the text encoders here are
-loaded frozen, from safetensors files only; the scheduler's config gives the objective (epsilon or v_prediction)
-unless `train.objective` is set. Text encoding follows diffusers' own pipelines: SD 1.x/2.x attend to the last hidden
-states of one CLIP text model; SDXL to the penultimate hidden states of both, concatenated, with the second's pooled
-projection as the pooled text embedding (tested against `encode_prompt` of both pipelines).
+Reading a folder, and nothing more (a leaf of models/: it imports no other module of the package): which files and
+subfolders it has, what its model_index.json and scheduler say, its tokenizers. The backbone is loaded by
+loading.py, the VAE by vae.py, the text encoders by each family's text module; weights are read from safetensors
+files only (`component_weights` refuses pickle-only components unread).
 """
 from __future__ import annotations
 
@@ -13,16 +12,14 @@ import hashlib
 import json
 from pathlib import Path
 
-import torch
-from transformers import CLIPTextModel, CLIPTextModelWithProjection
+from ..errors import CheckpointError
 
-from .loading import CheckpointError, component_weights, load_tokenizer
-from .text import CaptionEncoder
-
-__all__ = ["is_pipeline_folder", "pipeline_index", "expert_boundary", "component_weights", "scheduler_objective",
-           "PipelineText", "fingerprint_files", "caption_tokens", "text_encoder_configs"]
+__all__ = ["is_pipeline_folder", "pipeline_index", "has_component", "expert_boundary", "component_weights",
+           "load_tokenizer", "scheduler_objective", "fingerprint_files", "caption_tokens", "text_encoder_configs",
+           "PICKLE_SUFFIXES"]
 
 _INDEX = "model_index.json"
+PICKLE_SUFFIXES = (".ckpt", ".bin", ".pt", ".pth", ".pkl")
 
 
 def is_pipeline_folder(path: str | Path | None) -> bool:
@@ -34,7 +31,7 @@ def pipeline_index(folder: Path) -> dict:
     return json.loads((folder / _INDEX).read_text())
 
 
-def _has(folder: Path, component: str) -> bool:
+def has_component(folder: Path, component: str) -> bool:
     entry = pipeline_index(folder).get(component)
     return isinstance(entry, list) and entry[0] is not None and (folder / component).is_dir()
 
@@ -43,7 +40,7 @@ def expert_boundary(folder: Path) -> float | None:
     """A two-expert pipeline's switch (Wan 2.2: model_index.json's boundary_ratio, with transformer_2/ beside
     transformer/): `transformer` denoises t >= it, `transformer_2` below; None for a one-backbone pipeline."""
     ratio = pipeline_index(folder).get("boundary_ratio")
-    return float(ratio) if ratio is not None and _has(folder, "transformer_2") else None
+    return float(ratio) if ratio is not None and has_component(folder, "transformer_2") else None
 
 
 def dynamic_shift(folder: Path) -> tuple[int, int, float, float] | None:
@@ -102,59 +99,31 @@ def fingerprint_files(paths: list[Path], extra: str = "") -> str:
     return digest.hexdigest()
 
 
-class PipelineText(CaptionEncoder):
-    """The text encoders of an SD (one) or SDXL (two) pipeline folder, encoding as diffusers' pipelines do."""
+def component_weights(folder: Path, component: str) -> list[Path]:
+    """The .safetensors files of a component subfolder; pickle-only components are refused unread."""
+    sub = folder / component
+    if not sub.is_dir():
+        raise CheckpointError(f"model.path={folder}: the pipeline folder has no {component}/ subfolder")
+    files = sorted(sub.glob("*.safetensors"))
+    if files:
+        plain = [f for f in files if ".fp16." not in f.name]  # a Hub 'variant' beside the full-precision files
+        return plain or files
+    pickles = sorted(p.name for p in sub.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(f"{sub}: only pickle weight files ({', '.join(pickles)}), which can run code when loaded; "
+                              "diffpipe reads only .safetensors: convert them with a trusted tool, or download the "
+                              "safetensors files of the model")
+    raise CheckpointError(f"{sub} holds no .safetensors weights")
 
-    def __init__(self, tokenizers: list, models: list[torch.nn.Module], folder: Path | None = None):
-        super().__init__()
-        self.tokenizers = tokenizers
-        self.models = [m.eval().requires_grad_(False) for m in models]
-        self.folder = folder
-        self.max_length = tokenizers[0].model_max_length
-        self.penultimate = len(models) > 1  # SDXL attends to the penultimate layer of each
 
-    @classmethod
-    def from_folder(cls, folder: Path) -> "PipelineText":
-        tokenizers, models = [], []
-        for suffix in ("", "_2"):
-            if suffix and not _has(folder, f"text_encoder{suffix}"):
-                break
-            component_weights(folder, f"text_encoder{suffix}")
-            tokenizers.append(load_tokenizer(folder, f"tokenizer{suffix}"))
-            model_class = CLIPTextModelWithProjection if suffix else CLIPTextModel
-            models.append(model_class.from_pretrained(folder, subfolder=f"text_encoder{suffix}", use_safetensors=True,
-                                                      local_files_only=True))
-        return cls(tokenizers, models, folder)
+def load_tokenizer(folder: Path, subfolder: str):
+    """A pipeline folder's tokenizer: a missing or empty subfolder is named (transformers would fall back to
+    another tokenizer class and ask to install sentencepiece)."""
+    from transformers import AutoTokenizer
 
-    def fingerprint(self) -> str:
-        """Of the weights and tokenizers: a text cache keyed by it is invalid once any of them changes."""
-        if self.folder is None:
-            raise ValueError("a PipelineText built from objects has no files to fingerprint")
-        suffixes = [""] + (["_2"] if len(self.models) > 1 else [])
-        files = [f for s in suffixes for f in component_weights(self.folder, f"text_encoder{s}")]
-        files += [f for s in suffixes for f in sorted((self.folder / f"tokenizer{s}").iterdir()) if f.is_file()]
-        return fingerprint_files(files, extra=f"penultimate={self.penultimate}")
-
-    def modules(self) -> list[torch.nn.Module]:
-        return self.models
-
-    @property
-    def hidden_size(self) -> int:
-        return sum(m.config.hidden_size for m in self.models)
-
-    @property
-    def pooled_size(self) -> int:
-        last = self.models[-1]
-        return last.config.projection_dim if self.penultimate else 0
-
-    @torch.no_grad()
-    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, pooled = [], torch.zeros(len(captions), 0, device=self.device)
-        for tokenizer, model in zip(self.tokenizers, self.models):
-            ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                            return_tensors="pt").input_ids.to(self.device)
-            out = model(ids, output_hidden_states=self.penultimate)
-            hidden.append(out.hidden_states[-2] if self.penultimate else out.last_hidden_state)
-        if self.penultimate:  # the second (last) encoder's pooled projection
-            pooled = out.text_embeds
-        return torch.cat(hidden, dim=-1), pooled
+    sub = Path(folder) / subfolder
+    if not sub.is_dir() or not any(sub.iterdir()):
+        raise CheckpointError(f"model.path={folder}: the pipeline folder has no {subfolder}/ (or it is empty), which "
+                              f"its text_encoder{subfolder.removeprefix('tokenizer')}/ needs; copy it from the model's "
+                              "release")
+    return AutoTokenizer.from_pretrained(folder, subfolder=subfolder, local_files_only=True)

@@ -27,8 +27,8 @@ from PIL import Image
 from transformers import (CLIPTextModel, CLIPTextModelWithProjection, Qwen2_5_VLForConditionalGeneration, T5EncoderModel,
                           UMT5EncoderModel)
 
-from .loading import CheckpointError, load_tokenizer
-from .folder import component_weights, fingerprint_files, text_encoder_configs
+from ..errors import CheckpointError
+from .folder import component_weights, fingerprint_files, load_tokenizer, text_encoder_configs
 from .text import CaptionEncoder, caption_and_picture
 
 __all__ = ["FluxText", "SD3Text", "WanText", "ChromaText", "QwenImageText", "QwenImageEditText", "as_the_pipeline_sizes",
@@ -62,7 +62,7 @@ EDIT_PICTURE_AREA = 1024 * 1024  # QwenImageEditPipeline sizes its input to abou
 EDIT_PLUS_PICTURE_AREA = 384 * 384  # QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE
 
 
-def _load(folder: Path, index: str, model_class) -> tuple:
+def load_text_encoder(folder: Path, index: str, model_class) -> tuple:
     suffix = "" if index == "1" else f"_{index}"
     if not (folder / f"text_encoder{suffix}").is_dir():
         raise CheckpointError(f"model.path={folder}: the pipeline folder has no text_encoder{suffix}/ subfolder")
@@ -78,7 +78,7 @@ def _ids(tokenizer, captions: list[str], length: int, device) -> torch.Tensor:
                      return_tensors="pt").input_ids.to(device)
 
 
-class _FolderText(CaptionEncoder):
+class FolderText(CaptionEncoder):
     """Text encoders loaded from a pipeline folder's text_encoder*/ and tokenizer*/ subfolders."""
 
     suffixes: tuple[str, ...]
@@ -97,13 +97,13 @@ class _FolderText(CaptionEncoder):
         return self.models
 
 
-class FluxText(_FolderText):
+class FluxText(FolderText):
     suffixes = ("", "_2")
     max_length = FLUX_T5_TOKENS
 
     @classmethod
     def from_folder(cls, folder: Path) -> "FluxText":
-        (clip_tok, clip), (t5_tok, t5) = _load(folder, "1", CLIPTextModel), _load(folder, "2", T5EncoderModel)
+        (clip_tok, clip), (t5_tok, t5) = load_text_encoder(folder, "1", CLIPTextModel), load_text_encoder(folder, "2", T5EncoderModel)
         return cls([clip_tok, t5_tok], [clip, t5], folder)
 
     @property
@@ -123,14 +123,14 @@ class FluxText(_FolderText):
         return hidden, pooled
 
 
-class SD3Text(_FolderText):
+class SD3Text(FolderText):
     suffixes = ("", "_2", "_3")
     max_length = _CLIP_TOKENS + SD3_T5_TOKENS
 
     @classmethod
     def from_folder(cls, folder: Path) -> "SD3Text":
-        loaded = [_load(folder, "1", CLIPTextModelWithProjection), _load(folder, "2", CLIPTextModelWithProjection),
-                  _load(folder, "3", T5EncoderModel)]
+        loaded = [load_text_encoder(folder, "1", CLIPTextModelWithProjection), load_text_encoder(folder, "2", CLIPTextModelWithProjection),
+                  load_text_encoder(folder, "3", T5EncoderModel)]
         return cls([t for t, _ in loaded], [m for _, m in loaded], folder)
 
     @property
@@ -154,7 +154,7 @@ class SD3Text(_FolderText):
         return torch.cat([clip, t5], dim=-2), torch.cat(pooled, dim=-1)
 
 
-class _OneT5(_FolderText):
+class _OneT5(FolderText):
     """A T5 encoder alone (text_encoder/, tokenizer/): its states, no pooled text."""
 
     suffixes = ("",)
@@ -162,7 +162,7 @@ class _OneT5(_FolderText):
 
     @classmethod
     def from_folder(cls, folder: Path) -> "_OneT5":
-        tokenizer, model = _load(folder, "1", cls.model_class)
+        tokenizer, model = load_text_encoder(folder, "1", cls.model_class)
         return cls([tokenizer], [model], folder)
 
     @property
@@ -205,13 +205,13 @@ class ChromaText(_OneT5):
         return hidden * kept.unsqueeze(-1).to(hidden.dtype), torch.zeros(len(captions), 0, device=self.device)
 
 
-class QwenImageText(_FolderText):
+class QwenImageText(FolderText):
     suffixes = ("",)
     max_length = 512  # QwenImagePipeline.__call__'s max_sequence_length (models/families/qwen_image/qwen_image.py QWEN_TEXT_TOKENS)
 
     @classmethod
     def from_folder(cls, folder: Path) -> "QwenImageText":
-        tokenizer, model = _load(folder, "1", Qwen2_5_VLForConditionalGeneration)
+        tokenizer, model = load_text_encoder(folder, "1", Qwen2_5_VLForConditionalGeneration)
         return cls([tokenizer], [model], folder)
 
     @property
@@ -271,7 +271,7 @@ class QwenImageEditText(QwenImageText):
     def from_folder(cls, folder: Path) -> "QwenImageEditText":
         from transformers import AutoImageProcessor
 
-        _, model = _load(folder, "1", Qwen2_5_VLForConditionalGeneration)
+        _, model = load_text_encoder(folder, "1", Qwen2_5_VLForConditionalGeneration)
         if not (folder / "processor" / "preprocessor_config.json").is_file():
             raise CheckpointError(f"model.path={folder}: a Qwen-Image-Edit folder has processor/ (Qwen2VLProcessor: its "
                                   "preprocessor_config.json and tokenizer), which reads the control picture; copy it "

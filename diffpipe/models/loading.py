@@ -14,9 +14,10 @@ import torch
 from ..config import ModelConfig
 from .family import ModelFamily
 from ..errors import CheckpointError
+from .folder import PICKLE_SUFFIXES
 from .weight_files import INDEX_SUFFIX, weight_shapes
 
-__all__ = ["CheckpointError", "backbone_component", "PICKLE_SUFFIXES", "component_weights", "load_tokenizer", "build_model", "model_kwargs", "check_checkpoint", "weights_file",
+__all__ = ["CheckpointError", "backbone_component", "build_model", "model_kwargs", "check_checkpoint", "weights_file",
            "checked_weights"]
 
 
@@ -68,7 +69,6 @@ def model_kwargs(cfg: ModelConfig, family: ModelFamily) -> dict:
     return dict(family.presets[cfg.preset])
 
 
-PICKLE_SUFFIXES = (".ckpt", ".bin", ".pt", ".pth", ".pkl")
 
 
 def weights_file(path: Path, component: str = "unet") -> Path:
@@ -171,33 +171,3 @@ def checked_weights(model: torch.nn.Module, cfg: ModelConfig, family: ModelFamil
                                   "model.config describe the same model") from None
     check_checkpoint(model, path)
     return path
-
-
-def component_weights(folder: Path, component: str) -> list[Path]:
-    """The .safetensors files of a component subfolder; pickle-only components are refused unread."""
-    sub = folder / component
-    if not sub.is_dir():
-        raise CheckpointError(f"model.path={folder}: the pipeline folder has no {component}/ subfolder")
-    files = sorted(sub.glob("*.safetensors"))
-    if files:
-        plain = [f for f in files if ".fp16." not in f.name]  # a Hub 'variant' beside the full-precision files
-        return plain or files
-    pickles = sorted(p.name for p in sub.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise CheckpointError(f"{sub}: only pickle weight files ({', '.join(pickles)}), which can run code when loaded; "
-                              "diffpipe reads only .safetensors: convert them with a trusted tool, or download the "
-                              "safetensors files of the model")
-    raise CheckpointError(f"{sub} holds no .safetensors weights")
-
-
-def load_tokenizer(folder: Path, subfolder: str):
-    """A pipeline folder's tokenizer: a missing or empty subfolder is named (transformers would fall back to
-    another tokenizer class and ask to install sentencepiece)."""
-    from transformers import AutoTokenizer
-
-    sub = Path(folder) / subfolder
-    if not sub.is_dir() or not any(sub.iterdir()):
-        raise CheckpointError(f"model.path={folder}: the pipeline folder has no {subfolder}/ (or it is empty), which "
-                              f"its text_encoder{subfolder.removeprefix('tokenizer')}/ needs; copy it from the model's "
-                              "release")
-    return AutoTokenizer.from_pretrained(folder, subfolder=subfolder, local_files_only=True)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .storage import ScaledProduct, StoredLinear, compute_dtype
+from .stored_linear import ScaledProduct, StoredLinear, compute_dtype
 
 __all__ = ["Int8Linear", "Nf4Linear", "NF4_BLOCK", "NF4_HALF_GAP", "nf4_quantise", "nf4_dequantise"]
 

@@ -21,7 +21,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast
 
-from .loading import component_weights
+from .folder import component_weights
 
 __all__ = ["CaptionEncoder", "TextEncoder", "TINY_VOCABULARY", "filled_lengths_of", "caption_and_picture"]
 

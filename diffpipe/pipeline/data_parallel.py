@@ -8,15 +8,13 @@ averaged over the replicas, the whole weights gathered from the first forward to
 A stage alone (pipeline.stages = 1) runs its micro-batches in a loop (runtime.PipelineRunner._accumulate), which
 `before_backward` sets up. Replicated, it is wrapped by torch's DDP engine instead (composable `replicate` of
 torch.distributed._composable, torchtitan's `apply_ddp`): its parameters stay plain tensors and the last micro-
-batch's backward all-reduces the gradients in 25 MB buckets as they are made. (FSDP2's replicate ran the SDXL UNet
-at 0.875x DDP on two H200s, 26.47 against 30.24 samples/s; under torch.profiler its GPU sat idle 0.81 s of a 2.82 s
-step against DDP's 0.49 s, its collectives taking only 35 ms: the host was behind, the longest waits before the
-optimizer step and after the gradient norm, which run on DTensors. On this engine: 0.993x and 1.016x DDP in two
-rounds of one call; bench/profile_dp.py, docs/benchmarks.md. torch's schedules cannot drive DDP across steps:
-docs/pipelining-facts.md.) Sharded, each unit's whole weights exist only while it computes (gathered for its forward
-and again for its backward) and every micro-batch's gradients are reduced into the replica's part at once, so a
-replica holds its part of the model and one or two units whole, as ZeRO-3 does: a model too large for one GPU
-trains on several without a pipeline, for three collectives a micro-batch instead of two a step.
+batch's backward all-reduces the gradients in 25 MB buckets as they are made (FSDP2's replicate ran the SDXL UNet
+well below DDP, its host behind the device; this engine runs at DDP's speed: docs/benchmarks.md, "Several GPUs";
+torch's schedules cannot drive DDP across steps: docs/pipelining-facts.md). Sharded, each unit's whole weights
+exist only while it computes (gathered for its forward and again for its backward) and every micro-batch's
+gradients are reduced into the replica's part at once, so a replica holds its part of the model and one or two
+units whole, as ZeRO-3 does: a model too large for one GPU trains on several without a pipeline, for three
+collectives a micro-batch instead of two a step.
 
 With FSDP2 each parameter becomes a DTensor over the replicas' mesh; `full` gives the whole tensor (a collective
 over the replicas when sharded: every replica must call it, in the same order) and `local` this process's part;

@@ -16,8 +16,9 @@ from diffpipe.data.batches import BatchMaker
 from diffpipe.data.buckets import to_pixels
 from diffpipe.data.cache import ShardStore, fill_store
 from diffpipe.data.folder import read_rgb
-from diffpipe.data.images import cache_folder, prepare_folder_images
-from diffpipe.models.folder import PipelineText
+from diffpipe.data.images import cache_folder
+from diffpipe.data.preparation import prepare_folder_images
+from diffpipe.models.families.unet.text import PipelineText
 from diffpipe.models.vae import encode_latents, load_vae
 
 

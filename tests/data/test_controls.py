@@ -15,7 +15,7 @@ from PIL import Image
 from diffpipe.config_files import build_config
 from diffpipe.data.buckets import place, to_pixels
 from diffpipe.data.folder import read_rgb
-from diffpipe.data.images import prepare_folder_images
+from diffpipe.data.preparation import prepare_folder_images
 from diffpipe.errors import DataError
 from diffpipe.models.folder_text import FluxText
 from diffpipe.models.vae import encode_latents, load_vae

@@ -15,7 +15,8 @@ from PIL import Image
 
 from diffpipe.config_files import build_config
 from diffpipe.data.folder import read_rgb
-from diffpipe.data.images import _find_masks, read_pixels
+from diffpipe.data.images import read_pixels
+from diffpipe.data.preparation import _find_masks
 from diffpipe.errors import DataError
 
 from ..helpers import run_command

@@ -99,7 +99,7 @@ def test_an_image_vae_encodes_a_clip_frame_by_frame():
 
 def _dataset(tiny_video, clips, vae, **data):
     from diffpipe.config_files import build_config
-    from diffpipe.data.images import prepare_folder_images
+    from diffpipe.data.preparation import prepare_folder_images
     from diffpipe.models.folder_text import WanText
 
     config = build_config({"model": {"path": str(tiny_video / "wan")},

@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 from diffpipe.cli import main
 from diffpipe.config_files import build_config
 from diffpipe.data.batches import BatchMaker
-from diffpipe.data.images import prepare_folder_images
+from diffpipe.data.preparation import prepare_folder_images
 from diffpipe.models.folder_text import FluxText
 from diffpipe.models.family import Feed
-from diffpipe.models.families.flux.flux import pack_latents
+from diffpipe.models.tokens import pack_latents
 from diffpipe.models.families.flux.kontext import FluxKontextFamily
 from diffpipe.models.vae import load_vae
 

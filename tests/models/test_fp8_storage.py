@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffpipe.models.storage import Fp8Linear, FrozenStorage, dequantise, quantise
+from diffpipe.models.storage import FrozenStorage
+from diffpipe.models.stored_linear import Fp8Linear, dequantise, quantise
 
 
 def _frozen_linear(seed: int = 0) -> tuple[nn.Linear, nn.Linear]:

@@ -14,7 +14,8 @@ from diffpipe.build import build_backbone, build_text_encoder, example_inputs, s
 from diffpipe.config import ConfigError
 from diffpipe.config_files import build_config
 from diffpipe.models.loading import CheckpointError
-from diffpipe.models.folder import PipelineText, scheduler_objective
+from diffpipe.models.folder import scheduler_objective
+from diffpipe.models.families.unet.text import PipelineText
 from diffpipe.models.vae import load_vae, vae_scale_factor
 
 CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]

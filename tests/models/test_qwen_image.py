@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from diffpipe.cli import main
 from diffpipe.models.folder_text import QwenImageText
 from diffpipe.models.family import Feed
-from diffpipe.models.families.qwen_image.qwen_image import QwenImageFamily, text_mask
+from diffpipe.models.families.qwen_image.qwen_image import QwenImageFamily
+from diffpipe.models.tokens import text_mask
 
 from ..helpers import (check_diffusers_lora, photos_with_long_captions, predicted_with_padded_text,
                        run_command, trains_alike_on_one_and_two_stages)

@@ -25,7 +25,7 @@ from diffpipe.config_files import build_config
 from diffpipe.data.batches import BatchMaker
 from diffpipe.data.buckets import placed
 from diffpipe.data.folder import read_rgb
-from diffpipe.data.images import prepare_folder_images
+from diffpipe.data.preparation import prepare_folder_images
 from diffpipe.models.folder_text import QwenImageEditText
 from diffpipe.models.family import Feed
 from diffpipe.models.families.qwen_image.edit import QwenImageEditFamily, picture_tokens

@@ -16,7 +16,7 @@ from diffusers import WanImageToVideoPipeline
 from diffpipe.cli import main
 from diffpipe.config_files import build_config
 from diffpipe.data.buckets import Bucket, place, to_pixels
-from diffpipe.data.first_frames import first_frame_pixels
+from diffpipe.data.frames import first_frame_pixels
 from diffpipe.data.folder import ImageItem
 from diffpipe.data.videos import read_clip
 from diffpipe.models.family import Feed

@@ -18,7 +18,7 @@ from PIL import Image
 
 from diffpipe.config_files import build_config
 from diffpipe.data.buckets import Bucket, place
-from diffpipe.data.first_frames import first_frame_pixels
+from diffpipe.data.frames import first_frame_pixels
 from diffpipe.data.folder import ImageItem
 from diffpipe.errors import ConfigError
 from diffpipe.models.family import Feed

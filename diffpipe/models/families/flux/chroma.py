@@ -10,7 +10,7 @@ image's tokens joined, as Chroma's forward joins them once before its single blo
 of it, as the model's forward slices them), and `rope` (as Flux's). The attention mask is a condition every stage gets.
 
 Text: T5's states of the caption (ChromaPipeline reads T5 with its attention mask, and masks in the transformer all of
-T5's padding but its first position). A batch's text is cut to the smallest of Qwen-Image's `TEXT_LENGTHS` that
+T5's padding but its first position). A batch's text is cut to the smallest of `TEXT_LENGTHS` (models/tokens.py) that
 holds its longest caption (and that first pad); attention is masked where a caption is shorter. The text's position
 ids are all zero, so a cut moves no position: attention over the cut text is the pipeline's over its 512 positions
 with the padding masked (a test checks it). The mask is boolean, as the model was trained with it: the ChromaPipeline
@@ -30,7 +30,7 @@ from torch import nn
 from ...family import TextBatch
 from .flux import FluxFamily, image_ids
 from .release_layout import CHROMA
-from ..qwen_image.qwen_image import mask_or_none, text_mask
+from ...tokens import mask_or_none, text_mask
 from ...units import Backbone, Unit
 
 __all__ = ["ChromaFamily", "chroma_backbone", "CHROMA_PRESETS", "modulation_rows"]

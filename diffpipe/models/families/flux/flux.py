@@ -21,9 +21,10 @@ from torch import nn
 
 from ...family import ModelFamily, TextBatch
 from .release_layout import BFL
+from ...tokens import pack_latents, unpack_latents
 from ...units import Backbone, Unit
 
-__all__ = ["FluxFamily", "flux_backbone", "FLUX_PRESETS", "pack_latents", "unpack_latents", "image_ids"]
+__all__ = ["FluxFamily", "flux_backbone", "FLUX_PRESETS", "image_ids"]
 
 _DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
             num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
@@ -38,20 +39,6 @@ FLUX_PRESETS = {
 }
 
 
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, H/2 * W/2, 4C), as FluxPipeline._pack_latents."""
-    b, c, h, w = latents.shape
-    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(tokens: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
-    """The inverse of `pack_latents`, as FluxPipeline._unpack_latents."""
-    (b, _, channels), (h, w) = tokens.shape, latent_size
-    tokens = tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return tokens.reshape(b, channels // 4, h, w)
-
-
 def image_ids(latent_size: tuple[int, int], device=None) -> torch.Tensor:
     """(H/2 * W/2, 3) position ids of the packed tokens: (0, row, column), as FluxPipeline._prepare_latent_image_ids."""
     h, w = latent_size[0] // 2, latent_size[1] // 2
@@ -61,7 +48,7 @@ def image_ids(latent_size: tuple[int, int], device=None) -> torch.Tensor:
     return ids.reshape(h * w, 3)
 
 
-class _Embed(nn.Module):
+class FluxEmbed(nn.Module):
     def __init__(self, model: FluxTransformer2DModel):
         super().__init__()
         self.x_embedder, self.context_embedder = model.x_embedder, model.context_embedder
@@ -93,7 +80,7 @@ class _Block(nn.Module):
         return {"h": h, "context": context}
 
 
-class _Out(nn.Module):
+class FluxOut(nn.Module):
     def __init__(self, model: FluxTransformer2DModel):
         super().__init__()
         self.norm_out, self.proj_out = model.norm_out, model.proj_out
@@ -107,11 +94,11 @@ def flux_backbone(model: FluxTransformer2DModel) -> Backbone:
     if model.config.guidance_embeds:
         conditions += ("guidance",)
     streams = ("h", "context", "temb", "rope")
-    units = [Unit("embed", _Embed(model), ("sample",) + conditions, streams)]
+    units = [Unit("embed", FluxEmbed(model), ("sample",) + conditions, streams)]
     units += [Unit(f"double.{i}", _Block(b), streams, ("h", "context")) for i, b in enumerate(model.transformer_blocks)]
     units += [Unit(f"single.{i}", _Block(b), streams, ("h", "context"))
               for i, b in enumerate(model.single_transformer_blocks)]
-    units.append(Unit("out", _Out(model), ("h", "temb"), ("prediction",)))
+    units.append(Unit("out", FluxOut(model), ("h", "temb"), ("prediction",)))
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 

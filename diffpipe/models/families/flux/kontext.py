@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from ...family import TextBatch
-from .flux import FluxFamily, _Embed, _Out, flux_backbone, image_ids, pack_latents
+from .flux import FluxEmbed, FluxFamily, FluxOut, flux_backbone, image_ids
+from ...tokens import pack_latents
 from ...units import Backbone, Unit
 
 __all__ = ["FluxKontextFamily", "reference_ids"]
@@ -28,7 +29,7 @@ def reference_ids(latent_size: tuple[int, int], device=None) -> torch.Tensor:
     return ids
 
 
-class _KontextEmbed(_Embed):
+class _KontextEmbed(FluxEmbed):
     def forward(self, sample, reference, timestep, pooled_projections, encoder_hidden_states, img_ids, reference_ids,
                 txt_ids, guidance=None):
         joined = torch.cat((img_ids, reference_ids), dim=1)
@@ -36,7 +37,7 @@ class _KontextEmbed(_Embed):
                                encoder_hidden_states, joined, txt_ids, guidance)
 
 
-class _KontextOut(_Out):
+class _KontextOut(FluxOut):
     def forward(self, h, temb, reference):
         return super().forward(h[:, :h.shape[1] - reference.shape[1]], temb)
 

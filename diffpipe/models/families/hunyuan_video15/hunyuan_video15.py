@@ -11,8 +11,8 @@ What the pipeline feeds and how it is kept the same:
 - The transformer reads 2 x latent channels + 1: the noisy latents, then (text-to-video) zero condition latents and a
   zero mask, as `HunyuanVideo15Pipeline.prepare_cond_latents_and_mask`; `embed` joins the zeros, so the first stage
   is fed the latents alone.
-- Text: a caption's Qwen states and its ByT5 states side by side along the width (hunyuan_text.HunyuanVideo15Text), zero
-  past each one's tokens; a batch is cut to the smallest of `TEXT_LENGTHS` holding its longest (qwen_image.text_mask),
+- Text: a caption's Qwen states and its ByT5 states side by side along the width (text.py's HunyuanVideo15Text), zero
+  past each one's tokens; a batch is cut to the smallest of `TEXT_LENGTHS` holding its longest (models/tokens.py's text_mask),
   and each stream's mask read off its zeros on the device (no wait).
 - The model's forward gathers each sample's valid tokens first (image, ByT5, Qwen) and zeroes the rest; the image's
   are all invalid in text-to-video (zero `image_embeds`), so `embed` leaves them out. Attention is over the video's
@@ -36,15 +36,14 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVid
 from torch import nn
 
 from ...family import ModelFamily, TextBatch
-from ..qwen_image.qwen_image import mask_or_none, reset_rms_norm, text_mask
+from ...tokens import mask_or_none, reset_rms_norm, text_mask
 from ...text import filled_lengths_of
+from .text import BYT5_TOKENS, QWEN_TOKENS, HunyuanVideo15Text
 from ...units import Backbone, Unit
 
 __all__ = ["HunyuanVideo15Family", "hunyuan_video15_backbone", "HUNYUAN_VIDEO15_PRESETS", "TEXT_LENGTHS",
            "QWEN_TOKENS", "BYT5_TOKENS"]
 
-QWEN_TOKENS = 1000  # HunyuanVideo15Pipeline's tokenizer_max_length (after the template's 108 tokens)
-BYT5_TOKENS = 256  # its tokenizer_2_max_length
 TEXT_LENGTHS = (32, 64, 128, 256, 512, QWEN_TOKENS)  # a batch's text is cut to the smallest that holds it
 
 HUNYUAN_VIDEO15_PRESETS = {
@@ -200,7 +199,7 @@ def hunyuan_video15_backbone(model: HunyuanVideo15Transformer3DModel) -> Backbon
 
 
 class HunyuanVideo15Family(ModelFamily):
-    """HunyuanVideo 1.5 text-to-video: Qwen2.5-VL's and ByT5's states (hunyuan_text.HunyuanVideo15Text), its own video
+    """HunyuanVideo 1.5 text-to-video: Qwen2.5-VL's and ByT5's states (text.py's HunyuanVideo15Text), its own video
     VAE (32 channels, 16x smaller sides, a latent frame per 4 video frames, latents x scaling_factor); flow matching.
     Latents are clips (B, C, F, H, W)."""
 
@@ -209,7 +208,7 @@ class HunyuanVideo15Family(ModelFamily):
     component = "transformer"
     presets = HUNYUAN_VIDEO15_PRESETS
     pipelines = ("HunyuanVideo15Pipeline",)
-    reads_text_lengths = True  # a batch's text is cut to its captions (qwen_image.text_mask)
+    reads_text_lengths = True  # a batch's text is cut to its captions (models/tokens.py's text_mask)
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     def diffusers_lora_pipeline(self, cfg):
@@ -296,8 +295,6 @@ class HunyuanVideo15Family(ModelFamily):
         return reset_rms_norm(module)
 
     def folder_text_encoder(self, folder):
-        from .text import HunyuanVideo15Text
-
         return HunyuanVideo15Text.from_folder(folder)
 
     def folder_text_widths(self, folder):

@@ -14,19 +14,21 @@ from pathlib import Path
 import torch
 from transformers import Qwen2_5_VLTextModel, T5EncoderModel
 
-from ...folder_text import _FolderText, _load
-from .hunyuan_video15 import BYT5_TOKENS, QWEN_TOKENS
+from ...folder_text import FolderText, load_text_encoder
 
-__all__ = ["HunyuanVideo15Text"]
+__all__ = ["HunyuanVideo15Text", "QWEN_TOKENS", "BYT5_TOKENS"]
+
+QWEN_TOKENS = 1000  # HunyuanVideo15Pipeline's tokenizer_max_length (after the template's 108 tokens)
+BYT5_TOKENS = 256  # its tokenizer_2_max_length
 
 
-class HunyuanVideo15Text(_FolderText):
+class HunyuanVideo15Text(FolderText):
     suffixes = ("", "_2")
     max_length = QWEN_TOKENS
 
     @classmethod
     def from_folder(cls, folder: Path) -> "HunyuanVideo15Text":
-        (qwen_tok, qwen), (byt5_tok, byt5) = _load(folder, "1", Qwen2_5_VLTextModel), _load(folder, "2", T5EncoderModel)
+        (qwen_tok, qwen), (byt5_tok, byt5) = load_text_encoder(folder, "1", Qwen2_5_VLTextModel), load_text_encoder(folder, "2", T5EncoderModel)
         return cls([qwen_tok, byt5_tok], [qwen, byt5], folder)
 
     @property

@@ -24,8 +24,8 @@ from torch import nn
 
 from ...folder_text import EDIT_PICTURE_AREA, EDIT_PLUS_PICTURE_AREA, reads_pictures_as_plus
 from ...family import TextBatch
-from ..flux.flux import pack_latents
-from .qwen_image import QWEN_TEXT_TOKENS, QwenImageFamily, _Block, _Embed, mask_or_none, _Out, _rope_table, text_mask
+from ...tokens import mask_or_none, pack_latents, text_mask
+from .qwen_image import QWEN_TEXT_TOKENS, QwenBlock, QwenEmbed, QwenImageFamily, QwenOut, rope_table
 from ...units import Backbone, Unit
 
 __all__ = ["QwenImageEditFamily", "EDIT_TEXT_LENGTHS", "picture_tokens"]
@@ -54,14 +54,14 @@ def rotary_embedding(cfg, grid: tuple[int, int], reference_grid: tuple[int, int]
     as the model's `pos_embed([(1, rows, columns), (1, control rows, control columns)], max_txt_seq_len=length)`
     gives them; without a control, no control rows."""
     shapes = [(1, *grid)] + ([(1, *reference_grid)] if reference_grid else [])
-    images, text = _rope_table(tuple(cfg.axes_dims_rope))([shapes], device=device, max_txt_seq_len=text_length)
+    images, text = rope_table(tuple(cfg.axes_dims_rope))([shapes], device=device, max_txt_seq_len=text_length)
     picture = images[:grid[0] * grid[1]].reshape(*grid, -1)
     reference = (images[grid[0] * grid[1]:].reshape(*reference_grid, -1) if reference_grid
                  else images.new_zeros(0, 0, images.shape[-1]))
     return picture, reference, text
 
 
-class _EditEmbed(_Embed):
+class _EditEmbed(QwenEmbed):
     """With zero_cond_t (Qwen-Image-Edit-2511) `temb` is the timestep's embedding and, after it along the batch, time
     zero's, which the control's tokens are modulated by (the model's own `torch.cat([timestep, timestep * 0])`)."""
 
@@ -79,7 +79,7 @@ class _EditEmbed(_Embed):
                 "temb": self.time_text_embed(torch.cat((t, t * 0)), h)}
 
 
-class _EditBlock(_Block):
+class _EditBlock(QwenBlock):
     def forward(self, h, context, temb, encoder_hidden_states_mask, image_rotary, reference_rotary, text_rotary,
                 modulate_index):
         images = torch.cat((image_rotary[0].flatten(0, 1), reference_rotary[0].flatten(0, 1)))
@@ -89,7 +89,7 @@ class _EditBlock(_Block):
         return {"h": h, "context": context}
 
 
-class _EditOut(_Out):
+class _EditOut(QwenOut):
     def forward(self, h, temb, reference):
         if h.shape[0] != temb.shape[0]:  # zero_cond_t: the timestep's embedding, then time zero's
             temb = temb.chunk(2)[0]

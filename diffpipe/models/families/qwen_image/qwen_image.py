@@ -22,20 +22,16 @@ from functools import lru_cache
 
 import torch
 from diffusers import QwenImageTransformer2DModel
-from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 from torch import nn
 
 from ...family import ModelFamily, ReleaseLayout, TextBatch, unprefixed
-from ..flux.flux import pack_latents, unpack_latents
-from ...text import filled_lengths_of
+from ...tokens import mask_or_none, pack_latents, reset_rms_norm, text_mask, unpack_latents
 from ...units import Backbone, Unit
 
-__all__ = ["QwenImageFamily", "qwen_image_backbone", "QWEN_IMAGE_PRESETS", "TEXT_LENGTHS", "QWEN_TEXT_TOKENS",
-           "reset_rms_norm", "mask_or_none"]
+__all__ = ["QwenImageFamily", "qwen_image_backbone", "QWEN_IMAGE_PRESETS", "QWEN_TEXT_TOKENS"]
 
 QWEN_TEXT_TOKENS = 512  # QwenImagePipeline.__call__'s max_sequence_length
-TEXT_LENGTHS = (32, 64, 128, 256, QWEN_TEXT_TOKENS)  # a batch's text is cut to the smallest that holds it
 
 QWEN_IMAGE_PRESETS = {
     # Qwen/Qwen-Image's transformer/config.json: 20.4 B parameters
@@ -57,7 +53,7 @@ QWEN = ReleaseLayout(
 
 
 @lru_cache(maxsize=4)
-def _rope_table(axes_dims: tuple[int, ...]) -> QwenEmbedRope:
+def rope_table(axes_dims: tuple[int, ...]) -> QwenEmbedRope:
     """The model's rotary table (fixed by its config; its constructor computes it, so a meta-built model has none)."""
     with torch.device("cpu"):
         return QwenEmbedRope(theta=10000, axes_dim=list(axes_dims), scale_rope=True)
@@ -66,49 +62,11 @@ def _rope_table(axes_dims: tuple[int, ...]) -> QwenEmbedRope:
 def rotary_embedding(cfg, grid: tuple[int, int], text_length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(image (rows, columns, head dim / 2), text (length, head dim / 2)) complex rotations, as the model's
     `pos_embed([(1, rows, columns)], max_txt_seq_len=length)` gives them, the image's laid out on its grid."""
-    image, text = _rope_table(tuple(cfg.axes_dims_rope))([(1, *grid)], device=device, max_txt_seq_len=text_length)
+    image, text = rope_table(tuple(cfg.axes_dims_rope))([(1, *grid)], device=device, max_txt_seq_len=text_length)
     return image.reshape(*grid, -1), text
 
 
-def text_mask(hidden: torch.Tensor, filled: list[int] | None = None,
-              lengths: tuple[int, ...] = TEXT_LENGTHS) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's text cut (or zero-padded) to the smallest of `lengths` holding its longest caption, and its mask
-    (True where a caption's encoder filled the position; empty (B, 0) where every position is filled). `filled`: each caption's
-    positions up to its last filled one, known on the host (CaptionEncoder.filled_lengths), so the cut needs no
-    wait for the device; read off `hidden` where not given. Text with no filled position at all (the zeros a plan
-    traces; never a caption's: Qwen's template leaves tokens even of an empty one) keeps its length, the longest a
-    caption may be, unmasked: a plan counts attention as the fused kernel runs it, masked or not, and not the
-    probability matrix the unfused one would keep for a mask."""
-    if filled is None:
-        filled = filled_lengths_of(hidden)
-    if not any(filled):
-        filled = [hidden.shape[1]] * len(filled)
-    longest = max(filled)
-    length = next((n for n in lengths if n >= longest), max(longest, hidden.shape[1]))
-    if length > hidden.shape[1]:  # texts kept as long as they are (an edit model's: models/families/qwen_image/edit.py)
-        hidden = torch.nn.functional.pad(hidden, (0, 0, 0, length - hidden.shape[1]))
-    if all(n == length for n in filled):
-        return hidden[:, :length], torch.zeros(len(filled), 0, dtype=torch.bool, device=hidden.device)
-    mask = torch.arange(length)[None, :] < torch.tensor(filled)[:, None]
-    return hidden[:, :length], mask.to(hidden.device, non_blocking=True)
-
-
-def reset_rms_norm(module: nn.Module) -> bool:
-    """diffusers' RMSNorm (no `reset_parameters`) drawn as diffusers builds it: weight 1, bias 0; False for another
-    module."""
-    if not isinstance(module, RMSNorm):
-        return False
-    for name, p in module.named_parameters(recurse=False):
-        p.fill_(1.0 if name == "weight" else 0.0)
-    return True
-
-
-def mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
-    """A mask, or None for an empty (B, 0) one (nothing masked: attention may take its unmasked kernels)."""
-    return mask if mask.shape[1] else None
-
-
-class _Embed(nn.Module):
+class QwenEmbed(nn.Module):
     def __init__(self, model: QwenImageTransformer2DModel):
         super().__init__()
         self.img_in, self.txt_norm, self.txt_in = model.img_in, model.txt_norm, model.txt_in
@@ -120,7 +78,7 @@ class _Embed(nn.Module):
         return {"h": h, "context": self.txt_in(self.txt_norm(encoder_hidden_states)), "temb": temb}
 
 
-class _Block(nn.Module):
+class QwenBlock(nn.Module):
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
@@ -133,7 +91,7 @@ class _Block(nn.Module):
         return {"h": h, "context": context}
 
 
-class _Out(nn.Module):
+class QwenOut(nn.Module):
     def __init__(self, model: QwenImageTransformer2DModel):
         super().__init__()
         self.norm_out, self.proj_out = model.norm_out, model.proj_out
@@ -145,9 +103,9 @@ class _Out(nn.Module):
 def qwen_image_backbone(model: QwenImageTransformer2DModel) -> Backbone:
     conditions = ("timestep", "encoder_hidden_states", "encoder_hidden_states_mask", "image_rotary", "text_rotary")
     block_reads = ("h", "context", "temb") + conditions[2:]
-    units = [Unit("embed", _Embed(model), ("sample",) + conditions[:2], ("h", "context", "temb"))]
-    units += [Unit(f"block.{i}", _Block(b), block_reads, ("h", "context")) for i, b in enumerate(model.transformer_blocks)]
-    units.append(Unit("out", _Out(model), ("h", "temb"), ("prediction",)))
+    units = [Unit("embed", QwenEmbed(model), ("sample",) + conditions[:2], ("h", "context", "temb"))]
+    units += [Unit(f"block.{i}", QwenBlock(b), block_reads, ("h", "context")) for i, b in enumerate(model.transformer_blocks)]
+    units.append(Unit("out", QwenOut(model), ("h", "temb"), ("prediction",)))
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 

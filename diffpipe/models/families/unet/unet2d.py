@@ -228,7 +228,7 @@ class UNet2DFamily(ModelFamily):
                      added_cond_kwargs=added).sample
 
     def folder_text_encoder(self, folder):
-        from ...folder import PipelineText
+        from .text import PipelineText
 
         return PipelineText.from_folder(folder)
 

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from ...folder_text import WAN_T5_TOKENS, WanText
-from ...loading import CheckpointError, component_weights
-from ...folder import fingerprint_files, pipeline_index
+from ....errors import CheckpointError
+from ...folder import component_weights, fingerprint_files, pipeline_index
 from ...text import caption_and_picture
-from .wan import _Embed
+from .wan import WanEmbed
 
 __all__ = ["WanImageText", "WAN_CLIP_TOKENS", "has_image_encoder", "image_encoder_widths", "image_embeds",
            "ClipEmbed"]
@@ -64,7 +64,7 @@ def image_embeds(cfg, text_hidden: torch.Tensor, pooled: torch.Tensor) -> dict[s
             "image_embeds": pooled.unflatten(1, (-1, cfg.image_dim))}
 
 
-class ClipEmbed(_Embed):
+class ClipEmbed(WanEmbed):
     """Wan's `embed` reading the first frame beside the noisy latents and the picture's CLIP states, embedded and
     put before the text as the model's forward does."""
 

@@ -22,7 +22,7 @@ import torch
 
 from ...family import TextBatch
 from ...units import Backbone, Unit
-from .wan import WAN_PRESETS, WanFamily, _Embed, wan_backbone
+from .wan import WAN_PRESETS, WanFamily, WanEmbed, wan_backbone
 from .clip import ClipEmbed, WAN_CLIP_TOKENS, has_image_encoder, image_embeds, image_encoder_widths
 from .ti2v import ti2v_clean_latents, ti2v_first_frame, ti2v_pipeline_input, wan_ti2v_backbone
 
@@ -55,7 +55,7 @@ def first_frame_mask(batch: int, latent_size: tuple[int, int, int], device=None)
     return mask
 
 
-class _I2VEmbed(_Embed):
+class _I2VEmbed(WanEmbed):
     def forward(self, sample, first_frame, timestep, encoder_hidden_states):
         return super().forward(torch.cat((sample, first_frame.to(sample.dtype)), dim=1), timestep, encoder_hidden_states)
 

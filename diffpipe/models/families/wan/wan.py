@@ -39,7 +39,7 @@ WAN_PRESETS = {
 }
 
 
-class _Embed(nn.Module):
+class WanEmbed(nn.Module):
     def __init__(self, model: WanTransformer3DModel):
         super().__init__()
         self.rope, self.patch_embedding, self.condition_embedder = model.rope, model.patch_embedding, model.condition_embedder
@@ -76,7 +76,7 @@ class _Out(nn.Module):
 def wan_backbone(model: WanTransformer3DModel) -> Backbone:
     conditions = ("timestep", "encoder_hidden_states")
     streams = ("h", "context", "temb", "tproj", "rope")
-    units = [Unit("embed", _Embed(model), ("sample",) + conditions, streams)]
+    units = [Unit("embed", WanEmbed(model), ("sample",) + conditions, streams)]
     units += [Unit(f"block.{i}", _Block(b), ("h", "context", "tproj", "rope"), ("h",)) for i, b in enumerate(model.blocks)]
     units.append(Unit("out", _Out(model), ("h", "temb"), ("prediction",)))
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model,
