@@ -46,7 +46,7 @@ def main() -> None:
                                        "output.save_weights=false", "output.sample_every_end=false", *args.set])
     trainer = Trainer(config, single_process_topology(resolve_device_kind(config.train.device)), run_dir)
     for step in range(2):
-        trainer._step(step)
+        trainer.steps.take(step)
     device = trainer.topo.device
     if args.background_only:
         _background(trainer, args.config, device)
@@ -78,7 +78,7 @@ def _background(trainer, config: str, device: torch.device) -> None:
     sealed while training goes on; the steps' own time without it for comparison."""
     _sync(device)
     start = time.perf_counter()
-    trainer._step(2)
+    trainer.steps.take(2)
     _sync(device)
     step_s = time.perf_counter() - start
     background = torch.distributed.new_group(backend="gloo")
@@ -87,7 +87,7 @@ def _background(trainer, config: str, device: torch.device) -> None:
     paused = time.perf_counter() - start
     steps_meanwhile = 0
     while not pending.future.done():
-        trainer._step(3 + steps_meanwhile)
+        trainer.steps.take(3 + steps_meanwhile)
         steps_meanwhile += 1
     _sync(device)
     trained = time.perf_counter() - start - paused

@@ -42,14 +42,14 @@ def main() -> None:
 
     warnings.showwarning = show
     warnings.simplefilter("always")
-    step_batch = trainer.forward_backward
+    step_batch = trainer.steps.forward_backward
 
     def counted(step, batch=None):  # sync debugging from step 2 on: steps 0-1 build schedules, compile
         if step == 2:
             torch.cuda.set_sync_debug_mode("warn")
         return step_batch(step, batch)
 
-    trainer.forward_backward = counted
+    trainer.steps.forward_backward = counted
     trainer.fit()
     torch.cuda.set_sync_debug_mode(0)
     print(f"{len(seen)} distinct synchronising call stacks from step 2 on", flush=True)

@@ -164,7 +164,7 @@ def diffpipe_by_hand(rank: int, steps: int, base_dtype: str, fixed_batch: bool, 
                       Path(tempfile.mkdtemp()))
     from diffpipe.train.records import read_record
 
-    batch = trainer.batch_for(0) if fixed_batch else None
+    batch = trainer.steps.batch_for(0) if fixed_batch else None
     times = []
 
     def run_steps(count: int) -> None:
@@ -172,8 +172,8 @@ def diffpipe_by_hand(rank: int, steps: int, base_dtype: str, fixed_batch: bool, 
             step = len(times)
             torch.cuda.synchronize()
             start = time.perf_counter()
-            loss, _ = trainer.forward_backward(step, batch if fixed_batch else trainer.batch_for(step))
-            read_record(trainer.apply_gradients(step, loss))
+            loss, _ = trainer.steps.forward_backward(step, batch if fixed_batch else trainer.steps.batch_for(step))
+            read_record(trainer.steps.apply_gradients(step, loss))
             times.append(time.perf_counter() - start)
     if host_profile:
         _host_profile(f"diffpipe lora by hand, {base_dtype} base", run_steps, steps)

@@ -43,7 +43,7 @@ def main() -> None:
     for step in range(args.steps + 2):
         sync()
         t0 = time.perf_counter()
-        batch = trainer.batch_for(step)
+        batch = trainer.steps.batch_for(step)
         sync()
         t1 = time.perf_counter()
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -53,7 +53,7 @@ def main() -> None:
         global_grad_norm(trainer.params, topo.pp_group, topo.device)
         sync()
         t3 = time.perf_counter()
-        trainer.apply_gradients(step, loss)
+        trainer.steps.apply_gradients(step, loss)
         sync()
         t4 = time.perf_counter()
         if step >= 2:

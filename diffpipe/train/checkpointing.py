@@ -38,7 +38,7 @@ class Checkpoints:
         path is returned), or with `checkpoint.asynchronous` (unless `wait`) started in the background and sealed by
         the next call (None)."""
         self.finish()
-        if not trainer.weights_finite():  # every process votes alike: the newest checkpoint stays the last finite one
+        if not trainer.steps.weights_finite():  # every process votes alike: the newest checkpoint stays the last finite one
             if self.topo.is_main:
                 kept = latest_checkpoint(self.run_dir)
                 print(f"warning: the weights before step {next_step} are not finite: no checkpoint written; the newest "

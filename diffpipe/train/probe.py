@@ -23,7 +23,8 @@ from ..pipeline.stage import StageModule
 from ..pipeline.traffic import trace_shapes
 from ..precision import AUTOCAST_DTYPES
 from ..planner.costs import needs_grad, sync
-from ..planner.plan import Plan, plan_memory
+from ..planner.levers import plan_memory
+from ..planner.plan import Plan
 from .optim import make_optimizer
 
 __all__ = ["probe_stage", "probe_plan", "probed_samples_per_s", "format_probe"]

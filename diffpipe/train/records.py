@@ -147,7 +147,7 @@ def on_host_when_ready(record: dict, device: torch.device) -> dict:
 
 
 def step_end(record: dict) -> Mark:
-    """Where on the device the step of a record (from `Trainer.apply_gradients`) ended."""
+    """Where on the device the step of a record (from `TrainingStep.apply_gradients`) ended."""
     return record[_END]
 
 

@@ -312,10 +312,10 @@ def _scenario_worker(scenarios: list[tuple[str, dict]], out_dir: str, device_kin
         trainer = Trainer(config, topo, Path(out_dir))
         got = {"losses": [], "grad_norms": [], "grads": None, "skipped": []}
         for step in range(config.train.max_steps):
-            loss, times = trainer.forward_backward(step)
+            loss, times = trainer.steps.forward_backward(step)
             if step == 0:
-                got["grads"] = {n: g.cpu() for n, g in trainer.batch_gradients().items()}
-            record = read_record(trainer.apply_gradients(step, loss, times))
+                got["grads"] = {n: g.cpu() for n, g in trainer.steps.batch_gradients().items()}
+            record = read_record(trainer.steps.apply_gradients(step, loss, times))
             got["losses"].append(record["loss"])
             got["grad_norms"].append(record["grad_norm"])
             got["skipped"].append(record.get("skipped", False))

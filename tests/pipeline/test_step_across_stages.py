@@ -23,12 +23,12 @@ def _worker(out_dir: str) -> None:
     topo = init_topology(2, 1, "cpu")
     trainer = Trainer(config, topo, Path(out_dir))
     before = [p.detach().clone() for p in trainer.params]
-    loss, _ = trainer.forward_backward(0)
+    loss, _ = trainer.steps.forward_backward(0)
     if topo.pp_rank == 1:  # an overflow on the last stage only
         trainer.params[0].grad.view(-1)[0] = float("inf")
-    overflowed = read_record(trainer.apply_gradients(0, loss))
+    overflowed = read_record(trainer.steps.apply_gradients(0, loss))
     unchanged = all(torch.equal(a, p) for a, p in zip(before, trainer.params))
-    clean = read_record(trainer.apply_gradients(1, trainer.forward_backward(1)[0]))
+    clean = read_record(trainer.steps.apply_gradients(1, trainer.steps.forward_backward(1)[0]))
     torch.save({"overflowed": overflowed, "unchanged": unchanged, "clean": clean},
                os.path.join(out_dir, f"rank{topo.rank}.pt"))
 
@@ -55,7 +55,7 @@ def _lr_worker(out_dir: str) -> None:
     topo = init_topology(2, 1, "cpu")
     trainer = Trainer(config, topo, Path(out_dir))
     before = [p.detach().clone() for p in trainer.params]
-    trainer._step(0)
+    trainer.steps.take(0)
     changed = sum(not torch.equal(a, p) for a, p in zip(before, trainer.params))
     torch.save({"changed": changed, "count": len(before)}, os.path.join(out_dir, f"lr{topo.rank}.pt"))
 

@@ -45,8 +45,8 @@ def _gradients_of_one_step(payload: dict, out_dir: str, guarded: bool) -> None:
     config = build_config(payload)
     topo = init_topology(config.pipeline.stages, 1, "cpu")
     trainer = Trainer(config, topo, Path(out_dir))
-    trainer.forward_backward(0)
-    torch.save(sorted(trainer.batch_gradients()), Path(out_dir) / f"grads-rank{topo.rank}.pt")
+    trainer.steps.forward_backward(0)
+    torch.save(sorted(trainer.steps.batch_gradients()), Path(out_dir) / f"grads-rank{topo.rank}.pt")
 
 
 def test_a_split_zero_bubble_would_get_wrong_is_refused(model_folders, tmp_path):  # noqa: F811

@@ -15,7 +15,8 @@ from diffpipe.config import ConfigError
 from diffpipe.config_files import build_config, load_config
 from diffpipe.planner.partition import Replicas
 from diffpipe.planner.plan import _replicas
-from diffpipe.models.storage import Fp8Linear, FrozenStorage
+from diffpipe.models.storage import FrozenStorage
+from diffpipe.models.stored_linear import Fp8Linear
 from diffpipe.precision import frozen_storage
 
 from ..helpers import run_command

@@ -263,7 +263,7 @@ checkpoint._FILE_BYTES = 64 * 1024  # a 0.13 M-parameter model in several files
 config = load_config(sys.argv[1], ["pipeline.stages=1", "train.batch_size=8", "output.sample_every_end=false",
                                    "observe.enabled=false"])
 trainer = Trainer(config, single_process_topology("cpu"), Path(sys.argv[2]))
-trainer._step(0)
+trainer.steps.take(0)
 path = checkpoint.save_checkpoint(trainer, 1, keep=1)
 saved = {k: v.clone() for k, v in checkpoint._state(trainer, 1).items()}
 for p in trainer.params:

@@ -33,7 +33,7 @@ def _save(root: str) -> None:
     from diffpipe.train.checkpoint import _state, save_checkpoint
 
     trainer, rank = _trainer(root, machine_folders=True)
-    trainer._step(0)
+    trainer.steps.take(0)
     save_checkpoint(trainer, 1, keep=2)
     save_file({k: v.contiguous() for k, v in _state(trainer, 1).items()}, str(Path(root) / f"expected-{rank}.safetensors"))
 

@@ -29,7 +29,7 @@ def _worker(root: str, stages: int, shard: bool) -> None:
     run_dir = Path(root) / f"machine-{topo.rank}"  # nothing shared
     run_dir.mkdir()
     trainer = Trainer(config, topo, run_dir)
-    trainer._step(0)
+    trainer.steps.take(0)
     trainer.save()
     own = {k: full(v).contiguous() for m in trainer.modules for k, v in m.full_state_dict().items()}
     save_file(own, os.path.join(root, f"expected-{topo.rank}.safetensors"))
