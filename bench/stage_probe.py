@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from diffpipe.build import build_backbone  # noqa: E402
 from diffpipe.config_files import load_config  # noqa: E402
-from diffpipe.planner.plan import hardware, make_plan, plan_memory  # noqa: E402
+from diffpipe.planner.levers import plan_memory  # noqa: E402
+from diffpipe.planner.plan import hardware, make_plan  # noqa: E402
 from diffpipe.train.probe import probe_plan, probed_samples_per_s  # noqa: E402
 
 

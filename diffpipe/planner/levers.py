@@ -18,11 +18,13 @@ from typing import Callable, Iterator
 import torch
 
 from ..config import MemoryConfig, RunConfig
-from ..models.storage import FrozenStorage
+from ..models.storage import LINEAR_FORMATS, FrozenStorage
 from ..precision import moment_bytes
+from .costs import UnitCost
 from .partition import Replicas
 
-__all__ = ["MemoryChoice", "choose", "fewest_swapped", "leaves_any", "unchanged"]
+__all__ = ["MemoryChoice", "choose", "fewest_swapped", "leaves_any", "unchanged", "most_saving", "plan_memory",
+           "suggestions", "holding"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,16 @@ class MemoryChoice:
                 f"memory.block_swap = {self.block_swap}")
 
 
+def _swap_allowed(config: RunConfig, replicas: int) -> bool:
+    """Whether the planner may swap blocks: block_swap "auto", one replica, not compiled (config.py says why)."""
+    return config.memory.block_swap == "auto" and replicas == 1 and not config.pipeline.compile
+
+
+def _eight_bit_allowed(sharded: bool, replicas: int) -> bool:
+    """Whether 8-bit moments may hold the optimizer state: not across sharded replicas (config.py says why)."""
+    return not (sharded and replicas > 1)
+
+
 def leaves_any(memory: MemoryConfig) -> bool:
     """Whether the planner chooses any memory setting of this config."""
     return "auto" in (memory.block_swap, memory.optimizer_state) or bool(
@@ -63,7 +75,7 @@ def _settings(config: RunConfig, replicas: Replicas) -> Iterator[tuple[MemoryCho
     m, p = config.memory, config.pipeline
     choice = unchanged(config)
     yield choice, replicas
-    if m.optimizer_state == "auto" and not (p.data_parallel_shard and p.data_parallel > 1):  # config.py says why
+    if m.optimizer_state == "auto" and _eight_bit_allowed(p.data_parallel_shard, p.data_parallel):
         choice = replace(choice, optimizer_state="8bit")
         replicas = replace(replicas, moment_bytes=moment_bytes("8bit"))
         yield choice, replicas
@@ -77,7 +89,7 @@ def choose(config: RunConfig, replicas: Replicas, fits: Callable[[Replicas], boo
            holding: int) -> tuple[MemoryChoice, Replicas] | None:
     """The first settings of the module's order with which `fits` holds (`replicas`: the layout as configured, each
     "auto" unchanged; `holding`: units holding frozen weights, the most block swap can take); None if none do."""
-    swap_auto = config.memory.block_swap == "auto" and replicas.count == 1 and not config.pipeline.compile
+    swap_auto = _swap_allowed(config, replicas.count)
     for choice, held in _settings(config, replicas):
         if fits(held):
             return choice, held
@@ -94,3 +106,47 @@ def fewest_swapped(replicas: Replicas, fits: Callable[[Replicas], bool], holding
         if fits(replace(replicas, block_swap=count)):
             return count
     return None
+
+
+def suggestions(costs: list[UnitCost], replicas: Replicas, adamw: bool) -> list[tuple[str, Replicas]]:
+    """The [memory] settings not in use that would hold the same layout's state in less memory (8-bit moments are
+    AdamW's alone)."""
+    levers = []
+    frozen, autocast = any(c.params > c.trainable_params for c in costs), replicas.autocast_bytes > 0
+    if frozen and autocast and replicas.frozen.dtype == torch.float32 and not replicas.frozen.linear:
+        levers.append(('memory.base_dtype = "bf16"', replace(replicas, frozen=FrozenStorage(torch.bfloat16))))
+    rest = torch.bfloat16 if autocast else torch.float32
+    # int8 holds what fp8 holds in as many bytes: one suggestion for both
+    words = {"fp8": '"fp8" or "int8" (changes the model slightly)', "nf4": '"nf4" (changes the model more)'}
+    for format in (f for f in words if LINEAR_FORMATS[f] < replicas.frozen.linear_bytes(1)) if frozen else []:
+        levers.append((f"memory.base_dtype = {words[format]}", replace(replicas, frozen=FrozenStorage(rest, format))))
+    if adamw and any(c.trainable_params for c in costs) and replicas.moment_bytes > moment_bytes("8bit") and (
+            _eight_bit_allowed(replicas.sharded, replicas.count)):
+        levers.append(('memory.optimizer_state = "8bit"', replace(replicas, moment_bytes=moment_bytes("8bit"))))
+    return levers
+
+
+def holding(costs: list[UnitCost]) -> int:
+    """Units holding frozen weights: the most block swap can take."""
+    return sum(c.params > c.trainable_params for c in costs)
+
+
+def plan_memory(config: RunConfig, plan) -> MemoryChoice:
+    """The [memory] settings a plan (planner/plan.py's `Plan`) holds its stages' state with: the config's, with what
+    the planner chose where it left them to it."""
+    held = plan.replicas
+    return MemoryChoice(held.frozen.linear or unchanged(config).base_dtype,
+                        "8bit" if config.memory.optimizer_state != "fp32" and held.moment_bytes < moment_bytes("fp32")
+                        else "fp32", held.block_swap)
+
+
+def most_saving(config: RunConfig, holding: int) -> MemoryChoice:
+    """Where nothing fits: every setting left to the planner at its most saving (the nearest to fitting); `holding`:
+    the units holding frozen weights."""
+    m, p, choice = config.memory, config.pipeline, unchanged(config)
+    return MemoryChoice(
+        min(m.quantise_if_needed, key=LINEAR_FORMATS.get)
+        if m.base_dtype == "auto" and m.quantise_if_needed and config.adapter.type != "none" else choice.base_dtype,
+        "8bit" if m.optimizer_state == "auto" and _eight_bit_allowed(p.data_parallel_shard, p.data_parallel)
+        else choice.optimizer_state,
+        holding if _swap_allowed(config, p.data_parallel) else choice.block_swap)

@@ -13,20 +13,21 @@ import torch
 from ..build import build_backbone, example_inputs
 from ..config import RunConfig
 from ..models.materialise import is_meta
-from ..models.storage import LINEAR_FORMATS, FrozenStorage
+from ..models.storage import FrozenStorage
 from ..models.units import Backbone
-from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, moment_bytes, optimizer_state_bytes
+from ..precision import AUTOCAST_DTYPES, element_bytes, frozen_storage, optimizer_state_bytes
 from ..pipeline.split import (balanced_by_parameters, balanced_partition, check_stage_count, live_after,
                               stage_specs)
 from ..pipeline.block_swap import holds_frozen
 from ..pipeline.schedules import choice_of
 from ..pipeline.traffic import trace_shapes
 from .costs import UnitCost, count_unit_costs, load_profile
-from .levers import MemoryChoice, choose, fewest_swapped, leaves_any, unchanged
+from .levers import (MemoryChoice, choose, fewest_swapped, holding, leaves_any, most_saving, plan_memory,
+                     suggestions, unchanged)
 from .partition import BYTES_PER_WEIGHT, Hardware, Infeasible, Partition, Replicas, estimate_stages, partition
 
 __all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
-           "planned_figures", "resolve_memory", "plan_memory", "search_layouts", "profile_key", "scaled"]
+           "planned_figures", "resolve_memory", "search_layouts", "profile_key", "scaled"]
 
 
 @dataclass
@@ -184,10 +185,10 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
             fixes.append("activation checkpointing (pipeline.checkpointing = \"auto\" fits)")
         except Infeasible:
             fixes.append("activation checkpointing (not enough alone)")
-    levers = _memory_levers(costs, replicas, adamw=config.train.optimizer == "adamw")
+    levers = suggestions(costs, replicas, adamw=config.train.optimizer == "adamw")
     fits = _fits(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing)
     # not with data-parallel replicas (config.py refuses it)
-    swap = fewest_swapped(replicas, fits, _holding(costs)) if replicas.count == 1 else None
+    swap = fewest_swapped(replicas, fits, holding(costs)) if replicas.count == 1 else None
     if swap is not None:
         fixes.append(f"frozen weights of {swap} units per stage in host memory (memory.block_swap = {swap} fits)")
     for words, held in levers:
@@ -231,24 +232,6 @@ def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
                     average_bytes=BYTES_PER_WEIGHT if config.train.ema_decay > 0 else 0.0)
 
 
-def _memory_levers(costs: list[UnitCost], replicas: Replicas, adamw: bool) -> list[tuple[str, Replicas]]:
-    """The [memory] settings not in use that would hold the same layout's state in less memory (8-bit moments are
-    AdamW's alone)."""
-    levers = []
-    frozen, autocast = any(c.params > c.trainable_params for c in costs), replicas.autocast_bytes > 0
-    if frozen and autocast and replicas.frozen.dtype == torch.float32 and not replicas.frozen.linear:
-        levers.append(('memory.base_dtype = "bf16"', replace(replicas, frozen=FrozenStorage(torch.bfloat16))))
-    rest = torch.bfloat16 if autocast else torch.float32
-    # int8 holds what fp8 holds in as many bytes: one suggestion for both
-    words = {"fp8": '"fp8" or "int8" (changes the model slightly)', "nf4": '"nf4" (changes the model more)'}
-    for format in (f for f in words if LINEAR_FORMATS[f] < replicas.frozen.linear_bytes(1)) if frozen else []:
-        levers.append((f"memory.base_dtype = {words[format]}", replace(replicas, frozen=FrozenStorage(rest, format))))
-    if adamw and any(c.trainable_params for c in costs) and replicas.moment_bytes > moment_bytes("8bit") and not (
-            replicas.sharded and replicas.count > 1):
-        levers.append(('memory.optimizer_state = "8bit"', replace(replicas, moment_bytes=moment_bytes("8bit"))))
-    return levers
-
-
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,
               hw: Hardware, per_sample: list[UnitCost] | None = None) -> Plan:
     """The plan for one layout; `per_sample` (costs at micro-batch 1) saves recounting across layouts."""
@@ -264,7 +247,7 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
     except Infeasible:
         # the memory settings left to the planner ("auto"), in planner/levers.py's order
         fits = _fits(costs, bb, stages, microbatches, schedule, hw, p.checkpointing)
-        chosen = choose(config, replicas, fits, _holding(costs)) if leaves_any(config.memory) else None
+        chosen = choose(config, replicas, fits, holding(costs)) if leaves_any(config.memory) else None
         if chosen is None:
             raise Infeasible(_explain(config, costs, bb, stages, microbatches, hw, replicas)) from None
         replicas = chosen[1]
@@ -350,11 +333,6 @@ def _fits(costs, bounds_bytes, stages: int, m: int, schedule, hw: Hardware, chec
     return fits
 
 
-def _holding(costs: list[UnitCost]) -> int:
-    """Units holding frozen weights: the most block swap can take."""
-    return sum(c.params > c.trainable_params for c in costs)
-
-
 def resolve_memory(config: RunConfig, backbone: Backbone) -> MemoryChoice:
     """The [memory] settings as the runtime takes them, those left to the planner ("auto") chosen in
     planner/levers.py's order for the configured layout (pipeline.split "auto": the planner's split, checkpointing
@@ -373,7 +351,7 @@ def resolve_memory(config: RunConfig, backbone: Backbone) -> MemoryChoice:
         try:
             return plan_memory(config, make_plan(config, meta, stages, p.data_parallel, p.microbatches, hw))
         except Infeasible:
-            return _most_saving(config, meta)
+            return most_saving(config, sum(holds_frozen(meta.units)))
     starts = balanced_by_parameters(meta, stages) if p.split == "parameters" else list(p.split)
     costs = unit_costs(config, meta, config.micro_batch_size)
     bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
@@ -382,27 +360,5 @@ def resolve_memory(config: RunConfig, backbone: Backbone) -> MemoryChoice:
         figures = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, p.checkpointing, held)
         return max(figures.process_memory_bytes) <= hw.memory_bytes
 
-    chosen = choose(config, _replicas(config, stages, p.data_parallel), fits, _holding(costs))
-    return chosen[0] if chosen is not None else _most_saving(config, meta)
-
-
-def plan_memory(config: RunConfig, plan: Plan) -> MemoryChoice:
-    """The [memory] settings a plan holds its stages' state with: the config's, with what the planner chose where
-    it left them to it."""
-    held = plan.replicas
-    return MemoryChoice(held.frozen.linear or unchanged(config).base_dtype,
-                        "8bit" if config.memory.optimizer_state != "fp32" and held.moment_bytes < moment_bytes("fp32")
-                        else "fp32", held.block_swap)
-
-
-def _most_saving(config: RunConfig, meta: Backbone) -> MemoryChoice:
-    """Where nothing fits: every setting left to the planner at its most saving (the nearest to fitting)."""
-    m, choice = config.memory, unchanged(config)
-    swap = m.block_swap == "auto" and config.pipeline.data_parallel == 1 and not config.pipeline.compile
-    holding = sum(holds_frozen(meta.units))
-    shard = config.pipeline.data_parallel_shard and config.pipeline.data_parallel > 1
-    return MemoryChoice(
-        min(m.quantise_if_needed, key=LINEAR_FORMATS.get)
-        if m.base_dtype == "auto" and m.quantise_if_needed and config.adapter.type != "none" else choice.base_dtype,
-        "8bit" if m.optimizer_state == "auto" and not shard else choice.optimizer_state,
-        holding if swap else choice.block_swap)
+    chosen = choose(config, _replicas(config, stages, p.data_parallel), fits, holding(costs))
+    return chosen[0] if chosen is not None else most_saving(config, sum(holds_frozen(meta.units)))
