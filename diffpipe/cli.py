@@ -6,6 +6,7 @@
         [--profile] [--probe | --probe-unsplit]
     diffpipe timeline runs/digits [--step N] --out timeline.png
     diffpipe report runs/digits
+    diffpipe serve runs/digits [--port 8000]                          # the run in a browser, updating as it trains
     diffpipe sample runs/digits --prompt "a handwritten digit seven" --num 8 --seed 0 --steps 30 --out seven.png
     diffpipe cache examples/photos.toml [--processes N]               # image folders: latents and text ahead
     diffpipe export runs/photos --format diffusers|comfyui|kohya|original --out PATH  # [--step N] [--force]
@@ -74,6 +75,12 @@ def _report(args) -> None:
     report_command(args.run_dir, args.out, args.force)
 
 
+def _serve(args) -> None:
+    from .commands.serve import serve_command
+
+    serve_command(args.run_dir, args.host, args.port)
+
+
 def _config(args) -> None:
     from .config_reference import config_reference
 
@@ -119,6 +126,13 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", default=None, help="PNG path (default RUN_DIR/report.png)")
     report.add_argument("--force", action="store_true", help="replace an existing picture at --out")
     report.set_defaults(run=_report)
+    serve = sub.add_parser("serve", help="a run's loss, samples, stage times and timeline as a local web page, "
+                                         "updating while it trains")
+    serve.add_argument("run_dir")
+    serve.add_argument("--port", type=int, default=8000, help="port to serve on (default 8000)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                          "only; 0.0.0.0: every network, no password)")
+    serve.set_defaults(run=_serve)
     sample = sub.add_parser("sample", help="generate images from a finished run")
     sample.add_argument("run_dir")
     sample.add_argument("--prompt", required=True)
