@@ -37,10 +37,9 @@ def losses_of(run) -> list[float]:
 def grid_size(columns: int, rows: int, tile: tuple[int, int], seeds: list[int]) -> tuple[int, int]:
     """The size of a labelled grid of samples (diffpipe/grids.py): tiles of `tile` pixels (as enlarged) with each
     column's prompt above and each row's "seed N" at its left."""
-    from diffpipe.grids import label_margins
+    from diffpipe.grids import grid_layout
 
-    left, top = label_margins([f"seed {s}" for s in seeds])
-    return left + columns * tile[0], top + rows * tile[1]
+    return grid_layout(tile, columns, rows, [f"seed {s}" for s in seeds]).size
 
 
 def run_command(args: list[str]) -> Ran:
