@@ -18,9 +18,15 @@ from safetensors.torch import save_file
 
 from .errors import CommandError
 
-__all__ = ["save_tensors", "give_user_mode", "check_target", "is_image", "mark_export", "written_by_export", "RUN_MARK",
+__all__ = ["cache_home", "save_tensors", "give_user_mode", "check_target", "is_image", "mark_export", "written_by_export", "RUN_MARK",
            "EXPORT_MARK", "EXPORT_KEY"]
 
+
+
+def cache_home() -> Path:
+    """Where diffpipe keeps what it can make again (converted single files, data caches): $XDG_CACHE_HOME/diffpipe,
+    else ~/.cache/diffpipe, as Hugging Face's libraries keep theirs; never inside a user's own folders."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diffpipe"
 
 def _umask() -> int:
     """The process's umask, read without changing it (os.umask can only be read by setting it)."""

@@ -13,6 +13,21 @@ _SCRIPT = Path(__file__).parent.parent / "examples" / "make_tiny_pipeline.py"
 _MADE = _SCRIPT.parent / "tiny"  # where the README's setup command writes them
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _cache_home(tmp_path_factory):
+    """diffpipe's cache home (converted single files, data caches: written_files.cache_home) in the session's
+    temporary folder, not the user's ~/.cache; the processes runs start inherit it."""
+    import os
+
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache-home"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 def load_tiny_pipeline_script():
     spec = importlib.util.spec_from_file_location("make_tiny_pipeline", _SCRIPT)
     module = importlib.util.module_from_spec(spec)

@@ -26,6 +26,7 @@ from rich.progress import track
 
 from .. import seeds
 from ..config import DataConfig
+from ..written_files import cache_home
 from ..models.vae import encode_latents
 from .buckets import Bucket, Placement, clip_to_pixels, make_buckets, placed, to_pixels
 from .cache import ShardStore, fill_store
@@ -69,7 +70,16 @@ def regularisation_folders(data: DataConfig) -> list[tuple[Path, int]]:
 
 
 def cache_folder(data: DataConfig) -> Path:
-    return Path(data.cache_dir) if data.cache_dir else data_folders(data)[0][0] / ".diffpipe_cache"
+    """data.cache_dir, else a folder of diffpipe's cache home named for the first data folder (its name and a hash
+    of its absolute path): runs on the same data share it, and nothing is written into the user's folders. A cache
+    an earlier diffpipe wrote inside the data folder (`.diffpipe_cache`) is still used where it is."""
+    if data.cache_dir:
+        return Path(data.cache_dir)
+    first = data_folders(data)[0][0]
+    if (first / ".diffpipe_cache").is_dir():
+        return first / ".diffpipe_cache"
+    where = hashlib.sha256(str(first.expanduser().resolve()).encode()).hexdigest()[:12]
+    return cache_home() / "data" / f"{first.name}-{where}"
 
 
 def file_hash(path: Path) -> str:

@@ -51,6 +51,8 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Caption
     dataset = _placed(items, buckets, skipped, vae, frame_buckets)
     held = _placed(eval_items, buckets, skipped, vae, frame_buckets) if eval_items else None
     if data.cache:  # the models' fingerprints (a read of their weight files) once for both splits
+        if rank == 0:
+            print(f"cache: {cache_folder(data)} (data.cache_dir moves it)", flush=True)
         vae_fingerprint = fingerprint_files(component_weights(model_path, "vae"))
         latent_store = ShardStore(cache_folder(data) / f"latents-{vae_fingerprint[:16]}")
         text_store = ShardStore(cache_folder(data) / f"text-{text.fingerprint()[:16]}")

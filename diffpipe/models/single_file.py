@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..written_files import cache_home
 from .family import ReleaseLayout
 
 __all__ = ["ORIGINAL_PREFIX", "SGM", "converted_file", "to_original_layout", "kohya_lora_names", "is_fp8_file",
@@ -32,7 +33,7 @@ _RESNET_PARTS = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj"
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "diffpipe" / "converted"
+    return cache_home() / "converted"
 
 
 def _file_identity(path: Path) -> str:

@@ -160,12 +160,30 @@ def test_cache_command_builds_everything_ahead_on_two_processes(tiny, photos):
     config_file.write_text(f'[model]\npath = "{tiny / "sdxl"}"\n[data]\ndataset = "folder"\npath = "{photos}"\n'
                            'resolution = 128\nbucket_step = 32\n')
     assert main(["cache", str(config_file), "--processes", "2"]) == 0
-    cache = photos / ".diffpipe_cache"
+    cache = cache_folder(_config(tiny, photos).data)
     assert _written_keys(cache, set()) == 16 + 3
     assert len(list(cache.glob("latents-*/*.safetensors"))) == 2  # one shard per process
     seals = set(cache.rglob("*.json"))
     _prepare(_config(tiny, photos), tiny)  # what a training run does first: finds it all
     assert _written_keys(cache, seals) == 0
+
+
+def test_the_cache_stays_out_of_the_users_data_folder_and_says_where_it_is(tiny, photos, tmp_path, capsys):
+    """It was written inside the photos folder (`.diffpipe_cache`: issue 56); now under diffpipe's cache home, one
+    folder per data folder, printed; data.cache_dir moves it; a cache an earlier version left in the folder is still
+    read there."""
+    import os
+
+    before = sorted(p.relative_to(photos) for p in photos.rglob("*"))
+    config = _config(tiny, photos)
+    _prepare(config, tiny)
+    assert sorted(p.relative_to(photos) for p in photos.rglob("*")) == before  # nothing written beside the photos
+    cache = cache_folder(config.data)
+    assert cache.is_relative_to(Path(os.environ["XDG_CACHE_HOME"]) / "diffpipe" / "data") and cache.name.startswith("photos-")
+    assert f"cache: {cache}" in capsys.readouterr().out
+    assert cache_folder(_config(tiny, photos, cache_dir=str(tmp_path / "mine")).data) == tmp_path / "mine"
+    (photos / ".diffpipe_cache").mkdir()
+    assert cache_folder(config.data) == photos / ".diffpipe_cache"
 
 
 def test_eval_splits_hold_out_whole_files_or_take_another_folder(tiny, photos, tmp_path):
