@@ -60,7 +60,8 @@ def _plan(args) -> None:
     from .commands.plan import plan_command
 
     config = load_config(args.config, args.set or [])
-    plan_command(config, args.world_size, args.gpu_memory, args.json, args.profile, args.probe, args.probe_unsplit)
+    plan_command(config, args.world_size, args.gpu_memory, args.json, args.profile, args.probe, args.probe_unsplit,
+                 args.explain)
 
 
 def _timeline(args) -> None:
@@ -109,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="then run each planned stage alone on this device (AdamW state, micro-batches in flight): "
                            "probed time and peak memory beside the plan's")
     plan.add_argument("--probe-unsplit", action="store_true", help="--probe, and the whole model as one stage first")
+    plan.add_argument("--explain", action="store_true",
+                      help="say why this layout won: its split against the parameter-count split, the stages it "
+                           "checkpoints, and with --world-size every other layout tried and why it lost")
     plan.set_defaults(run=_plan)
     cache = sub.add_parser("cache", help="compute an image-folder run's VAE latents and text-encoder outputs ahead")
     cache.add_argument("config")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ..build import build_backbone
 from ..config import RunConfig
-from ..planner.plan import Plan, hardware, make_plan, planning_device, search_layouts
-from ..planner.report import format_plan, parse_memory, plan_as_dict, write_profile
+from ..planner.plan import Plan, hardware, layouts_tried, make_plan, planning_device
+from ..planner.report import describe_layout, explain, format_plan, parse_memory, plan_as_dict, write_profile
 from ..train.probe import format_probe, probe_plan, probed_samples_per_s
 
 __all__ = ["plan_command"]
@@ -39,7 +39,7 @@ def _plan_without_weights(config: RunConfig) -> None:
 
 
 def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | None, as_json: bool,
-                 profile: bool, probe: bool = False, probe_unsplit: bool = False) -> None:
+                 profile: bool, probe: bool = False, probe_unsplit: bool = False, explains: bool = False) -> None:
     if gpu_memory:
         config.plan.memory_gib = parse_memory(gpu_memory)
     _plan_without_weights(config)
@@ -50,8 +50,10 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
     hw = hardware(config)
     p = config.pipeline
     plans: list[Plan] = []
+    tried: list = []
     if world_size:
-        plans = search_layouts(config, meta, world_size, hw)
+        tried = layouts_tried(config, meta, world_size, hw)
+        plans = sorted((pl for pl, _ in tried if pl is not None), key=lambda pl: -pl.samples_per_s)
         if not plans and config.train.batch_size < world_size:  # not one sample for each pipeline or replica
             print(f"no layout of {world_size} devices: a global batch of {config.train.batch_size} gives not every "
                   f"device a sample to work on; set train.batch_size to {world_size} or more (--set "
@@ -64,16 +66,17 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
         if not as_json:
             print(f"best layouts of {world_size} devices for a global batch of {config.train.batch_size}:")
             for pl in plans[:5]:
-                ranks = pl.planned.schedule.ranks(pl.stages)
-                print(f"  {ranks} pipeline processes x {pl.data_parallel} dp, {pl.microbatches} micro-batches: "
-                      f"{pl.samples_per_s:.2f} samples/s, bubble {pl.planned.bubble_fraction:.1%}, split {pl.planned.starts}")
+                print(f"  {describe_layout(pl)}: {pl.samples_per_s:.2f} samples/s, bubble "
+                      f"{pl.planned.bubble_fraction:.1%}, split {pl.planned.starts}")
             print()
         plan = plans[0]
     else:
         plan = make_plan(config, meta, p.stages * p.virtual_stages, p.data_parallel, p.microbatches, hw)
     result = plan_as_dict(plan, meta)
     if not as_json:
-        print(format_plan(plan, meta), flush=True)
+        print(format_plan(plan, meta, config, hw), flush=True)
+        if explains:
+            print("\n" + explain(plan, tried), flush=True)
     if probe or probe_unsplit:  # the plan shown (with --world-size: the best layout)
         device = planning_device(config)
         result["probed"] = probe_plan(config, meta, plan, device, unsplit=probe_unsplit)

@@ -3,7 +3,7 @@ samples, each stage's compute, send and bubble time and the timeline, updating e
 on. Python's own HTTP server, nothing to install; it serves the page and the run folder's pictures, nothing else.
 
     diffpipe serve runs/digits                  # then open http://127.0.0.1:8000
-    diffpipe serve runs/digits --port 8080 --host 0.0.0.0   # reachable from other machines (no password: a trusted network)
+    diffpipe serve runs/digits --port 8080 --host 0.0.0.0   # other machines reach it (no password: trusted networks)
 
 On a remote GPU machine, `ssh -L 8000:127.0.0.1:8000 gpu-box` brings the page to your own browser.
 """

@@ -260,7 +260,14 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
 
 def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardware) -> list[Plan]:
     """Every (stages, data parallel, micro-batches) with stages x dp = world size that fits, fastest first."""
-    plans, per_sample = [], unit_costs(config, meta, 1)
+    return sorted((plan for plan, _ in layouts_tried(config, meta, world_size, hw) if plan is not None),
+                  key=lambda p: -p.samples_per_s)
+
+
+def layouts_tried(config: RunConfig, meta: Backbone, world_size: int, hw: Hardware) -> list[tuple[Plan | None, str]]:
+    """Each (stages, data parallel, micro-batches) with stages x dp = world size: its plan, or None and why it does
+    not fit (the first line of the planner's reason)."""
+    tried, per_sample = [], unit_costs(config, meta, 1)
     choice = choice_of(config.pipeline)
     for ranks in range(1, world_size + 1):
         stages = ranks * choice.per_rank if ranks > 1 else 1  # a lone process runs the model as one stage
@@ -271,10 +278,12 @@ def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardw
             if config.train.batch_size % (m * dp) or choice.schedule.problem(ranks, choice.virtual_stages, m):
                 continue
             try:
-                plans.append(make_plan(config, meta, stages, dp, m, hw, per_sample))
-            except Infeasible:
-                continue
-    return sorted(plans, key=lambda p: -p.samples_per_s)
+                tried.append((make_plan(config, meta, stages, dp, m, hw, per_sample), ""))
+            except Infeasible as exc:
+                words = str(exc).splitlines()[0]
+                layout = f"{ranks} process(es) x {dp} replica(s), {m} micro-batch(es)"
+                tried.append((None, f"{layout}: does not fit: {words}"))
+    return tried
 
 
 def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], list[int]]:

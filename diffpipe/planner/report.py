@@ -3,6 +3,7 @@ this machine's device: what `diffpipe plan` (commands/plan.py) prints and saves.
 from __future__ import annotations
 
 import re
+import textwrap
 
 import torch
 
@@ -13,9 +14,16 @@ from ..models.units import Backbone
 from ..pipeline.split import live_after
 from .costs import count_unit_costs, profile_unit_costs, save_profile
 from .partition import Partition
+from .partition import Hardware
 from .plan import Plan, planning_device, profile_key
 
-__all__ = ["parse_memory", "format_plan", "plan_as_dict", "write_profile"]
+__all__ = ["parse_memory", "format_plan", "plan_as_dict", "write_profile", "describe_layout", "assumptions",
+           "explain", "COLUMNS"]
+
+# what each column of a plan's table holds (printed under it, and in docs/planning.md)
+COLUMNS = ("trained M: the stage's trained parameters, millions; fwd/bwd ms: one micro-batch's forward/backward; "
+           "send ms: its sends to the next stage; peak GiB: the stage's memory at its peak (weights, optimizer state, "
+           "activations in flight); ckpt: activations recomputed in the backward; sends: the tensors it sends on")
 
 GIB = 2**30
 
@@ -59,22 +67,58 @@ def _params(meta: Backbone) -> int:
     return sum(p.numel() for p in meta.model.parameters())
 
 
-def format_plan(plan: Plan, meta: Backbone) -> str:
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def describe_layout(plan: Plan) -> str:
+    """The layout in words: "a pipeline of 4 processes x 2 data-parallel replicas, 8 micro-batches of 2 samples"."""
+    ranks = plan.planned.schedule.ranks(plan.stages)
+    per_process = f" ({plan.stages // ranks} stages each)" if plan.stages > ranks else ""
+    pipeline = "one process (no pipeline)" if plan.stages == 1 else f"a pipeline of {_count(ranks, 'process')}"
+    return (f"{pipeline.replace('processs', 'processes')}{per_process} x "
+            f"{_count(plan.data_parallel, 'data-parallel replica')}, {_count(plan.microbatches, 'micro-batch')} "
+            f"of {_count(plan.micro_batch_size, 'sample')}").replace("batchs", "batches")
+
+
+def assumptions(config: RunConfig, hw: Hardware) -> str:
+    """The device the plan assumes, each figure with the key that sets it; on a machine without a GPU, how to plan
+    for one (the CPU's own speed would make a GPU's plan read 0.00 samples/s)."""
+    p = config.plan
+    memory = (f"{hw.memory_bytes / GIB:.1f} GiB usable a device ({1 - p.memory_headroom:.0%} of "
+              f"{hw.memory_bytes / GIB / (1 - p.memory_headroom):.1f}: plan.memory_headroom)"
+              if hw.memory_bytes is not None else "memory unlimited (no plan.memory_gib, no GPU here)")
+    lines = [f"assumed: {hw.tflops:g} TFLOP/s a device (plan.device_tflops), {hw.link_gbps:g} GB/s between stages "
+             f"(plan.link_gbps), {hw.host_gbps:g} GB/s host to device (plan.host_gbps), {memory}"]
+    if planning_device(config).type == "cpu" and p.device_tflops is None:
+        lines.append(textwrap.fill(
+            "no GPU here: times are this CPU's; to plan a GPU's, --set plan.device_tflops=300 (an H200's measured "
+            "eager bf16 speed, the GPU default) and plan.link_gbps=100 (NVLink), or a figure for yours (`diffpipe "
+            "plan --profile` on it measures each unit)", 118, initial_indent="  ", subsequent_indent="  "))
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan, meta: Backbone, config: RunConfig | None = None, hw: Hardware | None = None) -> str:
     d = plan_as_dict(plan, meta)
     ranks = plan.planned.schedule.ranks(plan.stages)
-    per_process = f" ({plan.stages // ranks} stages per process)" if plan.stages > ranks else ""
+    per_process = plan.stages > ranks
     held = plan.replicas
     frozen = f"; frozen weights held in {held.frozen.name} (memory.base_dtype)"
     if held.block_swap:
         frozen += f", those of {held.block_swap} units per stage in host memory (memory.block_swap)"
-    lines = [f"{ranks} pipeline processes{per_process} x {d['data_parallel']} data parallel, {d['microbatches']} "
-             f"micro-batches of {d['micro_batch_size']}"
+    lines = [describe_layout(plan)
              + (frozen if sum(plan.trainable) < _params(meta) else "")
              + ("; AdamW's moments in 8 bits (memory.optimizer_state)" if held.moment_bytes == moment_bytes("8bit") else "")]
+    if config is not None and hw is not None:
+        lines.append(assumptions(config, hw))
+    stages = plan.planned.stages
+    params, trained = _params(meta) / 1e6, sum(plan.trainable) / 1e6
+    lines.append(f"all {len(meta.units)} units: {params:,.1f} M parameters ({trained:,.2f} M trained); a micro-batch's forward {sum(st.forward_s for st in stages) * 1e3:,.1f} ms, backward "
+                 f"{sum(st.backward_s for st in stages) * 1e3:,.1f} ms, all stages together")
     for title, key in (("planned split", "planned"), ("parameter-count split", "by_parameters")):
         part = d[key]
         lines.append(f"\n{title} {part['split']}:")
-        lines.append(f"  {'stage':>5} {'units':<22} {'params M':>9} {'fwd ms':>9} {'bwd ms':>9} {'send ms':>8} "
+        lines.append(f"  {'stage':>5} {'units':<22} {'trained M':>9} {'fwd ms':>9} {'bwd ms':>9} {'send ms':>8} "
                      f"{'peak GiB':>9}  ckpt  sends")
         for r in part["stages"]:
             lines.append(f"  {r['stage']:>5} {r['units']:<22} {r['trainable_params_M']:>9.2f} {r['forward_ms']:>9.3f} "
@@ -85,6 +129,30 @@ def format_plan(plan: Plan, meta: Backbone) -> str:
                      f"{part['samples_per_s']:.2f} samples/s")
         if per_process:  # what must fit one device: the stages a process runs, together
             lines.append("  peak GiB by process: " + ", ".join(f"{gib:.2f}" for gib in part["process_peak_GiB"]))
+    lines.append("\n" + textwrap.fill(COLUMNS, 118))
+    return "\n".join(lines)
+
+
+def explain(plan: Plan, tried: list[tuple[Plan | None, str]] | None = None) -> str:
+    """Why this layout: its planned split against the parameter-count split, and with `tried` (every layout
+    `--world-size` searched, each a Plan or, where it did not fit, None and why) how each runner-up fared."""
+    planned, even = plan.planned, plan.by_parameters
+    lines = ["why this layout:"]
+    if planned.starts != even.starts:
+        lines.append(f"  the planned split {planned.starts} against the parameter-count split {even.starts}: slowest "
+                     f"stage {planned.slowest_s * 1e3:,.1f} against {even.slowest_s * 1e3:,.1f} ms, "
+                     f"{plan.samples_per_s_of(planned):.2f} against {plan.samples_per_s_of(even):.2f} samples/s")
+    else:
+        lines.append(f"  the planned split is the parameter-count split {planned.starts}: the planner found none faster")
+    checkpointed = [st.index for st in planned.stages if st.checkpointed]
+    if checkpointed:
+        lines.append(f"  stages {checkpointed} recompute their activations: without, they would not fit the memory")
+    runners_up = sorted((p for p, _ in tried or [] if p is not None and p is not plan), key=lambda p: -p.samples_per_s)
+    for other in runners_up:
+        lines.append(f"  {describe_layout(other)}: {other.samples_per_s:.2f} samples/s "
+                     f"(bubble {other.planned.bubble_fraction:.1%}), slower")
+    lines += [textwrap.fill(why, 118, initial_indent="  ", subsequent_indent="    ")
+              for p, why in tried or [] if p is None]
     return "\n".join(lines)
 
 

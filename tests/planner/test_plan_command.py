@@ -144,3 +144,29 @@ def test_one_stage_is_planned_only_where_the_plan_could_say_more_than_its_split(
     config = load_config(EXAMPLES / "digits.toml", [*settings, "plan.memory_gib=0.001"])
     assert plan.resolve_stages(config, build_backbone(config, "meta")) == ([], [])
     assert counted and "the run may run out of memory" in capsys.readouterr().err
+
+
+def test_the_plan_table_says_what_it_assumes_and_what_its_columns_hold(capsys):
+    """issue 56: "params M" of an 8.9 B model read 18.68 (the trained ones), the GPU speed assumed was not printed,
+    and "1 pipeline processes x 1 dp"; on a machine without a GPU a GPU's plan used the CPU's speed, unsaid."""
+    assert main(["plan", str(EXAMPLES / "flux_lora.toml"), "--gpu-memory", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "one process (no pipeline) x 1 data-parallel replica, 1 micro-batch of 1 sample" in out
+    assert "pipeline processes" not in out
+    assert re.search(r"assumed: 0\.05 TFLOP/s a device \(plan\.device_tflops\), 2 GB/s between stages "
+                     r"\(plan\.link_gbps\), 25 GB/s host to device \(plan\.host_gbps\), 21\.6 GiB usable", out)
+    assert "no GPU here: times are this CPU's" in out and "plan.device_tflops=300" in out
+    assert re.search(r"all \d+ units: 11,920\.1 M parameters \(18\.68 M trained\)", out)
+    assert "trained M" in out and "params M" not in out and "trained M: the stage's trained parameters" in out
+
+
+def test_explain_says_why_the_layout_won_against_the_others(capsys):
+    assert main(["plan", str(EXAMPLES / "digits.toml"), "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"why this layout:\n  the planned split \[\d+\] against the parameter-count split \[\d+\]: slowest "
+                     r"stage [\d.]+ against [\d.]+ ms", out)
+    assert main(["plan", str(EXAMPLES / "sdxl_unet.toml"), "--world-size", "4", "--gpu-memory", "40GiB", "--explain",
+                 "--set", "plan.device_tflops=300", "--set", "plan.link_gbps=100"]) == 0
+    why = capsys.readouterr().out.split("why this layout:")[1]
+    assert "samples/s (bubble" in why and ", slower" in why  # the runners-up, each with its speed
+    assert "1 process(es) x 4 replica(s), 1 micro-batch(es): does not fit: no split into 1 stages fits 36.0 GiB" in why
