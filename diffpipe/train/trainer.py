@@ -2,7 +2,7 @@
 optimizer step) queued, the step's figures read, judged, logged; evaluation, samples and checkpoints when due; the
 weights at the end.
 
-A run's parts are built by train/run_parts.py; when it checkpoints, train/checkpointing.py; what stops it early,
+A run's parts are built by train/run_parts.py; when it checkpoints, train/checkpoint_schedule.py; what stops it early,
 train/stopping.py; its final weights, train/weights.py (replica 0's pipeline ranks send their stages' weights to rank
 0, which writes model.safetensors). Only rank 0 prints and writes metrics.
 """
@@ -18,7 +18,7 @@ from ..distributed import Topology
 from ..observe.observer import PipelineObserver, probe_link
 from ..pipeline.timing import StepTimes
 from ..observe.writers import ScalarWriters, make_writers
-from .checkpointing import Checkpoints
+from .checkpoint_schedule import Checkpoints
 from .evaluation import evaluate, write_samples
 from .records import StepReport, read_record, step_end
 from .run_parts import build_run
