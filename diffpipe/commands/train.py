@@ -16,22 +16,44 @@ __all__ = ["train_command"]
 
 
 def _prepare_run(args) -> tuple:
-    from ..config import make_paths_absolute, save_config
+    """The run's config checked, the planner's choices taken into it, its folder prepared (this machine's first
+    process) and what it trains said (the first process): (config, run folder, whether this process is the first,
+    the folder's lock)."""
+    from ..preflight import check_before_launch
+
+    config = _run_config(args)
+    checked = check_before_launch(config)
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    if is_main:
+        _say_what_trains(config, checked.backbone)
+    _check_export_format(config, checked.backbone)
+    config.pipeline.split, config.pipeline.checkpointing = checked.split, checked.checkpointing
+    for key, value in checked.memory.items():  # chosen by the planner ("auto")
+        setattr(config.memory, key, value)
+    run_dir = Path(config.output.dir)
+    # each machine's first process prepares that machine's run folder (machines may share no disk)
+    lock = _prepare_folder(args, config, checked.backbone) if int(os.environ.get("LOCAL_RANK", "0")) == 0 else None
+    if is_main:
+        from ..build import boundary_traffic
+        from ..pipeline.traffic import format_crossings
+
+        print(f"training {config.model.describe()} on {config.world_size} process(es): "
+              f"{config.pipeline.stages} stage(s) x {config.pipeline.data_parallel} replica(s), split at units "
+              f"{config.pipeline.split}, schedule {config.pipeline.schedule}; run folder {run_dir}", flush=True)
+        print("tensors crossing each stage boundary:\n" + format_crossings(
+            boundary_traffic(config, checked.backbone, checked.split)), flush=True)
+    return config, run_dir, is_main, lock
+
+
+def _run_config(args):
+    """The config file with its --set values, paths made absolute, output.dir the folder this run writes (a
+    resume's own, or --output-dir); the processes' imports start meanwhile."""
+    from ..config import make_paths_absolute
     from ..config_files import load_config
     from ..distributed import prepare_to_launch
 
     config = make_paths_absolute(load_config(args.config, args.set or []))
-    prepare_to_launch(config.world_size)  # the processes' imports run while this one checks (below)
-
-    from ..build import boundary_traffic, timestep_range
-    from ..export.run import ExportedRun, format_writer
-    from ..models.lora import adapted_module, is_adapter
-    from ..preflight import check_before_launch
-    from ..train.optim import optimizer_note
-    from ..pipeline.traffic import format_crossings
-    from ..run_folder import RunLock, prepare_new_run
-    from ..train.checkpoint import remove_unfinished_saves
-
+    prepare_to_launch(config.world_size)  # the processes' imports run while this one checks
     if args.resume and args.output_dir and Path(args.resume).resolve() != Path(args.output_dir).resolve():
         # a resume continues its own folder (checkpoints pruned, weights replaced): never when another was named
         raise CommandError(f"--resume {args.resume} continues that run in its own folder, and --output-dir "
@@ -44,54 +66,65 @@ def _prepare_run(args) -> tuple:
         config.output.dir = args.resume
     elif args.output_dir:
         config.output.dir = args.output_dir
-    checked = check_before_launch(config)
+    return config
+
+
+def _say_what_trains(config, backbone) -> None:
+    """The optimizer's note, and which expert (or both) of a two-expert folder trains on which timesteps."""
+    from ..build import timestep_range
+    from ..train.optim import optimizer_note
+
     note = optimizer_note(config.train)
-    if note is not None and int(os.environ.get("RANK", "0")) == 0:
+    if note is not None:
         print(note, flush=True)
-    if config.model.expert == "both" and int(os.environ.get("RANK", "0")) == 0:
+    if config.model.expert == "both":
         print(f"model.expert = \"both\": each sample trains the expert its timestep picks (transformer/ from "
-              f"{checked.backbone.model.boundary / 1000:.3f} up, transformer_2/ below), both on every stage; samples "
+              f"{backbone.model.boundary / 1000:.3f} up, transformer_2/ below), both on every stage; samples "
               "during training use both, as WanPipeline does", flush=True)
-    elif config.model.expert is not None and int(os.environ.get("RANK", "0")) == 0:
+    elif config.model.expert is not None:
         low, high = timestep_range(config)
         print(f"model.expert = \"{config.model.expert}\": trains on timesteps {low:.3f} to {high:.3f} (1 = pure "
               "noise); samples during training are this expert's at every step (the other is not loaded): a rough "
               "view, judge it in WanPipeline with both experts after export", flush=True)
-    if config.checkpoint.export_every or config.checkpoint.export_every_epochs:  # the format can hold this run's adapters: asked now, not at the first export
-        adapted = tuple(sorted({adapted_module(n) for n, _ in checked.backbone.model.named_parameters()
-                                if is_adapter(n)}))
-        format_writer(config.checkpoint.export_format).check(ExportedRun(
-            Path(config.output.dir), config, checked.backbone.family, dict(checked.backbone.model.config), adapted))
-    config.pipeline.split, config.pipeline.checkpointing = checked.split, checked.checkpointing
-    for key, value in checked.memory.items():  # chosen by the planner ("auto")
-        setattr(config.memory, key, value)
+
+
+def _check_export_format(config, backbone) -> None:
+    """checkpoint.export_every's format can hold this run's adapters: asked now, not at the first export."""
+    if not (config.checkpoint.export_every or config.checkpoint.export_every_epochs):
+        return
+    from ..export.run import ExportedRun, format_writer
+    from ..models.lora import adapted_module, is_adapter
+
+    adapted = tuple(sorted({adapted_module(n) for n, _ in backbone.model.named_parameters() if is_adapter(n)}))
+    format_writer(config.checkpoint.export_format).check(ExportedRun(
+        Path(config.output.dir), config, backbone.family, dict(backbone.model.config), adapted))
+
+
+def _prepare_folder(args, config, backbone):
+    """This machine's run folder made ready, after every check (a finished run is replaced only by a run that passed
+    them all): a new run's emptied and locked, a resume's checked and its unfinished saves removed; the config
+    written. Returns the folder's lock."""
+    from ..config import save_config
+    from ..run_folder import RunLock, prepare_new_run
+    from ..train.checkpoint import remove_unfinished_saves
+
     run_dir = Path(config.output.dir)
-    is_main = int(os.environ.get("RANK", "0")) == 0
-    # each machine's first process prepares that machine's run folder (machines may share no disk)
-    prepares_folder = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    _check_free_space(run_dir, backbone, config)
     lock = None
-    if prepares_folder:  # every check first: a finished run is replaced only by a run that passed them all
-        _check_free_space(run_dir, checked.backbone, config)
-        try:
-            if args.resume:
-                lock = RunLock(run_dir) if (run_dir / "config.toml").is_file() else None
-                _check_resumable(config, run_dir, checked.backbone)
-                for unfinished in remove_unfinished_saves(run_dir):
-                    print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
-            else:
-                lock = prepare_new_run(run_dir, args.overwrite)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        save_config(config, run_dir / "config.toml")
-    if is_main:
-        print(f"training {config.model.describe()} on {config.world_size} process(es): "
-              f"{config.pipeline.stages} stage(s) x {config.pipeline.data_parallel} replica(s), split at units "
-              f"{config.pipeline.split}, schedule {config.pipeline.schedule}; run folder {run_dir}", flush=True)
-        print("tensors crossing each stage boundary:\n" + format_crossings(
-            boundary_traffic(config, checked.backbone, checked.split)), flush=True)
-    return config, run_dir, is_main, lock
+    try:
+        if args.resume:
+            lock = RunLock(run_dir) if (run_dir / "config.toml").is_file() else None
+            _check_resumable(config, run_dir, backbone)
+            for unfinished in remove_unfinished_saves(run_dir):
+                print(f"removed {unfinished}: a checkpoint save that never finished", flush=True)
+        else:
+            lock = prepare_new_run(run_dir, args.overwrite)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    save_config(config, run_dir / "config.toml")
+    return lock
 
 
 def _restarted_by_torchrun(args, config) -> bool:
