@@ -1,5 +1,6 @@
-"""The commands README.md and docs/*.md give a user work as written (issue 55): every fenced `diffpipe ...` line
-parses with the CLI's own parser and, where it names an example config, that config loads with its --set values;
+"""The commands README.md, docs/*.md and the examples' headers give a user work as written (issues 55, 56): every
+fenced `diffpipe ...` line (and every `#   diffpipe ...` line of an example's header) parses with the CLI's own
+parser and, where it names an example config, that config loads with its --set values;
 the README's `train` lines run two steps each on the tiny folders and its `plan` lines run whole. Lines that use a
 shell variable (docs/benchmarks.md's `$S`, set a line before) are left out; `RUN` and `CONFIG` stand for the user's
 run folder and config and are parsed as given."""
@@ -32,13 +33,27 @@ def fenced_commands(page: Path) -> list[str]:
     return commands
 
 
+def header_commands(example: Path) -> list[str]:
+    """The command lines of an example's header (`#   diffpipe ...`), without a comment or a remark in brackets
+    after the command."""
+    commands = []
+    for line in example.read_text().splitlines():
+        words = line.removeprefix("#").strip().split(" (")[0]
+        if line.startswith("#  ") and words.startswith("diffpipe ") and "$" not in words:
+            commands.append(shlex.join(shlex.split(words, comments=True)))
+    return commands
+
+
 def _all_commands() -> list[tuple[str, str]]:
-    return [(page.name, command) for page in DOCS for command in fenced_commands(page)]
+    return ([(page.name, command) for page in DOCS for command in fenced_commands(page)]
+            + [(example.name, command) for example in sorted((ROOT / "examples").glob("*.toml"))
+               for command in header_commands(example)])
 
 
 def test_the_pages_have_commands_to_check():
     assert len(fenced_commands(ROOT / "README.md")) >= 8  # a change to how pages write commands would test nothing
     assert len(_all_commands()) >= 40
+    assert len([c for page, c in _all_commands() if page.endswith(".toml")]) >= 40  # the examples' headers
 
 
 @pytest.mark.parametrize("page,command", _all_commands())
