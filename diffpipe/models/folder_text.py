@@ -1,65 +1,22 @@
-"""The frozen text encoders of Flux and SD3 pipeline folders, encoding as diffusers' own pipelines do.
-
-Flux (FluxPipeline.encode_prompt): the pooled output of a CLIP text model (text_encoder/) and the last hidden
-states of T5 (text_encoder_2/, 512 tokens). SD3 / SD3.5 (StableDiffusion3Pipeline.encode_prompt): the penultimate
-hidden states of two CLIP models with projection (text_encoder/, text_encoder_2/) concatenated and zero-padded to
-T5's width, followed along the sequence by T5's (text_encoder_3/, 256 tokens); the pooled text is both CLIPs'
-projections concatenated. Both are tested equal to the pipelines' `encode_prompt` on folders their
-`save_pretrained` wrote. Wan (WanPipeline's `_get_t5_prompt_embeds`): umT5's last hidden states over 512 tokens (the
-pipeline's default), the caption cleaned as the pipeline cleans it, every position past the caption's tokens zero;
-no pooled text. Qwen-Image (QwenImagePipeline's `_get_qwen_prompt_embeds`): Qwen2.5-VL's last hidden states of the
-caption set in the pipeline's chat template, the template's first 34 tokens dropped, zero past the caption's tokens
-(512 positions, the pipeline's max_sequence_length). Qwen-Image-Edit (QwenImageEditPipeline's `_get_qwen_prompt_embeds`):
-the same encoder reads the control picture with the instruction (its vision tower's tokens in place of the template's
-<|image_pad|>, as the pipeline's Qwen2VLProcessor expands it), the template's first 64 tokens dropped, kept whole (no
-cut: the picture's tokens and the caption's). Chroma (ChromaPipeline's `_get_t5_prompt_embeds`): T5's last hidden states
-over 512 tokens, T5 reading the caption with its attention mask, zero past the caption's tokens and its first pad (the
-positions the pipeline leaves unmasked in the transformer). Weights are read from safetensors files only.
+"""Text encoders read from a diffusers pipeline folder's text_encoder*/ and tokenizer*/ subfolders, shared by the
+families whose pipelines hold them: the loading (safetensors only), the fingerprint a text cache is keyed by, and a
+T5 encoder alone. Each family's own encoders, encoding as its pipeline's `encode_prompt` does, are in its package
+(families/flux/text.py, families/sd3/text.py, families/wan/text.py, families/qwen_image/text.py,
+families/hunyuan_video15/text.py, families/unet/text.py).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from PIL import Image
-from transformers import (CLIPTextModel, CLIPTextModelWithProjection, Qwen2_5_VLForConditionalGeneration, T5EncoderModel,
-                          UMT5EncoderModel)
 
 from ..errors import CheckpointError
-from .folder import component_weights, fingerprint_files, load_tokenizer, text_encoder_configs
-from .text import CaptionEncoder, caption_and_picture
+from .folder import component_weights, fingerprint_files, load_tokenizer
+from .text import CaptionEncoder
 
-__all__ = ["FluxText", "SD3Text", "WanText", "ChromaText", "QwenImageText", "QwenImageEditText", "as_the_pipeline_sizes",
-           "reads_pictures_as_plus", "FLUX_T5_TOKENS", "SD3_T5_TOKENS", "WAN_T5_TOKENS", "flux_text_widths",
-           "sd3_text_widths"]
+__all__ = ["FolderText", "OneT5", "load_text_encoder", "token_ids", "CLIP_TOKENS"]
 
-FLUX_T5_TOKENS = 512  # FluxPipeline's max_sequence_length
-SD3_T5_TOKENS = 256  # StableDiffusion3Pipeline's max_sequence_length
-WAN_T5_TOKENS = 512  # WanPipeline's max_sequence_length
-CHROMA_T5_TOKENS = 512  # ChromaPipeline's max_sequence_length
-_CLIP_TOKENS = 77
-# QwenImagePipeline's prompt_template_encode and prompt_template_encode_start_idx (the template's tokens before the
-# caption, dropped from the states); its tokenizer_max_length is 1024
-_QWEN_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
-                  "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
-                  "<|im_start|>assistant\n")
-_QWEN_TEMPLATE_TOKENS = 34
-# QwenImageEditPipeline's: the picture's tokens go where <|image_pad|> is
-_QWEN_EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
-                       "objects, background), then explain how the user's text instruction should alter or modify the "
-                       "image. Generate a new image that meets the user's requirements while maintaining consistency "
-                       "with the original input where appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|>"
-                       "<|image_pad|><|vision_end|>{}<|im_end|>\n<|im_start|>assistant\n")
-_QWEN_EDIT_TEMPLATE_TOKENS = 64
-_IMAGE_PAD = "<|image_pad|>"
-_PICTURE = "<|vision_start|><|image_pad|><|vision_end|>"
-# QwenImageEditPlusPipeline's (Qwen-Image-Edit-2509, -2511): the pictures named in the instruction, before it
-_QWEN_EDIT_PLUS_TEMPLATE = _QWEN_EDIT_TEMPLATE.replace(_PICTURE, "")
-_QWEN_EDIT_PLUS_PICTURE = "Picture 1: " + _PICTURE
-EDIT_PICTURE_AREA = 1024 * 1024  # QwenImageEditPipeline sizes its input to about this many pixels for its processor
-EDIT_PLUS_PICTURE_AREA = 384 * 384  # QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE
+CLIP_TOKENS = 77
 
 
 def load_text_encoder(folder: Path, index: str, model_class) -> tuple:
@@ -73,7 +30,7 @@ def load_text_encoder(folder: Path, index: str, model_class) -> tuple:
     return tokenizer, model.eval().requires_grad_(False)
 
 
-def _ids(tokenizer, captions: list[str], length: int, device) -> torch.Tensor:
+def token_ids(tokenizer, captions: list[str], length: int, device) -> torch.Tensor:
     return tokenizer(captions, padding="max_length", max_length=length, truncation=True,
                      return_tensors="pt").input_ids.to(device)
 
@@ -97,71 +54,14 @@ class FolderText(CaptionEncoder):
         return self.models
 
 
-class FluxText(FolderText):
-    suffixes = ("", "_2")
-    max_length = FLUX_T5_TOKENS
-
-    @classmethod
-    def from_folder(cls, folder: Path) -> "FluxText":
-        (clip_tok, clip), (t5_tok, t5) = load_text_encoder(folder, "1", CLIPTextModel), load_text_encoder(folder, "2", T5EncoderModel)
-        return cls([clip_tok, t5_tok], [clip, t5], folder)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.models[1].config.d_model
-
-    @property
-    def pooled_size(self) -> int:
-        return self.models[0].config.hidden_size
-
-    @torch.no_grad()
-    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        (clip_tok, t5_tok), (clip, t5) = self.tokenizers, self.models
-        pooled = clip(_ids(clip_tok, captions, clip_tok.model_max_length, self.device),
-                      output_hidden_states=False).pooler_output
-        hidden = t5(_ids(t5_tok, captions, FLUX_T5_TOKENS, self.device), output_hidden_states=False)[0]
-        return hidden, pooled
-
-
-class SD3Text(FolderText):
-    suffixes = ("", "_2", "_3")
-    max_length = _CLIP_TOKENS + SD3_T5_TOKENS
-
-    @classmethod
-    def from_folder(cls, folder: Path) -> "SD3Text":
-        loaded = [load_text_encoder(folder, "1", CLIPTextModelWithProjection), load_text_encoder(folder, "2", CLIPTextModelWithProjection),
-                  load_text_encoder(folder, "3", T5EncoderModel)]
-        return cls([t for t, _ in loaded], [m for _, m in loaded], folder)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.models[2].config.d_model
-
-    @property
-    def pooled_size(self) -> int:
-        return self.models[0].config.projection_dim + self.models[1].config.projection_dim
-
-    @torch.no_grad()
-    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, pooled = [], []
-        for tokenizer, model in zip(self.tokenizers[:2], self.models[:2]):
-            out = model(_ids(tokenizer, captions, tokenizer.model_max_length, self.device), output_hidden_states=True)
-            hidden.append(out.hidden_states[-2])
-            pooled.append(out[0])
-        t5 = self.models[2](_ids(self.tokenizers[2], captions, SD3_T5_TOKENS, self.device), output_hidden_states=False)[0]
-        clip = torch.cat(hidden, dim=-1)
-        clip = F.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
-        return torch.cat([clip, t5], dim=-2), torch.cat(pooled, dim=-1)
-
-
-class _OneT5(FolderText):
+class OneT5(FolderText):
     """A T5 encoder alone (text_encoder/, tokenizer/): its states, no pooled text."""
 
     suffixes = ("",)
     model_class: type
 
     @classmethod
-    def from_folder(cls, folder: Path) -> "_OneT5":
+    def from_folder(cls, folder: Path) -> "OneT5":
         tokenizer, model = load_text_encoder(folder, "1", cls.model_class)
         return cls([tokenizer], [model], folder)
 
@@ -172,158 +72,3 @@ class _OneT5(FolderText):
     @property
     def pooled_size(self) -> int:
         return 0
-
-
-class WanText(_OneT5):
-    model_class = UMT5EncoderModel
-    max_length = WAN_T5_TOKENS
-
-    @torch.no_grad()
-    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-
-        tokens = self.tokenizers[0]([prompt_clean(c) for c in captions], padding="max_length", max_length=WAN_T5_TOKENS,
-                                    truncation=True, add_special_tokens=True, return_attention_mask=True,
-                                    return_tensors="pt")
-        mask = tokens.attention_mask.to(self.device)
-        hidden = self.models[0](tokens.input_ids.to(self.device), mask).last_hidden_state
-        return hidden * mask.unsqueeze(-1).to(hidden.dtype), torch.zeros(len(captions), 0, device=self.device)
-
-
-class ChromaText(_OneT5):
-    model_class = T5EncoderModel
-    max_length = CHROMA_T5_TOKENS
-
-    @torch.no_grad()
-    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = self.tokenizers[0](captions, padding="max_length", max_length=CHROMA_T5_TOKENS, truncation=True,
-                                    return_tensors="pt")
-        mask = tokens.attention_mask.to(self.device)
-        hidden = self.models[0](tokens.input_ids.to(self.device), attention_mask=mask, output_hidden_states=False)[0]
-        # what the transformer attends to: the caption's tokens and the first pad (ChromaPipeline's mask)
-        kept = torch.arange(mask.shape[1], device=self.device)[None, :] <= mask.sum(dim=1, keepdim=True)
-        return hidden * kept.unsqueeze(-1).to(hidden.dtype), torch.zeros(len(captions), 0, device=self.device)
-
-
-class QwenImageText(FolderText):
-    suffixes = ("",)
-    max_length = 512  # QwenImagePipeline.__call__'s max_sequence_length (models/families/qwen_image/qwen_image.py QWEN_TEXT_TOKENS)
-
-    @classmethod
-    def from_folder(cls, folder: Path) -> "QwenImageText":
-        tokenizer, model = load_text_encoder(folder, "1", Qwen2_5_VLForConditionalGeneration)
-        return cls([tokenizer], [model], folder)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.models[0].config.text_config.hidden_size
-
-    @property
-    def pooled_size(self) -> int:
-        return 0
-
-    @torch.no_grad()
-    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        dropped = _QWEN_TEMPLATE_TOKENS
-        tokens = self.tokenizers[0]([_QWEN_TEMPLATE.format(c) for c in captions], max_length=1024 + dropped,
-                                    padding=True, truncation=True, return_tensors="pt").to(self.device)
-        states = self.models[0](input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-                                output_hidden_states=True).hidden_states[-1]
-        hidden = states.new_zeros(len(captions), self.max_length, states.shape[-1])
-        for i, (row, mask) in enumerate(zip(states, tokens.attention_mask.bool())):
-            kept = row[mask][dropped:][:self.max_length]
-            hidden[i, :len(kept)] = kept
-        return hidden, torch.zeros(len(captions), 0, device=self.device)
-
-
-def as_the_pipeline_sizes(picture: Image.Image, area: int = EDIT_PICTURE_AREA) -> Image.Image:
-    """A control picture at about `area` pixels in its own proportions, sides multiples of 32 (Lanczos), as
-    QwenImageEditPipeline (1024^2) and QwenImageEditPlusPipeline (384^2) resize their input image before their
-    processor reads it: the text encoder sees a control as it will at inference, whatever the bucket it trains in."""
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
-
-    width, height, _ = calculate_dimensions(area, picture.width / picture.height)
-    return picture.resize((width, height), Image.LANCZOS)
-
-
-def reads_pictures_as_plus(folder: Path) -> bool:
-    """Whether a Qwen-Image-Edit folder is QwenImageEditPlusPipeline's (2509, 2511: model_index.json says)."""
-    index = folder / "model_index.json"
-    return index.is_file() and json.loads(index.read_text()).get("_class_name") == "QwenImageEditPlusPipeline"
-
-
-class QwenImageEditText(QwenImageText):
-    """Qwen-Image-Edit's: each caption read beside its picture (`texts(captions, pictures)`), the picture sized as
-    the pipeline sizes its input (`as_the_pipeline_sizes`); a QwenImageEditPlusPipeline folder's (2509, 2511) in that
-    pipeline's template ("Picture 1: " and the picture before the caption) at its 384^2 pixels. A caption without a
-    picture (the Plus pipeline's text-only prompt; the first pipeline always has one) is read in the template without
-    the picture's tokens."""
-
-    max_length = 1369 + 512  # what a caption's outputs are counted as: a 1024^2 picture's tokens and a long caption
-    reads_pictures = True
-
-    def __init__(self, tokenizers: list, models: list[torch.nn.Module], folder: Path, pictures, plus: bool = False):
-        super().__init__(tokenizers, models, folder)
-        self.image_processor = pictures
-        self.plus = plus  # QwenImageEditPlusPipeline's template and picture size
-
-    @classmethod
-    def from_folder(cls, folder: Path) -> "QwenImageEditText":
-        from transformers import AutoImageProcessor
-
-        _, model = load_text_encoder(folder, "1", Qwen2_5_VLForConditionalGeneration)
-        if not (folder / "processor" / "preprocessor_config.json").is_file():
-            raise CheckpointError(f"model.path={folder}: a Qwen-Image-Edit folder has processor/ (Qwen2VLProcessor: its "
-                                  "preprocessor_config.json and tokenizer), which reads the control picture; copy it "
-                                  "from the model's release")
-        # the processor's own tokenizer and image processor, as the pipeline's Qwen2VLProcessor holds them
-        tokenizer = load_tokenizer(folder, "processor")
-        pictures = AutoImageProcessor.from_pretrained(folder, subfolder="processor", local_files_only=True)
-        return cls([tokenizer], [model], folder, pictures, reads_pictures_as_plus(folder))
-
-    def _prompt(self, caption: str, picture_tokens: int) -> str:
-        """The caption in the pipeline's template, its picture's tokens where the processor puts them (none: the
-        template without a picture)."""
-        if self.plus:
-            named = _QWEN_EDIT_PLUS_PICTURE if picture_tokens else ""
-            text = _QWEN_EDIT_PLUS_TEMPLATE.format(named + caption)
-        else:
-            text = _QWEN_EDIT_TEMPLATE.format(caption) if picture_tokens else _QWEN_EDIT_PLUS_TEMPLATE.format(caption)
-        return text.replace(_IMAGE_PAD, _IMAGE_PAD * picture_tokens, 1)
-
-    def fingerprint(self) -> str:
-        files = component_weights(self.folder, "text_encoder") + sorted(
-            f for f in (self.folder / "processor").iterdir() if f.is_file())
-        return fingerprint_files(files, extra=type(self).__name__)
-
-    @torch.no_grad()
-    def _encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        captions, keys = zip(*(caption_and_picture(t) for t in texts))
-        area = EDIT_PLUS_PICTURE_AREA if self.plus else EDIT_PICTURE_AREA
-        pictures = [as_the_pipeline_sizes(self.picture(k), area) for k in keys if k is not None]
-        seen = self.image_processor(images=pictures, return_tensors="pt") if pictures else {}
-        merged = self.image_processor.merge_size ** 2
-        counts = iter((seen["image_grid_thw"].prod(-1) // merged).tolist() if pictures else [])
-        prompts = [self._prompt(c, next(counts) if k is not None else 0) for c, k in zip(captions, keys)]
-        tokens = self.tokenizers[0](prompts, padding=True, return_tensors="pt").to(self.device)
-        states = self.models[0](input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
-                                pixel_values=seen["pixel_values"].to(self.device) if pictures else None,
-                                image_grid_thw=seen["image_grid_thw"].to(self.device) if pictures else None,
-                                output_hidden_states=True).hidden_states[-1]
-        kept = [row[mask][_QWEN_EDIT_TEMPLATE_TOKENS:] for row, mask in zip(states, tokens.attention_mask.bool())]
-        hidden = states.new_zeros(len(texts), max(len(k) for k in kept), states.shape[-1])
-        for i, row in enumerate(kept):
-            hidden[i, :len(row)] = row
-        return hidden, torch.zeros(len(texts), 0, device=self.device)
-
-
-def flux_text_widths(folder: Path) -> tuple[int, int]:
-    """(T5's width, CLIP's pooled width) from the folder's configs."""
-    clip, t5 = text_encoder_configs(folder)[:2]
-    return t5["d_model"], clip["hidden_size"]
-
-
-def sd3_text_widths(folder: Path) -> tuple[int, int]:
-    """(T5's width, both CLIPs' projections) from the folder's configs."""
-    clip_l, clip_g, t5 = text_encoder_configs(folder)[:3]
-    return t5["d_model"], clip_l["projection_dim"] + clip_g["projection_dim"]

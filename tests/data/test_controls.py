@@ -17,7 +17,7 @@ from diffpipe.data.buckets import place, to_pixels
 from diffpipe.data.folder import read_rgb
 from diffpipe.data.preparation import prepare_folder_images
 from diffpipe.errors import DataError
-from diffpipe.models.folder_text import FluxText
+from diffpipe.models.families.flux.text import FluxText
 from diffpipe.models.vae import encode_latents, load_vae
 
 from ..helpers import run_command

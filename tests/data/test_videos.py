@@ -53,7 +53,7 @@ def test_clip_lengths_come_from_the_frame_buckets():
 def test_wan_text_equals_wan_pipeline_encode_prompt(tiny_video):
     from diffusers import WanPipeline
 
-    from diffpipe.models.folder_text import WanText
+    from diffpipe.models.families.wan.text import WanText
 
     captions = ["a red square moving right", "a  blue &amp; yellow disc", ""]
     text = WanText.from_folder(tiny_video / "wan")
@@ -100,7 +100,7 @@ def test_an_image_vae_encodes_a_clip_frame_by_frame():
 def _dataset(tiny_video, clips, vae, **data):
     from diffpipe.config_files import build_config
     from diffpipe.data.preparation import prepare_folder_images
-    from diffpipe.models.folder_text import WanText
+    from diffpipe.models.families.wan.text import WanText
 
     config = build_config({"model": {"path": str(tiny_video / "wan")},
                            "data": dict(dict(dataset="folder", path=str(clips), resolution=64, bucket_step=16,

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from diffpipe.cli import main
 from diffpipe.config_files import build_config
 from diffpipe.models.families.flux.chroma import CHROMA_PRESETS, ChromaFamily
-from diffpipe.models.folder_text import ChromaText
+from diffpipe.models.families.flux.text import ChromaText
 from diffpipe.models.family import Feed
 
 from ..helpers import (check_diffusers_lora, photos_with_long_captions, predicted_with_padded_text,

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from diffpipe.build import build_backbone, build_text_encoder, example_inputs, sample_shape
 from diffpipe.config import ConfigError
 from diffpipe.config_files import build_config
-from diffpipe.models.folder_text import FluxText, SD3Text
+from diffpipe.models.families.flux.text import FluxText
+from diffpipe.models.families.sd3.text import SD3Text
 from diffpipe.models.loading import CheckpointError
 from diffpipe.preflight import check_before_launch
 

@@ -17,7 +17,7 @@ from diffpipe.cli import main
 from diffpipe.config_files import build_config
 from diffpipe.data.batches import BatchMaker
 from diffpipe.data.preparation import prepare_folder_images
-from diffpipe.models.folder_text import FluxText
+from diffpipe.models.families.flux.text import FluxText
 from diffpipe.models.family import Feed
 from diffpipe.models.tokens import pack_latents
 from diffpipe.models.families.flux.kontext import FluxKontextFamily

@@ -13,7 +13,7 @@ from diffusers import QwenImagePipeline
 from safetensors.torch import load_file
 
 from diffpipe.cli import main
-from diffpipe.models.folder_text import QwenImageText
+from diffpipe.models.families.qwen_image.text import QwenImageText
 from diffpipe.models.family import Feed
 from diffpipe.models.families.qwen_image.qwen_image import QwenImageFamily
 from diffpipe.models.tokens import text_mask

@@ -26,7 +26,7 @@ from diffpipe.data.batches import BatchMaker
 from diffpipe.data.buckets import placed
 from diffpipe.data.folder import read_rgb
 from diffpipe.data.preparation import prepare_folder_images
-from diffpipe.models.folder_text import QwenImageEditText
+from diffpipe.models.families.qwen_image.text import QwenImageEditText
 from diffpipe.models.family import Feed
 from diffpipe.models.families.qwen_image.edit import QwenImageEditFamily, picture_tokens
 from diffpipe.models.vae import load_vae

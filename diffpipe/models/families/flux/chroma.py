@@ -179,7 +179,7 @@ class ChromaFamily(FluxFamily):
         return {"time_text_embed.mod_proj": table}
 
     def folder_text_encoder(self, folder):
-        from ...folder_text import ChromaText
+        from .text import ChromaText
 
         return ChromaText.from_folder(folder)
 
@@ -189,6 +189,6 @@ class ChromaFamily(FluxFamily):
         return text_encoder_configs(folder)[0]["d_model"], 0
 
     def folder_text_length(self, folder):
-        from ...folder_text import ChromaText
+        from .text import ChromaText
 
         return ChromaText.max_length

@@ -168,16 +168,16 @@ class FluxFamily(ModelFamily):
                      txt_ids=conditions["txt_ids"][0], return_dict=False)[0]
 
     def folder_text_encoder(self, folder):
-        from ...folder_text import FluxText
+        from .text import FluxText
 
         return FluxText.from_folder(folder)
 
     def folder_text_widths(self, folder):
-        from ...folder_text import flux_text_widths
+        from .text import flux_text_widths
 
         return flux_text_widths(folder)
 
     def folder_text_length(self, folder):
-        from ...folder_text import FluxText
+        from .text import FluxText
 
         return FluxText.max_length

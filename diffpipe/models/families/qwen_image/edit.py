@@ -5,7 +5,7 @@
 The control picture enters twice, as the pipeline feeds it. Its latents, packed 2x2 as the picture's, are appended
 after the picture's tokens, their rotary positions in the model's second frame (`img_shapes` of two entries), and
 the prediction is the picture's tokens only (`noise_pred[:, : latents.size(1)]`). And the text encoder, Qwen2.5-VL,
-reads the picture with the instruction (models/folder_text.py QwenImageEditText): a caption's states hold the picture's
+reads the picture with the instruction (text.py's QwenImageEditText): a caption's states hold the picture's
 vision tokens, so a text is encoded and cached per (caption, control picture). The control's tokens (`reference`)
 and rotary table (`reference_rotary`) are conditions every stage is given: `embed` joins them to the picture's and
 `out` cuts them back off, so only Qwen-Image's `h`, `context` and `temb` cross a boundary. 2511's transformer
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...folder_text import EDIT_PICTURE_AREA, EDIT_PLUS_PICTURE_AREA, reads_pictures_as_plus
+from .text import EDIT_PICTURE_AREA, EDIT_PLUS_PICTURE_AREA, reads_pictures_as_plus
 from ...family import TextBatch
 from ...tokens import mask_or_none, pack_latents, text_mask
 from .qwen_image import QWEN_TEXT_TOKENS, QwenBlock, QwenEmbed, QwenImageFamily, QwenOut, rope_table
@@ -38,7 +38,7 @@ _EDIT_MAX_PIXELS = 12845056  # Qwen-Image-Edit's processor/preprocessor_config.j
 
 def picture_tokens(height: int, width: int, area: int = EDIT_PICTURE_AREA) -> int:
     """Vision tokens Qwen2.5-VL makes of a control of height x width pixels: sized to about `area` pixels as the
-    pipeline sizes its input (models/folder_text.py as_the_pipeline_sizes), then resized by its processor
+    pipeline sizes its input (text.py's as_the_pipeline_sizes), then resized by its processor
     (transformers' smart_resize, Qwen-Image-Edit's pixel limits) into 14-pixel patches merged 2x2."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # (needs no torchvision)
@@ -172,7 +172,7 @@ class QwenImageEditFamily(QwenImageFamily):
         return out[:, :sample.shape[1]]
 
     def folder_text_encoder(self, folder):
-        from ...folder_text import QwenImageEditText
+        from .text import QwenImageEditText
 
         return QwenImageEditText.from_folder(folder)
 

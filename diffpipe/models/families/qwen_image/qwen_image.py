@@ -189,7 +189,7 @@ class QwenImageFamily(ModelFamily):
         return reset_rms_norm(module)
 
     def folder_text_encoder(self, folder):
-        from ...folder_text import QwenImageText
+        from .text import QwenImageText
 
         return QwenImageText.from_folder(folder)
 

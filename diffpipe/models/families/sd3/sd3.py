@@ -158,16 +158,16 @@ class SD3Family(ModelFamily):
         return {"pos_embed.pos_embed": table}
 
     def folder_text_encoder(self, folder):
-        from ...folder_text import SD3Text
+        from .text import SD3Text
 
         return SD3Text.from_folder(folder)
 
     def folder_text_widths(self, folder):
-        from ...folder_text import sd3_text_widths
+        from .text import sd3_text_widths
 
         return sd3_text_widths(folder)
 
     def folder_text_length(self, folder):
-        from ...folder_text import SD3Text
+        from .text import SD3Text
 
         return SD3Text.max_length

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ...folder_text import WAN_T5_TOKENS, WanText
+from .text import WAN_T5_TOKENS, WanText
 from ....errors import CheckpointError
 from ...folder import component_weights, fingerprint_files, pipeline_index
 from ...text import caption_and_picture

@@ -149,7 +149,7 @@ class WanFamily(ModelFamily):
         return {"encoder_hidden_states": text.hidden}
 
     def folder_text_encoder(self, folder):
-        from ...folder_text import WanText
+        from .text import WanText
 
         return WanText.from_folder(folder)
 
@@ -159,7 +159,7 @@ class WanFamily(ModelFamily):
         return text_encoder_configs(folder)[0]["d_model"], 0
 
     def folder_text_length(self, folder):
-        from ...folder_text import WAN_T5_TOKENS
+        from .text import WAN_T5_TOKENS
 
         return WAN_T5_TOKENS
 
