@@ -308,6 +308,11 @@ class PipelineConfig(_Section):
         "Stages per process (interleaved_1f1b and zb1p need 2 or more; zbv and dualpipev exactly 2)."))
     data_parallel: int = Field(1, ge=1, description=(
         "Data-parallel replicas of the pipeline; processes = stages x data_parallel."))
+    sequence_parallel: int = Field(1, ge=1, description=(
+        "Processes that split every sample's tokens between them inside each stage (Ulysses: attention exchanges "
+        "token shards for head shards and back); processes = stages x data_parallel x sequence_parallel. For long "
+        "clips whose activations no stage fits: docs/multi-gpu.md. Families with a DiT whose attention diffusers can "
+        "split (Wan text-to-video, so far); the heads and each sample's tokens must divide by it."))
     data_parallel_shard: bool = Field(False, description=(
         "With data_parallel > 1: cut each stage's fp32 weights, gradients and AdamW state across its replicas "
         "(torch's FSDP2 fully_shard). With pipeline.stages = 1 each unit's weights are gathered only while it "
@@ -519,7 +524,7 @@ class RunConfig(_Section):
             raise ValueError(f"memory.{key} = {getattr(self.memory, key)!r} changes how a LoRA run's frozen base is "
                              "held, and adapter.type = \"none\" (a full fine-tune) trains every weight, so it would "
                              f"change nothing: leave memory.{key} out, or train adapters (adapter.type = \"lora\")")
-        if self.memory.block_swap not in (0, "auto") and (p.data_parallel > 1 or p.compile):
+        if self.memory.block_swap not in (0, "auto") and (p.data_parallel * p.sequence_parallel > 1 or p.compile):
             raise ValueError("memory.block_swap moves weights between host and device while a step runs, which "
                              "data-parallel replicas (they synchronise every weight) and torch.compile (it fixes "
                              "where each weight lives) do not allow yet: set pipeline.data_parallel = 1 and "
@@ -543,7 +548,7 @@ class RunConfig(_Section):
 
     @property
     def world_size(self) -> int:
-        return self.pipeline.stages * self.pipeline.data_parallel
+        return self.pipeline.stages * self.pipeline.data_parallel * self.pipeline.sequence_parallel
 
     @property
     def micro_batch_size(self) -> int:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Topology", "WorkerFailed", "Interrupted", "launch", "end_process_group", "init_topology",
            "single_process_topology", "under_torchrun", "resolve_device_kind", "prepare_to_launch"]
@@ -25,7 +26,11 @@ __all__ = ["Topology", "WorkerFailed", "Interrupted", "launch", "end_process_gro
 
 @dataclass
 class Topology:
-    """Where this process sits: rank r = dp_rank * pp_size + pp_rank."""
+    """Where this process sits: rank r = replica_rank * pp_size + pp_rank, replica_rank = dp_rank * sp_size + sp_rank.
+
+    A stage's replicas (`dp_group`) are every process holding that stage: its data-parallel replicas, each of which
+    may split every sample's tokens over sp_size processes (`sp_mesh`: pipeline/sequence.py). They all average
+    their gradients; only the data-parallel ones read different samples."""
 
     rank: int
     world_size: int
@@ -35,12 +40,24 @@ class Topology:
     dp_size: int
     device: torch.device
     pp_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup  # the stage's replicas (data x sequence parallel): the gradients' average
     send_group: dist.ProcessGroup | None = None  # the pipeline's processes again, for its sends alone
+    sp_rank: int = 0
+    sp_size: int = 1
+    sp_mesh: Any = None  # a DeviceMesh ("place", "ring", "ulysses") whose "ulysses" dimension is this sample's processes
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def replicas(self) -> int:
+        """Processes holding this process's stage (data parallel x sequence parallel)."""
+        return self.dp_size * self.sp_size
+
+    @property
+    def replica_rank(self) -> int:
+        return self.dp_rank * self.sp_size + self.sp_rank
 
 
 def under_torchrun() -> bool:
@@ -262,11 +279,12 @@ def _store_of_this_attempt(world_size: int) -> dist.Store | None:
     return dist.PrefixStore(f"diffpipe/attempt-{attempt}", store)
 
 
-def init_topology(pp_size: int, dp_size: int, device_kind: str, timeout_minutes: float | None = None) -> Topology:
-    """This process's place in a (data parallel x pipeline) grid of processes, and the process groups of its
-    pipeline, of its stage's replicas and of its pipeline's sends. `timeout_minutes`: how long any collective or
-    send may wait for the other processes before it fails (torch's default, 10 minutes for NCCL and 30 for gloo,
-    when None)."""
+def init_topology(pp_size: int, dp_size: int, device_kind: str, timeout_minutes: float | None = None,
+                  sp_size: int = 1) -> Topology:
+    """This process's place in a (data parallel x sequence parallel x pipeline) grid of processes, and the process
+    groups of its pipeline, of its stage's replicas, of its pipeline's sends and of its sample's tokens.
+    `timeout_minutes`: how long any collective or send may wait for the other processes before it fails (torch's
+    default, 10 minutes for NCCL and 30 for gloo, when None)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     if device_kind == "cuda":
@@ -288,7 +306,9 @@ def init_topology(pp_size: int, dp_size: int, device_kind: str, timeout_minutes:
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world_size, store=_store_of_this_attempt(world_size),
                                 device_id=device if device_kind == "cuda" else None, timeout=timeout)
-    pp_rank, dp_rank = rank % pp_size, rank // pp_size
+    pp_rank, replica_rank = rank % pp_size, rank // pp_size
+    dp_rank, sp_rank = divmod(replica_rank, sp_size)
+    replicas = dp_size * sp_size
 
     def groups(member_lists: list[list[int]]) -> dist.ProcessGroup:
         mine = None
@@ -298,11 +318,17 @@ def init_topology(pp_size: int, dp_size: int, device_kind: str, timeout_minutes:
                 mine = group
         return mine
 
-    pipelines = [[replica * pp_size + i for i in range(pp_size)] for replica in range(dp_size)]
+    pipelines = [[replica * pp_size + i for i in range(pp_size)] for replica in range(replicas)]
     pp_group = groups(pipelines)
-    dp_group = groups([[replica * pp_size + i for replica in range(dp_size)] for i in range(pp_size)])
+    dp_group = groups([[replica * pp_size + i for replica in range(replicas)] for i in range(pp_size)])
     # the pipeline's own group for its sends and receives: on the collectives' group NCCL serialises unbatched P2P
     # with every other operation (its start-up warning); torch's pipelining docs advise a group of its own
     send_group = groups(pipelines) if pp_size > 1 else None
+    sp_mesh = None
+    if sp_size > 1:  # the last dimension: the processes of one sample (same data replica and stage), as diffusers'
+        # attention reads a mesh ("ring" of one: Ulysses alone)
+        places = torch.arange(world_size).view(dp_size, sp_size, pp_size).permute(0, 2, 1).reshape(-1, 1, sp_size)
+        sp_mesh = DeviceMesh(device.type, places, mesh_dim_names=("place", "ring", "ulysses"))
     return Topology(rank=rank, world_size=world_size, pp_rank=pp_rank, pp_size=pp_size, dp_rank=dp_rank,
-                    dp_size=dp_size, device=device, pp_group=pp_group, dp_group=dp_group, send_group=send_group)
+                    dp_size=dp_size, device=device, pp_group=pp_group, dp_group=dp_group, send_group=send_group,
+                    sp_rank=sp_rank, sp_size=sp_size, sp_mesh=sp_mesh)

@@ -95,7 +95,7 @@ class PipelineObserver:
         self._retries_seen = _allocator_retries(topo.device)
 
     def _summary(self, times: StepTimes) -> dict:
-        summary = {"rank": self.topo.rank, "pp_rank": self.topo.pp_rank, "dp_rank": self.topo.dp_rank,
+        summary = {"rank": self.topo.rank, "pp_rank": self.topo.pp_rank, "replica_rank": self.topo.replica_rank,
                    "schedule_s": times.step_s, "compute_s": times.compute_s,
                    "optimizer_s": times.optimizer_s, "comm_s": self.moved_bytes_per_step * self.seconds_per_byte,
                    "peak_gib": _peak_bytes(self.topo.device) / GIB,
@@ -112,7 +112,7 @@ class PipelineObserver:
         dist.all_gather_object(gathered, self._summary(times))
         action = "continue"
         if self.topo.is_main:
-            action = self._record(step, record, sorted((g for g in gathered if g["dp_rank"] == 0),
+            action = self._record(step, record, sorted((g for g in gathered if g["replica_rank"] == 0),
                                                        key=lambda g: g["pp_rank"]))
         decision = [action]
         dist.broadcast_object_list(decision, src=0)

@@ -38,7 +38,7 @@ def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: 
     """Wrap this process's stage modules for its replicas (nothing with one replica). Call it once the modules are
     on their device and before anything keeps their parameters (optimizer, hooks, tied-weight maps): FSDP2's
     wrapping replaces every Parameter by a DTensor one."""
-    if topo.dp_size == 1:
+    if topo.replicas == 1:
         return
     if _share_a_weight(modules):
         raise ConfigError(
@@ -117,8 +117,8 @@ def local_numel(like: torch.Tensor | None, shape: tuple[int, ...], topo: Topolog
     dim 0: torch.chunk over the replicas)."""
     if like is not None:
         return local(like).numel()
-    if not shard or topo.dp_size == 1 or not shape:
+    if not shard or topo.replicas == 1 or not shape:
         return int(torch.Size(shape).numel())
-    rows = [len(part) for part in torch.empty(shape[0], device="meta").chunk(topo.dp_size)]
-    mine = rows[topo.dp_rank] if topo.dp_rank < len(rows) else 0
+    rows = [len(part) for part in torch.empty(shape[0], device="meta").chunk(topo.replicas)]
+    mine = rows[topo.replica_rank] if topo.replica_rank < len(rows) else 0
     return mine * int(torch.Size(shape[1:]).numel())

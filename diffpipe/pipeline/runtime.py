@@ -18,6 +18,7 @@ from .timing import Mark, StageClock, StepTimes
 from ..torch_support import schedule_problem
 from .data_parallel import before_backward
 from .schedules import schedule_named
+from .sequence import SequenceShards
 from .stage import StageModule
 
 __all__ = ["PipelineRunner"]
@@ -34,9 +35,10 @@ class PipelineRunner:
     def __init__(self, modules: list[StageModule], stage_indices: list[int], num_stages: int,
                  group: dist.ProcessGroup, device: torch.device, schedule: str, microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], timeable: bool = True,
-                 send_group: dist.ProcessGroup | None = None):
+                 send_group: dist.ProcessGroup | None = None, sequence: SequenceShards | None = None):
         """`group`: the pipeline's processes (barriers); `send_group`: the same processes for the stages' sends
-        (default `group`)."""
+        (default `group`); `sequence`: this process's share of every sample's tokens (pipeline/sequence.py), None
+        for all of them: the stages then compute on that share, and the loss against that share of the target."""
         self.schedule = schedule_named(schedule)
         problem = schedule_problem(schedule, self.schedule.placement, device.type)
         if problem is not None:
@@ -44,7 +46,7 @@ class PipelineRunner:
         self.modules, self.stage_indices = modules, stage_indices
         self.num_stages, self.group, self.device = num_stages, group, device
         self.send_group = send_group if send_group is not None else group
-        self.microbatches, self.loss_fn = microbatches, loss_fn
+        self.microbatches, self.loss_fn, self.sequence = microbatches, loss_fn, sequence
         for module in modules:  # the split backward's needs: pipeline/zero_bubble.py
             module.split_backward = schedule if self.schedule.zero_bubble else None
         self._schedules: dict[tuple, object] = {}
@@ -85,6 +87,7 @@ class PipelineRunner:
         compute intervals.
         """
         timed = timed and bool(self.clocks)
+        target = self._share(target)
         if timed:
             dist.barrier(group=self.group)  # one origin for the whole pipeline: the timeline's ranks line up
         origin = Mark(self.device) if timed else None
@@ -132,6 +135,7 @@ class PipelineRunner:
         between a step's backward and its optimizer step."""
         for clock in self.clocks:
             clock.start_step(None)
+        target = self._share(target)
         if self.schedule.placement == "v":
             output, losses = self._forward_in_stage_order(sample, conditions, target)
         else:
@@ -144,7 +148,14 @@ class PipelineRunner:
         if not self.holds_last_stage:
             return None, None
         loss = torch.stack([loss.float() for loss in losses]).mean() if with_loss else None
+        if self.sequence is not None:  # every share of the output (the loss stays this share's)
+            output = self.sequence.gather(output, dim=1)
         return output, loss
+
+    def _share(self, target: torch.Tensor) -> torch.Tensor:
+        """The target's share that this process's output predicts: the backbone's output is in its token layout
+        (B, tokens, ...), tokens along dimension 1."""
+        return target if self.sequence is None else self.sequence.shard(target, dim=1)
 
     def _forward_in_stage_order(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor],
                                 target: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:

@@ -40,7 +40,7 @@ def evaluate(trainer) -> dict[str, float]:
             if loss is not None:
                 sums[q] += loss.double() / trainer.scaler.scale
     dist.all_reduce(sums)  # the loss lives on each replica's last stage
-    per_quantile = (sums / (len(batches) * topo.dp_size)).tolist()
+    per_quantile = (sums / (len(batches) * topo.replicas)).tolist()  # sequence shards: equal parts
     record = {"eval_loss": sum(per_quantile) / len(per_quantile)}
     record.update({f"eval_loss_t{q:.2f}": v for q, v in zip(train.eval_quantiles, per_quantile)})
     return record

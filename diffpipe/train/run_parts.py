@@ -29,6 +29,7 @@ from ..models.vae import vae_scale_factor
 from ..pipeline.data_parallel import spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
+from ..pipeline.sequence import SequenceShards, attend_across_shards, split_sequence
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import StageModule
 from ..pipeline.tied import TiedGradients, tied_parameters
@@ -104,11 +105,16 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     backbone = build_backbone(config, "meta")
     shapes, model_config = model_shapes(backbone.model), dict(backbone.model.config)
     resolve_layout(config, backbone)
+    shards = _sequence_shards(topo)
+    if shards is not None:  # each unit computes on this process's share of every sample's tokens
+        backbone = split_sequence(backbone, backbone.family.sequence_streams, shards)
     specs = stage_specs(backbone, p.split)
     schedule = schedule_named(p.schedule)
     mine = schedule.stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
     text, data, held_out = _text_and_data(config, backbone, topo)  # first: the text encoders leave before the stages come
     modules = build_stages(config, backbone, specs, mine, topo.device, p.checkpointing)
+    if shards is not None:
+        attend_across_shards(backbone.model, topo.sp_mesh, topo.device)
     tied = tied_parameters(backbone, specs)  # by the backbone's parameter objects, which wrapping replaces:
     spread_over_replicas(modules, topo, p.data_parallel_shard)  # before anything keeps the parameters
     lr_scale = config.train.stage_lr_scale or [1.0] * len(specs)
@@ -121,7 +127,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     weighting = loss_weighting(config.train, config.data)  # what the batches' targets carry, for the loss to read
     runner = PipelineRunner(modules, mine, len(specs), topo.pp_group, topo.device, p.schedule, p.microbatches,
                             _ScaledMSE(scaler, weighting=weighting), timeable=config.observe.enabled,
-                            send_group=topo.send_group)
+                            send_group=topo.send_group, sequence=shards)
     optimizer, lr_schedule = make_optimizer(groups, config.train, config.memory.optimizer_state,
                                             reduce_group=topo.pp_group,
                                             not_counted=frozenset(tied_gradients.not_counted_here))
@@ -136,6 +142,13 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
                                caption_tags(config.data), weighting,
                                timestep_range(config), shift_schedule(config)), held_out,
                     sample_shape(config, backbone), moved, idle)
+
+
+def _sequence_shards(topo: Topology) -> SequenceShards | None:
+    """This process's share of every sample's tokens (pipeline.sequence_parallel); None when it holds them all."""
+    if topo.sp_size == 1:
+        return None
+    return SequenceShards(topo.sp_size, topo.sp_rank, topo.sp_mesh["ulysses"].get_group())
 
 
 def caption_tags(data) -> CaptionTags:

@@ -113,7 +113,7 @@ class TrainingStep:
         self.scaler.update(overflow)
         if not overflow:  # a skipped step is no step of the schedule
             self.lr_schedule.step()
-        record = {"step": step, "loss": total / topo.dp_size, "lr": lr, "grad_norm": norm * self._unscale(scale_used),
+        record = {"step": step, "loss": total / topo.replicas, "lr": lr, "grad_norm": norm * self._unscale(scale_used),
                   "nonfinite": nonfinite, "stop_asked": summed[1], "checkpoint_asked": summed[2]}
         if self.scaler.enabled:
             record.update(loss_scale=scale_used, skipped=overflow)

@@ -31,7 +31,7 @@ def gather_weights(modules, topo: Topology, trained_only: bool = False) -> dict[
     ranks send them."""
     own = ({name: p.detach() for m in modules for name, p in m.full_named_parameters() if p.requires_grad}
            if trained_only else {name: t for m in modules for name, t in m.full_state_dict().items()})
-    if topo.dp_rank != 0:
+    if topo.replica_rank != 0:
         for t in own.values():
             full(t)  # this replica's part in making each whole
         return None

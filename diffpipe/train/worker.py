@@ -27,7 +27,8 @@ def train_worker(config_data: dict, run_dir: str, resume: bool = False) -> None:
 
     config = build_config(config_data)
     topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel,
-                         resolve_device_kind(config.train.device), config.train.collective_timeout_minutes)
+                         resolve_device_kind(config.train.device), config.train.collective_timeout_minutes,
+                         sp_size=config.pipeline.sequence_parallel)
     _train(Trainer(config, topo, Path(run_dir)), resume)
     end_process_group()  # only after success: distributed.end_process_group says why
 

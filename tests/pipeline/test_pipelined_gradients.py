@@ -112,7 +112,7 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
             checkpointing="none", model: str = "digits", clip: float = 1.0, precision: str = "fp32",
             steps: int = STEPS, lora: bool | str = False, shard: bool = False, weight_decay: float = 0.0,
             timesteps: str = "uniform", optimizer: str = "adamw", optimizer_args: dict | None = None,
-            learning_rate: float = 1e-3, timestep_range: list[float] | None = None) -> dict:
+            learning_rate: float = 1e-3, timestep_range: list[float] | None = None, sp: int = 1) -> dict:
     digits = model not in SYNTHETIC  # the others are made for 1-channel 8x8 images
     micro_size = 2 if digits else 1
     return {
@@ -128,7 +128,8 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
                   "timestep_sampling": timesteps, "precision": precision, "weight_decay": weight_decay,
                   "timestep_range": timestep_range},
         "pipeline": {"stages": stages, "schedule": schedule, "virtual_stages": virtual, "data_parallel": dp,
-                     "data_parallel_shard": shard, "microbatches": microbatches, "checkpointing": checkpointing},
+                     "data_parallel_shard": shard, "microbatches": microbatches, "checkpointing": checkpointing,
+                     "sequence_parallel": sp},
     }
 
 
@@ -207,6 +208,9 @@ TWO = {
     "sdxl-style-dp2": _config(1, "1f1b", dp=2, model="sdxl-style"),
     "dp2-sharded-checkpointed": _config(1, "1f1b", dp=2, shard=True, checkpointing="all"),
     "lora-dp2-sharded": _config(1, "1f1b", dp=2, shard=True, lora=True),
+    # each sample's tokens split over 2 processes (pipeline/sequence.py): Ulysses attention, the loss on each share
+    "wan-sp2": _config(1, "1f1b", sp=2, model="wan"),
+    "wan-lora-sp2-checkpointed": _config(1, "1f1b", sp=2, model="wan", lora=True, checkpointing="all"),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),
@@ -236,6 +240,9 @@ FOUR = {
     "sdxl-style-dp2-sharded-x-zbv-2x2": _config(2, "zbv", virtual=2, dp=2, model="sdxl-style", shard=True),
     # the replicas hold the same weights and gradients: Prodigy's sums are over the pipeline's processes alone
     "prodigy-dp2-x-1f1b-2": _config(2, "1f1b", dp=2, optimizer="prodigy", learning_rate=1.0, steps=6),
+    # sequence parallel within a pipeline (the shares cross the stage boundary) and beside data parallel
+    "wan-sp2-x-1f1b-2": _config(2, "1f1b", sp=2, model="wan"),
+    "wan-sp2-x-dp2": _config(1, "1f1b", sp=2, dp=2, model="wan"),
 }
 # one step each: the first step's gradients are bit-equal and its weights within 1.5e-5 of lr, but bf16's rounding
 # amplifies those last-bit differences of the optimizer's arithmetic (diffpipe scales the summed gradients once,
@@ -308,7 +315,8 @@ def _scenario_worker(scenarios: list[tuple[str, dict]], out_dir: str, device_kin
         torch.backends.cuda.matmul.allow_tf32 = False
     for name, data in scenarios:
         config = build_config(data)
-        topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel, device_kind)
+        topo = init_topology(config.pipeline.stages, config.pipeline.data_parallel, device_kind,
+                             sp_size=config.pipeline.sequence_parallel)
         trainer = Trainer(config, topo, Path(out_dir))
         got = {"losses": [], "grad_norms": [], "grads": None, "skipped": []}
         for step in range(config.train.max_steps):

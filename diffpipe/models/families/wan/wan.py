@@ -96,6 +96,9 @@ class WanFamily(ModelFamily):
     # Wan LoRA files in this layout carry no `.alpha` outside the blocks (diffusion-pipe's; diffusers' reader of them
     # refuses a `head.head.alpha`): the scale goes into lora_up, which ComfyUI and diffusers then take at 1
     comfyui_lora_alpha = False
+    # the video tokens and their rotary table (cos and sin stacked: 2, 1, tokens, 1, width) split over a sample's
+    # processes; the text tokens stay whole, which only the cross-attentions read
+    sequence_streams = {"h": 1, "rope": 2}
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers

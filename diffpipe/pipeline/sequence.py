@@ -1,0 +1,127 @@
+"""Sequence parallelism: every sample's tokens split over `pipeline.sequence_parallel` processes inside each stage.
+
+The unit that first writes a token stream (a DiT's embedding: the video tokens and their rotary table) keeps only
+this process's contiguous share of the tokens; every later unit computes on that share, stage boundaries carry it
+(no gather at a boundary), and the loss is this share's mean against the same share of the target. Attention is
+the one place tokens meet: there DeepSpeed-Ulysses exchanges token shards for head shards (an all-to-all), attends
+over every token with heads/N, and exchanges back, as diffusers' own context-parallel attention does
+(`TemplatedUlyssesAttention`, forward and backward). Text, timesteps and their embeddings stay whole on every
+process: a cross-attention then attends to N copies of the same text keys, which gives the same softmax.
+
+Gradients: each process's loss is the mean over its equal share, so the average over the shares is the unsplit
+model's loss, and averaging gradients over them (the stage's replicas: pipeline/data_parallel.py) gives the unsplit
+model's gradients, exactly as data parallelism averages over samples.
+
+What a family must give: `ModelFamily.sequence_streams`, the names of its token streams and the dimension their
+tokens lie along; attention processors that read diffusers' parallel config. A family without them is refused
+(`sequence_refusal`), as are heads or token counts that do not divide by the degree.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import ConfigError
+from ..models.units import Backbone
+
+__all__ = ["SequenceShards", "split_sequence", "sequence_refusal", "attend_across_shards"]
+
+
+@dataclass(frozen=True)
+class SequenceShards:
+    """This process's share of every sample's tokens: share `rank` of `size` equal, contiguous shares."""
+
+    size: int
+    rank: int
+    group: dist.ProcessGroup | None = None  # the processes of one sample (all its shares)
+
+    def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This process's share along `dim` (a view; its gradient flows back into the share's place)."""
+        tokens = tensor.shape[dim]
+        if tokens % self.size:
+            raise ConfigError(f"pipeline.sequence_parallel = {self.size} splits each sample's tokens into equal "
+                              f"shares, and this batch has {tokens} tokens a sample: choose a degree that divides "
+                              f"{tokens}, or latent sizes/frames whose token count it divides")
+        per = tokens // self.size
+        return tensor.narrow(dim, self.rank * per, per)
+
+    def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every share of `tensor` along `dim`, in order (no gradient: for outputs read after a forward)."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+class _Shares(nn.Module):
+    """A unit's module whose outputs named in `streams` keep only this process's share of their tokens."""
+
+    def __init__(self, inner: nn.Module, streams: dict[str, int], shards: SequenceShards):
+        super().__init__()
+        self.inner, self.streams, self.shards = inner, streams, shards
+
+    def forward(self, **named: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.inner(**named)
+        return {name: self.shards.shard(t, self.streams[name]) if name in self.streams else t
+                for name, t in out.items()}
+
+
+def split_sequence(backbone: Backbone, streams: dict[str, int], shards: SequenceShards) -> Backbone:
+    """The backbone with each token stream cut to this process's share where it is first written (a unit writing
+    it without reading it); the units' modules and parameters are the same objects."""
+    units, started = [], set()
+    for unit in backbone.units:
+        starts = {name: dim for name, dim in streams.items()
+                  if name in unit.writes and name not in unit.reads and name not in started}
+        started.update(starts)
+        units.append(replace(unit, module=_Shares(unit.module, starts, shards)) if starts else unit)
+    missing = sorted(set(streams) - started)
+    if missing:
+        raise RuntimeError(f"no unit of the backbone writes the token stream(s) {missing} before reading them")
+    return replace(backbone, units=units)
+
+
+def sequence_refusal(family, model: nn.Module, degree: int) -> str | None:
+    """Why `model` (of `family`) cannot split its tokens over `degree` processes, in a line; None if it can."""
+    if degree == 1:
+        return None
+    if not getattr(family, "sequence_streams", None):
+        why = getattr(family, "sequence_refusal", None) or "its adapter does not name its token streams yet"
+        return (f"pipeline.sequence_parallel = {degree}: the {family.name} family cannot split a sample's tokens "
+                f"({why}); set pipeline.sequence_parallel = 1 and split the model with pipeline.stages instead")
+    heads = getattr(model.config, "num_attention_heads", None)
+    if heads is not None and heads % degree:
+        return (f"pipeline.sequence_parallel = {degree}: attention splits its {heads} heads over the processes of a "
+                f"sample, so the degree must divide {heads}: choose one of "
+                f"{', '.join(str(d) for d in range(2, heads + 1) if heads % d == 0)}")
+    unsplittable = sorted({type(_processor(m)).__name__ for m in _attention_modules(model)
+                           if not hasattr(_processor(m), "_parallel_config")})
+    if unsplittable:
+        return (f"pipeline.sequence_parallel = {degree}: {', '.join(unsplittable)} (this model's attention) cannot "
+                "attend across token shares; set pipeline.sequence_parallel = 1")
+    return None
+
+
+def attend_across_shards(model: nn.Module, mesh, device: torch.device) -> None:
+    """Every attention of `model` attends over all shares of the tokens (Ulysses all-to-alls over the mesh's
+    "ulysses" dimension). diffusers' own `enable_parallelism` would do this but cannot run on the CPU (it divides
+    by the accelerator count, 0 there) and also adds hooks that split and gather at its own places, which the
+    units do here; so its parallel config is set up on our mesh and handed to each attention processor, the one
+    attribute `enable_parallelism` sets on them."""
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+
+    size = mesh["ulysses"].size()
+    config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=size, mesh=mesh))
+    config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
+    for module in _attention_modules(model):
+        _processor(module)._parallel_config = config
+
+
+def _processor(module: nn.Module):
+    return getattr(module, "processor", None)
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if _processor(m) is not None and callable(_processor(m))]

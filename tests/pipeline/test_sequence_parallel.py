@@ -1,0 +1,89 @@
+"""Sequence parallelism (pipeline/sequence.py): the central test's comparison, shown failing on the errors it exists
+to catch, and the refusals said before anything launches.
+
+The scenarios that train to the unsplit model's losses, gradients, moments and weights (sp2, sp2 x pp2, sp2 x dp2,
+LoRA checkpointed) are in test_pipelined_gradients.py. Here the same comparison sees each planted error fail:
+- a rotary table cut to the wrong share (every process given the first share's positions);
+- attention without its all-to-alls (each share attends only to its own tokens);
+- the shares' gradients left unaveraged (each process's loss counts only its own tokens).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from diffpipe.config import ConfigError
+from diffpipe.preflight import check_before_launch
+
+from ..helpers import run_workers
+from ..planted import planted
+from . import test_pipelined_gradients as central
+from .reference_loop import reference
+
+PLANTS = ("rope-first-share", "no-all-to-all", "shares-not-averaged")
+
+
+def _planted_worker(plant: str, scenarios: list, out_dir: str) -> None:
+    """The central test's worker with one error planted in this process's diffpipe."""
+    import diffpipe.pipeline.data_parallel as data_parallel
+    import diffpipe.train.run_parts as run_parts
+
+    if plant == "rope-first-share":  # the rope table (tokens along dimension 2) always cut to share 0
+        wrong = planted("diffpipe.pipeline.sequence", "return tensor.narrow(dim, self.rank * per, per)",
+                        "return tensor.narrow(dim, 0 if dim == 2 else self.rank * per, per)")
+        run_parts.SequenceShards = wrong.SequenceShards
+    elif plant == "no-all-to-all":
+        run_parts.attend_across_shards = lambda model, mesh, device: None
+    elif plant == "shares-not-averaged":
+        wrong = planted("diffpipe.pipeline.data_parallel", "if topo.replicas == 1:", "if topo.dp_size == 1:")
+        data_parallel.spread_over_replicas = wrong.spread_over_replicas
+        run_parts.spread_over_replicas = wrong.spread_over_replicas
+    central._scenario_worker(scenarios, out_dir)
+
+
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory) -> dict[str, str]:
+    return central.write_model_folders(tmp_path_factory.mktemp("initial-weights"))
+
+
+@pytest.mark.parametrize("plant", PLANTS)
+def test_planted_sequence_errors_fail_the_comparison(plant, model_folders, tmp_path):
+    config = central.resolved(central.TWO["wan-sp2"], model_folders)
+    central.planned_splits({"wan-sp2": config})
+    run_workers(_planted_worker, (plant, [("wan-sp2", config.model_dump(mode="json"))], str(tmp_path)), 2)
+    ref = reference(config, central.draws_of(config))
+    found = central.compare(ref, central._load_ranks("wan-sp2", 2, tmp_path), central._weight_scale(config, ref))
+    problems = central.failures(found)
+    print(plant, problems)
+    assert any(p.startswith(("losses", "grads")) for p in problems), plant
+
+
+def _sequence_config(model: str, degree: int, **pipeline) -> dict:
+    data = copy.deepcopy(central._config(1, "1f1b", model=model))
+    data["pipeline"].update(sequence_parallel=degree, **pipeline)
+    data["train"]["device"] = "cpu"
+    return data
+
+
+@pytest.mark.parametrize("model,degree,words", [
+    ("digits", 2, "the unet2d family cannot split a sample's tokens"),
+    ("sd3", 2, "the sd3 family cannot split"),
+    ("wan", 3, "must divide 4: choose one of 2, 4"),  # 4 heads
+])
+def test_a_split_that_cannot_be_is_refused_before_launch(model, degree, words, model_folders):
+    config = central.resolved(_sequence_config(model, degree), model_folders)
+    with pytest.raises(ConfigError, match=words) as refused:
+        check_before_launch(config)
+    assert "\n" not in str(refused.value)
+
+
+def test_tokens_that_do_not_divide_are_refused_before_launch(model_folders):
+    """4 heads split 4 ways; a clip of 4 frames of 8x8 latents is 64 tokens, of 6x6 36: 4 divides both. Of 10x10,
+    100 tokens: 8 would not divide; with 4 heads the degree is at most 4, so the frames are cut to 3 (75 tokens)."""
+    data = _sequence_config("wan", 2)
+    data["data"]["latent_size"] = [10, 10]
+    data["data"]["frames"] = 3
+    config = central.resolved(data, model_folders)
+    with pytest.raises(ConfigError, match="splits each sample's 75 tokens"):
+        check_before_launch(config)
