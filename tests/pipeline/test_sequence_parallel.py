@@ -10,14 +10,16 @@ LoRA checkpointed) are in test_pipelined_gradients.py. Here the same comparison 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 
 from diffpipe.config import ConfigError
 from diffpipe.preflight import check_before_launch
 
-from ..helpers import run_workers
+from ..helpers import run_command, run_workers
 from ..planted import planted
+from ..train.test_checkpoint import _cut_short, _losses
 from . import test_pipelined_gradients as central
 from .reference_loop import reference
 
@@ -87,3 +89,39 @@ def test_tokens_that_do_not_divide_are_refused_before_launch(model_folders):
     config = central.resolved(data, model_folders)
     with pytest.raises(ConfigError, match="splits each sample's 75 tokens"):
         check_before_launch(config)
+
+
+VIDEO = Path(__file__).parent.parent.parent / "examples" / "video_tiny.toml"  # Wan's digits preset: 64 tokens a clip
+VIDEO_QUICK = ["--set", "train.max_steps=6", "--set", "train.batch_size=8", "--set", "checkpoint.every=3",
+               "--set", "pipeline.stages=1", "--set", "output.sample_every_end=false", "--set", "observe.log_every=0",
+               "--set", 'train.device="cpu"']
+
+
+@pytest.fixture(scope="module")
+def split_run(tmp_path_factory) -> Path:
+    """6 steps of the tiny Wan with every clip's tokens split over 2 processes, checkpointed at steps 3 and 6."""
+    run = tmp_path_factory.mktemp("sp2") / "run"
+    result = run_command(["train", str(VIDEO), *VIDEO_QUICK, "--set", "pipeline.sequence_parallel=2",
+                          "--output-dir", str(run)])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "x 2 processes sharing each sample's tokens" in result.stdout
+    return run
+
+
+def test_a_split_run_trains_to_the_losses_of_one_process(split_run, tmp_path):
+    whole = tmp_path / "whole"
+    result = run_command(["train", str(VIDEO), *VIDEO_QUICK, "--output-dir", str(whole)])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert _losses(split_run) == pytest.approx(_losses(whole), rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("degree", [1, 4])
+def test_a_split_run_resumes_at_another_degree_to_the_same_losses(split_run, tmp_path, degree):
+    run = _cut_short(split_run, tmp_path / "run")
+    result = run_command(["train", str(VIDEO), *VIDEO_QUICK, "--resume", str(run),
+                          "--set", f"pipeline.sequence_parallel={degree}"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "(step 3)" in result.stdout
+    got, want = _losses(run), _losses(split_run)
+    assert list(got) == list(range(6))
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
