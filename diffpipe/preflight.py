@@ -19,7 +19,7 @@ from .models.folder import is_pipeline_folder, pipeline_index
 from .models.units import Backbone
 from .pipeline.block_swap import holds_frozen
 from .pipeline.schedules import schedule_named
-from .pipeline.sequence import sequence_refusal
+from .pipeline.sequence import sample_tokens, sequence_problem
 from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
 from .planner.plan import resolve_memory, resolve_stages
@@ -74,14 +74,8 @@ def check_before_launch(config: RunConfig) -> Checked:
 
 def _check_sequence_split(config: RunConfig, backbone: Backbone, shape: tuple[int, ...]) -> None:
     """pipeline.sequence_parallel: the family splits its tokens, its heads and the sample's tokens divide by it."""
-    degree = config.pipeline.sequence_parallel
-    problem = sequence_refusal(backbone.family, backbone.model, degree)
-    if problem is None and degree > 1:
-        tokens = backbone.family.pack_prediction(backbone.model.config, torch.empty((1, *shape), device="meta")).shape[1]
-        if tokens % degree:
-            problem = (f"pipeline.sequence_parallel = {degree} splits each sample's {tokens} tokens (latents "
-                       f"{'x'.join(map(str, shape[1:]))}) into equal shares: choose a degree that divides {tokens}, "
-                       "or a latent size and frame count whose tokens it divides")
+    family, model = backbone.family, backbone.model
+    problem = sequence_problem(family, model, config.pipeline.sequence_parallel, sample_tokens(family, model, shape))
     if problem is not None:
         raise ConfigError(problem)
 

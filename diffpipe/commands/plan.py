@@ -71,7 +71,8 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
             print()
         plan = plans[0]
     else:
-        plan = make_plan(config, meta, p.stages * p.virtual_stages, p.data_parallel, p.microbatches, hw)
+        plan = make_plan(config, meta, p.stages * p.virtual_stages, p.data_parallel, p.microbatches, hw,
+                         sequence_parallel=p.sequence_parallel)
     result = plan_as_dict(plan, meta)
     if not as_json:
         print(format_plan(plan, meta, config, hw), flush=True)

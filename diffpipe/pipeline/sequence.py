@@ -27,7 +27,8 @@ from torch import nn
 from ..config import ConfigError
 from ..models.units import Backbone
 
-__all__ = ["SequenceShards", "split_sequence", "sequence_refusal", "attend_across_shards"]
+__all__ = ["SequenceShards", "split_sequence", "sequence_refusal", "sequence_problem", "sample_tokens",
+           "attend_across_shards"]
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,23 @@ def sequence_refusal(family, model: nn.Module, degree: int) -> str | None:
         return (f"pipeline.sequence_parallel = {degree}: {', '.join(unsplittable)} (this model's attention) cannot "
                 "attend across token shares; set pipeline.sequence_parallel = 1")
     return None
+
+
+def sample_tokens(family, model: nn.Module, shape: tuple[int, ...]) -> int | None:
+    """Tokens of one sample of latents `shape` (channels first) in the backbone's output layout; None for a family
+    that cannot split them."""
+    if not getattr(family, "sequence_streams", None):
+        return None
+    return family.pack_prediction(model.config, torch.empty((1, *shape), device="meta")).shape[1]
+
+
+def sequence_problem(family, model: nn.Module, degree: int, tokens: int | None) -> str | None:
+    """`sequence_refusal`, and whether a sample's `tokens` divide into `degree` equal shares; None if it can split."""
+    problem = sequence_refusal(family, model, degree)
+    if problem is None and degree > 1 and tokens % degree:
+        problem = (f"pipeline.sequence_parallel = {degree} splits each sample's {tokens} tokens into equal shares: "
+                   f"choose a degree that divides {tokens}, or a latent size and frame count whose tokens it divides")
+    return problem
 
 
 def attend_across_shards(model: nn.Module, mesh, device: torch.device) -> None:

@@ -46,7 +46,10 @@ class Replicas:
     """A stage's data-parallel replicas: `sharded` (pipeline.data_parallel_shard) cuts its fp32 weights, gradients
     and AdamW moments across them (pipeline/data_parallel.py). In a pipeline, whole copies of the weights and of
     the gradients being summed are held from a step's first forward to its reduction (torch's schedules); a stage
-    alone (`gathered_per_unit`) holds a unit whole only while it computes, with the next one gathered ahead."""
+    alone (`gathered_per_unit`) holds a unit whole only while it computes, with the next one gathered ahead.
+    With sequence parallelism (`sequence` processes sharing each sample's tokens, pipeline/sequence.py) those
+    processes are replicas too: `count` is data parallel x sequence parallel, and every attention pays its
+    all-to-alls."""
 
     count: int = 1
     sharded: bool = False
@@ -57,6 +60,7 @@ class Replicas:
     factored: bool = False  # and Adafactor's factored second moment (UnitCost.factored_state_params, fp32)
     average_bytes: float = 0.0  # train.ema_decay's moving average per trained parameter (fp32; sharded like moments)
     block_swap: int = 0  # units of each stage whose frozen weights live in host memory (pipeline/block_swap.py)
+    sequence: int = 1  # processes sharing each sample's tokens (pipeline.sequence_parallel)
 
     def weight_bytes(self, unit: UnitCost) -> float:
         """A unit's weights as held: trained ones in fp32, frozen ones as memory.base_dtype stores them (fp8, int8,
@@ -70,10 +74,19 @@ class Replicas:
         """A unit's (forward, backward) seconds: measured ones as measured; else from its FLOPs, each pass with the
         time a quantised base (memory.base_dtype fp8, int8, nf4) spends turning its weights back into bf16."""
         forward, backward = unit_times(unit, hw)
+        exchange = self.exchange_s(unit, hw)
         if unit.forward_s is not None and unit.backward_s is not None:
-            return forward, backward
-        extra = self.frozen.dequantise_flops(unit.frozen_linear_params) / (hw.tflops * 1e12)
+            return forward + exchange, backward + exchange
+        extra = self.frozen.dequantise_flops(unit.frozen_linear_params) / (hw.tflops * 1e12) + exchange
         return forward + extra, backward + extra
+
+    def exchange_s(self, unit: UnitCost, hw: Hardware) -> float:
+        """Seconds of one pass's all-to-alls (forward's, and as many in backward) of the unit's attentions: each
+        process sends all but its own 1/N of its queries, keys, values and outputs (their bytes are this process's,
+        the costs having been scaled to its share of the tokens), none overlapped with compute."""
+        if self.sequence == 1:
+            return 0.0
+        return unit.attention_bytes * (self.sequence - 1) / self.sequence / (hw.link_gbps * 1e9)
 
     def frozen_bytes(self, unit: UnitCost) -> float:
         return self.weight_bytes(unit) - unit.trainable_params * BYTES_PER_WEIGHT

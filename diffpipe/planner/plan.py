@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..build import build_backbone, example_inputs
+from ..build import build_backbone, example_inputs, sample_shape
 from ..config import RunConfig
 from ..models.materialise import is_meta
 from ..models.storage import FrozenStorage
@@ -20,6 +20,7 @@ from ..pipeline.split import (balanced_by_parameters, balanced_partition, check_
                               stage_specs)
 from ..pipeline.block_swap import holds_frozen
 from ..pipeline.schedules import choice_of
+from ..pipeline.sequence import sample_tokens, sequence_problem
 from ..pipeline.traffic import trace_shapes
 from .costs import UnitCost, count_unit_costs, load_profile
 from .levers import (MemoryChoice, choose, fewest_swapped, holding, leaves_any, most_saving, plan_memory,
@@ -41,17 +42,19 @@ class Plan:
     trainable: list[int]  # trainable parameters of each unit
     link_gbps: float
     replicas: Replicas = Replicas()
+    sequence_parallel: int = 1  # processes sharing each sample's tokens (pipeline/sequence.py)
 
     def allreduce_s(self, part: Partition) -> float:
         """The replicas' collectives in a step, none overlapped with compute (an upper bound): a ring all-reduce of
         the fp32 gradients moves 2 (dp - 1) / dp x the largest stage's bytes; sharded replicas move as much in a
         pipeline (a reduce-scatter of the gradients, an all-gather of the weights), and a stage alone (ZeRO-3) half
         as much again per micro-batch (weights gathered for its forward and its backward, gradients reduced)."""
-        if self.data_parallel == 1:
+        count = self.replicas.count  # data parallel x sequence parallel: every process holding the stage
+        if count == 1:
             return 0.0
         largest = max(sum(self.trainable[s.first:s.last]) for s in part.stages) * 4
         rounds = 1.5 * self.microbatches if self.replicas.sharded and self.replicas.gathered_per_unit else 1
-        return rounds * 2 * (self.data_parallel - 1) / self.data_parallel * largest / (self.link_gbps * 1e9)
+        return rounds * 2 * (count - 1) / count * largest / (self.link_gbps * 1e9)
 
     def step_s(self, part: Partition) -> float:
         return part.step_s + self.allreduce_s(part)
@@ -81,7 +84,8 @@ def scaled(costs: list[UnitCost], factor: float) -> list[UnitCost]:
     return [replace(c, forward_flops=int(c.forward_flops * factor), backward_flops=int(c.backward_flops * factor),
                     activation_bytes=int(c.activation_bytes * factor), output_bytes=outputs(c),
                     forward_s=t(c.forward_s), backward_s=t(c.backward_s),
-                    weight_pass_bytes=int(c.weight_pass_bytes * factor), working_bytes=int(c.working_bytes * factor))
+                    weight_pass_bytes=int(c.weight_pass_bytes * factor), working_bytes=int(c.working_bytes * factor),
+                    attention_bytes=int(c.attention_bytes * factor))
             for c in costs]
 
 
@@ -105,6 +109,7 @@ def unit_costs(config: RunConfig, meta: Backbone, micro_batch: int) -> list[Unit
             m.shared_output_bytes = c.shared_output_bytes
             m.weight_pass_bytes = c.weight_pass_bytes * saved_batch  # counted, never measured
             m.working_bytes, m.trained_copy_bytes = c.working_bytes * saved_batch, c.trained_copy_bytes
+            m.attention_bytes = c.attention_bytes * saved_batch
             if device == "cpu":  # CPU memory is not measured per unit: keep the counted activation bytes
                 m.activation_bytes = c.activation_bytes * saved_batch
         return scaled(measured, micro_batch / saved_batch)
@@ -219,29 +224,32 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
     return "\n".join(lines + ["what would help: " + "; ".join(fixes)])
 
 
-def _replicas(config: RunConfig, stages: int, data_parallel: int) -> Replicas:
+def _replicas(config: RunConfig, stages: int, data_parallel: int, sequence_parallel: int = 1) -> Replicas:
     """How the layout's replicas hold a stage's state: a stage alone gathers each unit as it computes when sharded
     (pipeline/data_parallel.py, where the processes of a pipeline decide the same)."""
     frozen = planned_storage(config)
     autocast = AUTOCAST_DTYPES[config.train.precision]
     held = unchanged(config)  # each "auto" at its unchanged value: the planner changes it only where needed
     state, factored = optimizer_state_bytes(config.train, held.optimizer_state)
-    return Replicas(data_parallel, config.pipeline.data_parallel_shard, gathered_per_unit=stages == 1,
+    return Replicas(data_parallel * sequence_parallel, config.pipeline.data_parallel_shard,
+                    gathered_per_unit=stages == 1, sequence=sequence_parallel,
                     frozen=frozen, autocast_bytes=0 if autocast is None else element_bytes(autocast),
                     moment_bytes=state, factored=factored, block_swap=held.block_swap,
                     average_bytes=BYTES_PER_WEIGHT if config.train.ema_decay > 0 else 0.0)
 
 
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,
-              hw: Hardware, per_sample: list[UnitCost] | None = None) -> Plan:
-    """The plan for one layout; `per_sample` (costs at micro-batch 1) saves recounting across layouts."""
+              hw: Hardware, per_sample: list[UnitCost] | None = None, sequence_parallel: int = 1) -> Plan:
+    """The plan for one layout; `per_sample` (costs at micro-batch 1) saves recounting across layouts. With
+    `sequence_parallel` N each process computes 1/N of every sample's tokens (and of its attention's heads): its
+    costs are those of 1/N of the micro-batch, plus the all-to-alls (partition.Replicas.exchange_s)."""
     check_stage_count(meta, stages)  # before any memory reasoning: too many stages is no question of memory
     micro = config.train.batch_size // (microbatches * data_parallel)
-    costs = scaled(per_sample if per_sample is not None else unit_costs(config, meta, 1), micro)
+    costs = scaled(per_sample if per_sample is not None else unit_costs(config, meta, 1), micro / sequence_parallel)
     bb = boundary_bytes(meta, costs, example_inputs(config, meta, micro)[0])
     p = config.pipeline
     schedule = choice_of(p)
-    replicas = _replicas(config, stages, data_parallel)
+    replicas = _replicas(config, stages, data_parallel, sequence_parallel)
     try:
         planned = partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
     except Infeasible:
@@ -255,7 +263,7 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
     params = estimate_stages(costs, bb, balanced_by_parameters(meta, stages), microbatches, schedule, hw,
                              p.checkpointing, replicas)
     return Plan(stages, data_parallel, microbatches, micro, planned, params,
-                [c.trainable_params for c in costs], hw.link_gbps, replicas)
+                [c.trainable_params for c in costs], hw.link_gbps, replicas, sequence_parallel)
 
 
 def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardware) -> list[Plan]:
@@ -265,24 +273,30 @@ def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardw
 
 
 def layouts_tried(config: RunConfig, meta: Backbone, world_size: int, hw: Hardware) -> list[tuple[Plan | None, str]]:
-    """Each (stages, data parallel, micro-batches) with stages x dp = world size: its plan, or None and why it does
-    not fit (the first line of the planner's reason)."""
+    """Each (stages, data parallel, sequence parallel, micro-batches) with stages x dp x sp = world size: its plan,
+    or None and why it does not fit (the first line of the planner's reason). Sequence parallel degrees where the
+    family splits its tokens and its heads and each sample's tokens divide by them (pipeline/sequence.py)."""
     tried, per_sample = [], unit_costs(config, meta, 1)
     choice = choice_of(config.pipeline)
+    tokens = sample_tokens(meta.family, meta.model, sample_shape(config, meta))
     for ranks in range(1, world_size + 1):
         stages = ranks * choice.per_rank if ranks > 1 else 1  # a lone process runs the model as one stage
         if world_size % ranks or stages > len(meta.units):
             continue
-        dp = world_size // ranks
-        for m in range(1, config.train.batch_size // dp + 1):
-            if config.train.batch_size % (m * dp) or choice.schedule.problem(ranks, choice.virtual_stages, m):
+        for sp in range(1, world_size // ranks + 1):
+            if (world_size // ranks) % sp or sequence_problem(meta.family, meta.model, sp, tokens) is not None:
                 continue
-            try:
-                tried.append((make_plan(config, meta, stages, dp, m, hw, per_sample), ""))
-            except Infeasible as exc:
-                words = str(exc).splitlines()[0]
-                layout = f"{ranks} process(es) x {dp} replica(s), {m} micro-batch(es)"
-                tried.append((None, f"{layout}: does not fit: {words}"))
+            dp = world_size // (ranks * sp)
+            for m in range(1, config.train.batch_size // dp + 1):
+                if config.train.batch_size % (m * dp) or choice.schedule.problem(ranks, choice.virtual_stages, m):
+                    continue
+                try:
+                    tried.append((make_plan(config, meta, stages, dp, m, hw, per_sample, sp), ""))
+                except Infeasible as exc:
+                    words = str(exc).splitlines()[0]
+                    split = f" x {sp} sharing each sample's tokens" if sp > 1 else ""
+                    layout = f"{ranks} process(es) x {dp} replica(s){split}, {m} micro-batch(es)"
+                    tried.append((None, f"{layout}: does not fit: {words}"))
     return tried
 
 
@@ -298,13 +312,15 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
     decided = stages == 1 and p.checkpointing != "auto" and hw.memory_bytes is None
     if p.split == "auto" and not decided:
         try:
-            plan = make_plan(config, meta, stages, p.data_parallel, p.microbatches, hw)
+            plan = make_plan(config, meta, stages, p.data_parallel, p.microbatches, hw,
+                             sequence_parallel=p.sequence_parallel)
         except Infeasible as exc:
             # the memory model is an estimate (10-20 % either way on the GPUs measured): say so, and plan for
             # time alone rather than refuse a run that may fit
             print(f"warning: the planner's memory estimate says {exc}\nplanning for speed alone; "
                   "the run may run out of memory", file=sys.stderr, flush=True)
-            plan = make_plan(config, meta, stages, p.data_parallel, p.microbatches, replace(hw, memory_bytes=None))
+            plan = make_plan(config, meta, stages, p.data_parallel, p.microbatches, replace(hw, memory_bytes=None),
+                             sequence_parallel=p.sequence_parallel)
         return plan.planned.starts, [s.index for s in plan.planned.stages if s.checkpointed]
     if p.split == "auto":
         starts = []
@@ -324,10 +340,10 @@ def planned_figures(config: RunConfig, meta: Backbone, starts: list[int], checkp
     expects of each pipeline process."""
     p = config.pipeline
     stages = len(starts) + 1
-    costs = unit_costs(config, meta, config.micro_batch_size)
+    costs = unit_costs(config, meta, config.micro_batch_size / p.sequence_parallel)  # this process's share
     bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
     return estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hardware(config), checkpointing,
-                           _replicas(config, stages, p.data_parallel))
+                           _replicas(config, stages, p.data_parallel, p.sequence_parallel))
 
 
 def _fits(costs, bounds_bytes, stages: int, m: int, schedule, hw: Hardware, checkpointing):
@@ -358,16 +374,17 @@ def resolve_memory(config: RunConfig, backbone: Backbone) -> MemoryChoice:
     stages = p.stages * p.virtual_stages
     if p.split == "auto":
         try:
-            return plan_memory(config, make_plan(config, meta, stages, p.data_parallel, p.microbatches, hw))
+            return plan_memory(config, make_plan(config, meta, stages, p.data_parallel, p.microbatches, hw,
+                                                 sequence_parallel=p.sequence_parallel))
         except Infeasible:
             return most_saving(config, sum(holds_frozen(meta.units)))
     starts = balanced_by_parameters(meta, stages) if p.split == "parameters" else list(p.split)
-    costs = unit_costs(config, meta, config.micro_batch_size)
+    costs = unit_costs(config, meta, config.micro_batch_size / p.sequence_parallel)  # this process's share
     bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
 
     def fits(held: Replicas) -> bool:
         figures = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, p.checkpointing, held)
         return max(figures.process_memory_bytes) <= hw.memory_bytes
 
-    chosen = choose(config, _replicas(config, stages, p.data_parallel), fits, holding(costs))
+    chosen = choose(config, _replicas(config, stages, p.data_parallel, p.sequence_parallel), fits, holding(costs))
     return chosen[0] if chosen is not None else most_saving(config, sum(holds_frozen(meta.units)))

@@ -58,7 +58,8 @@ def plan_as_dict(plan: Plan, meta: Backbone) -> dict:
                 "process_peak_GiB": [round(b / GIB, 2) for b in part.process_memory_bytes],
                 "stages": _stage_rows(part, meta, trainable)}
 
-    return {"stages": plan.stages, "data_parallel": plan.data_parallel, "microbatches": plan.microbatches,
+    return {"stages": plan.stages, "data_parallel": plan.data_parallel,
+            "sequence_parallel": plan.sequence_parallel, "microbatches": plan.microbatches,
             "micro_batch_size": plan.micro_batch_size, "planned": summary(plan.planned),
             "by_parameters": summary(plan.by_parameters)}
 
@@ -76,9 +77,12 @@ def describe_layout(plan: Plan) -> str:
     ranks = plan.planned.schedule.ranks(plan.stages)
     per_process = f" ({plan.stages // ranks} stages each)" if plan.stages > ranks else ""
     pipeline = "one process (no pipeline)" if plan.stages == 1 else f"a pipeline of {_count(ranks, 'process')}"
+    sequence = (f" x {plan.sequence_parallel} processes sharing each sample's tokens"
+                if plan.sequence_parallel > 1 else "")
     return (f"{pipeline.replace('processs', 'processes')}{per_process} x "
-            f"{_count(plan.data_parallel, 'data-parallel replica')}, {_count(plan.microbatches, 'micro-batch')} "
-            f"of {_count(plan.micro_batch_size, 'sample')}").replace("batchs", "batches")
+            f"{_count(plan.data_parallel, 'data-parallel replica')}{sequence}, "
+            f"{_count(plan.microbatches, 'micro-batch')} of {_count(plan.micro_batch_size, 'sample')}"
+            ).replace("batchs", "batches")
 
 
 def assumptions(config: RunConfig, hw: Hardware) -> str:
