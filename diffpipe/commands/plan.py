@@ -13,7 +13,8 @@ from pathlib import Path
 from ..build import build_backbone
 from ..config import RunConfig
 from ..planner.plan import Plan, hardware, layouts_tried, make_plan, planning_device
-from ..planner.report import describe_layout, explain, format_plan, parse_memory, plan_as_dict, write_profile
+from ..planner.report import (describe_layout, explain, format_plan, parse_memory, plan_as_dict, rate,
+                              write_profile)
 from ..train.probe import format_probe, probe_plan, probed_samples_per_s
 
 __all__ = ["plan_command"]
@@ -66,7 +67,7 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
         if not as_json:
             print(f"best layouts of {world_size} devices for a global batch of {config.train.batch_size}:")
             for pl in plans[:5]:
-                print(f"  {describe_layout(pl)}: {pl.samples_per_s:.2f} samples/s, bubble "
+                print(f"  {describe_layout(pl)}: {rate(pl.samples_per_s)} samples/s, bubble "
                       f"{pl.planned.bubble_fraction:.1%}, split {pl.planned.starts}")
             print()
         plan = plans[0]

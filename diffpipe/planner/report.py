@@ -17,7 +17,7 @@ from .partition import Partition
 from .partition import Hardware
 from .plan import Plan, planning_device, profile_key
 
-__all__ = ["parse_memory", "format_plan", "plan_as_dict", "write_profile", "describe_layout", "assumptions",
+__all__ = ["parse_memory", "format_plan", "plan_as_dict", "write_profile", "describe_layout", "rate", "assumptions",
            "explain", "COLUMNS"]
 
 # what each column of a plan's table holds (printed under it, and in docs/planning.md)
@@ -70,6 +70,11 @@ def _params(meta: Backbone) -> int:
 
 def _count(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def rate(samples_per_s: float) -> str:
+    """Samples a second to two decimals, or to three significant figures below 1 (a long clip's 0.043)."""
+    return f"{samples_per_s:.2f}" if samples_per_s >= 1 else f"{samples_per_s:.3g}"
 
 
 def describe_layout(plan: Plan) -> str:
@@ -130,7 +135,7 @@ def format_plan(plan: Plan, meta: Backbone, config: RunConfig | None = None, hw:
                          f"{'yes' if r['checkpointed'] else 'no ':<4}  {', '.join(r['sends']) or '-'}")
         lines.append(f"  slowest stage {part['slowest_stage_ms']:.3f} ms, data-parallel collectives "
                      f"{part['allreduce_ms']:.1f} ms, step {part['step_s']:.4f} s, bubble {part['bubble_fraction']:.1%}, "
-                     f"{part['samples_per_s']:.2f} samples/s")
+                     f"{rate(part['samples_per_s'])} samples/s")
         if per_process:  # what must fit one device: the stages a process runs, together
             lines.append("  peak GiB by process: " + ", ".join(f"{gib:.2f}" for gib in part["process_peak_GiB"]))
     lines.append("\n" + textwrap.fill(COLUMNS, 118))
@@ -145,7 +150,7 @@ def explain(plan: Plan, tried: list[tuple[Plan | None, str]] | None = None) -> s
     if planned.starts != even.starts:
         lines.append(f"  the planned split {planned.starts} against the parameter-count split {even.starts}: slowest "
                      f"stage {planned.slowest_s * 1e3:,.1f} against {even.slowest_s * 1e3:,.1f} ms, "
-                     f"{plan.samples_per_s_of(planned):.2f} against {plan.samples_per_s_of(even):.2f} samples/s")
+                     f"{rate(plan.samples_per_s_of(planned))} against {rate(plan.samples_per_s_of(even))} samples/s")
     else:
         lines.append(f"  the planned split is the parameter-count split {planned.starts}: the planner found none faster")
     checkpointed = [st.index for st in planned.stages if st.checkpointed]
@@ -153,7 +158,7 @@ def explain(plan: Plan, tried: list[tuple[Plan | None, str]] | None = None) -> s
         lines.append(f"  stages {checkpointed} recompute their activations: without, they would not fit the memory")
     runners_up = sorted((p for p, _ in tried or [] if p is not None and p is not plan), key=lambda p: -p.samples_per_s)
     for other in runners_up:
-        lines.append(f"  {describe_layout(other)}: {other.samples_per_s:.2f} samples/s "
+        lines.append(f"  {describe_layout(other)}: {rate(other.samples_per_s)} samples/s "
                      f"(bubble {other.planned.bubble_fraction:.1%}), slower")
     lines += [textwrap.fill(why, 118, initial_indent="  ", subsequent_indent="    ")
               for p, why in tried or [] if p is None]

@@ -440,9 +440,10 @@ def _runs_on_this_torch(data: dict) -> bool:
     return schedule_problem(name, schedule_named(name).placement, "cpu") is None
 
 
-# run again under each other tested torch (.ci/run): whole and split backwards, a V schedule, LoRA, data parallel
+# run again under each other tested torch (.ci/run): whole and split backwards, a V schedule, LoRA, data parallel,
+# sequence parallel
 SMOKE = ("1f1b-2", "sdxl-style-1f1b-2", "zb1p-2x2", "zbv-2x2", "dualpipev-2x2-checkpointed", "flux-zbv-2x2",
-         "lora-zb1p-2x2", "dp2", "dp2-sharded-checkpointed")
+         "lora-zb1p-2x2", "dp2", "dp2-sharded-checkpointed", "wan-sp2")
 
 
 @pytest.mark.parametrize("world,scenarios", [

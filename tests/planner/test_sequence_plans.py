@@ -31,6 +31,7 @@ def _plan(plan_module, config, meta, per_sample, sp):
     return plan_module.make_plan(config, meta, 1, 1, 4, hardware(config), per_sample, sp)
 
 
+@pytest.mark.torch_smoke  # the attentions' bytes are counted through torch's function mode
 def test_a_process_of_a_split_sample_computes_its_share_and_pays_the_all_to_alls(tiny_wan):
     config, meta, per_sample = tiny_wan
     import diffpipe.planner.plan as plan_module
