@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .build import build_backbone, sample_shape, weights_of_each
+from .build import build_backbone, sample_shape, text_length, weights_of_each
 from .config import ConfigError, RunConfig
 from .data.sources import source_of
 from .distributed import resolve_device_kind, under_torchrun
@@ -75,7 +75,8 @@ def check_before_launch(config: RunConfig) -> Checked:
 def _check_sequence_split(config: RunConfig, backbone: Backbone, shape: tuple[int, ...]) -> None:
     """pipeline.sequence_parallel: the family splits its tokens, its heads and the sample's tokens divide by it."""
     family, model = backbone.family, backbone.model
-    problem = sequence_problem(family, model, config.pipeline.sequence_parallel, sample_tokens(family, model, shape))
+    tokens = sample_tokens(family, model, shape, text_length(config))
+    problem = sequence_problem(family, model, config.pipeline.sequence_parallel, tokens)
     if problem is not None:
         raise ConfigError(problem)
 

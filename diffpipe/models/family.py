@@ -87,10 +87,12 @@ class ModelFamily:
     # True: image-to-video; `conditions` reads TextBatch.control, each clip's first frame encoded (data/first_frames.py)
     reads_first_frame: ClassVar[bool] = False
     # pipeline.sequence_parallel (pipeline/sequence.py): the token streams that split over a sample's processes, each
-    # with the dimension its tokens lie along (written unsplit by one unit, then read and written as shares); empty:
-    # the family cannot split, for the reason in `sequence_refusal`
-    sequence_streams: ClassVar[dict[str, int]] = {}
+    # with the dimension its tokens lie along, or (dimension, the streams whose tokens it joins) (written unsplit by
+    # one unit, then read and written as shares); empty: the family cannot split, for the reason in
+    # `sequence_refusal`. `sequence_text_stream`: the text's stream, whose length must divide too where it splits
+    sequence_streams: ClassVar[dict] = {}
     sequence_refusal: ClassVar[str] = ""
+    sequence_text_stream: ClassVar[str] = "context"
     pipelines: ClassVar[tuple[str, ...]] = ()  # diffusers pipelines whose folders it trains, where a backbone class
     # serves several families (FluxPipeline: flux, FluxKontextPipeline: flux_kontext): model_index.json's _class_name
 

@@ -57,16 +57,29 @@ class SequenceShards:
 
 
 class _Shares(nn.Module):
-    """A unit's module whose outputs named in `streams` keep only this process's share of their tokens."""
+    """A unit's module whose outputs named in `streams` keep only this process's share of their tokens. A stream
+    given as (dim, parts) is the named parts' tokens joined along `dim` (Flux's rotary table: the text's positions,
+    then the image's); each part keeps its own share, so the table's rows stay those of the tokens kept."""
 
-    def __init__(self, inner: nn.Module, streams: dict[str, int], shards: SequenceShards):
+    def __init__(self, inner: nn.Module, streams: dict, shards: SequenceShards):
         super().__init__()
         self.inner, self.streams, self.shards = inner, streams, shards
 
     def forward(self, **named: torch.Tensor) -> dict[str, torch.Tensor]:
         out = self.inner(**named)
-        return {name: self.shards.shard(t, self.streams[name]) if name in self.streams else t
-                for name, t in out.items()}
+        return {name: self._share(out, name) if name in self.streams else t for name, t in out.items()}
+
+    def _share(self, out: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        spec = self.streams[name]
+        if isinstance(spec, int):
+            return self.shards.shard(out[name], spec)
+        dim, parts = spec
+        lengths = [out[part].shape[_dim_of(self.streams[part])] for part in parts]
+        return torch.cat([self.shards.shard(piece, dim) for piece in out[name].split(lengths, dim=dim)], dim=dim)
+
+
+def _dim_of(spec) -> int:
+    return spec if isinstance(spec, int) else spec[0]
 
 
 def split_sequence(backbone: Backbone, streams: dict[str, int], shards: SequenceShards) -> Backbone:
@@ -105,21 +118,32 @@ def sequence_refusal(family, model: nn.Module, degree: int) -> str | None:
     return None
 
 
-def sample_tokens(family, model: nn.Module, shape: tuple[int, ...]) -> int | None:
-    """Tokens of one sample of latents `shape` (channels first) in the backbone's output layout; None for a family
-    that cannot split them."""
-    if not getattr(family, "sequence_streams", None):
+def sample_tokens(family, model: nn.Module, shape: tuple[int, ...], text_tokens: int) -> dict[str, int] | None:
+    """The tokens of one sample that split, by kind ("picture": latents `shape`, channels first, in the backbone's
+    output layout; "text": `text_tokens`, where the family splits its text stream too); None for a family that
+    cannot split them."""
+    streams = getattr(family, "sequence_streams", None)
+    if not streams:
         return None
-    return family.pack_prediction(model.config, torch.empty((1, *shape), device="meta")).shape[1]
+    counts = {"picture": family.pack_prediction(model.config, torch.empty((1, *shape), device="meta")).shape[1]}
+    if family.sequence_text_stream in streams:
+        counts["text"] = text_tokens
+    return counts
 
 
-def sequence_problem(family, model: nn.Module, degree: int, tokens: int | None) -> str | None:
-    """`sequence_refusal`, and whether a sample's `tokens` divide into `degree` equal shares; None if it can split."""
+def sequence_problem(family, model: nn.Module, degree: int, tokens: dict[str, int] | None) -> str | None:
+    """`sequence_refusal`, and whether each kind of a sample's `tokens` divides into `degree` equal shares; None if
+    it can split."""
     problem = sequence_refusal(family, model, degree)
-    if problem is None and degree > 1 and tokens % degree:
-        problem = (f"pipeline.sequence_parallel = {degree} splits each sample's {tokens} tokens into equal shares: "
-                   f"choose a degree that divides {tokens}, or a latent size and frame count whose tokens it divides")
-    return problem
+    if problem is not None or degree == 1:
+        return problem
+    for kind, count in tokens.items():
+        if count % degree:
+            fix = ("a latent size and frame count whose tokens it divides" if kind == "picture"
+                   else "model.text_max_length a multiple of it")
+            return (f"pipeline.sequence_parallel = {degree} splits each sample's {count} {kind} tokens into equal "
+                    f"shares: choose a degree that divides {count}, or {fix}")
+    return None
 
 
 def attend_across_shards(model: nn.Module, mesh, device: torch.device) -> None:

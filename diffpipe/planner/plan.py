@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..build import build_backbone, example_inputs, sample_shape
+from ..build import build_backbone, example_inputs, sample_shape, text_length
 from ..config import RunConfig
 from ..models.materialise import is_meta
 from ..models.storage import FrozenStorage
@@ -278,7 +278,7 @@ def layouts_tried(config: RunConfig, meta: Backbone, world_size: int, hw: Hardwa
     family splits its tokens and its heads and each sample's tokens divide by them (pipeline/sequence.py)."""
     tried, per_sample = [], unit_costs(config, meta, 1)
     choice = choice_of(config.pipeline)
-    tokens = sample_tokens(meta.family, meta.model, sample_shape(config, meta))
+    tokens = sample_tokens(meta.family, meta.model, sample_shape(config, meta), text_length(config))
     for ranks in range(1, world_size + 1):
         stages = ranks * choice.per_rank if ranks > 1 else 1  # a lone process runs the model as one stage
         if world_size % ranks or stages > len(meta.units):

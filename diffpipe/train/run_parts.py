@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..build import (boundary_traffic, build_backbone, build_dataset, build_stages, build_text_encoder, feed,
-                     sample_shape, shift_schedule, timestep_range)
-from ..config import RunConfig, TrainConfig
+                     sample_shape, shift_schedule, text_length, timestep_range)
+from ..config import ConfigError, RunConfig, TrainConfig
 from ..data.batches import BatchMaker, CaptionTags, loss_weighting, step_texts
 from ..diffusion.objectives import element_weighted_mse, weighted_mse
 from ..distributed import Topology
@@ -29,7 +29,7 @@ from ..models.vae import vae_scale_factor
 from ..pipeline.data_parallel import spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
-from ..pipeline.sequence import SequenceShards, attend_across_shards, split_sequence
+from ..pipeline.sequence import SequenceShards, attend_across_shards, sample_tokens, sequence_problem, split_sequence
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import StageModule
 from ..pipeline.tied import TiedGradients, tied_parameters
@@ -112,6 +112,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     schedule = schedule_named(p.schedule)
     mine = schedule.stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
     text, data, held_out = _text_and_data(config, backbone, topo)  # first: the text encoders leave before the stages come
+    _check_shares_of_buckets(config, backbone, data)
     modules = build_stages(config, backbone, specs, mine, topo.device, p.checkpointing)
     if shards is not None:
         attend_across_shards(backbone.model, topo.sp_mesh, topo.device)
@@ -149,6 +150,22 @@ def _sequence_shards(topo: Topology) -> SequenceShards | None:
     if topo.sp_size == 1:
         return None
     return SequenceShards(topo.sp_size, topo.sp_rank, topo.sp_mesh["ulysses"].get_group())
+
+
+def _check_shares_of_buckets(config: RunConfig, backbone: Backbone, data) -> None:
+    """With pipeline.sequence_parallel, every bucket's tokens divide into a sample's shares: refused before the
+    first step, naming the bucket (data of one shape was checked before launch)."""
+    degree = config.pipeline.sequence_parallel
+    if degree == 1 or not hasattr(data, "groups"):
+        return
+    family, model = backbone.family, backbone.model
+    for group in data.groups():
+        shape = tuple(data.x0(group[:1]).shape[1:])
+        problem = sequence_problem(family, model, degree, sample_tokens(family, model, shape, text_length(config)))
+        if problem is not None:
+            bucket = data.placements[group[0]].name if hasattr(data, "placements") else "x".join(map(str, shape))
+            raise ConfigError(f"the bucket {bucket} ({len(group)} items): {problem}; or set data.resolution, "
+                              "data.bucket_step or data.frame_buckets so that no bucket has such a count")
 
 
 def caption_tags(data) -> CaptionTags:

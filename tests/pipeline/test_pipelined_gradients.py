@@ -211,6 +211,8 @@ TWO = {
     # each sample's tokens split over 2 processes (pipeline/sequence.py): Ulysses attention, the loss on each share
     "wan-sp2": _config(1, "1f1b", sp=2, model="wan"),
     "wan-lora-sp2-checkpointed": _config(1, "1f1b", sp=2, model="wan", lora=True, checkpointing="all"),
+    # joint attention: the text's tokens split beside the image's, the rotary table as both
+    "flux-sp2": _config(1, "1f1b", sp=2, model="flux"),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),
@@ -243,6 +245,7 @@ FOUR = {
     # sequence parallel within a pipeline (the shares cross the stage boundary) and beside data parallel
     "wan-sp2-x-1f1b-2": _config(2, "1f1b", sp=2, model="wan"),
     "wan-sp2-x-dp2": _config(1, "1f1b", sp=2, dp=2, model="wan"),
+    "flux-sp2-x-1f1b-2": _config(2, "1f1b", sp=2, model="flux"),
 }
 # one step each: the first step's gradients are bit-equal and its weights within 1.5e-5 of lr, but bf16's rounding
 # amplifies those last-bit differences of the optimizer's arithmetic (diffpipe scales the summed gradients once,

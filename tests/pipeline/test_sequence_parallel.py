@@ -5,7 +5,8 @@ The scenarios that train to the unsplit model's losses, gradients, moments and w
 LoRA checkpointed) are in test_pipelined_gradients.py. Here the same comparison sees each planted error fail:
 - a rotary table cut to the wrong share (every process given the first share's positions);
 - attention without its all-to-alls (each share attends only to its own tokens);
-- the shares' gradients left unaveraged (each process's loss counts only its own tokens).
+- the shares' gradients left unaveraged (each process's loss counts only its own tokens);
+- Flux's rotary table (the text's positions, then the image's) cut as one table rather than part by part.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from ..train.test_checkpoint import _cut_short, _losses
 from . import test_pipelined_gradients as central
 from .reference_loop import reference
 
-PLANTS = ("rope-first-share", "no-all-to-all", "shares-not-averaged")
+PLANTS = {"rope-first-share": "wan-sp2", "no-all-to-all": "wan-sp2", "shares-not-averaged": "wan-sp2",
+          "joint-rope-cut-whole": "flux-sp2"}
 
 
 def _planted_worker(plant: str, scenarios: list, out_dir: str) -> None:
@@ -37,6 +39,11 @@ def _planted_worker(plant: str, scenarios: list, out_dir: str) -> None:
         run_parts.SequenceShards = wrong.SequenceShards
     elif plant == "no-all-to-all":
         run_parts.attend_across_shards = lambda model, mesh, device: None
+    elif plant == "joint-rope-cut-whole":
+        wrong = planted("diffpipe.pipeline.sequence",
+                        "return torch.cat([self.shards.shard(piece, dim) for piece in out[name].split(lengths, dim=dim)], dim=dim)",
+                        "return self.shards.shard(out[name], dim)")
+        run_parts.split_sequence = wrong.split_sequence
     elif plant == "shares-not-averaged":
         wrong = planted("diffpipe.pipeline.data_parallel", "if topo.replicas == 1:", "if topo.dp_size == 1:")
         data_parallel.spread_over_replicas = wrong.spread_over_replicas
@@ -49,13 +56,14 @@ def model_folders(tmp_path_factory) -> dict[str, str]:
     return central.write_model_folders(tmp_path_factory.mktemp("initial-weights"))
 
 
-@pytest.mark.parametrize("plant", PLANTS)
+@pytest.mark.parametrize("plant", list(PLANTS))
 def test_planted_sequence_errors_fail_the_comparison(plant, model_folders, tmp_path):
-    config = central.resolved(central.TWO["wan-sp2"], model_folders)
-    central.planned_splits({"wan-sp2": config})
-    run_workers(_planted_worker, (plant, [("wan-sp2", config.model_dump(mode="json"))], str(tmp_path)), 2)
+    name = PLANTS[plant]
+    config = central.resolved(central.TWO[name], model_folders)
+    central.planned_splits({name: config})
+    run_workers(_planted_worker, (plant, [(name, config.model_dump(mode="json"))], str(tmp_path)), 2)
     ref = reference(config, central.draws_of(config))
-    found = central.compare(ref, central._load_ranks("wan-sp2", 2, tmp_path), central._weight_scale(config, ref))
+    found = central.compare(ref, central._load_ranks(name, 2, tmp_path), central._weight_scale(config, ref))
     problems = central.failures(found)
     print(plant, problems)
     assert any(p.startswith(("losses", "grads")) for p in problems), plant
@@ -72,6 +80,8 @@ def _sequence_config(model: str, degree: int, **pipeline) -> dict:
     ("digits", 2, "the unet2d family cannot split a sample's tokens"),
     ("sd3", 2, "the sd3 family cannot split"),
     ("wan", 3, "must divide 4: choose one of 2, 4"),  # 4 heads
+    ("chroma", 2, "the chroma family cannot split a sample's tokens .its attention masks the captions' padding"),
+    ("flux-kontext", 2, "the flux_kontext family cannot split"),
 ])
 def test_a_split_that_cannot_be_is_refused_before_launch(model, degree, words, model_folders):
     config = central.resolved(_sequence_config(model, degree), model_folders)
@@ -87,7 +97,7 @@ def test_tokens_that_do_not_divide_are_refused_before_launch(model_folders):
     data["data"]["latent_size"] = [10, 10]
     data["data"]["frames"] = 3
     config = central.resolved(data, model_folders)
-    with pytest.raises(ConfigError, match="splits each sample's 75 tokens"):
+    with pytest.raises(ConfigError, match="splits each sample's 75 picture tokens"):
         check_before_launch(config)
 
 
@@ -125,3 +135,24 @@ def test_a_split_run_resumes_at_another_degree_to_the_same_losses(split_run, tmp
     got, want = _losses(run), _losses(split_run)
     assert list(got) == list(range(6))
     assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
+
+
+def test_a_text_length_that_does_not_divide_is_refused_before_launch(model_folders):
+    """Flux splits its text tokens beside the image's: 7 of them do not halve."""
+    data = _sequence_config("flux", 2)
+    data["model"]["text_max_length"] = 7
+    with pytest.raises(ConfigError, match="splits each sample's 7 text tokens .* model.text_max_length a multiple"):
+        check_before_launch(central.resolved(data, model_folders))
+
+
+def test_a_folder_bucket_whose_tokens_do_not_divide_is_refused_before_the_first_step(tmp_path, capsys):
+    """The tiny clips at 64x64 pixels fall into 48x80 and 80x48 buckets: 3 x 5 tokens a latent frame, odd."""
+    from diffpipe.cli import main
+
+    run = tmp_path / "run"
+    code = main(["train", str(VIDEO.parent / "wan_clips.toml"), "--set", "train.max_steps=2", "--set", "pipeline.stages=1",
+                 "--set", "pipeline.sequence_parallel=2", "--set", 'train.device="cpu"', "--output-dir", str(run)])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "the bucket 48x80x17f (2 items): pipeline.sequence_parallel = 2 splits each sample's 75 picture tokens" in err
+    assert not (run / "metrics.jsonl").exists()  # no step was taken

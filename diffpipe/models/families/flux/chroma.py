@@ -136,6 +136,9 @@ class ChromaFamily(FluxFamily):
     """Chroma: T5's states only (no pooled text, no guidance embedding: real classifier-free guidance), Flux's VAE,
     latents and packing; flow matching."""
 
+    sequence_streams = {}
+    sequence_refusal = "its attention masks the captions' padding, which the token shares do not carry yet"
+
     name = "chroma"
     model_class = ChromaTransformer2DModel
     presets = CHROMA_PRESETS

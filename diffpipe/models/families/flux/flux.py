@@ -114,6 +114,10 @@ class FluxFamily(ModelFamily):
     # torch 2.11 on an H200: cuDNN's attention backward fails on Flux's 1024x1024 shapes ("mha_graph.execute(...)
     # .is_good()", reported as CUBLAS_STATUS_EXECUTION_FAILED), in a plain diffusers loop too; flash attention works
     cudnn_attention = False
+    # the image tokens, the text tokens (every attention joins them) and the rotary table of both (the text's
+    # positions, then the image's) split over a sample's processes: each attends with [its text share, its image
+    # share], and Ulysses gathers every share's keys
+    sequence_streams = {"h": 1, "context": 1, "rope": (1, ("context", "h"))}
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers

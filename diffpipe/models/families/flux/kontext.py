@@ -54,6 +54,10 @@ def kontext_backbone(model: nn.Module) -> Backbone:
 class FluxKontextFamily(FluxFamily):
     """Flux.1 Kontext: Flux's text encoders, latents and objective; a control image's tokens beside the picture's."""
 
+    sequence_streams = {}
+    sequence_refusal = ("its prediction is the first part of the picture's tokens joined with the control's, which "
+                        "a share of the tokens does not hold: not built yet")
+
     name = "flux_kontext"
     reads_control = True
     pipelines = ("FluxKontextPipeline",)
