@@ -128,6 +128,7 @@ class StageEstimate:
     send_s: float
     memory_bytes: float
     checkpointed: bool
+    exchange_s: float = 0.0  # of forward_s + backward_s: sequence parallelism's all-to-alls (Replicas.exchange_s)
 
     @property
     def busy_s(self) -> float:
@@ -219,7 +220,9 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     else:  # and, once, the most any unit holds at once beyond what it keeps (its intermediates)
         dynamic = (held * whole + awaiting * weight_pass + max((c.activation_bytes for c in swapped), default=0)
                    + max(c.working_bytes for c in costs[first:last]))
-    return StageEstimate(index, first, last, forward, backward, send, static + dynamic, checkpointed)
+    passes = 3 if checkpointed else 2  # forward, backward, and the recomputed forward
+    exchange = passes * sum(replicas.exchange_s(c, hw) for c in costs[first:last])
+    return StageEstimate(index, first, last, forward, backward, send, static + dynamic, checkpointed, exchange)
 
 
 def _swap_costs(swapped: list[UnitCost], replicas: Replicas, hw: Hardware,

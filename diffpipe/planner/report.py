@@ -43,7 +43,8 @@ def _stage_rows(part: Partition, meta: Backbone, trainable: list[int]) -> list[d
         rows.append({"stage": s.index, "units": f"{meta.units[s.first].name}..{meta.units[s.last - 1].name}",
                      "trainable_params_M": round(sum(trainable[s.first:s.last]) / 1e6, 2),
                      "forward_ms": round(s.forward_s * 1e3, 3), "backward_ms": round(s.backward_s * 1e3, 3),
-                     "send_ms": round(s.send_s * 1e3, 3), "peak_GiB": round(s.memory_bytes / GIB, 2),
+                     "send_ms": round(s.send_s * 1e3, 3), "all_to_all_ms": round(s.exchange_s * 1e3, 3),
+                     "peak_GiB": round(s.memory_bytes / GIB, 2),
                      "checkpointed": s.checkpointed, "sends": carried})
     return rows
 
@@ -136,6 +137,10 @@ def format_plan(plan: Plan, meta: Backbone, config: RunConfig | None = None, hw:
         lines.append(f"  slowest stage {part['slowest_stage_ms']:.3f} ms, data-parallel collectives "
                      f"{part['allreduce_ms']:.1f} ms, step {part['step_s']:.4f} s, bubble {part['bubble_fraction']:.1%}, "
                      f"{rate(part['samples_per_s'])} samples/s")
+        exchanged = [r["all_to_all_ms"] for r in part["stages"]]
+        if any(exchanged):
+            lines.append(f"  of the stages' fwd and bwd, sequence parallelism's all-to-alls: "
+                         f"{', '.join(f'{ms:,.3f}' for ms in exchanged)} ms a micro-batch (plan.link_gbps)")
         if per_process:  # what must fit one device: the stages a process runs, together
             lines.append("  peak GiB by process: " + ", ".join(f"{gib:.2f}" for gib in part["process_peak_GiB"]))
     lines.append("\n" + textwrap.fill(COLUMNS, 118))
