@@ -96,6 +96,17 @@ class ModelFamily:
     pipelines: ClassVar[tuple[str, ...]] = ()  # diffusers pipelines whose folders it trains, where a backbone class
     # serves several families (FluxPipeline: flux, FluxKontextPipeline: flux_kontext): model_index.json's _class_name
 
+    def sequence_refusal_for(self, model: nn.Module) -> str | None:
+        """Why `model` cannot split a sample's tokens over processes (pipeline.sequence_parallel), in a clause; None
+        where it can."""
+        from .two_experts import TwoExperts
+
+        if not self.sequence_streams:
+            return self.sequence_refusal or "its adapter does not name its token streams yet"
+        if isinstance(model, TwoExperts):
+            return "the two experts' units route samples by timestep, which the token shares do not follow yet"
+        return None
+
     def backbone(self, model: nn.Module, granularity: str) -> Backbone:
         """`model` checked (`check_supported`), what it never trains frozen (`unreached`), and described as units,
         with this family attached."""

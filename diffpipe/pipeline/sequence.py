@@ -101,8 +101,8 @@ def sequence_refusal(family, model: nn.Module, degree: int) -> str | None:
     """Why `model` (of `family`) cannot split its tokens over `degree` processes, in a line; None if it can."""
     if degree == 1:
         return None
-    if not getattr(family, "sequence_streams", None):
-        why = getattr(family, "sequence_refusal", None) or "its adapter does not name its token streams yet"
+    why = family.sequence_refusal_for(model)
+    if why is not None:
         return (f"pipeline.sequence_parallel = {degree}: the {family.name} family cannot split a sample's tokens "
                 f"({why}); set pipeline.sequence_parallel = 1 and split the model with pipeline.stages instead")
     heads = getattr(model.config, "num_attention_heads", None)
@@ -122,8 +122,8 @@ def sample_tokens(family, model: nn.Module, shape: tuple[int, ...], text_tokens:
     """The tokens of one sample that split, by kind ("picture": latents `shape`, channels first, in the backbone's
     output layout; "text": `text_tokens`, where the family splits its text stream too); None for a family that
     cannot split them."""
-    streams = getattr(family, "sequence_streams", None)
-    if not streams:
+    streams = family.sequence_streams
+    if family.sequence_refusal_for(model) is not None:
         return None
     counts = {"picture": family.pack_prediction(model.config, torch.empty((1, *shape), device="meta")).shape[1]}
     if family.sequence_text_stream in streams:

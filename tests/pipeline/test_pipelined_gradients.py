@@ -213,6 +213,9 @@ TWO = {
     "wan-lora-sp2-checkpointed": _config(1, "1f1b", sp=2, model="wan", lora=True, checkpointing="all"),
     # joint attention: the text's tokens split beside the image's, the rotary table as both
     "flux-sp2": _config(1, "1f1b", sp=2, model="flux"),
+    # image-to-video: the first frame joins along the channels; Wan 2.1's picture embedding in the cross-attention
+    "wan-i2v-sp2": _config(1, "1f1b", sp=2, model="wan-i2v"),
+    "wan21-i2v-sp2": _config(1, "1f1b", sp=2, model="wan21-i2v"),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),

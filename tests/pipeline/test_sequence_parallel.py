@@ -82,6 +82,7 @@ def _sequence_config(model: str, degree: int, **pipeline) -> dict:
     ("wan", 3, "must divide 4: choose one of 2, 4"),  # 4 heads
     ("chroma", 2, "the chroma family cannot split a sample's tokens .its attention masks the captions' padding"),
     ("flux-kontext", 2, "the flux_kontext family cannot split"),
+    ("wan-ti2v-i2v", 2, "the wan_i2v family cannot split a sample's tokens .TI2V's timesteps"),
 ])
 def test_a_split_that_cannot_be_is_refused_before_launch(model, degree, words, model_folders):
     config = central.resolved(_sequence_config(model, degree), model_folders)

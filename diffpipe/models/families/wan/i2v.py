@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ...family import TextBatch
+from ...two_experts import TwoExperts
 from ...units import Backbone, Unit
 from .wan import WAN_PRESETS, WanFamily, WanEmbed, wan_backbone
 from .clip import ClipEmbed, WAN_CLIP_TOKENS, has_image_encoder, image_embeds, image_encoder_widths
@@ -115,6 +116,15 @@ class WanI2VFamily(WanFamily):
 
     def describe(self, model, granularity):
         return (wan_ti2v_backbone if replaces_first_frame(model.config) else wan_i2v_backbone)(model)
+
+    def sequence_refusal_for(self, model):
+        """I2V-A14B and Wan 2.1 I2V split as text-to-video does (the picture and its mask join the latents along the
+        channels; Wan 2.1's picture embedding is read by cross-attention alone); TI2V-5B's timesteps and
+        modulations are per latent frame and its output puts the first frame back: not split yet."""
+        if not isinstance(model, TwoExperts) and replaces_first_frame(model.config):
+            return ("TI2V's timesteps and modulations are per latent frame and its output puts the first frame "
+                    "back, which the token shares do not carry yet")
+        return super().sequence_refusal_for(model)
 
     def latent_channels(self, cfg):
         return cfg.out_channels
