@@ -107,8 +107,11 @@ def test_both_experts_train_on_one_and_two_stages_to_the_same_losses_and_export_
     assert len(losses[0]) == 4
     torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=0)
     trained = [load_file(str(run / "model.safetensors")) for run in runs.values()]
+    # against lr x steps (4e-2), the furthest AdamW moves a weight: it divides a gradient near its epsilon by its own
+    # root-mean-square, so the stages' order of summing shows up to 3.5e-4 of that (measured 1.4e-5 on
+    # 2026-12-05; the former bound, 1e-5 absolute, failed then); a wrong split moves weights by a whole step
     for name in trained[0]:
-        torch.testing.assert_close(trained[1][name], trained[0][name], rtol=0, atol=1e-5)
+        torch.testing.assert_close(trained[1][name], trained[0][name], rtol=0, atol=2e-3 * 1e-2 * 4)
     base = tiny_video / "wan22"
     out = tmp_path / "pipeline"
     assert main(["export", str(runs[2]), "--format", "diffusers", "--out", str(out)]) == 0
