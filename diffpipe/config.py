@@ -524,7 +524,7 @@ class RunConfig(_Section):
             raise ValueError(f"memory.{key} = {getattr(self.memory, key)!r} changes how a LoRA run's frozen base is "
                              "held, and adapter.type = \"none\" (a full fine-tune) trains every weight, so it would "
                              f"change nothing: leave memory.{key} out, or train adapters (adapter.type = \"lora\")")
-        if self.memory.block_swap not in (0, "auto") and (p.data_parallel * p.sequence_parallel > 1 or p.compile):
+        if self.memory.block_swap not in (0, "auto") and (p.data_parallel > 1 or p.compile):
             raise ValueError("memory.block_swap moves weights between host and device while a step runs, which "
                              "data-parallel replicas (they synchronise every weight) and torch.compile (it fixes "
                              "where each weight lives) do not allow yet: set pipeline.data_parallel = 1 and "

@@ -35,10 +35,12 @@ __all__ = ["spread_over_replicas", "before_backward", "full", "local", "local_nu
 
 
 def spread_over_replicas(modules: list[torch.nn.Module], topo: Topology, shard: bool) -> None:
-    """Wrap this process's stage modules for its replicas (nothing with one replica). Call it once the modules are
+    """Wrap this process's stage modules for its replicas (nothing with one data-parallel replica: the processes
+    sharing each sample's tokens alone average their gradients without wrappers, pipeline/sequence.py's
+    `average_over_shares`, which block swap allows). Call it once the modules are
     on their device and before anything keeps their parameters (optimizer, hooks, tied-weight maps): FSDP2's
     wrapping replaces every Parameter by a DTensor one."""
-    if topo.replicas == 1:
+    if topo.dp_size == 1:
         return
     if _share_a_weight(modules):
         raise ConfigError(
@@ -117,7 +119,7 @@ def local_numel(like: torch.Tensor | None, shape: tuple[int, ...], topo: Topolog
     dim 0: torch.chunk over the replicas)."""
     if like is not None:
         return local(like).numel()
-    if not shard or topo.replicas == 1 or not shape:
+    if not shard or topo.dp_size == 1 or not shape:
         return int(torch.Size(shape).numel())
     rows = [len(part) for part in torch.empty(shape[0], device="meta").chunk(topo.replicas)]
     mine = rows[topo.replica_rank] if topo.replica_rank < len(rows) else 0

@@ -9,8 +9,10 @@ over every token with heads/N, and exchanges back, as diffusers' own context-par
 process: a cross-attention then attends to N copies of the same text keys, which gives the same softmax.
 
 Gradients: each process's loss is the mean over its equal share, so the average over the shares is the unsplit
-model's loss, and averaging gradients over them (the stage's replicas: pipeline/data_parallel.py) gives the unsplit
-model's gradients, exactly as data parallelism averages over samples.
+model's loss, and averaging gradients over them gives the unsplit model's gradients, exactly as data parallelism
+averages over samples. With data-parallel replicas too, torch's data parallelism averages over all of them (the
+stage's replicas: pipeline/data_parallel.py); with none, `average_over_shares` does, after the step's backward,
+without wrapping the modules, so block swap (which moves frozen weights during the step) works beside it.
 
 What a family must give: `ModelFamily.sequence_streams`, the names of its token streams and the dimension their
 tokens lie along; attention processors that read diffusers' parallel config. A family without them is refused
@@ -28,7 +30,9 @@ from ..config import ConfigError
 from ..models.units import Backbone
 
 __all__ = ["SequenceShards", "split_sequence", "sequence_refusal", "sequence_problem", "sample_tokens",
-           "attend_across_shards"]
+           "attend_across_shards", "average_over_shares"]
+
+_BUCKET_ELEMENTS = 16 * 2**20  # gradients averaged 64 MB of fp32 at a time
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,24 @@ def attend_across_shards(model: nn.Module, mesh, device: torch.device) -> None:
     config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
     for module in _attention_modules(model):
         _processor(module)._parallel_config = config
+
+
+def average_over_shares(params: list[torch.Tensor], shards: SequenceShards) -> None:
+    """Each gradient of `params` averaged over the processes sharing each sample's tokens, in buckets of one dtype
+    (one all-reduce each rather than one a tensor)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    bucket: list[torch.Tensor] = []
+    for grad in grads + [None]:
+        if bucket and (grad is None or grad.dtype != bucket[0].dtype
+                       or sum(g.numel() for g in bucket) + grad.numel() > _BUCKET_ELEMENTS):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=shards.group)
+            flat /= shards.size
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(part.view_as(g))
+            bucket = []
+        if grad is not None:
+            bucket.append(grad)
 
 
 def _processor(module: nn.Module):

@@ -89,7 +89,7 @@ def choose(config: RunConfig, replicas: Replicas, fits: Callable[[Replicas], boo
            holding: int) -> tuple[MemoryChoice, Replicas] | None:
     """The first settings of the module's order with which `fits` holds (`replicas`: the layout as configured, each
     "auto" unchanged; `holding`: units holding frozen weights, the most block swap can take); None if none do."""
-    swap_auto = _swap_allowed(config, replicas.count)
+    swap_auto = _swap_allowed(config, replicas.count // replicas.sequence)  # the data-parallel ones
     for choice, held in _settings(config, replicas):
         if fits(held):
             return choice, held

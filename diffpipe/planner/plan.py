@@ -193,7 +193,7 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
     levers = suggestions(costs, replicas, adamw=config.train.optimizer == "adamw")
     fits = _fits(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing)
     # not with data-parallel replicas (config.py refuses it)
-    swap = fewest_swapped(replicas, fits, holding(costs)) if replicas.count == 1 else None
+    swap = fewest_swapped(replicas, fits, holding(costs)) if replicas.count == replicas.sequence else None
     if swap is not None:
         fixes.append(f"frozen weights of {swap} units per stage in host memory (memory.block_swap = {swap} fits)")
     for words, held in levers:
@@ -231,7 +231,8 @@ def _replicas(config: RunConfig, stages: int, data_parallel: int, sequence_paral
     autocast = AUTOCAST_DTYPES[config.train.precision]
     held = unchanged(config)  # each "auto" at its unchanged value: the planner changes it only where needed
     state, factored = optimizer_state_bytes(config.train, held.optimizer_state)
-    return Replicas(data_parallel * sequence_parallel, config.pipeline.data_parallel_shard,
+    # the processes of a sample alone average their gradients without cutting anything (pipeline/sequence.py)
+    return Replicas(data_parallel * sequence_parallel, config.pipeline.data_parallel_shard and data_parallel > 1,
                     gathered_per_unit=stages == 1, sequence=sequence_parallel,
                     frozen=frozen, autocast_bytes=0 if autocast is None else element_bytes(autocast),
                     moment_bytes=state, factored=factored, block_swap=held.block_swap,

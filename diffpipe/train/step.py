@@ -14,6 +14,7 @@ from ..config import RunConfig
 from ..data.batches import StepBatch
 from ..distributed import Topology
 from ..pipeline.data_parallel import full, local
+from ..pipeline.sequence import average_over_shares
 from ..pipeline.timing import StepTimes
 from .ema import MovingAverage
 from .optim import clip_gradients, global_grad_norm, step_optimizer
@@ -55,6 +56,8 @@ class TrainingStep:
         batch = batch if batch is not None else self.batch_for(step)
         self.optimizer.zero_grad(set_to_none=True)
         result = self.runner.step(batch.noisy, batch.conditions, batch.target, timed=self.timed(step))
+        if self.topo.sp_size > 1 and self.topo.dp_size == 1:  # with data parallel, its wrappers average them all
+            average_over_shares(self.params, self.runner.sequence)
         self.tied.sum_()  # weights shared by units of several stages: every copy gets the whole gradient
         if self.idle_experts is not None and batch.step_timesteps is not None:  # none for an expert no sample reached
             self.idle_experts.drop(batch.step_timesteps)

@@ -211,6 +211,8 @@ TWO = {
     # each sample's tokens split over 2 processes (pipeline/sequence.py): Ulysses attention, the loss on each share
     "wan-sp2": _config(1, "1f1b", sp=2, model="wan"),
     "wan-lora-sp2-checkpointed": _config(1, "1f1b", sp=2, model="wan", lora=True, checkpointing="all"),
+    # the frozen weights of 2 blocks in host memory, copied in as each computes (memory.block_swap)
+    "wan-lora-sp2-swapped": {**_config(1, "1f1b", sp=2, model="wan", lora=True), "memory": {"block_swap": 2}},
     # joint attention: the text's tokens split beside the image's, the rotary table as both
     "flux-sp2": _config(1, "1f1b", sp=2, model="flux"),
     # image-to-video: the first frame joins along the channels; Wan 2.1's picture embedding in the cross-attention

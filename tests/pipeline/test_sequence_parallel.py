@@ -30,8 +30,8 @@ PLANTS = {"rope-first-share": "wan-sp2", "no-all-to-all": "wan-sp2", "shares-not
 
 def _planted_worker(plant: str, scenarios: list, out_dir: str) -> None:
     """The central test's worker with one error planted in this process's diffpipe."""
-    import diffpipe.pipeline.data_parallel as data_parallel
     import diffpipe.train.run_parts as run_parts
+    import diffpipe.train.trainer as trainer
 
     if plant == "rope-first-share":  # the rope table (tokens along dimension 2) always cut to share 0
         wrong = planted("diffpipe.pipeline.sequence", "return tensor.narrow(dim, self.rank * per, per)",
@@ -45,9 +45,8 @@ def _planted_worker(plant: str, scenarios: list, out_dir: str) -> None:
                         "return self.shards.shard(out[name], dim)")
         run_parts.split_sequence = wrong.split_sequence
     elif plant == "shares-not-averaged":
-        wrong = planted("diffpipe.pipeline.data_parallel", "if topo.replicas == 1:", "if topo.dp_size == 1:")
-        data_parallel.spread_over_replicas = wrong.spread_over_replicas
-        run_parts.spread_over_replicas = wrong.spread_over_replicas
+        wrong = planted("diffpipe.train.step", "average_over_shares(self.params, self.runner.sequence)", "pass")
+        trainer.TrainingStep = wrong.TrainingStep
     central._scenario_worker(scenarios, out_dir)
 
 
