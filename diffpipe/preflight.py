@@ -74,9 +74,8 @@ def check_before_launch(config: RunConfig) -> Checked:
 
 def _check_sequence_split(config: RunConfig, backbone: Backbone, shape: tuple[int, ...]) -> None:
     """pipeline.sequence_parallel: the family splits its tokens, its heads and the sample's tokens divide by it."""
-    family, model = backbone.family, backbone.model
-    tokens = sample_tokens(family, model, shape, text_length(config))
-    problem = sequence_problem(family, model, config.pipeline.sequence_parallel, tokens)
+    tokens = sample_tokens(backbone, shape, text_length(config))
+    problem = sequence_problem(backbone, config.pipeline.sequence_parallel, tokens)
     if problem is not None:
         raise ConfigError(problem)
 

@@ -91,6 +91,7 @@ class ModelFamily:
     # one unit, then read and written as shares); empty: the family cannot split, for the reason in
     # `sequence_refusal`. `sequence_text_stream`: the text's stream, whose length must divide too where it splits
     sequence_streams: ClassVar[dict] = {}
+    sequence_conditions: ClassVar[dict[str, int]] = {}  # conditions laid out along the tokens (tables, masks): dim
     sequence_refusal: ClassVar[str] = ""
     sequence_text_stream: ClassVar[str] = "context"
     pipelines: ClassVar[tuple[str, ...]] = ()  # diffusers pipelines whose folders it trains, where a backbone class

@@ -6,7 +6,9 @@ this process's contiguous share of the tokens; every later unit computes on that
 the one place tokens meet: there DeepSpeed-Ulysses exchanges token shards for head shards (an all-to-all), attends
 over every token with heads/N, and exchanges back, as diffusers' own context-parallel attention does
 (`TemplatedUlyssesAttention`, forward and backward). Text, timesteps and their embeddings stay whole on every
-process: a cross-attention then attends to N copies of the same text keys, which gives the same softmax.
+process, and a cross-attention (Wan's) attends from this process's queries to the whole text directly, as
+diffusers' processors leave it; where every attention joins text and picture tokens (Flux, HunyuanVideo 1.5) the
+text splits too, since N whole copies of its keys among the gathered ones would weigh them N times.
 
 Gradients: each process's loss is the mean over its equal share, so the average over the shares is the unsplit
 model's loss, and averaging gradients over them gives the unsplit model's gradients, exactly as data parallelism
@@ -20,6 +22,7 @@ tokens lie along; attention processors that read diffusers' parallel config. A f
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,10 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError
+from ..models.tokens import TEXT_LENGTHS
 from ..models.units import Backbone
 
-__all__ = ["SequenceShards", "split_sequence", "sequence_refusal", "sequence_problem", "sample_tokens",
-           "attend_across_shards", "average_over_shares"]
+__all__ = ["SequenceShards", "split_sequence", "sequence_refusal", "sequence_problem", "tokens_problem",
+           "sample_tokens", "attend_across_shards", "average_over_shares"]
 
 _BUCKET_ELEMENTS = 16 * 2**20  # gradients averaged 64 MB of fp32 at a time
 
@@ -71,38 +75,53 @@ class _Shares(nn.Module):
 
     def forward(self, **named: torch.Tensor) -> dict[str, torch.Tensor]:
         out = self.inner(**named)
-        return {name: self._share(out, name) if name in self.streams else t for name, t in out.items()}
+        return {name: self._share(out, named, name) if name in self.streams else t for name, t in out.items()}
 
-    def _share(self, out: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    def _share(self, out: dict[str, torch.Tensor], named: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         spec = self.streams[name]
         if isinstance(spec, int):
             return self.shards.shard(out[name], spec)
-        dim, parts = spec
-        lengths = [out[part].shape[_dim_of(self.streams[part])] for part in parts]
+        dim, parts = spec  # each part's length from the unit's outputs, or its inputs (along the same dimension)
+        lengths = [(out[part] if part in out else named[part]).shape[dim] for part in parts]
         return torch.cat([self.shards.shard(piece, dim) for piece in out[name].split(lengths, dim=dim)], dim=dim)
 
 
-def _dim_of(spec) -> int:
-    return spec if isinstance(spec, int) else spec[0]
+class _SharedReads(nn.Module):
+    """A unit's module given only this process's share of the conditions named in `streams` (tables and masks laid
+    out along the tokens, which the stage receives whole, as every stage does)."""
+
+    def __init__(self, inner: nn.Module, streams: dict[str, int], shards: SequenceShards):
+        super().__init__()
+        self.inner, self.streams, self.shards = inner, streams, shards
+
+    def forward(self, **named: torch.Tensor) -> dict[str, torch.Tensor]:
+        shared = {name: self.shards.shard(t, self.streams[name]) if name in self.streams and t.shape[self.streams[name]]
+                  else t for name, t in named.items()}  # an empty mask (nothing masked) stays empty
+        return self.inner(**shared)
 
 
-def split_sequence(backbone: Backbone, streams: dict[str, int], shards: SequenceShards) -> Backbone:
+def split_sequence(backbone: Backbone, streams: dict, shards: SequenceShards,
+                   conditions: dict[str, int] | None = None) -> Backbone:
     """The backbone with each token stream cut to this process's share where it is first written (a unit writing
-    it without reading it); the units' modules and parameters are the same objects."""
+    it without reading it), and the `conditions` laid out along the tokens (name: dimension) cut to it where a unit
+    after those reads them; the units' modules and parameters are the same objects."""
     units, started = [], set()
     for unit in backbone.units:
         starts = {name: dim for name, dim in streams.items()
                   if name in unit.writes and name not in unit.reads and name not in started}
+        read = {name: dim for name, dim in (conditions or {}).items() if name in unit.reads} if started else {}
         started.update(starts)
-        units.append(replace(unit, module=_Shares(unit.module, starts, shards)) if starts else unit)
+        module = _SharedReads(unit.module, read, shards) if read else unit.module
+        units.append(replace(unit, module=_Shares(module, starts, shards)) if starts else replace(unit, module=module))
     missing = sorted(set(streams) - started)
     if missing:
         raise RuntimeError(f"no unit of the backbone writes the token stream(s) {missing} before reading them")
     return replace(backbone, units=units)
 
 
-def sequence_refusal(family, model: nn.Module, degree: int) -> str | None:
-    """Why `model` (of `family`) cannot split its tokens over `degree` processes, in a line; None if it can."""
+def sequence_refusal(backbone: Backbone, degree: int) -> str | None:
+    """Why the backbone cannot split its tokens over `degree` processes, in a line; None if it can."""
+    family, model = backbone.family, backbone.model
     if degree == 1:
         return None
     why = family.sequence_refusal_for(model)
@@ -114,7 +133,7 @@ def sequence_refusal(family, model: nn.Module, degree: int) -> str | None:
         return (f"pipeline.sequence_parallel = {degree}: attention splits its {heads} heads over the processes of a "
                 f"sample, so the degree must divide {heads}: choose one of "
                 f"{', '.join(str(d) for d in range(2, heads + 1) if heads % d == 0)}")
-    unsplittable = sorted({type(_processor(m)).__name__ for m in _attention_modules(model)
+    unsplittable = sorted({type(_processor(m)).__name__ for m in _shared_attentions(backbone)
                            if not hasattr(_processor(m), "_parallel_config")})
     if unsplittable:
         return (f"pipeline.sequence_parallel = {degree}: {', '.join(unsplittable)} (this model's attention) cannot "
@@ -122,25 +141,27 @@ def sequence_refusal(family, model: nn.Module, degree: int) -> str | None:
     return None
 
 
-def sample_tokens(family, model: nn.Module, shape: tuple[int, ...], text_tokens: int) -> dict[str, int] | None:
+def sample_tokens(backbone: Backbone, shape: tuple[int, ...], text_tokens: int) -> dict[str, int] | None:
     """The tokens of one sample that split, by kind ("picture": latents `shape`, channels first, in the backbone's
     output layout; "text": `text_tokens`, where the family splits its text stream too); None for a family that
     cannot split them."""
-    streams = family.sequence_streams
+    family, model = backbone.family, backbone.model
     if family.sequence_refusal_for(model) is not None:
         return None
     counts = {"picture": family.pack_prediction(model.config, torch.empty((1, *shape), device="meta")).shape[1]}
-    if family.sequence_text_stream in streams:
-        counts["text"] = text_tokens
+    if family.sequence_text_stream in family.sequence_streams:
+        # a family that cuts each batch's text to TEXT_LENGTHS: every cut is a multiple of their divisor
+        counts["text"] = math.gcd(*TEXT_LENGTHS) if family.reads_text_lengths else text_tokens
     return counts
 
 
-def sequence_problem(family, model: nn.Module, degree: int, tokens: dict[str, int] | None) -> str | None:
-    """`sequence_refusal`, and whether each kind of a sample's `tokens` divides into `degree` equal shares; None if
-    it can split."""
-    problem = sequence_refusal(family, model, degree)
-    if problem is not None or degree == 1:
-        return problem
+def sequence_problem(backbone: Backbone, degree: int, tokens: dict[str, int] | None) -> str | None:
+    """`sequence_refusal`, then `tokens_problem`; None if the backbone can split."""
+    return sequence_refusal(backbone, degree) or (tokens_problem(degree, tokens) if degree > 1 else None)
+
+
+def tokens_problem(degree: int, tokens: dict[str, int]) -> str | None:
+    """Whether each kind of a sample's `tokens` divides into `degree` equal shares; None if it does."""
     for kind, count in tokens.items():
         if count % degree:
             fix = ("a latent size and frame count whose tokens it divides" if kind == "picture"
@@ -150,18 +171,19 @@ def sequence_problem(family, model: nn.Module, degree: int, tokens: dict[str, in
     return None
 
 
-def attend_across_shards(model: nn.Module, mesh, device: torch.device) -> None:
-    """Every attention of `model` attends over all shares of the tokens (Ulysses all-to-alls over the mesh's
-    "ulysses" dimension). diffusers' own `enable_parallelism` would do this but cannot run on the CPU (it divides
-    by the accelerator count, 0 there) and also adds hooks that split and gather at its own places, which the
-    units do here; so its parallel config is set up on our mesh and handed to each attention processor, the one
+def attend_across_shards(backbone: Backbone, mesh, device: torch.device) -> None:
+    """Every attention that the token shares reach (those of the units after the one that cuts them: not, say, a
+    text refiner inside the embedding) attends over all shares (Ulysses all-to-alls over the mesh's "ulysses"
+    dimension). diffusers' own `enable_parallelism` would do this but cannot run on the CPU (it divides by the
+    accelerator count, 0 there) and also adds hooks that split and gather at its own places, which the units do
+    here; so its parallel config is set up on our mesh and handed to each such attention's processor, the one
     attribute `enable_parallelism` sets on them."""
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
 
     size = mesh["ulysses"].size()
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=size, mesh=mesh))
     config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
-    for module in _attention_modules(model):
+    for module in _shared_attentions(backbone):
         _processor(module)._parallel_config = config
 
 
@@ -187,5 +209,15 @@ def _processor(module: nn.Module):
     return getattr(module, "processor", None)
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if _processor(m) is not None and callable(_processor(m))]
+def _shared_attentions(backbone: Backbone) -> list[nn.Module]:
+    """The attention modules of the units after the first that writes a token stream (which computes on whole
+    samples): those that see token shares."""
+    streams = backbone.family.sequence_streams
+    first = next((i for i, u in enumerate(backbone.units) if any(n in u.writes for n in streams)), 0)
+    seen, found = set(), []
+    for unit in backbone.units[first + 1:]:
+        for m in unit.module.modules():
+            if _processor(m) is not None and callable(_processor(m)) and id(m) not in seen:
+                seen.add(id(m))
+                found.append(m)
+    return found

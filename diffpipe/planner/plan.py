@@ -279,13 +279,13 @@ def layouts_tried(config: RunConfig, meta: Backbone, world_size: int, hw: Hardwa
     family splits its tokens and its heads and each sample's tokens divide by them (pipeline/sequence.py)."""
     tried, per_sample = [], unit_costs(config, meta, 1)
     choice = choice_of(config.pipeline)
-    tokens = sample_tokens(meta.family, meta.model, sample_shape(config, meta), text_length(config))
+    tokens = sample_tokens(meta, sample_shape(config, meta), text_length(config))
     for ranks in range(1, world_size + 1):
         stages = ranks * choice.per_rank if ranks > 1 else 1  # a lone process runs the model as one stage
         if world_size % ranks or stages > len(meta.units):
             continue
         for sp in range(1, world_size // ranks + 1):
-            if (world_size // ranks) % sp or sequence_problem(meta.family, meta.model, sp, tokens) is not None:
+            if (world_size // ranks) % sp or sequence_problem(meta, sp, tokens) is not None:
                 continue
             dp = world_size // (ranks * sp)
             for m in range(1, config.train.batch_size // dp + 1):

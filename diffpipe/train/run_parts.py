@@ -29,7 +29,7 @@ from ..models.vae import vae_scale_factor
 from ..pipeline.data_parallel import spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
-from ..pipeline.sequence import SequenceShards, attend_across_shards, sample_tokens, sequence_problem, split_sequence
+from ..pipeline.sequence import SequenceShards, attend_across_shards, sample_tokens, split_sequence, tokens_problem
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import StageModule
 from ..pipeline.tied import TiedGradients, tied_parameters
@@ -107,7 +107,8 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     resolve_layout(config, backbone)
     shards = _sequence_shards(topo)
     if shards is not None:  # each unit computes on this process's share of every sample's tokens
-        backbone = split_sequence(backbone, backbone.family.sequence_streams, shards)
+        backbone = split_sequence(backbone, backbone.family.sequence_streams, shards,
+                                  backbone.family.sequence_conditions)
     specs = stage_specs(backbone, p.split)
     schedule = schedule_named(p.schedule)
     mine = schedule.stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
@@ -115,7 +116,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     _check_shares_of_buckets(config, backbone, data)
     modules = build_stages(config, backbone, specs, mine, topo.device, p.checkpointing)
     if shards is not None:
-        attend_across_shards(backbone.model, topo.sp_mesh, topo.device)
+        attend_across_shards(backbone, topo.sp_mesh, topo.device)
     tied = tied_parameters(backbone, specs)  # by the backbone's parameter objects, which wrapping replaces:
     spread_over_replicas(modules, topo, p.data_parallel_shard)  # before anything keeps the parameters
     lr_scale = config.train.stage_lr_scale or [1.0] * len(specs)
@@ -158,10 +159,9 @@ def _check_shares_of_buckets(config: RunConfig, backbone: Backbone, data) -> Non
     degree = config.pipeline.sequence_parallel
     if degree == 1 or not hasattr(data, "groups"):
         return
-    family, model = backbone.family, backbone.model
     for group in data.groups():
         shape = tuple(data.x0(group[:1]).shape[1:])
-        problem = sequence_problem(family, model, degree, sample_tokens(family, model, shape, text_length(config)))
+        problem = tokens_problem(degree, sample_tokens(backbone, shape, text_length(config)))
         if problem is not None:
             bucket = data.placements[group[0]].name if hasattr(data, "placements") else "x".join(map(str, shape))
             raise ConfigError(f"the bucket {bucket} ({len(group)} items): {problem}; or set data.resolution, "

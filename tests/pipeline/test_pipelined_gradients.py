@@ -218,6 +218,8 @@ TWO = {
     # image-to-video: the first frame joins along the channels; Wan 2.1's picture embedding in the cross-attention
     "wan-i2v-sp2": _config(1, "1f1b", sp=2, model="wan-i2v"),
     "wan21-i2v-sp2": _config(1, "1f1b", sp=2, model="wan21-i2v"),
+    # the text's two parts split beside the video's, its masks and the rotary table cut to match where blocks read them
+    "hunyuan-video15-sp2": _config(1, "1f1b", sp=2, model="hunyuan-video15"),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),
@@ -251,6 +253,9 @@ FOUR = {
     "wan-sp2-x-1f1b-2": _config(2, "1f1b", sp=2, model="wan"),
     "wan-sp2-x-dp2": _config(1, "1f1b", sp=2, dp=2, model="wan"),
     "flux-sp2-x-1f1b-2": _config(2, "1f1b", sp=2, model="flux"),
+    "flux-sp2-x-dp2": _config(1, "1f1b", sp=2, dp=2, model="flux"),
+    "hunyuan-video15-sp2-x-1f1b-2": _config(2, "1f1b", sp=2, model="hunyuan-video15"),
+    "hunyuan-video15-sp2-x-dp2": _config(1, "1f1b", sp=2, dp=2, model="hunyuan-video15"),
 }
 # one step each: the first step's gradients are bit-equal and its weights within 1.5e-5 of lr, but bf16's rounding
 # amplifies those last-bit differences of the optimizer's arithmetic (diffpipe scales the summed gradients once,

@@ -6,7 +6,8 @@ LoRA checkpointed) are in test_pipelined_gradients.py. Here the same comparison 
 - a rotary table cut to the wrong share (every process given the first share's positions);
 - attention without its all-to-alls (each share attends only to its own tokens);
 - the shares' gradients left unaveraged (each process's loss counts only its own tokens);
-- Flux's rotary table (the text's positions, then the image's) cut as one table rather than part by part.
+- Flux's rotary table (the text's positions, then the image's) cut as one table rather than part by part;
+- HunyuanVideo 1.5's rotary table (a condition every stage receives whole) cut to the first share.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from . import test_pipelined_gradients as central
 from .reference_loop import reference
 
 PLANTS = {"rope-first-share": "wan-sp2", "no-all-to-all": "wan-sp2", "shares-not-averaged": "wan-sp2",
-          "joint-rope-cut-whole": "flux-sp2"}
+          "joint-rope-cut-whole": "flux-sp2",
+          "rope-first-share-hunyuan": "hunyuan-video15-sp2"}  # its rotary table a condition, cut where blocks read it
 
 
 def _planted_worker(plant: str, scenarios: list, out_dir: str) -> None:
@@ -33,7 +35,7 @@ def _planted_worker(plant: str, scenarios: list, out_dir: str) -> None:
     import diffpipe.train.run_parts as run_parts
     import diffpipe.train.trainer as trainer
 
-    if plant == "rope-first-share":  # the rope table (tokens along dimension 2) always cut to share 0
+    if plant.startswith("rope-first-share"):  # the rope table (tokens along dimension 2) always cut to share 0
         wrong = planted("diffpipe.pipeline.sequence", "return tensor.narrow(dim, self.rank * per, per)",
                         "return tensor.narrow(dim, 0 if dim == 2 else self.rank * per, per)")
         run_parts.SequenceShards = wrong.SequenceShards

@@ -143,11 +143,14 @@ def _attention(attn, h, context, text_valid, rope, text_queries: bool = True):
     k = apply_rotary_emb(attn.norm_k(k), rope, sequence_dim=1)
     k = torch.cat([k, attn.norm_added_k(heads(attn.add_k_proj(context)))], 1)
     v = torch.cat([v, heads(attn.add_v_proj(context))], 1)
-    if text_queries:
+    # split over a sample's processes (pipeline/sequence.py), the text asks its queries anyway: diffusers 0.42's
+    # Ulysses backward takes as many queries as keys (their answers are dropped below)
+    if text_queries or attn.processor._parallel_config is not None:
         q = torch.cat([q, attn.norm_added_q(heads(attn.add_q_proj(context)))], 1)
     keys = None if text_valid is None else torch.cat([text_valid.new_ones(h.shape[:2]), text_valid], 1)[:, None, None]
     out = dispatch_attention_fn(q, k, v, attn_mask=keys, dropout_p=0.0, is_causal=False,
-                                backend=attn.processor._attention_backend)
+                                backend=attn.processor._attention_backend,
+                                parallel_config=attn.processor._parallel_config)  # set: pipeline/sequence.py
     out = out.flatten(2, 3).to(q.dtype)
     video = attn.to_out[1](attn.to_out[0](out[:, :h.shape[1]]))
     return (video, attn.to_add_out(out[:, h.shape[1]:])) if text_queries else (video, None)
@@ -209,6 +212,10 @@ class HunyuanVideo15Family(ModelFamily):
     presets = HUNYUAN_VIDEO15_PRESETS
     pipelines = ("HunyuanVideo15Pipeline",)
     reads_text_lengths = True  # a batch's text is cut to its captions (models/tokens.py's text_mask)
+    # pipeline.sequence_parallel: the video tokens, and the text's (ByT5's, then Qwen's: attention joins them to the
+    # video's as keys) each part split; the video's rotary table and both text masks cut to match where blocks read them
+    sequence_streams = {"h": 1, "context": (1, ("encoder_hidden_states_2", "encoder_hidden_states"))}
+    sequence_conditions = {"rotary": 2, "encoder_attention_mask": 1, "encoder_attention_mask_2": 1}
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     def diffusers_lora_pipeline(self, cfg):
