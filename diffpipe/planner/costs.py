@@ -77,28 +77,36 @@ class UnitCost:
     # the part of output_bytes that does not grow with the micro-batch: a tensor that one micro-batch's samples share
     # (Flux's and Wan's rotary tables), by name (plan.py's `shared_outputs` finds them)
     shared_output_bytes: dict[str, int] = field(default_factory=dict)
-    # per micro-batch: the bytes of the queries, keys, values and outputs of the unit's attentions, which sequence
-    # parallelism's all-to-alls move between a sample's processes, in forward and again in backward
+    # per micro-batch: the bytes of the queries, keys, values and outputs of the unit's self and joint attentions,
+    # which sequence parallelism's all-to-alls move between a sample's processes, in forward and again in backward;
+    # and those attentions' forward FLOPs, which its backward (diffusers' native attention op) computes again
     attention_bytes: int = 0
+    attention_flops: int = 0
 
 
 class _FusedAttention(TorchFunctionMode):
     """`scaled_dot_product_attention` without a mask as the fused memory-efficient kernel (its meta kernel), so
-    counting sees what that kernel saves for backward, not the decomposition's probability matrix. Counts the bytes
-    of every attention's queries, keys, values and output (`exchanged_bytes`): what sequence parallelism's
-    all-to-alls move (pipeline/sequence.py)."""
+    counting sees what that kernel saves for backward, not the decomposition's probability matrix. Counts, for every
+    attention over as many keys as queries (self or joint attention: what sequence parallelism splits,
+    pipeline/sequence.py; a cross-attention to the text attends locally), the bytes of its queries, keys, values and
+    output (`exchanged_bytes`, what the all-to-alls move) and its forward FLOPs (`exchanged_flops`, which the split
+    attention's backward computes again)."""
 
     def __init__(self):
         super().__init__()
         self.exchanged_bytes = 0
+        self.exchanged_flops = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not torch.nn.functional.scaled_dot_product_attention:
             return func(*args, **kwargs)
         named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args), **kwargs)
-        self.exchanged_bytes += sum(named[k].numel() * named[k].element_size() for k in ("query", "key", "value"))
-        self.exchanged_bytes += named["query"].numel() * named["query"].element_size()  # the output, as the query
+        query, key = named["query"], named["key"]
+        if query.shape[-2] == key.shape[-2]:  # (batch, heads, tokens, head width)
+            self.exchanged_bytes += sum(named[k].numel() * named[k].element_size() for k in ("query", "key", "value"))
+            self.exchanged_bytes += query.numel() * query.element_size()  # the output, as the query
+            self.exchanged_flops += 4 * query.numel() * key.shape[-2]  # scores, then their product with the values
         if named.get("attn_mask") is not None or named.get("enable_gqa", False):
             return func(*args, **kwargs)
         return fused_attention(named["query"], named["key"], named["value"], named.get("dropout_p", 0.0),
@@ -190,7 +198,8 @@ def _count_unit(unit, named: dict[str, torch.Tensor], grad_names: set[str], auto
         frozen_linear_params=sum(m.weight.numel() for m in layers if quantisable(m)),
         frozen_product_params=sum(frozen_products.values()),
         trained_copy_bytes=sum(t.numel() * t.element_size() for t in copies.values()),
-        working_bytes=max(forward_working, backward_working), attention_bytes=attention.exchanged_bytes)
+        working_bytes=max(forward_working, backward_working), attention_bytes=attention.exchanged_bytes,
+        attention_flops=attention.exchanged_flops)
 
 
 def _split_backward(out: dict[str, torch.Tensor], args: dict[str, torch.Tensor], module: torch.nn.Module) -> int:

@@ -75,10 +75,12 @@ class Replicas:
         time a quantised base (memory.base_dtype fp8, int8, nf4) spends turning its weights back into bf16."""
         forward, backward = unit_times(unit, hw)
         exchange = self.exchange_s(unit, hw)
+        # split over a sample's processes, attention's backward computes its forward again (diffusers' native op)
+        again = unit.attention_flops / (hw.tflops * 1e12) if self.sequence > 1 else 0.0
         if unit.forward_s is not None and unit.backward_s is not None:
-            return forward + exchange, backward + exchange
+            return forward + exchange, backward + exchange + again
         extra = self.frozen.dequantise_flops(unit.frozen_linear_params) / (hw.tflops * 1e12) + exchange
-        return forward + extra, backward + extra
+        return forward + extra, backward + extra + again
 
     def exchange_s(self, unit: UnitCost, hw: Hardware) -> float:
         """Seconds of one pass's all-to-alls (forward's, and as many in backward) of the unit's attentions: each

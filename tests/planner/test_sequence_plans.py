@@ -41,6 +41,10 @@ def test_a_process_of_a_split_sample_computes_its_share_and_pays_the_all_to_alls
     assert attention > 0
     exchange = attention / 2 * (1 / 2) / (100e9)  # a process's half of the bytes, of which it sends half
     assert split.forward_s == pytest.approx(whole.forward_s / 2 + exchange, rel=1e-6)
+    # and the backward computes the split self-attentions' forward again (diffusers' native op under Ulysses)
+    again = sum(c.attention_flops for c in per_sample) * config.micro_batch_size / 2 / 300e12
+    assert again > 0
+    assert split.backward_s == pytest.approx(whole.backward_s / 2 + exchange + again, rel=1e-6)
     assert split.memory_bytes < 0.75 * whole.memory_bytes  # activations halve; the weights stay whole
 
     # planted: a process planned at the whole sample's tokens
