@@ -97,6 +97,11 @@ class ModelFamily:
     pipelines: ClassVar[tuple[str, ...]] = ()  # diffusers pipelines whose folders it trains, where a backbone class
     # serves several families (FluxPipeline: flux, FluxKontextPipeline: flux_kontext): model_index.json's _class_name
 
+    def split_token_counts(self, cfg: Any, shape: tuple[int, ...]) -> dict[str, int]:
+        """What must divide by pipeline.sequence_parallel for latents `shape` (channels first): the picture's tokens
+        in the backbone's output layout."""
+        return {"picture tokens": self.pack_prediction(cfg, torch.empty((1, *shape), device="meta")).shape[1]}
+
     def sequence_refusal_for(self, model: nn.Module) -> str | None:
         """Why `model` cannot split a sample's tokens over processes (pipeline.sequence_parallel), in a clause; None
         where it can."""

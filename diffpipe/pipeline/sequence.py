@@ -142,16 +142,16 @@ def sequence_refusal(backbone: Backbone, degree: int) -> str | None:
 
 
 def sample_tokens(backbone: Backbone, shape: tuple[int, ...], text_tokens: int) -> dict[str, int] | None:
-    """The tokens of one sample that split, by kind ("picture": latents `shape`, channels first, in the backbone's
-    output layout; "text": `text_tokens`, where the family splits its text stream too); None for a family that
-    cannot split them."""
+    """What of one sample must divide into equal shares, by kind (`ModelFamily.split_token_counts` of latents
+    `shape`, channels first: "picture tokens"; and "text tokens", `text_tokens`, where the family splits its text
+    stream too); None for a family that cannot split them."""
     family, model = backbone.family, backbone.model
     if family.sequence_refusal_for(model) is not None:
         return None
-    counts = {"picture": family.pack_prediction(model.config, torch.empty((1, *shape), device="meta")).shape[1]}
+    counts = family.split_token_counts(model.config, shape)
     if family.sequence_text_stream in family.sequence_streams:
         # a family that cuts each batch's text to TEXT_LENGTHS: every cut is a multiple of their divisor
-        counts["text"] = math.gcd(*TEXT_LENGTHS) if family.reads_text_lengths else text_tokens
+        counts["text tokens"] = math.gcd(*TEXT_LENGTHS) if family.reads_text_lengths else text_tokens
     return counts
 
 
@@ -164,9 +164,9 @@ def tokens_problem(degree: int, tokens: dict[str, int]) -> str | None:
     """Whether each kind of a sample's `tokens` divides into `degree` equal shares; None if it does."""
     for kind, count in tokens.items():
         if count % degree:
-            fix = ("a latent size and frame count whose tokens it divides" if kind == "picture"
-                   else "model.text_max_length a multiple of it")
-            return (f"pipeline.sequence_parallel = {degree} splits each sample's {count} {kind} tokens into equal "
+            fix = ("model.text_max_length a multiple of it" if kind == "text tokens"
+                   else "a latent size and frame count whose tokens it divides")
+            return (f"pipeline.sequence_parallel = {degree} splits each sample's {count} {kind} into equal "
                     f"shares: choose a degree that divides {count}, or {fix}")
     return None
 

@@ -220,6 +220,8 @@ TWO = {
     "wan21-i2v-sp2": _config(1, "1f1b", sp=2, model="wan21-i2v"),
     # the text's two parts split beside the video's, its masks and the rotary table cut to match where blocks read them
     "hunyuan-video15-sp2": _config(1, "1f1b", sp=2, model="hunyuan-video15"),
+    # Qwen-Image's text mask and its two rotary tables (conditions) cut to match, the picture's by rows
+    "qwen-image-sp2": _config(1, "1f1b", sp=2, model="qwen-image"),
 }
 FOUR = {
     "gpipe-4": _config(4, "gpipe"),

@@ -84,6 +84,7 @@ def _sequence_config(model: str, degree: int, **pipeline) -> dict:
     ("chroma", 2, "the chroma family cannot split a sample's tokens .its attention masks the captions' padding"),
     ("flux-kontext", 2, "the flux_kontext family cannot split"),
     ("wan-ti2v-i2v", 2, "the wan_i2v family cannot split a sample's tokens .TI2V's timesteps"),
+    ("qwen-image-edit", 2, "the qwen_image_edit family cannot split"),
 ])
 def test_a_split_that_cannot_be_is_refused_before_launch(model, degree, words, model_folders):
     config = central.resolved(_sequence_config(model, degree), model_folders)
@@ -158,3 +159,13 @@ def test_a_folder_bucket_whose_tokens_do_not_divide_is_refused_before_the_first_
     assert code != 0
     assert "the bucket 48x80x17f (2 items): pipeline.sequence_parallel = 2 splits each sample's 75 picture tokens" in err
     assert not (run / "metrics.jsonl").exists()  # no step was taken
+
+
+def test_picture_rows_that_do_not_divide_are_refused_for_qwen_image(model_folders):
+    """Qwen-Image's rotary table is cut by rows of its grid: 6x8 latents are 3 rows of 4 tokens (12 tokens, which 2
+    divides), and 2 processes cannot share 3 rows."""
+    data = _sequence_config("qwen-image", 2)
+    data["data"]["dataset"] = "synthetic"
+    data["data"]["latent_size"] = [6, 8]
+    with pytest.raises(ConfigError, match="splits each sample's 3 rows of picture tokens"):
+        check_before_launch(central.resolved(data, model_folders))

@@ -113,6 +113,9 @@ class QwenImageEditFamily(QwenImageFamily):
 
     name = "qwen_image_edit"
     reads_control = True
+    sequence_streams = {}
+    sequence_refusal = ("the control picture's tokens join the picture's with their own rotary table and "
+                        "modulation, which the token shares do not carry yet")
     pipelines = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
 
     def check_supported(self, model):
