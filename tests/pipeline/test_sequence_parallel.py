@@ -169,3 +169,24 @@ def test_picture_rows_that_do_not_divide_are_refused_for_qwen_image(model_folder
     data["data"]["latent_size"] = [6, 8]
     with pytest.raises(ConfigError, match="splits each sample's 3 rows of picture tokens"):
         check_before_launch(central.resolved(data, model_folders))
+
+
+def test_a_split_flux_run_on_a_folder_evaluates_and_trains_as_one_process(tmp_path):
+    """The tiny Flux folder (three aspect buckets) with held-out photos: every step's loss and each eval loss of a run
+    split over 2 processes equal one process's."""
+    import json
+
+    runs = {}
+    for degree in (1, 2):
+        run = tmp_path / f"sp{degree}"
+        result = run_command(["train", str(VIDEO.parent / "flux_tiny.toml"), "--set", "train.max_steps=4",
+                              "--set", "pipeline.stages=1", "--set", f"pipeline.sequence_parallel={degree}",
+                              "--set", "train.eval_every=2", "--set", "data.eval_fraction=0.25",
+                              "--set", "output.sample_every_end=false", "--set", 'train.device="cpu"',
+                              "--output-dir", str(run)])
+        assert result.returncode == 0, result.stdout[-3000:]
+        runs[degree] = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for key in ("loss", "eval_loss"):
+        whole = [r[key] for r in runs[1] if key in r]
+        split = [r[key] for r in runs[2] if key in r]
+        assert whole and split == pytest.approx(whole, rel=1e-5), key
