@@ -178,7 +178,7 @@ def attend_across_shards(backbone: Backbone, mesh, device: torch.device) -> None
     accelerator count, 0 there) and also adds hooks that split and gather at its own places, which the units do
     here; so its parallel config is set up on our mesh and handed to each such attention's processor, the one
     attribute `enable_parallelism` sets on them."""
-    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+    from diffusers import ContextParallelConfig, ParallelConfig
 
     size = mesh["ulysses"].size()
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=size, mesh=mesh))
