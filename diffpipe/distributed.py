@@ -44,7 +44,7 @@ class Topology:
     send_group: dist.ProcessGroup | None = None  # the pipeline's processes again, for its sends alone
     sp_rank: int = 0
     sp_size: int = 1
-    sp_mesh: Any = None  # a DeviceMesh ("place", "ring", "ulysses") whose "ulysses" dimension is this sample's processes
+    sp_mesh: Any = None  # a DeviceMesh ("place", "ring", "ulysses"): its "ulysses" dimension is this sample's processes
 
     @property
     def is_main(self) -> bool:

@@ -39,14 +39,14 @@ def _prepare_run(args) -> tuple:
 
         print(f"training {config.model.describe()} on {config.world_size} process(es): "
               f"{config.pipeline.stages} stage(s) x {config.pipeline.data_parallel} replica(s)"
-              f"{sequence_words(config.pipeline.sequence_parallel)}, split at units "
+              f"{_sequence_words(config.pipeline.sequence_parallel)}, split at units "
               f"{config.pipeline.split}, schedule {config.pipeline.schedule}; run folder {run_dir}", flush=True)
         print("tensors crossing each stage boundary:\n" + format_crossings(
             boundary_traffic(config, checked.backbone, checked.split)), flush=True)
     return config, run_dir, is_main, lock
 
 
-def sequence_words(degree: int) -> str:
+def _sequence_words(degree: int) -> str:
     return f" x {degree} processes sharing each sample's tokens" if degree > 1 else ""
 
 

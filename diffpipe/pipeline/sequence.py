@@ -192,17 +192,18 @@ def average_over_shares(params: list[torch.Tensor], shards: SequenceShards) -> N
     (one all-reduce each rather than one a tensor)."""
     grads = [p.grad for p in params if p.grad is not None]
     bucket: list[torch.Tensor] = []
+    held = 0  # elements in the bucket
     for grad in grads + [None]:
-        if bucket and (grad is None or grad.dtype != bucket[0].dtype
-                       or sum(g.numel() for g in bucket) + grad.numel() > _BUCKET_ELEMENTS):
+        if bucket and (grad is None or grad.dtype != bucket[0].dtype or held + grad.numel() > _BUCKET_ELEMENTS):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             dist.all_reduce(flat, group=shards.group)
             flat /= shards.size
             for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
                 g.copy_(part.view_as(g))
-            bucket = []
+            bucket, held = [], 0
         if grad is not None:
             bucket.append(grad)
+            held += grad.numel()
 
 
 def _processor(module: nn.Module):

@@ -124,12 +124,12 @@ class QwenImageFamily(ModelFamily):
     # and the text mask cut to match where blocks read them, the picture's table by rows of its grid
     sequence_streams = {"h": 1, "context": 1}
     sequence_conditions = {"image_rotary": 1, "text_rotary": 1, "encoder_hidden_states_mask": 1}
+    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     def split_token_counts(self, cfg, shape):
         """The picture's rows of tokens: its rotary table is cut by rows of its grid, which is its tokens' share
         only where the rows divide."""
         return {"rows of picture tokens": shape[-2] // cfg.patch_size}
-    lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers
