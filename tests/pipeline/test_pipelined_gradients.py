@@ -254,6 +254,8 @@ FOUR = {
     # sequence parallel within a pipeline (the shares cross the stage boundary) and beside data parallel
     "wan-sp2-x-1f1b-2": _config(2, "1f1b", sp=2, model="wan"),
     "wan-sp2-x-dp2": _config(1, "1f1b", sp=2, dp=2, model="wan"),
+    # the replicas' fully_shard over all four processes (data x sequence parallel): each holds a quarter
+    "wan-sp2-x-dp2-sharded": _config(1, "1f1b", sp=2, dp=2, model="wan", shard=True),
     "flux-sp2-x-1f1b-2": _config(2, "1f1b", sp=2, model="flux"),
     "flux-sp2-x-dp2": _config(1, "1f1b", sp=2, dp=2, model="flux"),
     "hunyuan-video15-sp2-x-1f1b-2": _config(2, "1f1b", sp=2, model="hunyuan-video15"),

@@ -190,3 +190,36 @@ def test_a_split_flux_run_on_a_folder_evaluates_and_trains_as_one_process(tmp_pa
         whole = [r[key] for r in runs[1] if key in r]
         split = [r[key] for r in runs[2] if key in r]
         assert whole and split == pytest.approx(whole, rel=1e-5), key
+
+
+def _averaging_worker(out_dir: str) -> None:
+    """Gradients of several sizes and two dtypes, different on each process, averaged in buckets of 10 elements."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import diffpipe.pipeline.sequence as sequence
+    from diffpipe.distributed import init_topology
+
+    topo = init_topology(1, 1, "cpu", sp_size=2)
+    sequence._BUCKET_ELEMENTS = 10  # this process's copy of the module: several buckets from a few tensors
+    params = []
+    for i, (numel, dtype) in enumerate([(3, torch.float32), (8, torch.float32), (12, torch.float32),
+                                        (2, torch.float64), (5, torch.float64), (4, torch.float32)]):
+        p = torch.zeros(numel, dtype=dtype, requires_grad=True)
+        p.grad = torch.arange(numel, dtype=dtype) * (i + 1) + 100 * topo.sp_rank
+        params.append(p)
+    sequence.average_over_shares(params, sequence.SequenceShards(2, topo.sp_rank, topo.sp_mesh["ulysses"].get_group()))
+    torch.save([p.grad for p in params], os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+
+
+def test_gradients_are_averaged_over_the_shares_bucket_by_bucket(tmp_path):
+    import torch
+
+    run_workers(_averaging_worker, (str(tmp_path),), 2)
+    for rank in range(2):
+        grads = torch.load(tmp_path / f"rank{rank}.pt")
+        for i, grad in enumerate(grads):  # the mean of arange x (i + 1) and arange x (i + 1) + 100
+            want = torch.arange(grad.numel(), dtype=grad.dtype) * (i + 1) + 50
+            assert grad.dtype == want.dtype and torch.equal(grad, want), (rank, i)
