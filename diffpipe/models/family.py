@@ -94,6 +94,8 @@ class ModelFamily:
     sequence_conditions: ClassVar[dict[str, int]] = {}  # conditions laid out along the tokens (tables, masks): dim
     sequence_refusal: ClassVar[str] = ""
     sequence_text_stream: ClassVar[str] = "context"
+    # True: picture tokens the degree does not divide are padded (its attentions take a key mask: pipeline/sequence.py)
+    sequence_pads: ClassVar[bool] = False
     pipelines: ClassVar[tuple[str, ...]] = ()  # diffusers pipelines whose folders it trains, where a backbone class
     # serves several families (FluxPipeline: flux, FluxKontextPipeline: flux_kontext): model_index.json's _class_name
 

@@ -7,6 +7,7 @@ shared.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -75,7 +76,7 @@ class PipelineRunner:
             arg = stages if self.schedule.multi_stage else stages[0]
             # scale_grads=False: the micro-batches' gradients stay summed, and the trainer divides them by the
             # micro-batch count inside the optimizer step, instead of a division of every gradient here
-            self._schedules[shape_key] = cls(arg, n_microbatches=self.microbatches, loss_fn=self.loss_fn,
+            self._schedules[shape_key] = cls(arg, n_microbatches=self.microbatches, loss_fn=self._loss,
                                              scale_grads=False)
         return self._schedules[shape_key]
 
@@ -86,8 +87,11 @@ class PipelineRunner:
         Returns the mean loss (on the rank holding the last stage, else None) and, when `timed`, this rank's
         compute intervals.
         """
-        timed = timed and bool(self.clocks)
-        target = self._share(target)
+        with self._picture_tokens(target):
+            return self._step(sample, conditions, self._share(target), timed and bool(self.clocks))
+
+    def _step(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor], target: torch.Tensor,
+              timed: bool) -> tuple[torch.Tensor | None, StepTimes | None]:
         if timed:
             dist.barrier(group=self.group)  # one origin for the whole pipeline: the timeline's ranks line up
         origin = Mark(self.device) if timed else None
@@ -122,7 +126,7 @@ class PipelineRunner:
         parts = {k: torch.tensor_split(v, split) for k, v in conditions.items()}
         for i in range(split):
             before_backward(module, last=i == split - 1)
-            loss = self.loss_fn(module(samples[i], **{k: v[i] for k, v in parts.items()}), targets[i])
+            loss = self._loss(module(samples[i], **{k: v[i] for k, v in parts.items()}), targets[i])
             loss.backward()
             losses.append(loss.detach())
 
@@ -135,7 +139,11 @@ class PipelineRunner:
         between a step's backward and its optimizer step."""
         for clock in self.clocks:
             clock.start_step(None)
-        target = self._share(target)
+        with self._picture_tokens(target):
+            return self._forward_only(sample, conditions, self._share(target), with_loss)
+
+    def _forward_only(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor], target: torch.Tensor,
+                      with_loss: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.schedule.placement == "v":
             output, losses = self._forward_in_stage_order(sample, conditions, target)
         else:
@@ -148,7 +156,7 @@ class PipelineRunner:
         if not self.holds_last_stage:
             return None, None
         loss = torch.stack([loss.float() for loss in losses]).mean() if with_loss else None
-        if self.sequence is not None:  # every share of the output (the loss stays this share's)
+        if self.sequence is not None:  # every share of the output, less any pad (the loss stays this share's)
             output = self.sequence.gather(output, dim=1)
         return output, loss
 
@@ -156,6 +164,22 @@ class PipelineRunner:
         """The target's share that this process's output predicts: the backbone's output is in its token layout
         (B, tokens, ...), tokens along dimension 1."""
         return target if self.sequence is None else self.sequence.shard(target, dim=1)
+
+    def _picture_tokens(self, target: torch.Tensor):
+        """Around a step: each sample's picture token count (the target's, before its share is cut), which the
+        shares' attentions and `_loss` read to leave out the pad of a count the degree does not divide."""
+        return nullcontext() if self.sequence is None else self.sequence.picture_tokens(target.shape[1])
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of this process's share. Where the step pads its picture tokens, the pad is left out (output and
+        target zero there) and the share's mean is scaled by padded/real tokens, so that the mean over the shares is
+        the mean over the picture's own tokens, as one process computes it."""
+        shards = self.sequence
+        if shards is None or not shards.padding:
+            return self.loss_fn(output, target)
+        kept = shards.kept(output.shape[1], output.device).view(1, -1, *[1] * (output.dim() - 2))
+        loss = self.loss_fn(torch.where(kept, output, 0), torch.where(kept, target, 0))
+        return loss * (shards.padded(shards.step.count) / shards.step.count)
 
     def _forward_in_stage_order(self, sample: torch.Tensor, conditions: dict[str, torch.Tensor],
                                 target: torch.Tensor) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -183,7 +207,7 @@ class PipelineRunner:
                     self._send(x, after)
             if self.holds_last_stage:
                 outputs.append(x[0])
-                losses.append(self.loss_fn(x[0], targets[i]))
+                losses.append(self._loss(x[0], targets[i]))
         return (torch.cat(outputs) if outputs else None), losses
 
     def _send(self, tensors: tuple[torch.Tensor, ...], to: int) -> None:

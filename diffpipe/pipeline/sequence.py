@@ -16,14 +16,23 @@ averages over samples. With data-parallel replicas too, torch's data parallelism
 stage's replicas: pipeline/data_parallel.py); with none, `average_over_shares` does, after the step's backward,
 without wrapping the modules, so block swap (which moves frozen weights during the step) works beside it.
 
+Picture tokens that the degree does not divide (a clip of 21 x 30 x 30 tokens over 8 processes): where the family
+allows it (`ModelFamily.sequence_pads`), the picture's stream is padded with zeros at its end to the next multiple,
+so that the last shares hold pad tokens; every attention the shares reach masks the pad out of its keys (a key mask
+laid out as the process's keys are, which diffusers' Ulysses gathers with the keys), and the loss leaves the pad out
+and counts only the picture's own tokens (`SequenceShards.kept`, read by the runner). The runner says each step's
+picture token count (`SequenceShards.picture_tokens`), since a bucket's count is known only when its batch comes.
+
 What a family must give: `ModelFamily.sequence_streams`, the names of its token streams and the dimension their
 tokens lie along; attention processors that read diffusers' parallel config. A family without them is refused
-(`sequence_refusal`), as are heads or token counts that do not divide by the degree.
+(`sequence_refusal`), as are heads that do not divide by the degree, and token counts that do not where the family
+does not pad them.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -34,34 +43,75 @@ from ..models.tokens import TEXT_LENGTHS
 from ..models.units import Backbone
 
 __all__ = ["SequenceShards", "split_sequence", "sequence_refusal", "sequence_problem", "tokens_problem",
-           "sample_tokens", "attend_across_shards", "average_over_shares"]
+           "sample_tokens", "padded_kinds", "attend_across_shards", "average_over_shares"]
 
 _BUCKET_ELEMENTS = 16 * 2**20  # gradients averaged 64 MB of fp32 at a time
 
 
+class _StepTokens:
+    """The picture tokens of one sample in the step under way, before padding (None between steps)."""
+
+    def __init__(self):
+        self.count: int | None = None
+
+
 @dataclass(frozen=True)
 class SequenceShards:
-    """This process's share of every sample's tokens: share `rank` of `size` equal, contiguous shares."""
+    """This process's share of every sample's tokens: share `rank` of `size` equal, contiguous shares. With `pads`,
+    a stream the size does not divide is padded with zeros at its end first (the family masks the pad)."""
 
     size: int
     rank: int
     group: dist.ProcessGroup | None = None  # the processes of one sample (all its shares)
+    pads: bool = False
+    step: _StepTokens = field(default_factory=_StepTokens, compare=False, repr=False)
 
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """This process's share along `dim` (a view; its gradient flows back into the share's place)."""
+        """This process's share along `dim` (a view, or of the padded tensor; its gradient flows back into the
+        share's place)."""
         tokens = tensor.shape[dim]
         if tokens % self.size:
-            raise ConfigError(f"pipeline.sequence_parallel = {self.size} splits each sample's tokens into equal "
-                              f"shares, and this batch has {tokens} tokens a sample: choose a degree that divides "
-                              f"{tokens}, or latent sizes/frames whose token count it divides")
-        per = tokens // self.size
+            if not self.pads:
+                raise ConfigError(f"pipeline.sequence_parallel = {self.size} splits each sample's tokens into equal "
+                                  f"shares, and this batch has {tokens} tokens a sample: choose a degree that divides "
+                                  f"{tokens}, or latent sizes/frames whose token count it divides")
+            pad = [0, 0] * (tensor.dim() - 1 - dim % tensor.dim()) + [0, self.padded(tokens) - tokens]
+            tensor = torch.nn.functional.pad(tensor, pad)
+        per = tensor.shape[dim] // self.size
         return tensor.narrow(dim, self.rank * per, per)
 
     def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every share of `tensor` along `dim`, in order (no gradient: for outputs read after a forward)."""
+        """Every share of `tensor` along `dim`, in order (no gradient: for outputs read after a forward); the pad
+        of the step's picture tokens left out where `tensor` is in the picture's token layout."""
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        whole = torch.cat(parts, dim=dim)
+        count = self.step.count
+        return whole.narrow(dim, 0, count) if count is not None and whole.shape[dim] == self.padded(count) else whole
+
+    def padded(self, tokens: int) -> int:
+        """`tokens` rounded up to a multiple of the size: the length of a padded stream."""
+        return -(-tokens // self.size) * self.size
+
+    @contextmanager
+    def picture_tokens(self, count: int):
+        """Within: every sample's picture has `count` tokens before padding (the runner says it around each step,
+        so that the attentions and the loss know which of their tokens are pad)."""
+        before, self.step.count = self.step.count, count
+        try:
+            yield
+        finally:
+            self.step.count = before
+
+    @property
+    def padding(self) -> bool:
+        """Whether the step under way pads its picture tokens."""
+        return self.step.count is not None and self.step.count % self.size != 0
+
+    def kept(self, share: int, device: torch.device) -> torch.Tensor:
+        """Which of this share's `share` picture tokens are the picture's own (True) rather than pad."""
+        start = self.rank * share
+        return torch.arange(start, start + share, device=device) < self.step.count
 
 
 class _Shares(nn.Module):
@@ -155,14 +205,26 @@ def sample_tokens(backbone: Backbone, shape: tuple[int, ...], text_tokens: int) 
     return counts
 
 
+def padded_kinds(backbone: Backbone) -> tuple[str, ...]:
+    """The kinds of `sample_tokens` that are padded to a multiple of the degree rather than refused."""
+    return ("picture tokens",) if backbone.family.sequence_pads else ()
+
+
 def sequence_problem(backbone: Backbone, degree: int, tokens: dict[str, int] | None) -> str | None:
     """`sequence_refusal`, then `tokens_problem`; None if the backbone can split."""
-    return sequence_refusal(backbone, degree) or (tokens_problem(degree, tokens) if degree > 1 else None)
+    return sequence_refusal(backbone, degree) or (
+        tokens_problem(degree, tokens, padded_kinds(backbone)) if degree > 1 else None)
 
 
-def tokens_problem(degree: int, tokens: dict[str, int]) -> str | None:
-    """Whether each kind of a sample's `tokens` divides into `degree` equal shares; None if it does."""
+def tokens_problem(degree: int, tokens: dict[str, int], padded: tuple[str, ...] = ()) -> str | None:
+    """Whether each kind of a sample's `tokens` divides into `degree` equal shares (a kind in `padded`: whether
+    there are at least as many as shares); None if it does."""
     for kind, count in tokens.items():
+        if kind in padded:
+            if count < degree:
+                return (f"pipeline.sequence_parallel = {degree} splits each sample's {count} {kind} over {degree} "
+                        f"processes: more processes than tokens; choose a degree of at most {count}")
+            continue
         if count % degree:
             fix = ("model.text_max_length a multiple of it" if kind == "text tokens"
                    else "a latent size and frame count whose tokens it divides")
@@ -171,20 +233,54 @@ def tokens_problem(degree: int, tokens: dict[str, int]) -> str | None:
     return None
 
 
-def attend_across_shards(backbone: Backbone, mesh, device: torch.device) -> None:
+def attend_across_shards(backbone: Backbone, mesh, device: torch.device, shards: SequenceShards) -> None:
     """Every attention that the token shares reach (those of the units after the one that cuts them: not, say, a
     text refiner inside the embedding) attends over all shares (Ulysses all-to-alls over the mesh's "ulysses"
     dimension). diffusers' own `enable_parallelism` would do this but cannot run on the CPU (it divides by the
     accelerator count, 0 there) and also adds hooks that split and gather at its own places, which the units do
     here; so its parallel config is set up on our mesh and handed to each such attention's processor, the one
-    attribute `enable_parallelism` sets on them."""
+    attribute `enable_parallelism` sets on them. Where the shares may pad, each processor is wrapped to mask the pad
+    (`_PadMasked`)."""
     from diffusers import ContextParallelConfig, ParallelConfig
 
     size = mesh["ulysses"].size()
     config = ParallelConfig(context_parallel_config=ContextParallelConfig(ulysses_degree=size, mesh=mesh))
     config.setup(dist.get_rank(), dist.get_world_size(), device, mesh=mesh)
+    family = backbone.family
+    joins_text = family.sequence_text_stream in family.sequence_streams
     for module in _shared_attentions(backbone):
         _processor(module)._parallel_config = config
+        if shards.pads:
+            module.set_processor(_PadMasked(_processor(module), shards, joins_text))
+
+
+class _PadMasked:
+    """An attention processor whose self- or joint attention masks the pad of the step's picture tokens out of its
+    keys. The keys a process holds end with its share of the picture's tokens (Flux puts the text's first); a
+    cross-attention to the whole text (Wan's: `encoder_hidden_states` given where the family does not join text
+    and picture) has no pad among its keys and is left as it is. Every process of a sample passes a mask while the
+    step pads (diffusers' Ulysses gathers it from all of them), none otherwise."""
+
+    def __init__(self, inner, shards: SequenceShards, joins_text: bool):
+        self.inner, self.shards, self.joins_text = inner, shards, joins_text
+
+    @property
+    def _parallel_config(self):  # diffusers' name, read by a family's own attention (HunyuanVideo 1.5's)
+        return self.inner._parallel_config
+
+    @property
+    def _attention_backend(self):
+        return self.inner._attention_backend
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        if self.shards.padding and (encoder_hidden_states is None or self.joins_text):
+            if attention_mask is not None:
+                raise NotImplementedError("a padded share of the picture's tokens in an attention given a mask")
+            keys = hidden_states.shape[1] + (0 if encoder_hidden_states is None else encoder_hidden_states.shape[1])
+            share = self.shards.padded(self.shards.step.count) // self.shards.size
+            kept = self.shards.kept(share, hidden_states.device)
+            attention_mask = torch.cat([kept.new_ones(keys - share), kept]).expand(hidden_states.shape[0], keys)
+        return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
 
 
 def average_over_shares(params: list[torch.Tensor], shards: SequenceShards) -> None:

@@ -29,7 +29,8 @@ from ..models.vae import vae_scale_factor
 from ..pipeline.data_parallel import spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
-from ..pipeline.sequence import SequenceShards, attend_across_shards, sample_tokens, split_sequence, tokens_problem
+from ..pipeline.sequence import (SequenceShards, attend_across_shards, padded_kinds, sample_tokens, split_sequence,
+                                 tokens_problem)
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import StageModule
 from ..pipeline.tied import TiedGradients, tied_parameters
@@ -105,7 +106,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     backbone = build_backbone(config, "meta")
     shapes, model_config = model_shapes(backbone.model), dict(backbone.model.config)
     resolve_layout(config, backbone)
-    shards = _sequence_shards(topo)
+    shards = _sequence_shards(topo, backbone)
     if shards is not None:  # each unit computes on this process's share of every sample's tokens
         backbone = split_sequence(backbone, backbone.family.sequence_streams, shards,
                                   backbone.family.sequence_conditions)
@@ -116,7 +117,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     _check_shares_of_buckets(config, backbone, data)
     modules = build_stages(config, backbone, specs, mine, topo.device, p.checkpointing)
     if shards is not None:
-        attend_across_shards(backbone, topo.sp_mesh, topo.device)
+        attend_across_shards(backbone, topo.sp_mesh, topo.device, shards)
     tied = tied_parameters(backbone, specs)  # by the backbone's parameter objects, which wrapping replaces:
     spread_over_replicas(modules, topo, p.data_parallel_shard)  # before anything keeps the parameters
     lr_scale = config.train.stage_lr_scale or [1.0] * len(specs)
@@ -146,22 +147,24 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
                     sample_shape(config, backbone), moved, idle)
 
 
-def _sequence_shards(topo: Topology) -> SequenceShards | None:
+def _sequence_shards(topo: Topology, backbone: Backbone) -> SequenceShards | None:
     """This process's share of every sample's tokens (pipeline.sequence_parallel); None when it holds them all."""
     if topo.sp_size == 1:
         return None
-    return SequenceShards(topo.sp_size, topo.sp_rank, topo.sp_mesh["ulysses"].get_group())
+    return SequenceShards(topo.sp_size, topo.sp_rank, topo.sp_mesh["ulysses"].get_group(),
+                          pads=backbone.family.sequence_pads)
 
 
 def _check_shares_of_buckets(config: RunConfig, backbone: Backbone, data) -> None:
-    """With pipeline.sequence_parallel, every bucket's tokens divide into a sample's shares: refused before the
-    first step, naming the bucket (data of one shape was checked before launch)."""
+    """With pipeline.sequence_parallel, every bucket's tokens divide into a sample's shares (or are padded, where the
+    family pads them): refused before the first step, naming the bucket (data of one shape was checked before
+    launch)."""
     degree = config.pipeline.sequence_parallel
     if degree == 1 or not hasattr(data, "groups"):
         return
     for group in data.groups():
         shape = tuple(data.x0(group[:1]).shape[1:])
-        problem = tokens_problem(degree, sample_tokens(backbone, shape, text_length(config)))
+        problem = tokens_problem(degree, sample_tokens(backbone, shape, text_length(config)), padded_kinds(backbone))
         if problem is not None:
             bucket = data.placements[group[0]].name if hasattr(data, "placements") else "x".join(map(str, shape))
             raise ConfigError(f"the bucket {bucket} ({len(group)} items): {problem}; or set data.resolution, "

@@ -133,6 +133,13 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
     }
 
 
+def _odd_tokens(config: dict, latent_size: list[int], frames: int | None = None) -> dict:
+    """`config` on synthetic latents of `latent_size` (and `frames`): a picture token count that sequence parallel
+    degrees do not divide."""
+    config["data"] = {"dataset": "synthetic", "latent_size": latent_size, **({"frames": frames} if frames else {})}
+    return config
+
+
 TWO = {
     "gpipe-2": _config(2, "gpipe"),
     "1f1b-2": _config(2, "1f1b"),
@@ -222,8 +229,14 @@ TWO = {
     "hunyuan-video15-sp2": _config(1, "1f1b", sp=2, model="hunyuan-video15"),
     # Qwen-Image's text mask and its two rotary tables (conditions) cut to match, the picture's by rows
     "qwen-image-sp2": _config(1, "1f1b", sp=2, model="qwen-image"),
+    # 75 picture tokens over 2: the last share padded, the pad masked out of the keys and the loss
+    "wan-sp2-padded": _odd_tokens(_config(1, "1f1b", sp=2, model="wan"), [10, 10], frames=3),
+    "flux-sp2-padded": _odd_tokens(_config(1, "1f1b", sp=2, model="flux"), [6, 10]),  # 15 image tokens after the text
 }
 FOUR = {
+    # 75 tokens over 4 processes (19 each, the last with one pad token); and across a stage boundary
+    "wan-sp4-padded": _odd_tokens(_config(1, "1f1b", sp=4, model="wan"), [10, 10], frames=3),
+    "flux-sp2-padded-x-1f1b-2": _odd_tokens(_config(2, "1f1b", sp=2, model="flux"), [6, 10]),
     "gpipe-4": _config(4, "gpipe"),
     "1f1b-4": _config(4, "1f1b"),
     "interleaved-4x2": _config(4, "interleaved_1f1b", virtual=2),

@@ -7,7 +7,10 @@ LoRA checkpointed) are in test_pipelined_gradients.py. Here the same comparison 
 - attention without its all-to-alls (each share attends only to its own tokens);
 - the shares' gradients left unaveraged (each process's loss counts only its own tokens);
 - Flux's rotary table (the text's positions, then the image's) cut as one table rather than part by part;
-- HunyuanVideo 1.5's rotary table (a condition every stage receives whole) cut to the first share.
+- HunyuanVideo 1.5's rotary table (a condition every stage receives whole) cut to the first share;
+- a token count the degree does not divide: the pad left among the attentions' keys; the pad counted in the loss;
+  the loss over the picture's own tokens not scaled back to their count; Flux's key mask laid out with the pad
+  first (its keys are the text's, then the picture's).
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ from .reference_loop import reference
 
 PLANTS = {"rope-first-share": "wan-sp2", "no-all-to-all": "wan-sp2", "shares-not-averaged": "wan-sp2",
           "joint-rope-cut-whole": "flux-sp2",
-          "rope-first-share-hunyuan": "hunyuan-video15-sp2"}  # its rotary table a condition, cut where blocks read it
+          "rope-first-share-hunyuan": "hunyuan-video15-sp2",  # its rotary table a condition, cut where blocks read it
+          "pad-not-masked": "wan-sp2-padded", "pad-in-the-loss": "wan-sp2-padded",
+          "pad-loss-not-scaled": "wan-sp2-padded", "joint-mask-pad-first": "flux-sp2-padded"}
 
 
 def _planted_worker(plant: str, scenarios: list, out_dir: str) -> None:
@@ -40,12 +45,24 @@ def _planted_worker(plant: str, scenarios: list, out_dir: str) -> None:
                         "return tensor.narrow(dim, 0 if dim == 2 else self.rank * per, per)")
         run_parts.SequenceShards = wrong.SequenceShards
     elif plant == "no-all-to-all":
-        run_parts.attend_across_shards = lambda model, mesh, device: None
+        run_parts.attend_across_shards = lambda model, mesh, device, shards: None
     elif plant == "joint-rope-cut-whole":
         wrong = planted("diffpipe.pipeline.sequence",
                         "return torch.cat([self.shards.shard(piece, dim) for piece in out[name].split(lengths, dim=dim)], dim=dim)",
                         "return self.shards.shard(out[name], dim)")
         run_parts.split_sequence = wrong.split_sequence
+    elif plant == "pad-not-masked":
+        wrong = planted("diffpipe.pipeline.sequence", "if self.shards.padding and (", "if False and (")
+        run_parts.attend_across_shards = wrong.attend_across_shards
+    elif plant == "joint-mask-pad-first":
+        wrong = planted("diffpipe.pipeline.sequence", "torch.cat([kept.new_ones(keys - share), kept])",
+                        "torch.cat([kept, kept.new_ones(keys - share)])")
+        run_parts.attend_across_shards = wrong.attend_across_shards
+    elif plant in ("pad-in-the-loss", "pad-loss-not-scaled"):
+        wrong = planted("diffpipe.pipeline.runtime", *(
+            ("if shards is None or not shards.padding:", "if True:") if plant == "pad-in-the-loss" else
+            ("return loss * (shards.padded(shards.step.count) / shards.step.count)", "return loss")))
+        run_parts.PipelineRunner = wrong.PipelineRunner
     elif plant == "shares-not-averaged":
         wrong = planted("diffpipe.train.step", "average_over_shares(self.params, self.runner.sequence)", "pass")
         trainer.TrainingStep = wrong.TrainingStep
@@ -93,15 +110,23 @@ def test_a_split_that_cannot_be_is_refused_before_launch(model, degree, words, m
     assert "\n" not in str(refused.value)
 
 
-def test_tokens_that_do_not_divide_are_refused_before_launch(model_folders):
-    """4 heads split 4 ways; a clip of 4 frames of 8x8 latents is 64 tokens, of 6x6 36: 4 divides both. Of 10x10,
-    100 tokens: 8 would not divide; with 4 heads the degree is at most 4, so the frames are cut to 3 (75 tokens)."""
-    data = _sequence_config("wan", 2)
-    data["data"]["latent_size"] = [10, 10]
-    data["data"]["frames"] = 3
-    config = central.resolved(data, model_folders)
-    with pytest.raises(ConfigError, match="splits each sample's 75 picture tokens"):
-        check_before_launch(config)
+def test_tokens_that_do_not_divide_are_padded_where_the_family_masks_the_pad(model_folders):
+    """A clip of 3 frames of 75 picture tokens (Wan's 10x10 latents in 2x2 patches, HunyuanVideo's 5x5 in 1x1): Wan
+    pads them to 76 for 2 processes (its runs are the central test's wan-sp2-padded); HunyuanVideo 1.5 (its text
+    masks and rotary table cut as conditions) does not pad them and is refused; more processes than tokens is
+    refused for any family."""
+    for model, side, refused in (("wan", 10, None),
+                                 ("hunyuan-video15", 5, "splits each sample's 75 picture tokens into equal")):
+        data = central._odd_tokens(_sequence_config(model, 2), [side, side], frames=3)
+        if refused is None:
+            check_before_launch(central.resolved(data, model_folders))
+            continue
+        with pytest.raises(ConfigError, match=refused):
+            check_before_launch(central.resolved(data, model_folders))
+    data = central._odd_tokens(_sequence_config("wan", 4), [2, 2], frames=3)  # 3 tokens
+    with pytest.raises(ConfigError, match="splits each sample's 3 picture tokens over 4 processes: more processes "
+                                          "than tokens; choose a degree of at most 3"):
+        check_before_launch(central.resolved(data, model_folders))
 
 
 VIDEO = Path(__file__).parent.parent.parent / "examples" / "video_tiny.toml"  # Wan's digits preset: 64 tokens a clip
@@ -149,16 +174,32 @@ def test_a_text_length_that_does_not_divide_is_refused_before_launch(model_folde
 
 
 def test_a_folder_bucket_whose_tokens_do_not_divide_is_refused_before_the_first_step(tmp_path, capsys):
-    """The tiny clips at 64x64 pixels fall into 48x80 and 80x48 buckets: 3 x 5 tokens a latent frame, odd."""
+    """The tiny clips at 64x64 pixels fall into 48x80 and 80x48 buckets: 3 x 5 tokens a latent frame, odd, which
+    HunyuanVideo 1.5 does not pad."""
     from diffpipe.cli import main
 
     run = tmp_path / "run"
-    code = main(["train", str(VIDEO.parent / "wan_clips.toml"), "--set", "train.max_steps=2", "--set", "pipeline.stages=1",
-                 "--set", "pipeline.sequence_parallel=2", "--set", 'train.device="cpu"', "--output-dir", str(run)])
+    code = main(["train", str(VIDEO.parent / "hunyuan_video15_tiny.toml"), "--set", "train.max_steps=2",
+                 "--set", "pipeline.stages=1", "--set", "pipeline.sequence_parallel=2", "--set", 'train.device="cpu"',
+                 "--output-dir", str(run)])
     err = capsys.readouterr().err
     assert code != 0
-    assert "the bucket 48x80x17f (2 items): pipeline.sequence_parallel = 2 splits each sample's 75 picture tokens" in err
+    assert "(2 items): pipeline.sequence_parallel = 2 splits each sample's 75 picture tokens" in err
     assert not (run / "metrics.jsonl").exists()  # no step was taken
+
+
+def test_a_folder_whose_buckets_pad_trains_to_the_losses_of_one_process(tmp_path):
+    """The same clips through Wan (75 and 135 tokens a clip: padded to 76 and 136 over 2 processes) train to one
+    process's losses, bucket after bucket."""
+    quick = ["--set", "train.max_steps=4", "--set", "pipeline.stages=1", "--set", "output.sample_every_end=false",
+             "--set", "observe.log_every=0", "--set", 'train.device="cpu"']
+    runs = {}
+    for degree in (1, 2):
+        runs[degree] = tmp_path / f"sp{degree}"
+        result = run_command(["train", str(VIDEO.parent / "wan_clips.toml"), *quick,
+                              "--set", f"pipeline.sequence_parallel={degree}", "--output-dir", str(runs[degree])])
+        assert result.returncode == 0, result.stdout[-3000:]
+    assert _losses(runs[2]) == pytest.approx(_losses(runs[1]), rel=1e-5, abs=1e-7)
 
 
 def test_picture_rows_that_do_not_divide_are_refused_for_qwen_image(model_folders):

@@ -118,6 +118,7 @@ class FluxFamily(ModelFamily):
     # positions, then the image's) split over a sample's processes: each attends with [its text share, its image
     # share], and Ulysses gathers every share's keys
     sequence_streams = {"h": 1, "context": 1, "rope": (1, ("context", "h"))}
+    sequence_pads = True
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers

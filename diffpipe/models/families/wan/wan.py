@@ -99,6 +99,7 @@ class WanFamily(ModelFamily):
     # the video tokens and their rotary table (cos and sin stacked: 2, 1, tokens, 1, width) split over a sample's
     # processes; the text tokens stay whole, which only the cross-attentions read
     sequence_streams = {"h": 1, "rope": 2}
+    sequence_pads = True
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers
