@@ -177,7 +177,7 @@ class PipelineRunner:
         shards = self.sequence
         if shards is None or not shards.padding:
             return self.loss_fn(output, target)
-        kept = shards.kept(output.shape[1], output.device).view(1, -1, *[1] * (output.dim() - 2))
+        kept = shards.kept(output.device).view(1, -1, *[1] * (output.dim() - 2))
         loss = self.loss_fn(torch.where(kept, output, 0), torch.where(kept, target, 0))
         return loss * (shards.padded(shards.step.count) / shards.step.count)
 

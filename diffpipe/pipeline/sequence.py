@@ -43,7 +43,7 @@ from ..models.tokens import TEXT_LENGTHS
 from ..models.units import Backbone
 
 __all__ = ["SequenceShards", "split_sequence", "sequence_refusal", "sequence_problem", "tokens_problem",
-           "sample_tokens", "padded_kinds", "attend_across_shards", "average_over_shares"]
+           "sample_tokens", "attend_across_shards", "average_over_shares"]
 
 _BUCKET_ELEMENTS = 16 * 2**20  # gradients averaged 64 MB of fp32 at a time
 
@@ -108,8 +108,9 @@ class SequenceShards:
         """Whether the step under way pads its picture tokens."""
         return self.step.count is not None and self.step.count % self.size != 0
 
-    def kept(self, share: int, device: torch.device) -> torch.Tensor:
-        """Which of this share's `share` picture tokens are the picture's own (True) rather than pad."""
+    def kept(self, device: torch.device) -> torch.Tensor:
+        """Which of this process's share of the step's picture tokens are the picture's own (True) rather than pad."""
+        share = self.padded(self.step.count) // self.size
         start = self.rank * share
         return torch.arange(start, start + share, device=device) < self.step.count
 
@@ -205,20 +206,15 @@ def sample_tokens(backbone: Backbone, shape: tuple[int, ...], text_tokens: int) 
     return counts
 
 
-def padded_kinds(backbone: Backbone) -> tuple[str, ...]:
-    """The kinds of `sample_tokens` that are padded to a multiple of the degree rather than refused."""
-    return ("picture tokens",) if backbone.family.sequence_pads else ()
-
-
 def sequence_problem(backbone: Backbone, degree: int, tokens: dict[str, int] | None) -> str | None:
     """`sequence_refusal`, then `tokens_problem`; None if the backbone can split."""
-    return sequence_refusal(backbone, degree) or (
-        tokens_problem(degree, tokens, padded_kinds(backbone)) if degree > 1 else None)
+    return sequence_refusal(backbone, degree) or (tokens_problem(backbone, degree, tokens) if degree > 1 else None)
 
 
-def tokens_problem(degree: int, tokens: dict[str, int], padded: tuple[str, ...] = ()) -> str | None:
-    """Whether each kind of a sample's `tokens` divides into `degree` equal shares (a kind in `padded`: whether
-    there are at least as many as shares); None if it does."""
+def tokens_problem(backbone: Backbone, degree: int, tokens: dict[str, int]) -> str | None:
+    """Whether each kind of a sample's `tokens` divides into `degree` equal shares (picture tokens the family pads:
+    whether there are at least as many as shares); None if it does."""
+    padded = ("picture tokens",) if backbone.family.sequence_pads else ()
     for kind, count in tokens.items():
         if kind in padded:
             if count < degree:
@@ -277,9 +273,8 @@ class _PadMasked:
             if attention_mask is not None:
                 raise NotImplementedError("a padded share of the picture's tokens in an attention given a mask")
             keys = hidden_states.shape[1] + (0 if encoder_hidden_states is None else encoder_hidden_states.shape[1])
-            share = self.shards.padded(self.shards.step.count) // self.shards.size
-            kept = self.shards.kept(share, hidden_states.device)
-            attention_mask = torch.cat([kept.new_ones(keys - share), kept]).expand(hidden_states.shape[0], keys)
+            kept = self.shards.kept(hidden_states.device)
+            attention_mask = torch.cat([kept.new_ones(keys - len(kept)), kept]).expand(hidden_states.shape[0], keys)
         return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
 
 

@@ -29,8 +29,7 @@ from ..models.vae import vae_scale_factor
 from ..pipeline.data_parallel import spread_over_replicas
 from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
-from ..pipeline.sequence import (SequenceShards, attend_across_shards, padded_kinds, sample_tokens, split_sequence,
-                                 tokens_problem)
+from ..pipeline.sequence import SequenceShards, attend_across_shards, sample_tokens, split_sequence, tokens_problem
 from ..pipeline.split import stage_specs
 from ..pipeline.stage import StageModule
 from ..pipeline.tied import TiedGradients, tied_parameters
@@ -164,7 +163,7 @@ def _check_shares_of_buckets(config: RunConfig, backbone: Backbone, data) -> Non
         return
     for group in data.groups():
         shape = tuple(data.x0(group[:1]).shape[1:])
-        problem = tokens_problem(degree, sample_tokens(backbone, shape, text_length(config)), padded_kinds(backbone))
+        problem = tokens_problem(backbone, degree, sample_tokens(backbone, shape, text_length(config)))
         if problem is not None:
             bucket = data.placements[group[0]].name if hasattr(data, "placements") else "x".join(map(str, shape))
             raise ConfigError(f"the bucket {bucket} ({len(group)} items): {problem}; or set data.resolution, "

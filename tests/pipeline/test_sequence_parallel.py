@@ -55,8 +55,8 @@ def _planted_worker(plant: str, scenarios: list, out_dir: str) -> None:
         wrong = planted("diffpipe.pipeline.sequence", "if self.shards.padding and (", "if False and (")
         run_parts.attend_across_shards = wrong.attend_across_shards
     elif plant == "joint-mask-pad-first":
-        wrong = planted("diffpipe.pipeline.sequence", "torch.cat([kept.new_ones(keys - share), kept])",
-                        "torch.cat([kept, kept.new_ones(keys - share)])")
+        wrong = planted("diffpipe.pipeline.sequence", "torch.cat([kept.new_ones(keys - len(kept)), kept])",
+                        "torch.cat([kept, kept.new_ones(keys - len(kept))])")
         run_parts.attend_across_shards = wrong.attend_across_shards
     elif plant in ("pad-in-the-loss", "pad-loss-not-scaled"):
         wrong = planted("diffpipe.pipeline.runtime", *(
