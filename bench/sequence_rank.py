@@ -4,14 +4,17 @@ through diffpipe's own units and token shares (pipeline/sequence.py), each self-
 replaced by copies of the bytes they move (the tensors laid out exactly as diffusers' `TemplatedUlyssesAttention`
 lays them out, the collective a `clone`), and its backward computing the attention's forward again, as diffusers'
 native attention op does under Ulysses. Time and peak memory per step against the planner's figures for that
-process, at --tflops (the plan's device speed; the all-to-alls' link time is left out of both).
+process (the all-to-alls' link time is left out of both), at the plan's device speed: --tflops, or by default the
+speed at which the plan times the unsplit process (--sp 1, the same slice and clip, measured first) as it ran, which
+is how a plan is made for a device; so the check is of how the plan scales to a process's share.
 
-    python bench/sequence_rank.py --sp 4 [--frames 21] [--size 60 104] [--blocks 4] [--steps 6] [--checkpointing]
-    python bench/sequence_rank.py --sp 8 --size 90 160          # 720x1280, 81 frames: 75,600 tokens a clip
+    python bench/sequence_rank.py --sp 4 8 [--frames 21] [--size 60 104] [--blocks 4] [--steps 6] [--checkpointing]
+    python bench/sequence_rank.py --sp 4 8 --size 90 160        # 720x1280, 81 frames: 75,600 tokens a clip
     python bench/sequence_rank.py --device cpu --preset digits --frames 4 --size 8 8 --sp 2 --steps 3   # a smoke run
 
-Prints one JSON line: measured median step (after the first two) and peak allocated memory; planned step (forward +
-backward, less the all-to-alls) and peak; their ratios.
+Prints one JSON line: the plan's device speed (and whether measured on the unsplit process), measured median step
+(after the first two) and peak allocated memory; planned step (forward + backward, less the all-to-alls) and peak;
+their ratios.
 """
 from __future__ import annotations
 
@@ -114,8 +117,9 @@ def measured(args) -> tuple[list[float], float]:
     for p in model.parameters():  # on the GPU the base in bf16, the adapters in fp32 (memory.base_dtype = "bf16")
         if not p.requires_grad and device.type == "cuda":
             p.data = p.data.to(torch.bfloat16)
-    for block in model.blocks:
-        block.attn1.set_processor(EmulatedUlysses(args.sp))
+    if args.sp > 1:  # the unsplit process attends as the model does (the plan recomputes no attention there)
+        for block in model.blocks:
+            block.attn1.set_processor(EmulatedUlysses(args.sp))
     backbone = split_sequence(wan_backbone(model), family.sequence_streams, SequenceShards(args.sp, 0))
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=device.type == "cuda")
@@ -143,9 +147,30 @@ def measured(args) -> tuple[list[float], float]:
     return steps, peak
 
 
+def calibrated_tflops(args) -> float:
+    """The device speed at which the plan times the unsplit process (sp 1) as it runs on this device."""
+    whole = argparse.Namespace(**{**vars(args), "sp": 1, "tflops": 300.0})
+    plan_s, _ = planned(whole)
+    steps, _ = measured(whole)
+    return whole.tflops * plan_s / statistics.median(steps[2:] or steps)
+
+
+def report(args, calibrated: bool) -> None:
+    """One degree's JSON line."""
+    plan_s, plan_bytes = planned(args)
+    steps, peak = measured(args)
+    step = statistics.median(steps[2:] or steps)
+    print(json.dumps({"sp": args.sp, "tflops": round(args.tflops, 1), "tflops_from_unsplit": calibrated,
+                      "blocks": args.blocks, "frames": args.frames, "size": list(args.size),
+                      "checkpointing": args.checkpointing, "measured_step_s": round(step, 4),
+                      "planned_step_s": round(plan_s, 4), "step_ratio": round(step / plan_s, 3),
+                      "measured_peak_gib": round(peak / 2**30, 2), "planned_peak_gib": round(plan_bytes / 2**30, 2),
+                      "peak_ratio": round(peak / plan_bytes, 3)}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sp", type=int, default=4)
+    parser.add_argument("--sp", type=int, nargs="+", default=[4], help="the degrees (a line each)")
     parser.add_argument("--preset", default="t2v-14b")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--frames", type=int, default=21)
@@ -153,17 +178,15 @@ def main() -> None:
     parser.add_argument("--text", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--checkpointing", action="store_true")
-    parser.add_argument("--tflops", type=float, default=300.0, help="the plan's device speed (plan.device_tflops)")
+    parser.add_argument("--tflops", type=float, help="the plan's device speed (plan.device_tflops); by default the "
+                        "speed at which the plan times the unsplit process as it runs (measured first)")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
-    plan_s, plan_bytes = planned(args)
-    steps, peak = measured(args)
-    step = statistics.median(steps[2:] or steps)
-    print(json.dumps({"sp": args.sp, "blocks": args.blocks, "frames": args.frames, "size": list(args.size),
-                      "checkpointing": args.checkpointing, "measured_step_s": round(step, 4),
-                      "planned_step_s": round(plan_s, 4), "step_ratio": round(step / plan_s, 3),
-                      "measured_peak_gib": round(peak / 2**30, 2), "planned_peak_gib": round(plan_bytes / 2**30, 2),
-                      "peak_ratio": round(peak / plan_bytes, 3)}), flush=True)
+    calibrated = args.tflops is None
+    if calibrated:
+        args.tflops = calibrated_tflops(args)
+    for degree in args.sp:
+        report(argparse.Namespace(**{**vars(args), "sp": degree}), calibrated)
 
 
 if __name__ == "__main__":

@@ -130,8 +130,8 @@ class _Shares(nn.Module):
 
     def _share(self, out: dict[str, torch.Tensor], named: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         spec = self.streams[name]
-        if isinstance(spec, int):
-            return self.shards.shard(out[name], spec)
+        if isinstance(spec, int):  # a copy: a view would keep the whole stream's storage alive (Wan 14B at 720p:
+            return self.shards.shard(out[name], spec).clone()  # 0.72 GiB a process, measured on an H100)
         dim, parts = spec  # each part's length from the unit's outputs, or its inputs (along the same dimension)
         lengths = [(out[part] if part in out else named[part]).shape[dim] for part in parts]
         return torch.cat([self.shards.shard(piece, dim) for piece in out[name].split(lengths, dim=dim)], dim=dim)
