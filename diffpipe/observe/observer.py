@@ -3,7 +3,10 @@
 Per pipeline rank and step: compute (forward + backward intervals), optimizer, idle time inside the
 schedule, peak memory and the CUDA allocator's retries (a warning when memory ran out of cached blocks). Idle
 splits into communication, estimated as the bytes the rank moves times the seconds per byte measured between
-neighbouring ranks at start-up (`probe_link`), and bubble (the rest: waiting on other stages). Rank 0 adds
+neighbouring ranks at start-up (`probe_link`), and bubble (the rest: waiting on other stages). Where the processes
+of a sample split its tokens (pipeline.sequence_parallel), the part of compute spent in attention's all-to-alls is
+estimated the same way: the bytes the step's attentions gave them (counted as they ran) times the seconds per byte
+of an all-to-all among them measured at start-up (`probe_all_to_all`). Rank 0 adds
 per-stage fields to metrics.jsonl, appends every rank's intervals to stage_times.jsonl, writes TensorBoard
 scalars, prints a line per stage every `observe.log_every` steps, draws the timeline of `observe.timeline_step`,
 and runs the monitor, whose action every rank then takes.
@@ -26,7 +29,7 @@ from .monitor import PipelineMonitor
 from .timeline import chrome_trace, draw_timeline
 from ..pipeline.timing import StepTimes
 
-__all__ = ["PipelineObserver", "probe_link", "memory_pressure_warnings"]
+__all__ = ["PipelineObserver", "probe_link", "probe_all_to_all", "memory_pressure_warnings"]
 
 GIB = 2**30
 
@@ -58,6 +61,24 @@ def probe_link(topo: Topology, nbytes: int = 4 * 2**20, repeats: int = 3) -> flo
     return min(measured) if measured else 0.0
 
 
+def probe_all_to_all(topo: Topology, nbytes: int = 4 * 2**20, repeats: int = 3) -> float:
+    """Seconds per byte of an all-to-all among the processes of one sample (each giving `nbytes`, the fastest of
+    `repeats` after one that sets up the connections), 0 where a process holds its samples whole."""
+    if topo.sp_size == 1:
+        return 0.0
+    group = topo.sp_mesh["ulysses"].get_group()
+    given = torch.zeros(nbytes // 4, dtype=torch.float32, device=topo.device)
+    taken = torch.empty_like(given)
+    measured = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        dist.all_to_all_single(taken, given, group=group)
+        if topo.device.type == "cuda":
+            torch.cuda.synchronize(topo.device)
+        measured.append((time.perf_counter() - start) / nbytes)
+    return min(measured[1:])
+
+
 def _allocator_retries(device: torch.device) -> int:
     """Times the CUDA caching allocator found no free block, emptied its cache and tried again (each waits for
     the GPU); 0 off CUDA."""
@@ -84,9 +105,10 @@ def _peak_bytes(device: torch.device) -> int:
 
 class PipelineObserver:
     def __init__(self, config: RunConfig, topo: Topology, run_dir: Path, moved_bytes_per_step: int,
-                 seconds_per_byte: float, writer=None):
+                 seconds_per_byte: float, writer=None, all_to_all_seconds_per_byte: float = 0.0):
         self.config, self.topo, self.run_dir = config, topo, run_dir
         self.moved_bytes_per_step, self.seconds_per_byte = moved_bytes_per_step, seconds_per_byte
+        self.all_to_all_seconds_per_byte = all_to_all_seconds_per_byte
         obs = config.observe
         self.monitor = PipelineMonitor(factor=obs.anomaly_factor, warmup=obs.anomaly_warmup)
         self.writer = writer
@@ -98,6 +120,8 @@ class PipelineObserver:
         summary = {"rank": self.topo.rank, "pp_rank": self.topo.pp_rank, "replica_rank": self.topo.replica_rank,
                    "schedule_s": times.step_s, "compute_s": times.compute_s,
                    "optimizer_s": times.optimizer_s, "comm_s": self.moved_bytes_per_step * self.seconds_per_byte,
+                   "all_to_all_s": times.exchanged_bytes * self.all_to_all_seconds_per_byte,
+                   "all_to_all_mib": times.exchanged_bytes / 2**20,
                    "peak_gib": _peak_bytes(self.topo.device) / GIB,
                    "intervals": [asdict(i) for i in times.intervals]}
         retries = _allocator_retries(self.topo.device)
@@ -128,8 +152,10 @@ class PipelineObserver:
             r["bubble_s"] = r["idle_s"] - r["comm_s"]
         bubble = sum(r["bubble_s"] for r in ranks) / (window * len(ranks)) if window > 0 else 0.0
         record.update(bubble_fraction=bubble, ideal_bubble_fraction=self.ideal)
+        split = self.topo.sp_size > 1  # attention's all-to-alls, a part of compute
         for r in ranks:
-            for key in ("compute_s", "comm_s", "bubble_s", "optimizer_s", "peak_gib", "alloc_retries"):
+            for key in ("compute_s", "comm_s", "bubble_s", "optimizer_s", "peak_gib", "alloc_retries") + (
+                    ("all_to_all_s", "all_to_all_mib") if split else ()):
                 record[f"stage{r['pp_rank']}_{key}"] = r[key]
         line = {"step": step, "schedule": self.config.pipeline.schedule, "bubble_fraction": bubble,
                 "ideal_bubble_fraction": self.ideal, "ranks": ranks}
@@ -141,13 +167,14 @@ class PipelineObserver:
         if self.config.observe.log_every and step % self.config.observe.log_every == 0:
             for r in ranks:
                 own = r["bubble_s"] / max(1e-12, window)
-                print(f"stage {r['pp_rank']} (of {len(ranks)}) step {step}: compute {r['compute_s']:.3f} s, "
+                exchanged = f" (all-to-all {r['all_to_all_s']:.3f} s)" if split else ""
+                print(f"stage {r['pp_rank']} (of {len(ranks)}) step {step}: compute {r['compute_s']:.3f} s{exchanged}, "
                       f"comm {r['comm_s']:.3f} s, bubble {r['bubble_s']:.3f} s ({own:.1%}, ideal {self.ideal:.1%}), "
                       f"peak {r['peak_gib']:.2f} GiB", flush=True)
         if self.writer is not None:
             self.writer.add_scalar("pipeline/bubble_fraction", bubble, step)
             for r in ranks:
-                for key in ("compute_s", "comm_s", "bubble_s", "peak_gib"):
+                for key in ("compute_s", "comm_s", "bubble_s", "peak_gib") + (("all_to_all_s",) if split else ()):
                     self.writer.add_scalar(f"stage{r['pp_rank']}/{key}", r[key], step)
         return self._judge(step, ranks)
 

@@ -97,6 +97,8 @@ class PipelineRunner:
         origin = Mark(self.device) if timed else None
         for clock in self.clocks:
             clock.start_step(origin)
+        if self.sequence is not None:  # an evaluation's or a sample's all-to-alls are not the step's
+            self.sequence.take_exchanged_bytes()
         losses: list[torch.Tensor] = []
         if self.num_stages == 1:
             self._accumulate(sample, conditions, target, losses)
@@ -111,7 +113,8 @@ class PipelineRunner:
             end = Mark(self.device)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            times = StepTimes([iv for clock in self.clocks for iv in clock.intervals()], end.seconds_since(origin))
+            times = StepTimes([iv for clock in self.clocks for iv in clock.intervals()], end.seconds_since(origin),
+                              exchanged_bytes=self.sequence.take_exchanged_bytes() if self.sequence else 0)
         if not self.holds_last_stage:
             return None, times
         return torch.stack([loss.detach().float() for loss in losses]).mean(), times

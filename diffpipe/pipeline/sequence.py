@@ -16,6 +16,11 @@ averages over samples. With data-parallel replicas too, torch's data parallelism
 stage's replicas: pipeline/data_parallel.py); with none, `average_over_shares` does, after the step's backward,
 without wrapping the modules, so block swap (which moves frozen weights during the step) works beside it.
 
+Every such attention counts the bytes of its queries, keys, values and output as the exchanged attention sees them
+(`exchanged_bytes`: what the all-to-alls carry, in forward, again in backward and in any recomputation); the runner
+reads them after each step (`SequenceShards.take_exchanged_bytes`) and the observer turns them into the all-to-all
+time of the step at the rate measured when the run starts (observe/observer.py: `probe_all_to_all`).
+
 Picture tokens that the degree does not divide (a clip of 21 x 30 x 30 tokens over 8 processes): where the family
 allows it (`ModelFamily.sequence_pads`), the picture's stream is padded with zeros at its end to the next multiple,
 so that the last shares hold pad tokens; every attention the shares reach masks the pad out of its keys (a key mask
@@ -37,22 +42,25 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..config import ConfigError
 from ..models.tokens import TEXT_LENGTHS
 from ..models.units import Backbone
 
 __all__ = ["SequenceShards", "split_sequence", "sequence_refusal", "sequence_problem", "tokens_problem",
-           "sample_tokens", "attend_across_shards", "average_over_shares"]
+           "sample_tokens", "attend_across_shards", "average_over_shares", "exchanged_bytes"]
 
 _BUCKET_ELEMENTS = 16 * 2**20  # gradients averaged 64 MB of fp32 at a time
 
 
-class _StepTokens:
-    """The picture tokens of one sample in the step under way, before padding (None between steps)."""
+class _StepState:
+    """The step under way: the picture tokens of one sample, before padding (None between steps), and the bytes this
+    process's attentions gave their all-to-alls since they were last taken."""
 
     def __init__(self):
         self.count: int | None = None
+        self.exchanged_bytes = 0
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ class SequenceShards:
     rank: int
     group: dist.ProcessGroup | None = None  # the processes of one sample (all its shares)
     pads: bool = False
-    step: _StepTokens = field(default_factory=_StepTokens, compare=False, repr=False)
+    step: _StepState = field(default_factory=_StepState, compare=False, repr=False)
 
     def shard(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This process's share along `dim` (a view, or of the padded tensor; its gradient flows back into the
@@ -88,6 +96,12 @@ class SequenceShards:
         whole = torch.cat(parts, dim=dim)
         count = self.step.count
         return whole.narrow(dim, 0, count) if count is not None and whole.shape[dim] == self.padded(count) else whole
+
+    def take_exchanged_bytes(self) -> int:
+        """The bytes this process's attentions gave their all-to-alls since the last call (forward, backward and any
+        recomputation); counting starts again at 0."""
+        taken, self.step.exchanged_bytes = self.step.exchanged_bytes, 0
+        return taken
 
     def padded(self, tokens: int) -> int:
         """`tokens` rounded up to a multiple of the size: the length of a padded stream."""
@@ -235,8 +249,8 @@ def attend_across_shards(backbone: Backbone, mesh, device: torch.device, shards:
     dimension). diffusers' own `enable_parallelism` would do this but cannot run on the CPU (it divides by the
     accelerator count, 0 there) and also adds hooks that split and gather at its own places, which the units do
     here; so its parallel config is set up on our mesh and handed to each such attention's processor, the one
-    attribute `enable_parallelism` sets on them. Where the shares may pad, each processor is wrapped to mask the pad
-    (`_PadMasked`)."""
+    attribute `enable_parallelism` sets on them. Each processor is wrapped to count what its all-to-alls carry and,
+    where the shares may pad, to mask the pad (`_SharedAttention`)."""
     from diffusers import ContextParallelConfig, ParallelConfig
 
     size = mesh["ulysses"].size()
@@ -246,16 +260,18 @@ def attend_across_shards(backbone: Backbone, mesh, device: torch.device, shards:
     joins_text = family.sequence_text_stream in family.sequence_streams
     for module in _shared_attentions(backbone):
         _processor(module)._parallel_config = config
-        if shards.pads:
-            module.set_processor(_PadMasked(_processor(module), shards, joins_text))
+        module.set_processor(_SharedAttention(_processor(module), shards, joins_text))
 
 
-class _PadMasked:
-    """An attention processor whose self- or joint attention masks the pad of the step's picture tokens out of its
+class _SharedAttention:
+    """An attention processor whose self- or joint attention attends across the shares: it counts the bytes its
+    all-to-alls carry (`_AttentionBytes`: forward now, backward when the output's gradient arrives; a recomputation's
+    forward counts again, its output getting no gradient) and masks the pad of the step's picture tokens out of its
     keys. The keys a process holds end with its share of the picture's tokens (Flux puts the text's first); a
     cross-attention to the whole text (Wan's: `encoder_hidden_states` given where the family does not join text
-    and picture) has no pad among its keys and is left as it is. Every process of a sample passes a mask while the
-    step pads (diffusers' Ulysses gathers it from all of them), none otherwise."""
+    and picture) attends locally, with no pad among its keys, and is left as it is. Every process of a sample passes
+    a mask while the step pads (diffusers' Ulysses gathers it from all of them), none otherwise. Inside a compiled
+    block nothing is counted (the observer's all-to-all time then reads 0)."""
 
     def __init__(self, inner, shards: SequenceShards, joins_text: bool):
         self.inner, self.shards, self.joins_text = inner, shards, joins_text
@@ -275,7 +291,37 @@ class _PadMasked:
             keys = hidden_states.shape[1] + (0 if encoder_hidden_states is None else encoder_hidden_states.shape[1])
             kept = self.shards.kept(hidden_states.device)
             attention_mask = torch.cat([kept.new_ones(keys - len(kept)), kept]).expand(hidden_states.shape[0], keys)
-        return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+        if not (encoder_hidden_states is None or self.joins_text) or torch.compiler.is_compiling():
+            return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+        with _AttentionBytes() as counted:
+            out = self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+        step = self.shards.step
+        step.exchanged_bytes += counted.bytes
+        first = out[0] if isinstance(out, tuple) else out
+        if first.requires_grad:  # the backward's all-to-alls carry the gradients of as many bytes
+            first.register_hook(lambda grad: setattr(step, "exchanged_bytes", step.exchanged_bytes + counted.bytes))
+        return out
+
+
+def exchanged_bytes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+    """What the all-to-alls of an attention split over a sample's processes carry, one way: its queries, keys, values
+    and output (as large as its queries), in the layout attention sees them in; the planner's count and the run's."""
+    return sum(t.numel() * t.element_size() for t in (query, key, value)) + query.numel() * query.element_size()
+
+
+class _AttentionBytes(TorchFunctionMode):
+    """Within: the `exchanged_bytes` of every scaled_dot_product_attention called, summed in `bytes`."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            named = dict(zip(("query", "key", "value"), args), **kwargs)
+            self.bytes += exchanged_bytes(named["query"], named["key"], named["value"])
+        return func(*args, **kwargs)
 
 
 def average_over_shares(params: list[torch.Tensor], shards: SequenceShards) -> None:

@@ -34,6 +34,7 @@ class StepTimes:
     intervals: list[Interval]
     step_s: float
     optimizer_s: float = 0.0
+    exchanged_bytes: int = 0  # given to the all-to-alls of attention split over a sample's processes (sequence.py)
 
     @property
     def compute_s(self) -> float:

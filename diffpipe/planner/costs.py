@@ -31,6 +31,7 @@ from ..precision.autocast import CountedAutocast
 from .live_bytes import LiveBytes
 from ..models.storage import PRODUCT_LAYERS, quantisable
 from ..models.units import Backbone
+from ..pipeline.sequence import exchanged_bytes
 from ..torch_support import (fused_attention, kept_storage_key, split_backward_input, split_backward_weight,
                              view_base)
 
@@ -104,8 +105,7 @@ class _FusedAttention(TorchFunctionMode):
         named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args), **kwargs)
         query, key = named["query"], named["key"]
         if query.shape[-2] == key.shape[-2]:  # (batch, heads, tokens, head width)
-            self.exchanged_bytes += sum(named[k].numel() * named[k].element_size() for k in ("query", "key", "value"))
-            self.exchanged_bytes += query.numel() * query.element_size()  # the output, as the query
+            self.exchanged_bytes += exchanged_bytes(query, key, named["value"])
             self.exchanged_flops += 4 * query.numel() * key.shape[-2]  # scores, then their product with the values
         if named.get("attn_mask") is not None or named.get("enable_gqa", False):
             return func(*args, **kwargs)

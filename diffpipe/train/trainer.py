@@ -15,7 +15,7 @@ from pathlib import Path
 from ..config import RunConfig
 from ..data.prefetch import BatchPrefetcher
 from ..distributed import Topology
-from ..observe.observer import PipelineObserver, probe_link
+from ..observe.observer import PipelineObserver, probe_all_to_all, probe_link
 from ..pipeline.timing import StepTimes
 from ..observe.writers import ScalarWriters, make_writers
 from .checkpoint_schedule import Checkpoints
@@ -45,7 +45,13 @@ class Trainer:
         skipped = self.data.skipped  # image folders: files left out, counted in every metrics line
         self.skipped_images = len(skipped) if skipped is not None else None
         self.writers = make_writers(config, run_dir) if topo.is_main else ScalarWriters([])
-        self.observer = PipelineObserver(config, topo, run_dir, parts.bytes_moved, probe_link(topo), self.writers)
+        all_to_all = probe_all_to_all(topo)
+        if all_to_all and topo.is_main:
+            print(f"all-to-alls among the {topo.sp_size} processes of each sample: {1e-9 / all_to_all:.2f} GB/s "
+                  "measured at start; the time a step spends in them is each stage's all_to_all_s (a part of "
+                  "compute_s) in the step lines and metrics.jsonl", flush=True)
+        self.observer = PipelineObserver(config, topo, run_dir, parts.bytes_moved, probe_link(topo), self.writers,
+                                         all_to_all)
         self.nonfinite = NonFiniteSteps(config.train.max_bad_steps, run_dir, topo.is_main)
         self.checkpoints = Checkpoints(config, topo, run_dir)
         self.stop_requested = False  # set by SIGTERM / SIGINT (train/worker.py): checkpoint after this step and stop
