@@ -35,6 +35,8 @@ does not pad them.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -275,6 +277,11 @@ class _SharedAttention:
 
     def __init__(self, inner, shards: SequenceShards, joins_text: bool):
         self.inner, self.shards, self.joins_text = inner, shards, joins_text
+        self.signature = inspect.signature(inner)
+        # diffusers' attentions give a processor only the keyword arguments its __call__ names, read with
+        # inspect.signature(processor.__call__) (Qwen-Image's text mask and rotary tables among them): that lookup
+        # finds this attribute, which shows the inner processor's parameters; a call still runs the class's __call__
+        self.__call__ = functools.wraps(inner.__call__)(functools.partial(type(self).__call__, self))
 
     @property
     def _parallel_config(self):  # diffusers' name, read by a family's own attention (HunyuanVideo 1.5's)
@@ -284,17 +291,23 @@ class _SharedAttention:
     def _attention_backend(self):
         return self.inner._attention_backend
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        # bound by the processor's own parameters: Flux's attention passes the mask fourth, Qwen-Image's by name
+        # (its processor's fourth place is the text's mask)
+        call = self.signature.bind(*args, **kwargs)
+        hidden_states = call.arguments["hidden_states"]
+        encoder_hidden_states = call.arguments.get("encoder_hidden_states")
         if self.shards.padding and (encoder_hidden_states is None or self.joins_text):
-            if attention_mask is not None:
+            if call.arguments.get("attention_mask") is not None:
                 raise NotImplementedError("a padded share of the picture's tokens in an attention given a mask")
             keys = hidden_states.shape[1] + (0 if encoder_hidden_states is None else encoder_hidden_states.shape[1])
             kept = self.shards.kept(hidden_states.device)
-            attention_mask = torch.cat([kept.new_ones(keys - len(kept)), kept]).expand(hidden_states.shape[0], keys)
+            call.arguments["attention_mask"] = torch.cat([kept.new_ones(keys - len(kept)), kept]).expand(
+                hidden_states.shape[0], keys)
         if not (encoder_hidden_states is None or self.joins_text) or torch.compiler.is_compiling():
-            return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+            return self.inner(*call.args, **call.kwargs)
         with _AttentionBytes() as counted:
-            out = self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, *args, **kwargs)
+            out = self.inner(*call.args, **call.kwargs)
         step = self.shards.step
         step.exchanged_bytes += counted.bytes
         first = out[0] if isinstance(out, tuple) else out
