@@ -312,8 +312,9 @@ class PipelineConfig(_Section):
         "Processes that split every sample's tokens between them inside each stage (Ulysses: attention exchanges "
         "token shards for head shards and back); processes = stages x data_parallel x sequence_parallel. For long "
         "clips whose activations no stage fits: docs/multi-gpu.md. Families with a DiT whose attention diffusers can "
-        "split (Wan text- and image-to-video, Flux.1, Qwen-Image, HunyuanVideo 1.5); the heads must divide by it, "
-        "and each sample's tokens too except for Wan and Flux, which pad the last shares and mask the pad."))
+        "split (Wan text- and image-to-video, Flux.1, Qwen-Image, HunyuanVideo 1.5); heads it does not divide are "
+        "padded (not with pipeline.compile); each sample's tokens must divide by it except for Wan and Flux, "
+        "which pad the last shares and mask the pad."))
     data_parallel_shard: bool = Field(False, description=(
         "With data_parallel > 1: cut each stage's fp32 weights, gradients and AdamW state across its replicas "
         "(torch's FSDP2 fully_shard). With pipeline.stages = 1 each unit's weights are gathered only while it "

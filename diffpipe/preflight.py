@@ -19,7 +19,7 @@ from .models.folder import is_pipeline_folder, pipeline_index
 from .models.units import Backbone
 from .pipeline.block_swap import holds_frozen
 from .pipeline.schedules import schedule_named
-from .pipeline.sequence import sample_tokens, sequence_problem
+from .pipeline.sequence import heads_padded, sample_tokens, sequence_problem
 from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
 from .planner.plan import resolve_memory, resolve_stages
@@ -73,11 +73,19 @@ def check_before_launch(config: RunConfig) -> Checked:
 
 
 def _check_sequence_split(config: RunConfig, backbone: Backbone, shape: tuple[int, ...]) -> None:
-    """pipeline.sequence_parallel: the family splits its tokens, its heads and the sample's tokens divide by it."""
+    """pipeline.sequence_parallel: the family splits its tokens and the sample's divide by it (or are padded); heads
+    it does not divide are padded, which a compiled block cannot run."""
     tokens = sample_tokens(backbone, shape, text_length(config))
     problem = sequence_problem(backbone, config.pipeline.sequence_parallel, tokens)
     if problem is not None:
         raise ConfigError(problem)
+    degree, heads = config.pipeline.sequence_parallel, getattr(backbone.model.config, "num_attention_heads", None)
+    padded = heads_padded(heads, degree) if degree > 1 else None
+    if padded is not None and config.pipeline.compile:
+        divisors = ", ".join(str(d) for d in range(2, heads + 1) if heads % d == 0)
+        raise ConfigError(f"pipeline.sequence_parallel = {degree} does not divide the model's {heads} heads, so its "
+                          f"attention pads them to {padded} in an exchange a compiled block cannot run: set "
+                          f"pipeline.compile = false, or a degree that divides {heads} ({divisors})")
 
 
 def _check_frozen_components(config: RunConfig) -> None:

@@ -28,10 +28,17 @@ laid out as the process's keys are, which diffusers' Ulysses gathers with the ke
 and counts only the picture's own tokens (`SequenceShards.kept`, read by the runner). The runner says each step's
 picture token count (`SequenceShards.picture_tokens`), since a bucket's count is known only when its batch comes.
 
+Heads that the degree does not divide (Wan 14B's 40 over 16 processes): diffusers' Ulysses needs them to divide, so
+such an attention keeps no parallel config (it attends as if alone) and its scaled_dot_product_attention call is
+taken over (`_PaddedHeads`, a torch function mode around the processor): queries, keys and values padded with zero
+heads to the next multiple of the degree, exchanged token shares for head shares by our own all-to-all
+(`_HeadsForTokens`, whose backward is the way back), attended, exchanged back and the pad heads dropped. A zero head
+attends to nothing and gets no gradient, so the result is the unsplit attention's; the pad costs its share of
+attention's compute and of the all-to-alls, which the planner counts.
+
 What a family must give: `ModelFamily.sequence_streams`, the names of its token streams and the dimension their
 tokens lie along; attention processors that read diffusers' parallel config. A family without them is refused
-(`sequence_refusal`), as are heads that do not divide by the degree, and token counts that do not where the family
-does not pad them.
+(`sequence_refusal`), as are token counts the degree does not divide where the family does not pad them.
 """
 from __future__ import annotations
 
@@ -51,7 +58,7 @@ from ..models.tokens import TEXT_LENGTHS
 from ..models.units import Backbone
 
 __all__ = ["SequenceShards", "split_sequence", "sequence_refusal", "sequence_problem", "tokens_problem",
-           "sample_tokens", "attend_across_shards", "average_over_shares", "exchanged_bytes"]
+           "sample_tokens", "attend_across_shards", "average_over_shares", "exchanged_bytes", "heads_padded"]
 
 _BUCKET_ELEMENTS = 16 * 2**20  # gradients averaged 64 MB of fp32 at a time
 
@@ -195,11 +202,6 @@ def sequence_refusal(backbone: Backbone, degree: int) -> str | None:
     if why is not None:
         return (f"pipeline.sequence_parallel = {degree}: the {family.name} family cannot split a sample's tokens "
                 f"({why}); set pipeline.sequence_parallel = 1 and split the model with pipeline.stages instead")
-    heads = getattr(model.config, "num_attention_heads", None)
-    if heads is not None and heads % degree:
-        return (f"pipeline.sequence_parallel = {degree}: attention splits its {heads} heads over the processes of a "
-                f"sample, so the degree must divide {heads}: choose one of "
-                f"{', '.join(str(d) for d in range(2, heads + 1) if heads % d == 0)}")
     unsplittable = sorted({type(_processor(m)).__name__ for m in _shared_attentions(backbone)
                            if not hasattr(_processor(m), "_parallel_config")})
     if unsplittable:
@@ -261,8 +263,18 @@ def attend_across_shards(backbone: Backbone, mesh, device: torch.device, shards:
     family = backbone.family
     joins_text = family.sequence_text_stream in family.sequence_streams
     for module in _shared_attentions(backbone):
-        _processor(module)._parallel_config = config
-        module.set_processor(_SharedAttention(_processor(module), shards, joins_text))
+        pads_heads = heads_padded(getattr(module, "heads", None), size) is not None
+        if not pads_heads:  # else it attends as if alone, its attention call exchanged by _PaddedHeads
+            _processor(module)._parallel_config = config
+        module.set_processor(_SharedAttention(_processor(module), shards, joins_text, pads_heads))
+
+
+def heads_padded(heads: int | None, degree: int) -> int | None:
+    """The heads an attention of `heads` attends with when split over `degree` processes that do not divide them
+    (the next multiple of the degree); None where they divide (or are unknown)."""
+    if not heads or heads % degree == 0:
+        return None
+    return -(-heads // degree) * degree
 
 
 class _SharedAttention:
@@ -275,8 +287,8 @@ class _SharedAttention:
     a mask while the step pads (diffusers' Ulysses gathers it from all of them), none otherwise. Inside a compiled
     block nothing is counted (the observer's all-to-all time then reads 0)."""
 
-    def __init__(self, inner, shards: SequenceShards, joins_text: bool):
-        self.inner, self.shards, self.joins_text = inner, shards, joins_text
+    def __init__(self, inner, shards: SequenceShards, joins_text: bool, pads_heads: bool = False):
+        self.inner, self.shards, self.joins_text, self.pads_heads = inner, shards, joins_text, pads_heads
         self.signature = inspect.signature(inner)
         # diffusers' attentions give a processor only the keyword arguments its __call__ names, read with
         # inspect.signature(processor.__call__) (Qwen-Image's text mask and rotary tables among them): that lookup
@@ -304,10 +316,18 @@ class _SharedAttention:
             kept = self.shards.kept(hidden_states.device)
             call.arguments["attention_mask"] = torch.cat([kept.new_ones(keys - len(kept)), kept]).expand(
                 hidden_states.shape[0], keys)
-        if not (encoder_hidden_states is None or self.joins_text) or torch.compiler.is_compiling():
+        if not (encoder_hidden_states is None or self.joins_text):
             return self.inner(*call.args, **call.kwargs)
-        with _AttentionBytes() as counted:
+        if torch.compiler.is_compiling():
+            if self.pads_heads:  # refused before launch (preflight): the exchange is this mode's
+                raise RuntimeError("heads padded for sequence parallelism cannot run inside a compiled block")
+            return self.inner(*call.args, **call.kwargs)
+        with (_PaddedHeads(self.shards) if self.pads_heads else _AttentionBytes()) as counted:
             out = self.inner(*call.args, **call.kwargs)
+        if self.pads_heads and not counted.bytes:
+            raise RuntimeError(f"{type(self.inner).__name__} did not call torch's scaled_dot_product_attention (its "
+                               "attention backend is not diffusers' native one): heads that "
+                               f"pipeline.sequence_parallel = {self.shards.size} does not divide need it")
         step = self.shards.step
         step.exchanged_bytes += counted.bytes
         first = out[0] if isinstance(out, tuple) else out
@@ -323,7 +343,8 @@ def exchanged_bytes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
 
 
 class _AttentionBytes(TorchFunctionMode):
-    """Within: the `exchanged_bytes` of every scaled_dot_product_attention called, summed in `bytes`."""
+    """Within: the `exchanged_bytes` of every scaled_dot_product_attention called (diffusers' Ulysses calls it after
+    its all-to-alls, on every token and this process's heads), summed in `bytes`."""
 
     def __init__(self):
         super().__init__()
@@ -372,3 +393,84 @@ def _shared_attentions(backbone: Backbone) -> list[nn.Module]:
                 seen.add(id(m))
                 found.append(m)
     return found
+
+
+class _PaddedHeads(TorchFunctionMode):
+    """Within: every scaled_dot_product_attention called on this process's share of the tokens, with all of its heads
+    (B, H, S/N, D), is computed as Ulysses computes it, the heads padded with zero heads to a multiple of N: each
+    process attends over every token with its share of the heads, and the outputs are exchanged back. A key mask laid
+    out along this process's keys is gathered from every process. The exchanged bytes are summed in `bytes`."""
+
+    def __init__(self, shards: SequenceShards):
+        super().__init__()
+        self.group, self.size, self.bytes = shards.group, shards.size, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args), **kwargs)
+        query, key, value = named.pop("query"), named.pop("key"), named.pop("value")
+        heads = query.shape[1]
+        if key.shape[1] != heads or key.shape[2] != query.shape[2]:
+            raise NotImplementedError("padded heads for an attention whose keys have other heads or other tokens")
+        pad = (0, 0, 0, 0, 0, heads_padded(heads, self.size) - heads)
+        query, key, value = (_HeadsForTokens.apply(nn.functional.pad(t, pad), self.group) for t in (query, key, value))
+        if named.get("attn_mask") is not None:
+            named["attn_mask"] = self._gathered(named["attn_mask"])
+        self.bytes += exchanged_bytes(query, key, value)
+        out = func(query, key, value, **named)
+        return _TokensForHeads.apply(out, self.group)[:, :heads]
+
+    def _gathered(self, mask: torch.Tensor) -> torch.Tensor:
+        """A mask laid out along this process's keys, laid out along every process's (in the order of the shares)."""
+        parts = [torch.empty_like(mask) for _ in range(self.size)]
+        dist.all_gather(parts, mask.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def _heads_for_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """(B, H, S/N, D), this process's tokens with every head -> (B, H/N, S, D), its share of the heads over every
+    token (the shares in order): head group j goes to process j."""
+    n = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    given = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()
+    taken = torch.empty_like(given)
+    dist.all_to_all_single(taken, given, group=group)
+    return taken.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+
+
+def _tokens_for_heads(y: torch.Tensor, group) -> torch.Tensor:
+    """The way back: (B, H/N, S, D) -> (B, H, S/N, D); share j of the tokens goes to process j."""
+    n = dist.get_world_size(group)
+    b, h, s, d = y.shape
+    given = y.reshape(b, h, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()
+    taken = torch.empty_like(given)
+    dist.all_to_all_single(taken, given, group=group)
+    return taken.transpose(0, 1).reshape(b, n * h, s // n, d)
+
+
+class _HeadsForTokens(torch.autograd.Function):
+    """`_heads_for_tokens`, whose gradient goes back by `_tokens_for_heads`."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_for_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _tokens_for_heads(grad, ctx.group), None
+
+
+class _TokensForHeads(torch.autograd.Function):
+    """`_tokens_for_heads`, whose gradient goes back by `_heads_for_tokens`."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        return _tokens_for_heads(y, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_for_tokens(grad, ctx.group), None

@@ -20,7 +20,7 @@ from ..pipeline.split import (balanced_by_parameters, balanced_partition, check_
                               stage_specs)
 from ..pipeline.block_swap import holds_frozen
 from ..pipeline.schedules import choice_of
-from ..pipeline.sequence import sample_tokens, sequence_problem
+from ..pipeline.sequence import heads_padded, sample_tokens, sequence_problem
 from ..pipeline.traffic import trace_shapes
 from .costs import UnitCost, count_unit_costs, load_profile
 from .levers import (MemoryChoice, choose, fewest_swapped, holding, leaves_any, most_saving, plan_memory,
@@ -87,6 +87,21 @@ def scaled(costs: list[UnitCost], factor: float) -> list[UnitCost]:
                     weight_pass_bytes=int(c.weight_pass_bytes * factor), working_bytes=int(c.working_bytes * factor),
                     attention_bytes=int(c.attention_bytes * factor), attention_flops=int(c.attention_flops * factor))
             for c in costs]
+
+
+def with_padded_heads(costs: list[UnitCost], meta: Backbone, sequence_parallel: int) -> list[UnitCost]:
+    """Costs where the degree does not divide the model's heads: attention runs on heads padded to the next multiple
+    (pipeline/sequence.py), so its FLOPs (forward, a backward of twice them, the forward again in backward) and the
+    all-to-alls' bytes grow by padded/real heads; what the padded attention holds meanwhile is not counted."""
+    heads = getattr(meta.model.config, "num_attention_heads", None)
+    padded = heads_padded(heads, sequence_parallel) if sequence_parallel > 1 else None
+    if padded is None:
+        return costs
+    grow = padded / heads - 1
+    return [replace(c, forward_flops=c.forward_flops + int(c.attention_flops * grow),
+                    backward_flops=c.backward_flops + int(2 * c.attention_flops * grow),
+                    attention_flops=int(c.attention_flops * (1 + grow)),
+                    attention_bytes=int(c.attention_bytes * (1 + grow))) for c in costs]
 
 
 def planned_storage(config: RunConfig) -> FrozenStorage:
@@ -242,11 +257,13 @@ def _replicas(config: RunConfig, stages: int, data_parallel: int, sequence_paral
 def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int, microbatches: int,
               hw: Hardware, per_sample: list[UnitCost] | None = None, sequence_parallel: int = 1) -> Plan:
     """The plan for one layout; `per_sample` (costs at micro-batch 1) saves recounting across layouts. With
-    `sequence_parallel` N each process computes 1/N of every sample's tokens (and of its attention's heads): its
-    costs are those of 1/N of the micro-batch, plus the all-to-alls (partition.Replicas.exchange_s)."""
+    `sequence_parallel` N each process computes 1/N of every sample's tokens (and of its attention's heads, padded
+    where N does not divide them): its costs are those of 1/N of the micro-batch, plus the all-to-alls
+    (partition.Replicas.exchange_s)."""
     check_stage_count(meta, stages)  # before any memory reasoning: too many stages is no question of memory
     micro = config.train.batch_size // (microbatches * data_parallel)
     costs = scaled(per_sample if per_sample is not None else unit_costs(config, meta, 1), micro / sequence_parallel)
+    costs = with_padded_heads(costs, meta, sequence_parallel)
     bb = boundary_bytes(meta, costs, example_inputs(config, meta, micro)[0])
     p = config.pipeline
     schedule = choice_of(p)
@@ -276,7 +293,7 @@ def search_layouts(config: RunConfig, meta: Backbone, world_size: int, hw: Hardw
 def layouts_tried(config: RunConfig, meta: Backbone, world_size: int, hw: Hardware) -> list[tuple[Plan | None, str]]:
     """Each (stages, data parallel, sequence parallel, micro-batches) with stages x dp x sp = world size: its plan,
     or None and why it does not fit (the first line of the planner's reason). Sequence parallel degrees where the
-    family splits its tokens and its heads and each sample's tokens divide by them (pipeline/sequence.py)."""
+    family splits its tokens and each sample's tokens divide by them or are padded (pipeline/sequence.py)."""
     tried, per_sample = [], unit_costs(config, meta, 1)
     choice = choice_of(config.pipeline)
     tokens = sample_tokens(meta, sample_shape(config, meta), text_length(config))

@@ -97,7 +97,6 @@ def _sequence_config(model: str, degree: int, **pipeline) -> dict:
 @pytest.mark.parametrize("model,degree,words", [
     ("digits", 2, "the unet2d family cannot split a sample's tokens"),
     ("sd3", 2, "the sd3 family cannot split"),
-    ("wan", 3, "must divide 4: choose one of 2, 4"),  # 4 heads
     ("chroma", 2, "the chroma family cannot split a sample's tokens .its attention masks the captions' padding"),
     ("flux-kontext", 2, "the flux_kontext family cannot split"),
     ("wan-ti2v-i2v", 2, "the wan_i2v family cannot split a sample's tokens .TI2V's timesteps"),
@@ -107,6 +106,17 @@ def test_a_split_that_cannot_be_is_refused_before_launch(model, degree, words, m
     config = central.resolved(_sequence_config(model, degree), model_folders)
     with pytest.raises(ConfigError, match=words) as refused:
         check_before_launch(config)
+    assert "\n" not in str(refused.value)
+
+
+def test_heads_the_degree_does_not_divide_are_padded_but_not_in_a_compiled_block(model_folders):
+    """The tiny Wan's 4 heads over 3 processes: allowed (padded to 6, its 64 tokens to 66); with pipeline.compile,
+    refused before launch in a line (the exchange is a torch function mode, which a compiled block cannot run)."""
+    check_before_launch(central.resolved(_sequence_config("wan", 3), model_folders))
+    with pytest.raises(ConfigError, match="pipeline.sequence_parallel = 3 does not divide the model's 4 heads, so its "
+                                          "attention pads them to 6 .* set pipeline.compile = false, or a degree "
+                                          "that divides 4 .2, 4.") as refused:
+        check_before_launch(central.resolved(_sequence_config("wan", 3, compile="blocks"), model_folders))
     assert "\n" not in str(refused.value)
 
 
@@ -264,6 +274,65 @@ def test_gradients_are_averaged_over_the_shares_bucket_by_bucket(tmp_path):
         for i, grad in enumerate(grads):  # the mean of arange x (i + 1) and arange x (i + 1) + 100
             want = torch.arange(grad.numel(), dtype=grad.dtype) * (i + 1) + 50
             assert grad.dtype == want.dtype and torch.equal(grad, want), (rank, i)
+
+
+HEAD_PLANTS = {"pad-heads-kept": ("return _TokensForHeads.apply(out, self.group)[:, :heads]",
+                                  "return _TokensForHeads.apply(out, self.group)[:, -heads:]"),
+               "mask-not-gathered": ('named["attn_mask"] = self._gathered(named["attn_mask"])',
+                                     'named["attn_mask"] = named["attn_mask"].repeat(1, 1, 1, self.size)'),
+               "gradient-dropped-on-its-way-back": ("return _tokens_for_heads(grad, ctx.group), None",
+                                                    "return _tokens_for_heads(torch.zeros_like(grad), ctx.group), None")}
+
+
+def _padded_heads_worker(out_dir: str, plant: str | None) -> None:
+    """3 heads over 2 processes (padded to 4): each process attends from its half of the tokens, under a key mask."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import diffpipe.pipeline.sequence as sequence
+    from diffpipe.distributed import init_topology
+
+    if plant is not None:
+        sequence = planted("diffpipe.pipeline.sequence", *HEAD_PLANTS[plant])
+    topo = init_topology(1, 1, "cpu", sp_size=2)
+    shards = sequence.SequenceShards(2, topo.sp_rank, topo.sp_mesh["ulysses"].get_group())
+    torch.manual_seed(0)
+    q, k, v, weights = (torch.randn(2, 3, 6, 4, dtype=torch.float64) for _ in range(4))
+    mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    mask[1, ..., 1] = mask[0, ..., 4] = False  # a key of each process's share masked out
+    mine = slice(3 * topo.sp_rank, 3 * topo.sp_rank + 3)
+    shares = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+    with sequence._PaddedHeads(shards) as exchange:
+        out = F.scaled_dot_product_attention(*shares, attn_mask=mask[..., mine])
+    (out * weights[:, :, mine]).sum().backward()
+    torch.save({"out": out.detach(), "grads": [t.grad for t in shares], "bytes": exchange.bytes},
+               os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+
+
+@pytest.mark.parametrize("plant", [None, *HEAD_PLANTS])
+def test_heads_the_degree_does_not_divide_attend_as_one_process_does(tmp_path, plant):
+    """The padded heads' exchange gives every process its tokens' share of the unsplit attention and of its
+    gradients; the exchanged bytes are the padded queries, keys, values and output. Each plant fails it."""
+    import torch
+    import torch.nn.functional as F
+
+    run_workers(_padded_heads_worker, (str(tmp_path), plant), 2)
+    torch.manual_seed(0)
+    q, k, v, weights = (torch.randn(2, 3, 6, 4, dtype=torch.float64).requires_grad_() for _ in range(4))
+    mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    mask[1, ..., 1] = mask[0, ..., 4] = False
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    (out * weights).sum().backward()
+    agree = []
+    for rank in range(2):
+        got, mine = torch.load(tmp_path / f"rank{rank}.pt"), slice(3 * rank, 3 * rank + 3)
+        agree.append(torch.allclose(got["out"], out[:, :, mine], atol=1e-12)
+                     and all(torch.allclose(g, t.grad[:, :, mine], atol=1e-12) for g, t in zip(got["grads"], (q, k, v))))
+        assert got["bytes"] == 4 * 2 * 2 * 6 * 4 * 8  # (q, k, v, output) x samples x 2 of 4 heads x tokens x width
+    assert all(agree) == (plant is None), plant
 
 
 def test_a_units_share_of_a_stream_holds_only_its_own_tokens():

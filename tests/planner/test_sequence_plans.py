@@ -53,6 +53,28 @@ def test_a_process_of_a_split_sample_computes_its_share_and_pays_the_all_to_alls
     assert wrong.forward_s != pytest.approx(whole.forward_s / 2 + exchange, rel=1e-6)
 
 
+@pytest.mark.parametrize("plan_module", ["diffpipe.planner.plan", "planted"])
+def test_heads_the_degree_does_not_divide_cost_their_pad(tiny_wan, plan_module):
+    """The tiny Wan's 4 heads over 3 processes attend as 6: a process's attention FLOPs (forward, twice them in
+    backward, the forward again) and all-to-all bytes are 1.5 times its third of the unsplit attention's. Planted:
+    the pad left out of the plan."""
+    import importlib
+
+    config, meta, per_sample = tiny_wan
+    module = (planted("diffpipe.planner.plan", "    costs = with_padded_heads(costs, meta, sequence_parallel)\n", "")
+              if plan_module == "planted" else importlib.import_module(plan_module))
+    whole, split = (_plan(module, config, meta, per_sample, sp).planned.stages[0] for sp in (1, 3))
+    share = config.micro_batch_size / 3
+    pad = sum(c.attention_flops for c in per_sample) * share * 0.5 / 300e12  # the pad heads' forward
+    exchange = sum(c.attention_bytes for c in per_sample) * share * 1.5 * (2 / 3) / 100e9
+    again = 3 * pad  # the padded attention's forward, computed again in backward
+    forward = whole.forward_s / 3 + pad + exchange
+    backward = whole.backward_s / 3 + 2 * pad + exchange + again
+    agrees = (split.forward_s == pytest.approx(forward, rel=1e-6) and
+              split.backward_s == pytest.approx(backward, rel=1e-6))
+    assert agrees == (plan_module != "planted")
+
+
 def test_the_search_tries_the_degrees_the_heads_and_tokens_allow(tiny_wan):
     config, meta, per_sample = tiny_wan
     tried = layouts_tried(config, meta, 4, hardware(config))
