@@ -19,7 +19,8 @@ from .models.folder import is_pipeline_folder, pipeline_index
 from .models.units import Backbone
 from .pipeline.block_swap import holds_frozen
 from .pipeline.schedules import schedule_named
-from .pipeline.sequence import heads_padded, sample_tokens, sequence_problem
+from .pipeline.exchange import heads_padded
+from .pipeline.sequence import sample_tokens, sequence_problem
 from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
 from .planner.plan import resolve_memory, resolve_stages

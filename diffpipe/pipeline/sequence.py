@@ -17,7 +17,7 @@ stage's replicas: pipeline/data_parallel.py); with none, `average_over_shares` d
 without wrapping the modules, so block swap (which moves frozen weights during the step) works beside it.
 
 Every such attention counts the bytes of its queries, keys, values and output as the exchanged attention sees them
-(`exchanged_bytes`: what the all-to-alls carry, in forward, again in backward and in any recomputation); the runner
+(exchange.py's `exchanged_bytes`: what the all-to-alls carry, in forward, again in backward and in any recomputation); the runner
 reads them after each step (`SequenceShards.take_exchanged_bytes`) and the observer turns them into the all-to-all
 time of the step at the rate measured when the run starts (observe/observer.py: `probe_all_to_all`).
 
@@ -28,13 +28,9 @@ laid out as the process's keys are, which diffusers' Ulysses gathers with the ke
 and counts only the picture's own tokens (`SequenceShards.kept`, read by the runner). The runner says each step's
 picture token count (`SequenceShards.picture_tokens`), since a bucket's count is known only when its batch comes.
 
-Heads that the degree does not divide (Wan 14B's 40 over 16 processes): diffusers' Ulysses needs them to divide, so
-such an attention keeps no parallel config (it attends as if alone) and its scaled_dot_product_attention call is
-taken over (`_PaddedHeads`, a torch function mode around the processor): queries, keys and values padded with zero
-heads to the next multiple of the degree, exchanged token shares for head shares by our own all-to-all
-(`_HeadsForTokens`, whose backward is the way back), attended, exchanged back and the pad heads dropped. A zero head
-attends to nothing and gets no gradient, so the result is the unsplit attention's; the pad costs its share of
-attention's compute and of the all-to-alls, which the planner counts.
+Heads that the degree does not divide (Wan 14B's 40 over 16 processes) are padded with zero heads and exchanged by
+diffpipe's own all-to-alls (pipeline/exchange.py: `PaddedHeads`), since diffusers' Ulysses needs them to divide; the
+result is the unsplit attention's, at the pad's share of attention's compute and all-to-alls more (planned so).
 
 What a family must give: `ModelFamily.sequence_streams`, the names of its token streams and the dimension their
 tokens lie along; attention processors that read diffusers' parallel config. A family without them is refused
@@ -51,14 +47,14 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ..config import ConfigError
 from ..models.tokens import TEXT_LENGTHS
 from ..models.units import Backbone
+from .exchange import AttentionBytes, PaddedHeads, heads_padded
 
 __all__ = ["SequenceShards", "split_sequence", "sequence_refusal", "sequence_problem", "tokens_problem",
-           "sample_tokens", "attend_across_shards", "average_over_shares", "exchanged_bytes", "heads_padded"]
+           "sample_tokens", "attend_across_shards", "average_over_shares"]
 
 _BUCKET_ELEMENTS = 16 * 2**20  # gradients averaged 64 MB of fp32 at a time
 
@@ -264,22 +260,14 @@ def attend_across_shards(backbone: Backbone, mesh, device: torch.device, shards:
     joins_text = family.sequence_text_stream in family.sequence_streams
     for module in _shared_attentions(backbone):
         pads_heads = heads_padded(getattr(module, "heads", None), size) is not None
-        if not pads_heads:  # else it attends as if alone, its attention call exchanged by _PaddedHeads
+        if not pads_heads:  # else it attends as if alone, its attention call exchanged by PaddedHeads
             _processor(module)._parallel_config = config
         module.set_processor(_SharedAttention(_processor(module), shards, joins_text, pads_heads))
 
 
-def heads_padded(heads: int | None, degree: int) -> int | None:
-    """The heads an attention of `heads` attends with when split over `degree` processes that do not divide them
-    (the next multiple of the degree); None where they divide (or are unknown)."""
-    if not heads or heads % degree == 0:
-        return None
-    return -(-heads // degree) * degree
-
-
 class _SharedAttention:
     """An attention processor whose self- or joint attention attends across the shares: it counts the bytes its
-    all-to-alls carry (`_AttentionBytes`: forward now, backward when the output's gradient arrives; a recomputation's
+    all-to-alls carry (`AttentionBytes`: forward now, backward when the output's gradient arrives; a recomputation's
     forward counts again, its output getting no gradient) and masks the pad of the step's picture tokens out of its
     keys. The keys a process holds end with its share of the picture's tokens (Flux puts the text's first); a
     cross-attention to the whole text (Wan's: `encoder_hidden_states` given where the family does not join text
@@ -322,7 +310,7 @@ class _SharedAttention:
             if self.pads_heads:  # refused before launch (preflight): the exchange is this mode's
                 raise RuntimeError("heads padded for sequence parallelism cannot run inside a compiled block")
             return self.inner(*call.args, **call.kwargs)
-        with (_PaddedHeads(self.shards) if self.pads_heads else _AttentionBytes()) as counted:
+        with (PaddedHeads(self.shards.group, self.shards.size) if self.pads_heads else AttentionBytes()) as counted:
             out = self.inner(*call.args, **call.kwargs)
         if self.pads_heads and not counted.bytes:
             raise RuntimeError(f"{type(self.inner).__name__} did not call torch's scaled_dot_product_attention (its "
@@ -334,28 +322,6 @@ class _SharedAttention:
         if first.requires_grad:  # the backward's all-to-alls carry the gradients of as many bytes
             first.register_hook(lambda grad: setattr(step, "exchanged_bytes", step.exchanged_bytes + counted.bytes))
         return out
-
-
-def exchanged_bytes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
-    """What the all-to-alls of an attention split over a sample's processes carry, one way: its queries, keys, values
-    and output (as large as its queries), in the layout attention sees them in; the planner's count and the run's."""
-    return sum(t.numel() * t.element_size() for t in (query, key, value)) + query.numel() * query.element_size()
-
-
-class _AttentionBytes(TorchFunctionMode):
-    """Within: the `exchanged_bytes` of every scaled_dot_product_attention called (diffusers' Ulysses calls it after
-    its all-to-alls, on every token and this process's heads), summed in `bytes`."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            named = dict(zip(("query", "key", "value"), args), **kwargs)
-            self.bytes += exchanged_bytes(named["query"], named["key"], named["value"])
-        return func(*args, **kwargs)
 
 
 def average_over_shares(params: list[torch.Tensor], shards: SequenceShards) -> None:
@@ -394,83 +360,3 @@ def _shared_attentions(backbone: Backbone) -> list[nn.Module]:
                 found.append(m)
     return found
 
-
-class _PaddedHeads(TorchFunctionMode):
-    """Within: every scaled_dot_product_attention called on this process's share of the tokens, with all of its heads
-    (B, H, S/N, D), is computed as Ulysses computes it, the heads padded with zero heads to a multiple of N: each
-    process attends over every token with its share of the heads, and the outputs are exchanged back. A key mask laid
-    out along this process's keys is gathered from every process. The exchanged bytes are summed in `bytes`."""
-
-    def __init__(self, shards: SequenceShards):
-        super().__init__()
-        self.group, self.size, self.bytes = shards.group, shards.size, 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args), **kwargs)
-        query, key, value = named.pop("query"), named.pop("key"), named.pop("value")
-        heads = query.shape[1]
-        if key.shape[1] != heads or key.shape[2] != query.shape[2]:
-            raise NotImplementedError("padded heads for an attention whose keys have other heads or other tokens")
-        pad = (0, 0, 0, 0, 0, heads_padded(heads, self.size) - heads)
-        query, key, value = (_HeadsForTokens.apply(nn.functional.pad(t, pad), self.group) for t in (query, key, value))
-        if named.get("attn_mask") is not None:
-            named["attn_mask"] = self._gathered(named["attn_mask"])
-        self.bytes += exchanged_bytes(query, key, value)
-        out = func(query, key, value, **named)
-        return _TokensForHeads.apply(out, self.group)[:, :heads]
-
-    def _gathered(self, mask: torch.Tensor) -> torch.Tensor:
-        """A mask laid out along this process's keys, laid out along every process's (in the order of the shares)."""
-        parts = [torch.empty_like(mask) for _ in range(self.size)]
-        dist.all_gather(parts, mask.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
-
-
-def _heads_for_tokens(x: torch.Tensor, group) -> torch.Tensor:
-    """(B, H, S/N, D), this process's tokens with every head -> (B, H/N, S, D), its share of the heads over every
-    token (the shares in order): head group j goes to process j."""
-    n = dist.get_world_size(group)
-    b, h, s, d = x.shape
-    given = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()
-    taken = torch.empty_like(given)
-    dist.all_to_all_single(taken, given, group=group)
-    return taken.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
-
-
-def _tokens_for_heads(y: torch.Tensor, group) -> torch.Tensor:
-    """The way back: (B, H/N, S, D) -> (B, H, S/N, D); share j of the tokens goes to process j."""
-    n = dist.get_world_size(group)
-    b, h, s, d = y.shape
-    given = y.reshape(b, h, n, s // n, d).permute(2, 0, 1, 3, 4).contiguous()
-    taken = torch.empty_like(given)
-    dist.all_to_all_single(taken, given, group=group)
-    return taken.transpose(0, 1).reshape(b, n * h, s // n, d)
-
-
-class _HeadsForTokens(torch.autograd.Function):
-    """`_heads_for_tokens`, whose gradient goes back by `_tokens_for_heads`."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_for_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _tokens_for_heads(grad, ctx.group), None
-
-
-class _TokensForHeads(torch.autograd.Function):
-    """`_tokens_for_heads`, whose gradient goes back by `_heads_for_tokens`."""
-
-    @staticmethod
-    def forward(ctx, y, group):
-        ctx.group = group
-        return _tokens_for_heads(y, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _heads_for_tokens(grad, ctx.group), None

@@ -31,7 +31,7 @@ from ..precision.autocast import CountedAutocast
 from .live_bytes import LiveBytes
 from ..models.storage import PRODUCT_LAYERS, quantisable
 from ..models.units import Backbone
-from ..pipeline.sequence import exchanged_bytes
+from ..pipeline.exchange import exchanged_bytes
 from ..torch_support import (fused_attention, kept_storage_key, split_backward_input, split_backward_weight,
                              view_base)
 

@@ -20,7 +20,8 @@ from ..pipeline.split import (balanced_by_parameters, balanced_partition, check_
                               stage_specs)
 from ..pipeline.block_swap import holds_frozen
 from ..pipeline.schedules import choice_of
-from ..pipeline.sequence import heads_padded, sample_tokens, sequence_problem
+from ..pipeline.exchange import heads_padded
+from ..pipeline.sequence import sample_tokens, sequence_problem
 from ..pipeline.traffic import trace_shapes
 from .costs import UnitCost, count_unit_costs, load_profile
 from .levers import (MemoryChoice, choose, fewest_swapped, holding, leaves_any, most_saving, plan_memory,

@@ -276,12 +276,12 @@ def test_gradients_are_averaged_over_the_shares_bucket_by_bucket(tmp_path):
             assert grad.dtype == want.dtype and torch.equal(grad, want), (rank, i)
 
 
-HEAD_PLANTS = {"pad-heads-kept": ("return _TokensForHeads.apply(out, self.group)[:, :heads]",
-                                  "return _TokensForHeads.apply(out, self.group)[:, -heads:]"),
+HEAD_PLANTS = {"pad-heads-kept": ("return _Exchanged.apply(out, self.group, False)[:, :heads]",
+                                  "return _Exchanged.apply(out, self.group, False)[:, -heads:]"),
                "mask-not-gathered": ('named["attn_mask"] = self._gathered(named["attn_mask"])',
                                      'named["attn_mask"] = named["attn_mask"].repeat(1, 1, 1, self.size)'),
-               "gradient-dropped-on-its-way-back": ("return _tokens_for_heads(grad, ctx.group), None",
-                                                    "return _tokens_for_heads(torch.zeros_like(grad), ctx.group), None")}
+               "gradient-dropped-on-its-way-back": ("(grad, ctx.group), None, None",
+                                                    "(torch.zeros_like(grad), ctx.group), None, None")}
 
 
 def _padded_heads_worker(out_dir: str, plant: str | None) -> None:
@@ -292,23 +292,22 @@ def _padded_heads_worker(out_dir: str, plant: str | None) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    import diffpipe.pipeline.sequence as sequence
+    import diffpipe.pipeline.exchange as exchange
     from diffpipe.distributed import init_topology
 
     if plant is not None:
-        sequence = planted("diffpipe.pipeline.sequence", *HEAD_PLANTS[plant])
+        exchange = planted("diffpipe.pipeline.exchange", *HEAD_PLANTS[plant])
     topo = init_topology(1, 1, "cpu", sp_size=2)
-    shards = sequence.SequenceShards(2, topo.sp_rank, topo.sp_mesh["ulysses"].get_group())
     torch.manual_seed(0)
     q, k, v, weights = (torch.randn(2, 3, 6, 4, dtype=torch.float64) for _ in range(4))
     mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
     mask[1, ..., 1] = mask[0, ..., 4] = False  # a key of each process's share masked out
     mine = slice(3 * topo.sp_rank, 3 * topo.sp_rank + 3)
     shares = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-    with sequence._PaddedHeads(shards) as exchange:
+    with exchange.PaddedHeads(topo.sp_mesh["ulysses"].get_group(), 2) as padded:
         out = F.scaled_dot_product_attention(*shares, attn_mask=mask[..., mine])
     (out * weights[:, :, mine]).sum().backward()
-    torch.save({"out": out.detach(), "grads": [t.grad for t in shares], "bytes": exchange.bytes},
+    torch.save({"out": out.detach(), "grads": [t.grad for t in shares], "bytes": padded.bytes},
                os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
 
 
