@@ -67,6 +67,7 @@ def probe_all_to_all(topo: Topology, nbytes: int = 4 * 2**20, repeats: int = 3) 
     if topo.sp_size == 1:
         return 0.0
     group = topo.sp_mesh["ulysses"].get_group()
+    nbytes = nbytes // (4 * topo.sp_size) * 4 * topo.sp_size  # an equal part for each process
     given = torch.zeros(nbytes // 4, dtype=torch.float32, device=topo.device)
     taken = torch.empty_like(given)
     measured = []

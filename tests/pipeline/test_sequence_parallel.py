@@ -285,7 +285,8 @@ HEAD_PLANTS = {"pad-heads-kept": ("return _Exchanged.apply(out, self.group, Fals
 
 
 def _padded_heads_worker(out_dir: str, plant: str | None) -> None:
-    """3 heads over 2 processes (padded to 4): each process attends from its half of the tokens, under a key mask."""
+    """4 heads over 3 processes (padded to 6): each process attends from its third of the tokens, under a key mask;
+    and the all-to-all rate is probed among them (its buffer in 3 equal parts)."""
     import os
 
     import torch
@@ -294,17 +295,19 @@ def _padded_heads_worker(out_dir: str, plant: str | None) -> None:
 
     import diffpipe.pipeline.exchange as exchange
     from diffpipe.distributed import init_topology
+    from diffpipe.observe.observer import probe_all_to_all
 
     if plant is not None:
         exchange = planted("diffpipe.pipeline.exchange", *HEAD_PLANTS[plant])
-    topo = init_topology(1, 1, "cpu", sp_size=2)
+    topo = init_topology(1, 1, "cpu", sp_size=3)
+    assert probe_all_to_all(topo) > 0
     torch.manual_seed(0)
-    q, k, v, weights = (torch.randn(2, 3, 6, 4, dtype=torch.float64) for _ in range(4))
+    q, k, v, weights = (torch.randn(2, 4, 6, 4, dtype=torch.float64) for _ in range(4))
     mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
     mask[1, ..., 1] = mask[0, ..., 4] = False  # a key of each process's share masked out
-    mine = slice(3 * topo.sp_rank, 3 * topo.sp_rank + 3)
+    mine = slice(2 * topo.sp_rank, 2 * topo.sp_rank + 2)
     shares = [t[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
-    with exchange.PaddedHeads(topo.sp_mesh["ulysses"].get_group(), 2) as padded:
+    with exchange.PaddedHeads(topo.sp_mesh["ulysses"].get_group(), 3) as padded:
         out = F.scaled_dot_product_attention(*shares, attn_mask=mask[..., mine])
     (out * weights[:, :, mine]).sum().backward()
     torch.save({"out": out.detach(), "grads": [t.grad for t in shares], "bytes": padded.bytes},
@@ -318,19 +321,19 @@ def test_heads_the_degree_does_not_divide_attend_as_one_process_does(tmp_path, p
     import torch
     import torch.nn.functional as F
 
-    run_workers(_padded_heads_worker, (str(tmp_path), plant), 2)
+    run_workers(_padded_heads_worker, (str(tmp_path), plant), 3)
     torch.manual_seed(0)
-    q, k, v, weights = (torch.randn(2, 3, 6, 4, dtype=torch.float64).requires_grad_() for _ in range(4))
+    q, k, v, weights = (torch.randn(2, 4, 6, 4, dtype=torch.float64).requires_grad_() for _ in range(4))
     mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
     mask[1, ..., 1] = mask[0, ..., 4] = False
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     (out * weights).sum().backward()
     agree = []
-    for rank in range(2):
-        got, mine = torch.load(tmp_path / f"rank{rank}.pt"), slice(3 * rank, 3 * rank + 3)
+    for rank in range(3):
+        got, mine = torch.load(tmp_path / f"rank{rank}.pt"), slice(2 * rank, 2 * rank + 2)
         agree.append(torch.allclose(got["out"], out[:, :, mine], atol=1e-12)
                      and all(torch.allclose(g, t.grad[:, :, mine], atol=1e-12) for g, t in zip(got["grads"], (q, k, v))))
-        assert got["bytes"] == 4 * 2 * 2 * 6 * 4 * 8  # (q, k, v, output) x samples x 2 of 4 heads x tokens x width
+        assert got["bytes"] == 4 * 2 * 2 * 6 * 4 * 8  # (q, k, v, output) x samples x 2 of 6 heads x tokens x width
     assert all(agree) == (plant is None), plant
 
 
