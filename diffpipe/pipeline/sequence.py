@@ -306,12 +306,18 @@ class _SharedAttention:
                 hidden_states.shape[0], keys)
         if not (encoder_hidden_states is None or self.joins_text):
             return self.inner(*call.args, **call.kwargs)
+        return self.exchanged(lambda: self.inner(*call.args, **call.kwargs))
+
+    def exchanged(self, attend):
+        """`attend()`, this attention's call across the shares, with what its all-to-alls carry counted (and its heads
+        exchanged where they are padded). A family whose blocks attend through their own code rather than the
+        processor (HunyuanVideo 1.5's) calls it so."""
         if torch.compiler.is_compiling():
             if self.pads_heads:  # refused before launch (preflight): the exchange is this mode's
                 raise RuntimeError("heads padded for sequence parallelism cannot run inside a compiled block")
-            return self.inner(*call.args, **call.kwargs)
+            return attend()
         with (PaddedHeads(self.shards.group, self.shards.size) if self.pads_heads else AttentionBytes()) as counted:
-            out = self.inner(*call.args, **call.kwargs)
+            out = attend()
         if self.pads_heads and not counted.bytes:
             raise RuntimeError(f"{type(self.inner).__name__} did not call torch's scaled_dot_product_attention (its "
                                "attention backend is not diffusers' native one): heads that "

@@ -239,6 +239,8 @@ FOUR = {
     "flux-sp2-padded-x-1f1b-2": _odd_tokens(_config(2, "1f1b", sp=2, model="flux"), [6, 10]),
     # 2 heads over 4 processes: padded with 2 zero heads, each process attending with one (our own all-to-alls)
     "flux-sp4-padded-heads": _config(1, "1f1b", sp=4, model="flux"),
+    # the same where the family attends through its own code (diffpipe's, beside the processor)
+    "hunyuan-video15-sp4-padded-heads": _config(1, "1f1b", sp=4, model="hunyuan-video15"),
     "gpipe-4": _config(4, "gpipe"),
     "1f1b-4": _config(4, "1f1b"),
     "interleaved-4x2": _config(4, "interleaved_1f1b", virtual=2),

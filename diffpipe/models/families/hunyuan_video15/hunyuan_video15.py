@@ -143,14 +143,19 @@ def _attention(attn, h, context, text_valid, rope, text_queries: bool = True):
     k = apply_rotary_emb(attn.norm_k(k), rope, sequence_dim=1)
     k = torch.cat([k, attn.norm_added_k(heads(attn.add_k_proj(context)))], 1)
     v = torch.cat([v, heads(attn.add_v_proj(context))], 1)
-    # split over a sample's processes (pipeline/sequence.py), the text asks its queries anyway: diffusers 0.42's
-    # Ulysses backward takes as many queries as keys (their answers are dropped below)
-    if text_queries or attn.processor._parallel_config is not None:
+    # split over a sample's processes (pipeline/sequence.py: the processor counts, and may exchange, its attention),
+    # the text asks its queries anyway: Ulysses' backward (diffusers 0.42's, and padded heads') takes as many
+    # queries as keys (their answers are dropped below)
+    exchanged = getattr(attn.processor, "exchanged", None)
+    if text_queries or exchanged is not None:
         q = torch.cat([q, attn.norm_added_q(heads(attn.add_q_proj(context)))], 1)
     keys = None if text_valid is None else torch.cat([text_valid.new_ones(h.shape[:2]), text_valid], 1)[:, None, None]
-    out = dispatch_attention_fn(q, k, v, attn_mask=keys, dropout_p=0.0, is_causal=False,
-                                backend=attn.processor._attention_backend,
-                                parallel_config=attn.processor._parallel_config)  # set: pipeline/sequence.py
+
+    def attend():
+        return dispatch_attention_fn(q, k, v, attn_mask=keys, dropout_p=0.0, is_causal=False,
+                                     backend=attn.processor._attention_backend,
+                                     parallel_config=attn.processor._parallel_config)  # set: pipeline/sequence.py
+    out = attend() if exchanged is None else exchanged(attend)
     out = out.flatten(2, 3).to(q.dtype)
     video = attn.to_out[1](attn.to_out[0](out[:, :h.shape[1]]))
     return (video, attn.to_add_out(out[:, h.shape[1]:])) if text_queries else (video, None)
