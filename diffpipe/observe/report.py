@@ -41,7 +41,9 @@ def summarise_run(run_dir: str | Path) -> str:
         med = {k: statistics.median(r[f"stage{s}_{k}"] for r in timed)
                for k in ("compute_s", "comm_s", "bubble_s", "optimizer_s", "peak_gib")}
         retries = sum(r.get(f"stage{s}_alloc_retries", 0) for r in rows)  # runs before this figure lack it
-        lines.append(f"stage {s}: compute {med['compute_s']:.4f} s, comm {med['comm_s']:.4f} s, bubble "
+        exchanged = [r[f"stage{s}_all_to_all_s"] for r in timed if f"stage{s}_all_to_all_s" in r]  # sequence parallel
+        within = f" (all-to-all {statistics.median(exchanged):.4f} s)" if exchanged else ""
+        lines.append(f"stage {s}: compute {med['compute_s']:.4f} s{within}, comm {med['comm_s']:.4f} s, bubble "
                      f"{med['bubble_s']:.4f} s, optimizer {med['optimizer_s']:.4f} s, peak {med['peak_gib']:.2f} GiB"
                      + (f", {retries} allocator retries (memory nearly full)" if retries else ""))
     return "\n".join(lines)

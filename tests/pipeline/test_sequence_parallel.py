@@ -357,7 +357,7 @@ def test_a_units_share_of_a_stream_holds_only_its_own_tokens():
 
 @pytest.mark.parametrize("checkpointing, passes", [("none", 2), ("all", 3)])
 def test_a_step_reports_what_its_all_to_alls_carried(tmp_path, checkpointing, passes):
-    """Each step's metrics give the bytes the attentions' all-to-alls carried and their time at the rate
+    """Each step's metrics (and the run's report) give the bytes the attentions' all-to-alls carried and their time at the rate
     measured at start: the tiny Wan's 4 self-attentions, each exchanging its queries, keys, values and output (4 x 8
     samples x 32 of 64 tokens x 48 wide, fp32) in forward, as much in backward, and again where checkpointing
     computes the forward twice; Wan's cross-attention to the text attends locally and exchanges nothing."""
@@ -372,3 +372,6 @@ def test_a_step_reports_what_its_all_to_alls_carried(tmp_path, checkpointing, pa
     for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
         assert row["stage0_all_to_all_mib"] * 2**20 == passes * one_way
         assert 0 < row["stage0_all_to_all_s"] <= row["stage0_compute_s"]
+    from diffpipe.observe.report import summarise_run
+
+    assert "stage 0: compute " in summarise_run(run) and " (all-to-all 0.0" in summarise_run(run)
