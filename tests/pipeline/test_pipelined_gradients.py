@@ -475,9 +475,9 @@ def _runs_on_this_torch(data: dict) -> bool:
 
 
 # run again under each other tested torch (.ci/run): whole and split backwards, a V schedule, LoRA, data parallel,
-# sequence parallel
+# sequence parallel (whole and padded token counts; and heads padded, in test_sequence_parallel.py)
 SMOKE = ("1f1b-2", "sdxl-style-1f1b-2", "zb1p-2x2", "zbv-2x2", "dualpipev-2x2-checkpointed", "flux-zbv-2x2",
-         "lora-zb1p-2x2", "dp2", "dp2-sharded-checkpointed", "wan-sp2")
+         "lora-zb1p-2x2", "dp2", "dp2-sharded-checkpointed", "wan-sp2", "wan-sp2-padded")
 
 
 @pytest.mark.parametrize("world,scenarios", [

@@ -314,7 +314,7 @@ def _padded_heads_worker(out_dir: str, plant: str | None) -> None:
                os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
 
 
-@pytest.mark.parametrize("plant", [None, *HEAD_PLANTS])
+@pytest.mark.parametrize("plant", [pytest.param(None, marks=pytest.mark.torch_smoke), *HEAD_PLANTS])
 def test_heads_the_degree_does_not_divide_attend_as_one_process_does(tmp_path, plant):
     """The padded heads' exchange gives every process its tokens' share of the unsplit attention and of its
     gradients; the exchanged bytes are the padded queries, keys, values and output. Each plant fails it."""
