@@ -25,7 +25,7 @@ from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
 from .planner.plan import resolve_memory, resolve_stages
 from .precision import frozen_storage
-from .torch_support import schedule_problem
+from .torch_support import fp8_matmul_problem, schedule_problem
 
 __all__ = ["Checked", "check_before_launch"]
 
@@ -116,6 +116,10 @@ def _check_device(config: RunConfig) -> str:
         print(f"train.device = \"auto\": {local} processes on this machine but {gpus} GPU(s), and NCCL needs one GPU "
               f"per process: training on the CPU (gloo). For the GPU, use at most {gpus} processes (pipeline.stages x "
               "pipeline.data_parallel)", flush=True)
+    if config.train.fp8_compute:  # tried on the device (a cuda run's processes use GPUs of one kind)
+        problem = fp8_matmul_problem(torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu"))
+        if problem is not None:
+            raise ConfigError(problem)
     if config.pipeline.stages < 2:
         return device_kind
     problem = schedule_problem(config.pipeline.schedule, schedule_named(config.pipeline.schedule).placement,

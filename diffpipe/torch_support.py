@@ -21,7 +21,8 @@ from .errors import TorchVersionError
 
 __all__ = ["TESTED", "TorchVersionError", "check_torch", "schedule_problem", "split_backward_input", "split_backward_weight",
            "kept_storage_key", "view_base", "schedule_actions", "data_parallel_wrappers", "recompile_limit",
-           "scale_in_place", "fused_attention", "non_persistent_buffers", "move_lr_schedule", "foreach"]
+           "scale_in_place", "fused_attention", "non_persistent_buffers", "move_lr_schedule", "foreach",
+           "scaled_matmul", "fp8_matmul_problem"]
 
 TESTED = ("2.11", "2.13")  # minor versions the suite runs on; pyproject's range spans them
 _INSTALL = "pip install 'torch==2.13.0'"
@@ -190,3 +191,31 @@ def move_lr_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, optimizer: tor
     state.update(last_epoch=steps, _last_lr=lrs)  # the keys of torch's own state dict of a scheduler
     schedule.load_state_dict(state)
 
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """(a * scale_a) @ (b * scale_b) in `dtype` on fp8 tensor cores: a (M, K) row-major and b (K, N) column-major in
+    fp8, scale_a (M, 1) and scale_b (1, N) in fp32 (one scale per row of a, per column of b; `torch._scaled_mm`)."""
+    return _private("torch", "_scaled_mm", "fp8 compute (train.fp8_compute)")(
+        a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
+
+
+def fp8_matmul_problem(device: torch.device) -> str | None:
+    """Why this torch cannot run fp8 products with a scale per row on `device`, in one line; None when it can.
+
+    Tried, not looked up: rowwise scales need an fp8 GPU (Ada, Hopper, Blackwell) and a torch whose kernels for it
+    have them; torch's CPU kernel has them from 2.13 (2.11's takes one scale per tensor only)."""
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return (f"train.fp8_compute needs a GPU with fp8 tensor cores (Ada, Hopper or Blackwell: RTX 4090, L40S, "
+                f"H100 and later); {name} has none: set train.fp8_compute = false")
+    a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+    try:
+        scaled_matmul(a, a.t(), torch.ones(16, 1, device=device), torch.ones(1, 16, device=device), torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return (f"train.fp8_compute: torch {torch.__version__} cannot run fp8 products with a scale per row on "
+                f"{name}: set train.fp8_compute = false"
+                + (f", or {_INSTALL}" if device.type == "cpu" else ""))
+    return None

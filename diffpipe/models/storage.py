@@ -44,6 +44,7 @@ class FrozenStorage:
 
     dtype: torch.dtype = torch.float32
     linear: str | None = None
+    fp8_compute: bool = False  # train.fp8_compute: fp8 linear layers compute on fp8 tensor cores
     quantise_on: torch.device | None = field(default=None, compare=False)  # where linear weights are quantised
 
     @property
@@ -70,7 +71,9 @@ class FrozenStorage:
             if parameter.dtype != self.dtype:
                 parameter.data = parameter.data.to(self.dtype)
         if self.linear and quantisable(module) and frozen:
-            linear_class(self.linear).store(module, self.quantise_on)
+            stored = linear_class(self.linear).store(module, self.quantise_on)
+            if self.fp8_compute:
+                stored.compute_in_fp8()
 
 
 def linear_class(format: str) -> type[StoredLinear]:

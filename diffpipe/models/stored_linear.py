@@ -15,6 +15,11 @@ one), its parameter names are a Linear's, and its state dict holds the weight as
 value turned back), so saving, merging and exporting see an ordinary layer. Its backward keeps the stored weight, not
 the bf16 copy the product used (which for Flux would be 22 GiB per micro-batch in flight), and makes the copy again.
 Convolutions, norms, embeddings and biases stay in the dtype of the rest of the base.
+
+With train.fp8_compute the fp8 weight is not turned back: the layer's forward and input-gradient products run on
+fp8 tensor cores (`Fp8Product`), the activation quantised per row (token) as it enters, the gradient per row as it
+comes back, in what a compiled block fuses into one pass ahead of each product. That changes the arithmetic once
+more (each operand within 2^-4): measured in docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["StoredLinear", "Fp8Linear", "ScaledProduct", "FP8", "FP8_MAX", "quantise", "dequantise", "compute_dtype"]
+__all__ = ["StoredLinear", "Fp8Linear", "ScaledProduct", "FP8", "FP8_MAX", "quantise", "dequantise", "compute_dtype",
+           "Fp8Product", "fp8_computable"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -58,6 +64,39 @@ class ScaledProduct(torch.autograd.Function):
     def backward(ctx, grad):
         stored, scale = ctx.saved_tensors
         return (grad * scale.view(-1).to(grad.dtype)).matmul(stored.to(grad.dtype)), None, None, None
+
+
+class Fp8Product(torch.autograd.Function):
+    """x @ (q s).T + b with both products on fp8 tensor cores, for a frozen weight q in fp8 with a scale s per output
+    row (torch_support.scaled_matmul: a scale per row of the left operand, per column of the right):
+    - forward: x quantised per row (xq, sx): y = (xq sx) @ (q s).T, in `dtype` (bf16);
+    - input gradient: dx = g @ (q s) = (g s) @ q: the gradient times each output's scale, quantised per row, times q
+      (a column-major copy of it: the product's right operand must be), each column of q scaled by 1.
+    Saves the stored weight for backward, nothing of x (the frozen weight needs no gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, stored, scale, bias, dtype):
+        from ..torch_support import scaled_matmul
+
+        ctx.save_for_backward(stored, scale)
+        x8, x_scale = quantise(x.reshape(-1, x.shape[-1]))
+        y = scaled_matmul(x8, stored.t(), x_scale, scale.view(1, -1), dtype).view(*x.shape[:-1], stored.shape[0])
+        return y if bias is None else y + bias.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from ..torch_support import scaled_matmul
+
+        stored, scale = ctx.saved_tensors
+        g8, g_scale = quantise(grad.reshape(-1, grad.shape[-1]).float() * scale.view(1, -1))
+        columns = torch.ones(1, stored.shape[1], device=stored.device)
+        dx = scaled_matmul(g8, stored.t().contiguous().t(), g_scale, columns, grad.dtype)
+        return dx.view(*grad.shape[:-1], stored.shape[1]), None, None, None, None
+
+
+def fp8_computable(linear: nn.Linear) -> bool:
+    """Whether fp8 tensor cores take this layer's products: both sides multiples of 16 (the kernels' tiles)."""
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -109,6 +148,7 @@ class Fp8Linear(StoredLinear):
     """A frozen linear layer whose weight is stored in fp8 with a scale per output row (`weight_scale`)."""
 
     format = "fp8"
+    fp8_compute = False  # set per layer by `compute_in_fp8`: its products on fp8 tensor cores
 
     @staticmethod
     def _hold(linear: nn.Linear) -> None:
@@ -116,11 +156,19 @@ class Fp8Linear(StoredLinear):
         linear.weight.data = stored
         linear.register_buffer("weight_scale", scale.to(stored.device), persistent=False)
 
+    def compute_in_fp8(self) -> None:
+        """Run this layer's products on fp8 tensor cores from now on, where its sides allow (`fp8_computable`)."""
+        self.fp8_compute = fp8_computable(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ScaledProduct.apply(x.to(compute_dtype(x)), self.weight, self.weight_scale, self.bias)
+        dtype = compute_dtype(x)
+        if self.fp8_compute:
+            return Fp8Product.apply(x, self.weight, self.weight_scale, self.bias, dtype)
+        return ScaledProduct.apply(x.to(dtype), self.weight, self.weight_scale, self.bias)
 
     def dequantised(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantise(self.weight, self.weight_scale, dtype)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", weight in fp8 (e4m3) with a scale per output row"
+        return (super().extra_repr() + ", weight in fp8 (e4m3) with a scale per output row"
+                + (", computed in fp8" if self.fp8_compute else ""))

@@ -21,16 +21,18 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def frozen_storage(config: RunConfig, device_kind: str) -> FrozenStorage:
-    """memory.base_dtype, with "auto" resolved: bf16 for LoRA runs on CUDA under bf16/fp16 autocast, else fp32
+    """memory.base_dtype, with "auto" resolved: fp8 with train.fp8_compute, bf16 for LoRA runs on CUDA under
+    bf16/fp16 autocast, else fp32
     (a CPU's bf16 matrix products are slow, and fp32 compute cannot use bf16 weights). fp8 keeps the rest of the
     base in bf16 under autocast, in fp32 under fp32 compute, as int8 and nf4 do."""
     choice = config.memory.base_dtype
     autocast = config.train.precision != "fp32"
+    fp8_compute = config.train.fp8_compute
     if choice == "auto":
         lora = config.adapter.type != "none"
-        choice = "bf16" if lora and device_kind == "cuda" and autocast else "fp32"
+        choice = "fp8" if fp8_compute else "bf16" if lora and device_kind == "cuda" and autocast else "fp32"
     if choice in LINEAR_FORMATS:
-        return FrozenStorage(torch.bfloat16 if autocast else torch.float32, linear=choice)
+        return FrozenStorage(torch.bfloat16 if autocast else torch.float32, linear=choice, fp8_compute=fp8_compute)
     return FrozenStorage({"fp32": torch.float32, "bf16": torch.bfloat16}[choice])
 
 
