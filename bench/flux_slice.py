@@ -8,6 +8,12 @@ the Flux adapter computes once and sends across stage boundaries, against the by
     python bench/flux_slice.py --double 19 --single 38 --batch 1 --steps 20 --lora 16 --base-dtype bf16 --gc both
     python bench/flux_slice.py --kontext ...   # Flux Kontext: a 1024x1024 control's 4096 tokens beside the picture's
     python bench/flux_slice.py --chroma ...    # Chroma1-HD's blocks (no guidance or pooled text; modulation pruned)
+    python bench/flux_slice.py --double 19 --single 38 --batch 1 --steps 20 --lora 16 --base-dtype bf16 --compile \
+        --fp8-compute both                  # issue 54: compiled blocks, diffpipe with and without fp8 compute
+
+--compile compiles the repeated blocks in both loops (`pipeline.compile = "blocks"`; diffusers'
+`compile_repeated_blocks(fullgraph=True)` in the plain one). --fp8-compute on|both runs diffpipe with
+`train.fp8_compute` (the base's linear weights in fp8, their products on fp8 tensor cores; with both, also without).
 
 With --lora RANK both loops train a LoRA of that rank on to_q/to_k/to_v/to_out.0 (issue 33's anchor) over a base
 stored in --base-dtype. Each diffpipe run also lists the host's garbage collections of the oldest generation (a
@@ -93,15 +99,16 @@ def _report(what: str, batch: int, steps: list[float], flops: float, **extra) ->
                       "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), **extra}), flush=True)
 
 
-def _config(args):
+def _config(args, fp8_compute: bool = False):
     table = {
         "model": {"architecture": architecture(args), "config": _slice(args),
                   "text_max_length": TOKENS},
         "data": {"dataset": "synthetic"},
         "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
-                  "objective": "flow_matching", "device": "cuda"},
-        "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "none"},
-        "memory": {"base_dtype": args.base_dtype},
+                  "objective": "flow_matching", "device": "cuda", "fp8_compute": fp8_compute},
+        "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "none",
+                     "compile": "blocks" if args.compile else False},
+        "memory": {"base_dtype": "fp8" if fp8_compute else args.base_dtype},
         "observe": {"every": 1000, "timeline_step": 0, "log_every": 0},
         "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0}}
     if args.lora:
@@ -118,6 +125,8 @@ def plain_loop(args, flops: float) -> None:
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     model, inputs = _plain_model(_config(args), args.batch, args.lora, bf16_base=args.base_dtype == "bf16")
+    if args.compile:
+        model.compile_repeated_blocks(fullgraph=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     target = torch.randn(args.batch, (LATENT // 2) ** 2, 64, device="cuda")
 
@@ -136,7 +145,8 @@ def plain_loop(args, flops: float) -> None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters())
-    _report(f"plain {_model_class(args).__name__} loop{' (Kontext)' if args.kontext else ''}", args.batch, times, flops,
+    _report(f"plain {_model_class(args).__name__} loop{' (Kontext)' if args.kontext else ''}"
+            f"{', compiled blocks' if args.compile else ''}", args.batch, times, flops,
             params_B=round(params / 1e9, 2), step_ms=[round(t * 1e3, 1) for t in times])
     del model, opt
 
@@ -164,10 +174,10 @@ class OldestCollections:
         gc.callbacks.remove(self)
 
 
-def diffpipe_run(args, flops: float, freeze: bool) -> None:
+def diffpipe_run(args, flops: float, freeze: bool, fp8_compute: bool = False) -> None:
     torch.cuda.reset_peak_memory_stats()
     run_dir = Path(tempfile.mkdtemp())
-    trainer = Trainer(_config(args), single_process_topology("cuda"), run_dir)
+    trainer = Trainer(_config(args, fp8_compute), single_process_topology("cuda"), run_dir)
     if freeze:
         gc.collect()
         gc.freeze()
@@ -177,7 +187,9 @@ def diffpipe_run(args, flops: float, freeze: bool) -> None:
     gc.unfreeze()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in rows]
-    _report(f"diffpipe {architecture(args)}, one stage{', gc frozen' if freeze else ''}", args.batch, times, flops,
+    what = (f"diffpipe {architecture(args)}, one stage{', gc frozen' if freeze else ''}"
+            f"{', compiled blocks' if args.compile else ''}{', fp8 compute' if fp8_compute else ''}")
+    _report(what, args.batch, times, flops,
             step_ms=[round(t * 1e3, 1) for t in times], tracked_objects=len(gc.get_objects()),
             oldest_collections=[[round(at - started, 2), round(ms, 1)] for at, ms in collections.seen])
     del trainer
@@ -213,6 +225,9 @@ def main() -> None:
     parser.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--kontext", action="store_true", help="Flux Kontext: a control image's tokens beside each picture's")
     parser.add_argument("--chroma", action="store_true", help="Chroma: its blocks at Chroma1-HD's width")
+    parser.add_argument("--compile", action="store_true", help="compile the repeated blocks in both loops")
+    parser.add_argument("--fp8-compute", choices=["off", "on", "both"], default="off",
+                        help="diffpipe with train.fp8_compute (both: with and without)")
     parser.add_argument("--gc", choices=["default", "frozen", "both"], default="default",
                         help="diffpipe as it runs, with gc.freeze() before training, or both")
     args = parser.parse_args()
@@ -227,10 +242,11 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     if args.only != "plain":
-        for freeze in {"default": [False], "frozen": [True], "both": [False, True]}[args.gc]:
-            diffpipe_run(args, flops, freeze)
-            gc.collect()
-            torch.cuda.empty_cache()
+        for fp8_compute in {"off": [False], "on": [True], "both": [False, True]}[args.fp8_compute]:
+            for freeze in {"default": [False], "frozen": [True], "both": [False, True]}[args.gc]:
+                diffpipe_run(args, flops, freeze, fp8_compute)
+                gc.collect()
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -197,8 +197,10 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
                   dtype: torch.dtype) -> torch.Tensor:
     """(a * scale_a) @ (b * scale_b) in `dtype` on fp8 tensor cores: a (M, K) row-major and b (K, N) column-major in
     fp8, scale_a (M, 1) and scale_b (1, N) in fp32 (one scale per row of a, per column of b; `torch._scaled_mm`)."""
-    return _private("torch", "_scaled_mm", "fp8 compute (train.fp8_compute)")(
-        a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
+    op = getattr(torch, "_scaled_mm", None)  # looked up where it runs: torch.compile traces through this
+    if op is None:
+        raise _missing("torch._scaled_mm", "fp8 compute (train.fp8_compute)")
+    return op(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
 
 
 def fp8_matmul_problem(device: torch.device) -> str | None:

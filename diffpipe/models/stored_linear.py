@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..torch_support import scaled_matmul
+
 __all__ = ["StoredLinear", "Fp8Linear", "ScaledProduct", "FP8", "FP8_MAX", "quantise", "dequantise", "compute_dtype",
            "Fp8Product", "fp8_computable"]
 
@@ -76,8 +78,6 @@ class Fp8Product(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, stored, scale, bias, dtype):
-        from ..torch_support import scaled_matmul
-
         ctx.save_for_backward(stored, scale)
         x8, x_scale = quantise(x.reshape(-1, x.shape[-1]))
         y = scaled_matmul(x8, stored.t(), x_scale, scale.view(1, -1), dtype).view(*x.shape[:-1], stored.shape[0])
@@ -85,8 +85,6 @@ class Fp8Product(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from ..torch_support import scaled_matmul
-
         stored, scale = ctx.saved_tensors
         g8, g_scale = quantise(grad.reshape(-1, grad.shape[-1]).float() * scale.view(1, -1))
         columns = torch.ones(1, stored.shape[1], device=stored.device)
