@@ -442,7 +442,8 @@ class MemoryConfig(_Section):
         "units run checkpointed (their forward again before their backward). A stage then holds two such units' "
         "frozen weights instead of all. auto: the fewest that make the planned layout fit plan.memory_gib (0 where "
         "it fits without; chosen before launch and written to the run's config.toml). Not with data_parallel > 1 or "
-        "pipeline.compile (auto is 0 there), nor on a full fine-tune; a count above the units of every stage that "
+        "pipeline.compile = true (auto is 0 there; \"blocks\" compiles each block on the copies it is given), nor "
+        "on a full fine-tune; a count above the units of every stage that "
         "hold frozen weights is refused."))
     quantise_if_needed: list[Literal["int8", "fp8", "nf4"]] = Field([], description=(
         "With base_dtype = auto: the formats of frozen linear weights (see base_dtype) the planner may choose, tried "
@@ -533,11 +534,12 @@ class RunConfig(_Section):
             raise ValueError(f"memory.{key} = {getattr(self.memory, key)!r} changes how a LoRA run's frozen base is "
                              "held, and adapter.type = \"none\" (a full fine-tune) trains every weight, so it would "
                              f"change nothing: leave memory.{key} out, or train adapters (adapter.type = \"lora\")")
-        if self.memory.block_swap not in (0, "auto") and (p.data_parallel > 1 or p.compile):
+        if self.memory.block_swap not in (0, "auto") and (p.data_parallel > 1 or p.compile is True):
             raise ValueError("memory.block_swap moves weights between host and device while a step runs, which "
-                             "data-parallel replicas (they synchronise every weight) and torch.compile (it fixes "
-                             "where each weight lives) do not allow yet: set pipeline.data_parallel = 1 and "
-                             "pipeline.compile = false, or memory.block_swap = 0")
+                             "data-parallel replicas (they synchronise every weight) and a stage compiled whole "
+                             "(pipeline.compile = true: one graph over units whose weights come and go) do not "
+                             "allow: set pipeline.data_parallel = 1 and pipeline.compile = \"blocks\" or false, or "
+                             "memory.block_swap = 0")
         if self.memory.optimizer_state == "8bit" and p.data_parallel_shard and p.data_parallel > 1:
             raise ValueError("memory.optimizer_state = \"8bit\" updates whole tensors (bitsandbytes' kernels), which "
                              "pipeline.data_parallel_shard cuts across replicas: set one of them off")

@@ -75,13 +75,17 @@ def _run_config(args):
 
 
 def _say_what_trains(config, backbone) -> None:
-    """The optimizer's note, and which expert (or both) of a two-expert folder trains on which timesteps."""
+    """The optimizer's note, what fp8 compute computes in fp8, and which expert (or both) of a two-expert folder trains on which timesteps."""
     from ..build import timestep_range
     from ..train.optim import optimizer_note
 
     note = optimizer_note(config.train)
     if note is not None:
         print(note, flush=True)
+    if config.train.fp8_compute:
+        from ..models.storage import fp8_compute_words
+
+        print(fp8_compute_words(backbone.model), flush=True)
     if config.model.expert == "both":
         print(f"model.expert = \"both\": each sample trains the expert its timestep picks (transformer/ from "
               f"{backbone.model.boundary / 1000:.3f} up, transformer_2/ below), both on every stage; samples "

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .stored_linear import Fp8Linear, StoredLinear
+from .stored_linear import Fp8Linear, StoredLinear, fp8_computable
 
 __all__ = ["FrozenStorage", "quantisable", "PRODUCT_LAYERS", "LINEAR_FORMATS", "DEQUANTISE_FLOPS", "linear_class",
-           "element_bytes"]
+           "element_bytes", "fp8_compute_words"]
 
 # layers whose weights enter a matrix product or convolution: autocast computes them in bf16/fp16
 PRODUCT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -74,6 +74,19 @@ class FrozenStorage:
             stored = linear_class(self.linear).store(module, self.quantise_on)
             if self.fp8_compute:
                 stored.compute_in_fp8()
+
+
+def fp8_compute_words(model: nn.Module) -> str:
+    """What train.fp8_compute computes in fp8 in `model` (built, on any device): the frozen linear layers whose sides
+    the fp8 kernels take, and the share of those layers' weights they hold; for the run's header."""
+    layers = [m for m in model.modules() if quantisable(m)]
+    fp8 = [m for m in layers if fp8_computable(m)]
+    weights = sum(m.weight.numel() for m in layers)
+    share = sum(m.weight.numel() for m in fp8) / weights if weights else 0.0
+    rest = len(layers) - len(fp8)
+    return (f"train.fp8_compute: {len(fp8)} of {len(layers)} frozen linear layers ({share:.1%} of their weights) "
+            "compute on fp8 tensor cores" + (f"; the other {rest} (sides not multiples of 16) turn their fp8 weight "
+                                             "back first" if rest else ""))
 
 
 def linear_class(format: str) -> type[StoredLinear]:

@@ -48,8 +48,9 @@ class MemoryChoice:
 
 
 def _swap_allowed(config: RunConfig, replicas: int) -> bool:
-    """Whether the planner may swap blocks: block_swap "auto", one replica, not compiled (config.py says why)."""
-    return config.memory.block_swap == "auto" and replicas == 1 and not config.pipeline.compile
+    """Whether the planner may swap blocks: block_swap "auto", one replica, no stage compiled whole (config.py
+    says why)."""
+    return config.memory.block_swap == "auto" and replicas == 1 and config.pipeline.compile is not True
 
 
 def _eight_bit_allowed(sharded: bool, replicas: int) -> bool:

@@ -166,6 +166,7 @@ def test_the_tiny_flux_lora_trains_with_fp8_compute_on_one_and_two_stages_to_the
         result = run_command(["train", str(FLUX), "--output-dir", str(run), *quick,
                               *[arg for setting in extra for arg in ("--set", setting)]])
         assert result.returncode == 0, result.stderr[-3000:]
+        assert ("train.fp8_compute: " in result.stdout) == ("fp8 compute" in name)
         losses[name] = losses_of(run)
     one, two, stored = (torch.tensor(losses[n]) for n in losses)
     torch.testing.assert_close(two, one, rtol=1e-4, atol=0)
