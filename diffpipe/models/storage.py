@@ -29,6 +29,12 @@ LINEAR_FORMATS = {"fp8": 1.0, "int8": 1.0, "nf4": 0.5 + 4 / 64}
 # a bf16 base 1.42 against 1.72 samples/s uncheckpointed (2 passes), 5.2 ps a weight a pass; int8 as fp8 (0.956
 # against 0.950 checkpointed); nf4 against fp8 0.782 against 0.950 checkpointed (3 passes), 6.4 ps more
 DEQUANTISE_FLOPS = {"fp8": 1560.0, "int8": 1560.0, "nf4": 3480.0}
+# train.fp8_compute: how many times faster a frozen linear layer's products (forward, input gradient) run in fp8 than
+# the same products in bf16, quantising the activation and the gradient included, compiled (pipeline.compile) or
+# eager. Measured on an H200 with Flux.1-dev's LoRA r16 at 1024^2, one stage (docs/benchmarks.md, thirty-third
+# session): compiled blocks 0.3768 s a step against the bf16 base's 0.414 s, the 118 TFLOP of those products a step
+# at the 394 TFLOP/s the planner's count of that step gives: 1.14x
+FP8_PRODUCT_SPEEDUP = {"compiled": 1.14, "eager": 1.14}
 
 
 def quantisable(module: nn.Module) -> bool:
@@ -45,6 +51,7 @@ class FrozenStorage:
     dtype: torch.dtype = torch.float32
     linear: str | None = None
     fp8_compute: bool = False  # train.fp8_compute: fp8 linear layers compute on fp8 tensor cores
+    fp8_speedup: float = 1.0  # and how much faster than bf16 (FP8_PRODUCT_SPEEDUP)
     quantise_on: torch.device | None = field(default=None, compare=False)  # where linear weights are quantised
 
     @property
@@ -59,7 +66,12 @@ class FrozenStorage:
     def dequantise_flops(self, weights: int) -> float:
         """The time a pass spends turning that many stored linear weights back into the compute dtype, as FLOPs of
         the device's matrix work (DEQUANTISE_FLOPS); none for weights held as they are computed."""
-        return weights * DEQUANTISE_FLOPS[self.linear] if self.linear else 0.0
+        return weights * DEQUANTISE_FLOPS[self.linear] if self.linear and not self.fp8_compute else 0.0
+
+    def fp8_saved_flops(self, product_flops: float) -> float:
+        """What fp8 compute saves on products of that many FLOPs (a pass's, of layers it computes), as FLOPs of the
+        device's bf16 matrix work; none without it."""
+        return product_flops * (1 - 1 / self.fp8_speedup) if self.fp8_compute else 0.0
 
     def store(self, module: nn.Module) -> None:
         """Hold `module`'s own frozen weights (just given, real) this way."""

@@ -30,6 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..precision.autocast import CountedAutocast
 from .live_bytes import LiveBytes
 from ..models.storage import PRODUCT_LAYERS, quantisable
+from ..models.stored_linear import fp8_computable
 from ..models.units import Backbone
 from ..pipeline.exchange import exchanged_bytes
 from ..torch_support import (fused_attention, kept_storage_key, split_backward_input, split_backward_weight,
@@ -83,6 +84,9 @@ class UnitCost:
     # and those attentions' forward FLOPs, which its backward (diffusers' native attention op) computes again
     attention_bytes: int = 0
     attention_flops: int = 0
+    # one forward's FLOPs of the frozen linear layers whose products fp8 tensor cores take (train.fp8_compute runs
+    # them, and as many for their input gradients, in fp8)
+    fp8_product_flops: int = 0
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -147,6 +151,25 @@ def _stored(module: torch.nn.Module, frozen_dtype: torch.dtype | None) -> dict[s
             for name, p in module.named_parameters()}
 
 
+class _Fp8Products:
+    """Counts the forward FLOPs of a module's frozen linear layers that fp8 tensor cores can take (hooks)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.layers = [m for m in module.modules() if quantisable(m) and fp8_computable(m)]
+        self.flops, self._hooks = 0, []
+
+    def _count(self, layer, inputs, output) -> None:
+        self.flops += 2 * inputs[0].numel() * layer.out_features
+
+    def __enter__(self):
+        self._hooks = [layer.register_forward_hook(self._count) for layer in self.layers]
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+
+
 def _count_unit(unit, named: dict[str, torch.Tensor], grad_names: set[str], autocast_dtype: torch.dtype | None,
                 frozen_dtype: torch.dtype | None = None) -> UnitCost:
     """One unit's costs; its outputs join `named` for the units after it."""
@@ -171,7 +194,7 @@ def _count_unit(unit, named: dict[str, torch.Tensor], grad_names: set[str], auto
     trained = [p for p in params if p.requires_grad]
     live = LiveBytes(lambda: sum(p.grad.untyped_storage().nbytes() for p in trained if p.grad is not None))
     with FlopCounterMode(display=False) as forward, _FusedAttention() as attention, autocast or contextlib.nullcontext(), \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live:
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), live, _Fp8Products(unit.module) as fp8:
         out = functional_call(unit.module, stored, args=(), kwargs=args)
     if set(out) != set(unit.writes):
         raise RuntimeError(f"unit {unit.name} wrote {sorted(out)}, declared {sorted(unit.writes)}")
@@ -199,7 +222,7 @@ def _count_unit(unit, named: dict[str, torch.Tensor], grad_names: set[str], auto
         frozen_product_params=sum(frozen_products.values()),
         trained_copy_bytes=sum(t.numel() * t.element_size() for t in copies.values()),
         working_bytes=max(forward_working, backward_working), attention_bytes=attention.exchanged_bytes,
-        attention_flops=attention.exchanged_flops)
+        attention_flops=attention.exchanged_flops, fp8_product_flops=fp8.flops)
 
 
 def _split_backward(out: dict[str, torch.Tensor], args: dict[str, torch.Tensor], module: torch.nn.Module) -> int:

@@ -72,14 +72,16 @@ class Replicas:
 
     def unit_times(self, unit: UnitCost, hw: Hardware) -> tuple[float, float]:
         """A unit's (forward, backward) seconds: measured ones as measured; else from its FLOPs, each pass with the
-        time a quantised base (memory.base_dtype fp8, int8, nf4) spends turning its weights back into bf16."""
+        time a quantised base (memory.base_dtype fp8, int8, nf4) spends turning its weights back into bf16, or less
+        what fp8 compute saves on the frozen linear products (train.fp8_compute: forward and input gradient alike)."""
         forward, backward = unit_times(unit, hw)
         exchange = self.exchange_s(unit, hw)
         # split over a sample's processes, attention's backward computes its forward again (diffusers' native op)
         again = unit.attention_flops / (hw.tflops * 1e12) if self.sequence > 1 else 0.0
         if unit.forward_s is not None and unit.backward_s is not None:
             return forward + exchange, backward + exchange + again
-        extra = self.frozen.dequantise_flops(unit.frozen_linear_params) / (hw.tflops * 1e12) + exchange
+        extra = (self.frozen.dequantise_flops(unit.frozen_linear_params)
+                 - self.frozen.fp8_saved_flops(unit.fp8_product_flops)) / (hw.tflops * 1e12) + exchange
         return forward + extra, backward + extra + again
 
     def exchange_s(self, unit: UnitCost, hw: Hardware) -> float:

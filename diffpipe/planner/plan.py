@@ -86,7 +86,8 @@ def scaled(costs: list[UnitCost], factor: float) -> list[UnitCost]:
                     activation_bytes=int(c.activation_bytes * factor), output_bytes=outputs(c),
                     forward_s=t(c.forward_s), backward_s=t(c.backward_s),
                     weight_pass_bytes=int(c.weight_pass_bytes * factor), working_bytes=int(c.working_bytes * factor),
-                    attention_bytes=int(c.attention_bytes * factor), attention_flops=int(c.attention_flops * factor))
+                    attention_bytes=int(c.attention_bytes * factor), attention_flops=int(c.attention_flops * factor),
+                    fp8_product_flops=int(c.fp8_product_flops * factor))
             for c in costs]
 
 
@@ -126,6 +127,7 @@ def unit_costs(config: RunConfig, meta: Backbone, micro_batch: int) -> list[Unit
             m.weight_pass_bytes = c.weight_pass_bytes * saved_batch  # counted, never measured
             m.working_bytes, m.trained_copy_bytes = c.working_bytes * saved_batch, c.trained_copy_bytes
             m.attention_bytes, m.attention_flops = c.attention_bytes * saved_batch, c.attention_flops * saved_batch
+            m.fp8_product_flops = c.fp8_product_flops * saved_batch
             if device == "cpu":  # CPU memory is not measured per unit: keep the counted activation bytes
                 m.activation_bytes = c.activation_bytes * saved_batch
         return scaled(measured, micro_batch / saved_batch)

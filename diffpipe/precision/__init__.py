@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..config import RunConfig
-from ..models.storage import LINEAR_FORMATS, FrozenStorage, element_bytes
+from ..models.storage import FP8_PRODUCT_SPEEDUP, LINEAR_FORMATS, FrozenStorage, element_bytes
 
 __all__ = ["AUTOCAST_DTYPES", "frozen_storage", "element_bytes", "moment_bytes"]
 
@@ -32,7 +32,9 @@ def frozen_storage(config: RunConfig, device_kind: str) -> FrozenStorage:
         lora = config.adapter.type != "none"
         choice = "fp8" if fp8_compute else "bf16" if lora and device_kind == "cuda" and autocast else "fp32"
     if choice in LINEAR_FORMATS:
-        return FrozenStorage(torch.bfloat16 if autocast else torch.float32, linear=choice, fp8_compute=fp8_compute)
+        speedup = FP8_PRODUCT_SPEEDUP["compiled" if config.pipeline.compile else "eager"] if fp8_compute else 1.0
+        return FrozenStorage(torch.bfloat16 if autocast else torch.float32, linear=choice, fp8_compute=fp8_compute,
+                             fp8_speedup=speedup)
     return FrozenStorage({"fp32": torch.float32, "bf16": torch.bfloat16}[choice])
 
 

@@ -172,3 +172,39 @@ def test_the_tiny_flux_lora_trains_with_fp8_compute_on_one_and_two_stages_to_the
     torch.testing.assert_close(two, one, rtol=1e-4, atol=0)
     # fp8 compute is another arithmetic than fp8 storage: close, not equal
     assert not torch.equal(one, stored) and torch.allclose(one, stored, rtol=0.05)
+
+
+def test_the_planner_counts_the_fp8_products_and_times_them_faster_by_the_measured_factor():
+    """UnitCost.fp8_product_flops is one forward's FLOPs of the frozen linear layers fp8 takes (counted here from
+    each layer's input rows apart from the planner's hooks); with train.fp8_compute each pass costs those products
+    1 - 1/FP8_PRODUCT_SPEEDUP less than bf16, and no dequantisation."""
+    from diffpipe.build import build_backbone
+    from diffpipe.models.storage import FP8_PRODUCT_SPEEDUP, quantisable
+    from diffpipe.planner.partition import Hardware
+    from diffpipe.planner.costs import count_unit_costs
+    from diffpipe.planner.plan import _replicas, example_inputs, unit_costs
+
+    sets = ['adapter.type="lora"', 'train.precision="bf16"', "pipeline.stages=1"]
+    config = load_config(FLUX, sets + ["train.fp8_compute=true"])
+    backbone = build_backbone(config, "meta")
+    costs = unit_costs(config, backbone, 1)
+    rows = {}  # each frozen linear layer's input rows in one forward, seen by a hook of this test's own
+
+    def seen(layer, inputs, output):
+        rows[layer] = rows.get(layer, 0) + inputs[0].numel() // layer.in_features
+    layers = [m for m in backbone.model.modules() if quantisable(m)]
+    assert layers and all(m.in_features % 16 == 0 and m.out_features % 16 == 0 for m in layers)
+    hooks = [m.register_forward_hook(seen) for m in layers]
+    count_unit_costs(backbone, *example_inputs(config, backbone, 1), torch.bfloat16, torch.bfloat16)  # one sample
+    for hook in hooks:
+        hook.remove()
+    expected = sum(2 * n * m.in_features * m.out_features for m, n in rows.items())
+    assert sum(c.fp8_product_flops for c in costs) == expected > 0
+
+    hw = Hardware(tflops=1.0)
+    computed = _replicas(config, 1, 1)
+    bf16 = _replicas(load_config(FLUX, sets + ['memory.base_dtype="bf16"']), 1, 1)
+    unit = max(costs, key=lambda c: c.fp8_product_flops)
+    saved = unit.fp8_product_flops * (1 - 1 / FP8_PRODUCT_SPEEDUP["eager"]) / 1e12
+    for bf16_s, fp8_s in zip(bf16.unit_times(unit, hw), computed.unit_times(unit, hw)):
+        assert fp8_s == pytest.approx(bf16_s - saved)
