@@ -208,3 +208,49 @@ def test_the_planner_counts_the_fp8_products_and_times_them_faster_by_the_measur
     saved = unit.fp8_product_flops * (1 - 1 / FP8_PRODUCT_SPEEDUP["eager"]) / 1e12
     for bf16_s, fp8_s in zip(bf16.unit_times(unit, hw), computed.unit_times(unit, hw)):
         assert fp8_s == pytest.approx(bf16_s - saved)
+
+
+@CPU_FP8
+def test_a_lora_trained_with_fp8_compute_loads_into_the_bf16_pipeline_near_the_trained_models_output(tiny, tmp_path):
+    """The issue's quality check of an export: the adapters of an fp8-compute run, exported for diffusers, load into
+    FluxPipeline in bf16, whose prediction is within 10 % (relative, Frobenius) of the model as it trained (the same
+    adapters over the base held and computed in fp8, under bf16 autocast), and what the adapters change is what they
+    changed there, within 25 % of it: fp8's rounding of the products is the difference."""
+    from diffusers import FluxPipeline
+
+    from diffpipe.cli import main
+
+    from .test_dit_pipeline_folder import _flux_output
+
+    run = tmp_path / "run"
+    result = run_command(["train", str(FLUX), "--output-dir", str(run), "--set", "train.max_steps=8",
+                          "--set", 'adapter.type="lora"', "--set", "adapter.rank=4", "--set", "adapter.alpha=8.0",
+                          "--set", 'train.precision="bf16"', "--set", "train.fp8_compute=true",
+                          "--set", "train.learning_rate=3e-2", "--set", "train.warmup_steps=0",
+                          "--set", "pipeline.stages=1", "--set", "output.sample_every_end=false",
+                          "--set", "checkpoint.every=0", "--set", "observe.log_every=0"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "lora"
+    assert main(["export", str(run), "--format", "diffusers", "--out", str(out)]) == 0
+
+    def outputs(pipe, autocast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prediction with the exported adapters loaded, and without them."""
+        pipe.load_lora_weights(out / "pytorch_lora_weights.safetensors")
+        if autocast:  # the model as it trained: its base's linear weights held and computed in fp8
+            storage = FrozenStorage(torch.bfloat16, linear="fp8", fp8_compute=True)
+            for module in pipe.transformer.modules():
+                storage.store(module)
+            assert any(getattr(m, "fp8_compute", False) for m in pipe.transformer.modules())
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # bf16: inputs cast as the pipeline does
+            adapted = _flux_output(pipe.transformer).float()
+            pipe.disable_lora()
+            base = _flux_output(pipe.transformer).float()
+        return adapted, base
+
+    trained, trained_base = outputs(FluxPipeline.from_pretrained(tiny / "flux"), autocast=True)
+    loaded, loaded_base = outputs(FluxPipeline.from_pretrained(tiny / "flux", torch_dtype=torch.bfloat16), False)
+    change, change_there = loaded - loaded_base, trained - trained_base
+    off = float((loaded - trained).norm() / trained.norm())
+    change_off = float((change - change_there).norm() / change_there.norm())
+    assert float(change_there.norm() / trained.norm()) > 0.05  # the adapters matter
+    assert off < 0.10 and change_off < 0.25, (off, change_off)
