@@ -23,6 +23,7 @@ from .models.units import Backbone, full_parameter_names
 from .pipeline.split import StageSpec, stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 from .precision import AUTOCAST_DTYPES, frozen_storage
+from .torch_support import fp8_matmul_problem
 from .pipeline.traffic import Crossing, boundary_crossings, trace_tensors
 
 __all__ = ["build_backbone", "give_weights", "build_stages", "choose_attention", "build_text_encoder", "sample_shape", "example_inputs",
@@ -95,6 +96,9 @@ def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], 
     memory.base_dtype says module by module (the host never holds a bf16 base whole in fp32), memory.block_swap
     units in host memory, dropout off unless train.dropout."""
     choose_attention(backbone, device)
+    problem = fp8_matmul_problem(device) if config.train.fp8_compute and device.type == "cuda" else None
+    if problem is not None:  # before any weight is read
+        raise ConfigError(problem)
     give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)],
                  frozen=replace(frozen_storage(config, device.type), quantise_on=device))
     every = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision], frozenset(checkpointed),

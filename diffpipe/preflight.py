@@ -116,8 +116,9 @@ def _check_device(config: RunConfig) -> str:
         print(f"train.device = \"auto\": {local} processes on this machine but {gpus} GPU(s), and NCCL needs one GPU "
               f"per process: training on the CPU (gloo). For the GPU, use at most {gpus} processes (pipeline.stages x "
               "pipeline.data_parallel)", flush=True)
-    if config.train.fp8_compute:  # tried on the device (a cuda run's processes use GPUs of one kind)
-        problem = fp8_matmul_problem(torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu"))
+    if config.train.fp8_compute:  # a GPU's kind here (no CUDA context in the launcher); its product where it trains
+        problem = fp8_matmul_problem(torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu"),
+                                     try_product=device_kind == "cpu")
         if problem is not None:
             raise ConfigError(problem)
     if config.pipeline.stages < 2:

@@ -203,21 +203,24 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
     return op(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=dtype)
 
 
-def fp8_matmul_problem(device: torch.device) -> str | None:
+def fp8_matmul_problem(device: torch.device, try_product: bool = True) -> str | None:
     """Why this torch cannot run fp8 products with a scale per row on `device`, in one line; None when it can.
 
-    Tried, not looked up: rowwise scales need an fp8 GPU (Ada, Hopper, Blackwell) and a torch whose kernels for it
-    have them; torch's CPU kernel has them from 2.13 (2.11's takes one scale per tensor only)."""
+    Rowwise scales need an fp8 GPU (Ada, Hopper, Blackwell: compute capability 8.9 or more) and a torch whose kernels
+    for it have them; torch's CPU kernel has them from 2.13 (2.11's takes one scale per tensor only). With
+    `try_product` a product is tried on the device (on a GPU that starts its CUDA context: a launcher that only
+    checks leaves it to the processes that train)."""
     device = torch.device(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         return (f"train.fp8_compute needs a GPU with fp8 tensor cores (Ada, Hopper or Blackwell: RTX 4090, L40S, "
                 f"H100 and later); {name} has none: set train.fp8_compute = false")
+    if not try_product:
+        return None
     a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
     try:
         scaled_matmul(a, a.t(), torch.ones(16, 1, device=device), torch.ones(1, 16, device=device), torch.bfloat16)
     except (RuntimeError, NotImplementedError):
         return (f"train.fp8_compute: torch {torch.__version__} cannot run fp8 products with a scale per row on "
-                f"{name}: set train.fp8_compute = false"
-                + (f", or {_INSTALL}" if device.type == "cpu" else ""))
+                f"{name}: set train.fp8_compute = false" + (f", or {_INSTALL}" if device.type == "cpu" else ""))
     return None
