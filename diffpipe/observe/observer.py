@@ -34,30 +34,36 @@ __all__ = ["PipelineObserver", "probe_link", "probe_all_to_all", "memory_pressur
 GIB = 2**30
 
 
+def _seconds_per_byte(exchange, nbytes: int, device: torch.device, repeats: int) -> list[float]:
+    """Seconds per byte of `exchange()` (moving `nbytes`), each of `repeats` runs after one that sets up the
+    connections."""
+    measured = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        exchange()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        measured.append((time.perf_counter() - start) / nbytes)
+    return measured[1:]
+
+
 def probe_link(topo: Topology, nbytes: int = 4 * 2**20, repeats: int = 3) -> float:
     """Seconds per byte between neighbouring pipeline ranks (round trips of `nbytes`), 0 without neighbours."""
     if topo.pp_size == 1:
         return 0.0
     buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=topo.device)
+    group = topo.send_group  # the link the stages' sends take (unbatched P2P on the default group serialises)
     measured = []
     for phase in (0, 1):  # pairs (0,1),(2,3).. then (1,2),(3,4).. so no rank waits on two partners at once
         lower = topo.pp_rank if (topo.pp_rank - phase) % 2 == 0 else topo.pp_rank - 1
         if lower < 0 or lower + 1 >= topo.pp_size or topo.pp_rank not in (lower, lower + 1):
             continue
         partner = topo.rank + (1 if topo.pp_rank == lower else -1)
-        group = topo.send_group  # the link the stages' sends take (unbatched P2P on the default group serialises)
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            if topo.pp_rank == lower:
-                dist.send(buf, partner, group=group)
-                dist.recv(buf, partner, group=group)
-            else:
-                dist.recv(buf, partner, group=group)
-                dist.send(buf, partner, group=group)
-            if topo.device.type == "cuda":
-                torch.cuda.synchronize(topo.device)
-            measured.append((time.perf_counter() - start) / (2 * nbytes))
-        measured.pop(-repeats - 1)  # the first exchange of a pair sets up the connection
+
+        def round_trip(partner=partner, first=topo.pp_rank == lower):
+            for step in ((dist.send, dist.recv) if first else (dist.recv, dist.send)):
+                step(buf, partner, group=group)
+        measured += _seconds_per_byte(round_trip, 2 * nbytes, topo.device, repeats)
     return min(measured) if measured else 0.0
 
 
@@ -70,14 +76,8 @@ def probe_all_to_all(topo: Topology, nbytes: int = 4 * 2**20, repeats: int = 3) 
     nbytes = nbytes // (4 * topo.sp_size) * 4 * topo.sp_size  # an equal part for each process
     given = torch.zeros(nbytes // 4, dtype=torch.float32, device=topo.device)
     taken = torch.empty_like(given)
-    measured = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        dist.all_to_all_single(taken, given, group=group)
-        if topo.device.type == "cuda":
-            torch.cuda.synchronize(topo.device)
-        measured.append((time.perf_counter() - start) / nbytes)
-    return min(measured[1:])
+    return min(_seconds_per_byte(lambda: dist.all_to_all_single(taken, given, group=group), nbytes, topo.device,
+                                 repeats))
 
 
 def _allocator_retries(device: torch.device) -> int:
