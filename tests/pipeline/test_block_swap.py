@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffpipe.torch_support import fp8_matmul_problem
 from diffpipe.build import build_backbone, example_inputs, give_weights
 from diffpipe.config import ConfigError
 from diffpipe.config_files import build_config, load_config
@@ -79,15 +80,17 @@ def test_block_swap_is_refused_where_it_cannot_work():
     build_config({"memory": {"block_swap": 2}, "pipeline": {"compile": "blocks"}, "adapter": {"type": "lora"}})
 
 
+@pytest.mark.skipif(fp8_matmul_problem(torch.device("cpu")) is not None, reason="this torch's CPU has no rowwise fp8")
 def test_compiled_blocks_with_swapped_weights_train_on_two_stages_as_one_eager_resident_stage(tmp_path):
-    """pipeline.compile = "blocks" with block swap (issue 54): each compiled block computes on the copies of its
-    weights brought in for the call (torch.func.functional_call), its graph reused whatever copy it gets: a LoRA
-    over a bf16 base on 2 stages of 1F1B, 2 units of each swapped and compiled, gives the losses of one eager stage
-    with every weight resident (within what inductor's fused bf16 arithmetic changes)."""
+    """pipeline.compile = "blocks" with block swap and fp8 compute (issue 54): each compiled block computes on the
+    copies of its weights brought in for the call (torch.func.functional_call), its graph reused whatever copy it
+    gets, its fp8 products' quantisation fused: a LoRA over an fp8 base computed in fp8 on 2 stages of 1F1B, 2 units
+    of each swapped and compiled, gives the losses of one eager stage with every weight resident, within what
+    inductor's fused arithmetic changes (measured 2.4e-4 relative at most; swapped copies 10 % off: 2.4e-2)."""
     def train(run: Path, *sets: str) -> list[float]:
         result = run_command(["train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
                               "--set", "train.max_steps=3", "--set", 'adapter.type="lora"',
-                              "--set", 'train.precision="bf16"', "--set", 'memory.base_dtype="bf16"',
+                              "--set", 'train.precision="bf16"', "--set", "train.fp8_compute=true",
                               "--set", "output.sample_every_end=false", "--set", "observe.log_every=0",
                               "--set", "checkpoint.every=0", "--set", "output.save_weights=false",
                               *(x for s in sets for x in ("--set", s))])
@@ -97,7 +100,7 @@ def test_compiled_blocks_with_swapped_weights_train_on_two_stages_as_one_eager_r
     eager = train(tmp_path / "eager", "pipeline.stages=1")
     compiled = train(tmp_path / "compiled", "pipeline.stages=2", "memory.block_swap=2",
                      'pipeline.compile="blocks"')
-    assert compiled == pytest.approx(eager, rel=2e-4) and compiled != eager  # compiled: not the eager run again
+    assert compiled == pytest.approx(eager, rel=1e-3) and compiled != eager  # compiled: not the eager run again
 
 
 def test_a_quantised_lora_run_with_swapped_blocks_on_two_stages_trains_and_resumes_as_one_resident_stage(tmp_path):
