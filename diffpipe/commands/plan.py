@@ -39,6 +39,34 @@ def _plan_without_weights(config: RunConfig) -> None:
     model.path = None
 
 
+def _other_compute(config: RunConfig, meta, plan: Plan, hw) -> list[str]:
+    """The same layout with fp8 compute switched (train.fp8_compute, its base in fp8), where it may run: its
+    planned samples/s and peak beside this plan's, or why it does not fit (issue 54's runner-ups)."""
+    from ..errors import Infeasible
+
+    t = config.train
+    if t.precision != "bf16" or config.adapter.type not in ("lora", "loha", "lokr") or t.device == "cpu":
+        return []  # plans are for GPUs unless train.device = "cpu"
+    other = not t.fp8_compute
+    update = {"train": t.model_copy(update={"fp8_compute": other})}
+    if other:
+        update["memory"] = config.memory.model_copy(update={"base_dtype": "fp8"})
+    changed = config.model_copy(update=update)
+    words = ("train.fp8_compute = true (frozen linear weights in fp8, their products on fp8 tensor cores: another "
+             "arithmetic)" if other else "train.fp8_compute = false")
+    p = config.pipeline
+    try:
+        alternative = make_plan(changed, meta, plan.stages, plan.data_parallel, plan.microbatches, hw,
+                                sequence_parallel=plan.sequence_parallel)
+    except Infeasible as why:
+        return [f"  with {words}: does not fit ({str(why).splitlines()[0]})"]
+    peak = max(alternative.planned.process_memory_bytes) / 2**30
+    return [f"  with {words}: {rate(alternative.samples_per_s)} samples/s, peak {peak:.1f} GiB, against "
+            f"{rate(plan.samples_per_s)} and {max(plan.planned.process_memory_bytes) / 2**30:.1f} GiB"
+            + ("" if p.compile else " (planned eager: fp8 compute is counted no faster than bf16 there; compiled "
+               "blocks, pipeline.compile = \"blocks\", are where it gains)")]
+
+
 def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | None, as_json: bool,
                  profile: bool, probe: bool = False, probe_unsplit: bool = False, explains: bool = False) -> None:
     if gpu_memory:
@@ -79,6 +107,8 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
         print(format_plan(plan, meta, config, hw), flush=True)
         if explains:
             print("\n" + explain(plan, tried), flush=True)
+            for line in _other_compute(config, meta, plan, hw):
+                print(line, flush=True)
     if probe or probe_unsplit:  # the plan shown (with --world-size: the best layout)
         device = planning_device(config)
         result["probed"] = probe_plan(config, meta, plan, device, unsplit=probe_unsplit)
