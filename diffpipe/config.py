@@ -429,7 +429,7 @@ class MemoryConfig(_Section):
         "largest); nf4 (4-bit NormalFloat, QLoRA's format, through bitsandbytes: about an eighth of fp32, each "
         "weight within 0.152 of its block of 64's largest: a visibly different model). auto: bf16 for LoRA runs on "
         "CUDA with bf16/fp16 precision, else fp32. A full fine-tune (adapter.type none) has no frozen base: only "
-        "auto or fp32 there."))
+        "auto or fp32 there. fp8, int8 and nf4 not with sharded replicas (pipeline.data_parallel_shard)."))
     optimizer_state: Literal["fp32", "8bit", "auto"] = Field("fp32", description=(
         "How AdamW's two moments are held: fp32 (8 bytes a trained parameter), or 8bit (bitsandbytes' AdamW8bit: "
         "each moment in 8 bits with a scale per block of 256, about 2 bytes a parameter; parameters under 4096 "
@@ -540,6 +540,14 @@ class RunConfig(_Section):
                              "(pipeline.compile = true: one graph over units whose weights come and go) do not "
                              "allow: set pipeline.data_parallel = 1 and pipeline.compile = \"blocks\" or false, or "
                              "memory.block_swap = 0")
+        quantised = self.memory.base_dtype in ("fp8", "int8", "nf4") or t.fp8_compute
+        if quantised and p.data_parallel_shard and p.data_parallel > 1:
+            held = "fp8" if t.fp8_compute else self.memory.base_dtype
+            raise ValueError(f"pipeline.data_parallel_shard cuts every weight across the replicas, and a base held in "
+                             f"{held} keeps a scale per row beside each linear weight that is not cut alike: such "
+                             "a run trains and then fails writing its weights. Set pipeline.data_parallel_shard = "
+                             "false (each replica holds the whole "
+                             f"{held} base), or memory.base_dtype = \"bf16\"")
         if self.memory.optimizer_state == "8bit" and p.data_parallel_shard and p.data_parallel > 1:
             raise ValueError("memory.optimizer_state = \"8bit\" updates whole tensors (bitsandbytes' kernels), which "
                              "pipeline.data_parallel_shard cuts across replicas: set one of them off")

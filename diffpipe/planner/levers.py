@@ -53,8 +53,9 @@ def _swap_allowed(config: RunConfig, replicas: int) -> bool:
     return config.memory.block_swap == "auto" and replicas == 1 and config.pipeline.compile is not True
 
 
-def _eight_bit_allowed(sharded: bool, replicas: int) -> bool:
-    """Whether 8-bit moments may hold the optimizer state: not across sharded replicas (config.py says why)."""
+def _whole_tensors(sharded: bool, replicas: int) -> bool:
+    """Whether state may be held as whole tensors, as 8-bit moments (bitsandbytes' kernels) and a quantised base
+    (a scale per row beside each weight) are: not across sharded replicas (config.py says why)."""
     return not (sharded and replicas > 1)
 
 
@@ -76,11 +77,13 @@ def _settings(config: RunConfig, replicas: Replicas) -> Iterator[tuple[MemoryCho
     m, p = config.memory, config.pipeline
     choice = unchanged(config)
     yield choice, replicas
-    if m.optimizer_state == "auto" and _eight_bit_allowed(p.data_parallel_shard, p.data_parallel):
+    if m.optimizer_state == "auto" and _whole_tensors(p.data_parallel_shard, p.data_parallel):
         choice = replace(choice, optimizer_state="8bit")
         replicas = replace(replicas, moment_bytes=moment_bytes("8bit"))
         yield choice, replicas
-    if m.base_dtype == "auto" and config.adapter.type != "none":  # a full fine-tune has no frozen base to quantise
+    # a full fine-tune has no frozen base to quantise; sharded replicas cannot cut a quantised one (config.py)
+    if m.base_dtype == "auto" and config.adapter.type != "none" and _whole_tensors(p.data_parallel_shard,
+                                                                                    p.data_parallel):
         rest = torch.bfloat16 if config.train.precision != "fp32" else torch.float32
         for format in m.quantise_if_needed:
             yield replace(choice, base_dtype=format), replace(replicas, frozen=FrozenStorage(rest, format))
@@ -119,10 +122,11 @@ def suggestions(costs: list[UnitCost], replicas: Replicas, adamw: bool) -> list[
     rest = torch.bfloat16 if autocast else torch.float32
     # int8 holds what fp8 holds in as many bytes: one suggestion for both
     words = {"fp8": '"fp8" or "int8" (changes the model slightly)', "nf4": '"nf4" (changes the model more)'}
-    for format in (f for f in words if LINEAR_FORMATS[f] < replicas.frozen.linear_bytes(1)) if frozen else []:
+    can_quantise = frozen and _whole_tensors(replicas.sharded, replicas.count)
+    for format in (f for f in words if LINEAR_FORMATS[f] < replicas.frozen.linear_bytes(1)) if can_quantise else []:
         levers.append((f"memory.base_dtype = {words[format]}", replace(replicas, frozen=FrozenStorage(rest, format))))
     if adamw and any(c.trainable_params for c in costs) and replicas.moment_bytes > moment_bytes("8bit") and (
-            _eight_bit_allowed(replicas.sharded, replicas.count)):
+            _whole_tensors(replicas.sharded, replicas.count)):
         levers.append(('memory.optimizer_state = "8bit"', replace(replicas, moment_bytes=moment_bytes("8bit"))))
     return levers
 
@@ -148,6 +152,6 @@ def most_saving(config: RunConfig, holding: int) -> MemoryChoice:
     return MemoryChoice(
         min(m.quantise_if_needed, key=LINEAR_FORMATS.get)
         if m.base_dtype == "auto" and m.quantise_if_needed and config.adapter.type != "none" else choice.base_dtype,
-        "8bit" if m.optimizer_state == "auto" and _eight_bit_allowed(p.data_parallel_shard, p.data_parallel)
+        "8bit" if m.optimizer_state == "auto" and _whole_tensors(p.data_parallel_shard, p.data_parallel)
         else choice.optimizer_state,
         holding if _swap_allowed(config, p.data_parallel) else choice.block_swap)

@@ -254,3 +254,28 @@ def test_a_lora_trained_with_fp8_compute_loads_into_the_bf16_pipeline_near_the_t
     change_off = float((change - change_there).norm() / change_there.norm())
     assert float(change_there.norm() / trained.norm()) > 0.05  # the adapters matter
     assert off < 0.10 and change_off < 0.25, (off, change_off)
+
+
+@pytest.mark.parametrize("setting", ['memory.base_dtype="fp8"', 'memory.base_dtype="int8"', "train.fp8_compute=true"])
+def test_a_quantised_base_is_refused_across_sharded_replicas_before_training(setting):
+    """Sharded replicas (FSDP2) cut each fp8/int8 weight but not its scale per row: such a run trained and then failed
+    writing its weights ("mixed torch.Tensor and DTensor", seen on the CPU with the digits LoRA over 2 replicas),
+    losing the run. Refused by the config; and the planner never picks a quantised base for sharded replicas."""
+    from diffpipe.config_files import build_config
+
+    sharded = {"pipeline": {"stages": 1, "data_parallel": 2, "data_parallel_shard": True},
+               "train": {"precision": "bf16", "batch_size": 8}, "adapter": {"type": "lora"}}
+    with pytest.raises(ConfigError, match="pipeline.data_parallel_shard = false"):
+        load_config(FLUX, ['adapter.type="lora"', 'train.precision="bf16"', "pipeline.stages=1",
+                           "pipeline.data_parallel=2", "pipeline.data_parallel_shard=true", setting])
+    build_config(sharded)  # a bf16 base shards
+
+    from diffpipe.planner.levers import _settings
+    from diffpipe.planner.plan import _replicas
+
+    auto = build_config({**sharded, "memory": {"base_dtype": "auto", "quantise_if_needed": ["fp8", "nf4"]}})
+    formats = {choice.base_dtype for choice, _ in _settings(auto, _replicas(auto, 1, 2))}
+    assert formats == {"auto"}
+    unsharded = build_config({**sharded, "pipeline": {"stages": 1, "data_parallel": 2},
+                              "memory": {"base_dtype": "auto", "quantise_if_needed": ["fp8", "nf4"]}})
+    assert {c.base_dtype for c, _ in _settings(unsharded, _replicas(unsharded, 1, 2))} == {"auto", "fp8", "nf4"}
