@@ -96,8 +96,8 @@ def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], 
     memory.base_dtype says module by module (the host never holds a bf16 base whole in fp32), memory.block_swap
     units in host memory, dropout off unless train.dropout."""
     choose_attention(backbone, device)
-    problem = fp8_matmul_problem(device) if config.train.fp8_compute and device.type == "cuda" else None
-    if problem is not None:  # before any weight is read
+    problem = fp8_matmul_problem(device) if config.train.fp8_compute else None
+    if problem is not None:  # tried on the device itself, before any weight is read
         raise ConfigError(problem)
     give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)],
                  frozen=replace(frozen_storage(config, device.type), quantise_on=device))

@@ -192,7 +192,6 @@ def move_lr_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, optimizer: tor
     schedule.load_state_dict(state)
 
 
-
 def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                   dtype: torch.dtype) -> torch.Tensor:
     """(a * scale_a) @ (b * scale_b) in `dtype` on fp8 tensor cores: a (M, K) row-major and b (K, N) column-major in

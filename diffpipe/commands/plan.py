@@ -54,7 +54,6 @@ def _other_compute(config: RunConfig, meta, plan: Plan, hw) -> list[str]:
     changed = config.model_copy(update=update)
     words = ("train.fp8_compute = true (frozen linear weights in fp8, their products on fp8 tensor cores: another "
              "arithmetic)" if other else "train.fp8_compute = false")
-    p = config.pipeline
     try:
         alternative = make_plan(changed, meta, plan.stages, plan.data_parallel, plan.microbatches, hw,
                                 sequence_parallel=plan.sequence_parallel)
@@ -63,7 +62,7 @@ def _other_compute(config: RunConfig, meta, plan: Plan, hw) -> list[str]:
     peak = max(alternative.planned.process_memory_bytes) / 2**30
     return [f"  with {words}: {rate(alternative.samples_per_s)} samples/s, peak {peak:.1f} GiB, against "
             f"{rate(plan.samples_per_s)} and {max(plan.planned.process_memory_bytes) / 2**30:.1f} GiB"
-            + ("" if p.compile else " (planned eager: fp8 compute is counted no faster than bf16 there; compiled "
+            + ("" if config.pipeline.compile else " (planned eager: fp8 compute is counted no faster than bf16 there; compiled "
                "blocks, pipeline.compile = \"blocks\", are where it gains)")]
 
 
