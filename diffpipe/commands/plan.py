@@ -39,31 +39,51 @@ def _plan_without_weights(config: RunConfig) -> None:
     model.path = None
 
 
-def _other_compute(config: RunConfig, meta, plan: Plan, hw) -> list[str]:
-    """The same layout with fp8 compute switched (train.fp8_compute, its base in fp8), where it may run: its
-    planned samples/s and peak beside this plan's, or why it does not fit (issue 54's runner-ups)."""
+# issue 54's runner-ups: how the frozen base is held and computed, each as its [memory] and [train] settings
+_BASES = (("bf16", False, 'memory.base_dtype = "bf16"'),
+          ("fp8", False, 'memory.base_dtype = "fp8" (stored in fp8, computed in bf16)'),
+          ("int8", False, 'memory.base_dtype = "int8"'),
+          ("nf4", False, 'memory.base_dtype = "nf4"'),
+          ("fp8", True, "train.fp8_compute = true (stored in fp8, products on fp8 tensor cores)"))
+
+
+def _runner_ups(config: RunConfig, meta, plan: Plan, hw) -> list[str]:
+    """The same layout with the frozen base held each other way (bf16, fp8, int8, nf4, fp8 compute), block swap and
+    checkpointing as the config leaves them: each one's planned samples/s and peak, or why it does not fit, and the
+    fastest that fits (issue 54's runner-ups). A LoRA-like adapter in bf16 on a GPU only (what these settings take)."""
     from ..errors import Infeasible
 
     t = config.train
     if t.precision != "bf16" or config.adapter.type not in ("lora", "loha", "lokr") or t.device == "cpu":
         return []  # plans are for GPUs unless train.device = "cpu"
-    other = not t.fp8_compute
-    update = {"train": t.model_copy(update={"fp8_compute": other})}
-    if other:
-        update["memory"] = config.memory.model_copy(update={"base_dtype": "fp8"})
-    changed = config.model_copy(update=update)
-    words = ("train.fp8_compute = true (frozen linear weights in fp8, their products on fp8 tensor cores: another "
-             "arithmetic)" if other else "train.fp8_compute = false")
-    try:
-        alternative = make_plan(changed, meta, plan.stages, plan.data_parallel, plan.microbatches, hw,
-                                sequence_parallel=plan.sequence_parallel)
-    except Infeasible as why:
-        return [f"  with {words}: does not fit ({str(why).splitlines()[0]})"]
-    peak = max(alternative.planned.process_memory_bytes) / 2**30
-    return [f"  with {words}: {rate(alternative.samples_per_s)} samples/s, peak {peak:.1f} GiB, against "
-            f"{rate(plan.samples_per_s)} and {max(plan.planned.process_memory_bytes) / 2**30:.1f} GiB"
-            + ("" if config.pipeline.compile else " (planned eager: fp8 compute is counted no faster than bf16 there; compiled "
-               "blocks, pipeline.compile = \"blocks\", are where it gains)")]
+    used = (plan.replicas.frozen.name, t.fp8_compute)
+    lines, fitting = ["the frozen base held other ways (the same layout; memory.block_swap and checkpointing as "
+                      "configured):"], []
+    for base, fp8_compute, words in _BASES:
+        if (base, fp8_compute) == used:
+            continue
+        changed = config.model_copy(update={"train": t.model_copy(update={"fp8_compute": fp8_compute}),
+                                            "memory": config.memory.model_copy(update={"base_dtype": base})})
+        try:
+            other = make_plan(changed, meta, plan.stages, plan.data_parallel, plan.microbatches, hw,
+                              sequence_parallel=plan.sequence_parallel)
+        except Infeasible as why:
+            lines.append(f"  {words}: does not fit ({str(why).splitlines()[0]})")
+            continue
+        fitting.append((other.samples_per_s, words))
+        swapped = f", {other.replicas.block_swap} units swapped" if other.replicas.block_swap else ""
+        lines.append(f"  {words}: {rate(other.samples_per_s)} samples/s, peak "
+                     f"{max(other.planned.process_memory_bytes) / 2**30:.1f} GiB{swapped}")
+    swapped = f", {plan.replicas.block_swap} units swapped" if plan.replicas.block_swap else ""
+    lines.append(f"  against this plan's {rate(plan.samples_per_s)} samples/s, peak "
+                 f"{max(plan.planned.process_memory_bytes) / 2**30:.1f} GiB{swapped}")
+    fastest = max(fitting, default=None)
+    if fastest is not None and fastest[0] > plan.samples_per_s:
+        lines.append(f"  fastest that fits: {fastest[1]}")
+    if not config.pipeline.compile:
+        lines.append("  (planned eager: fp8 compute is counted no faster than bf16 per product there; compiled blocks, "
+                     "pipeline.compile = \"blocks\", are where it gains)")
+    return lines
 
 
 def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | None, as_json: bool,
@@ -106,7 +126,7 @@ def plan_command(config: RunConfig, world_size: int | None, gpu_memory: str | No
         print(format_plan(plan, meta, config, hw), flush=True)
         if explains:
             print("\n" + explain(plan, tried), flush=True)
-            for line in _other_compute(config, meta, plan, hw):
+            for line in _runner_ups(config, meta, plan, hw):
                 print(line, flush=True)
     if probe or probe_unsplit:  # the plan shown (with --world-size: the best layout)
         device = planning_device(config)
