@@ -541,7 +541,7 @@ class RunConfig(_Section):
                              "allow: set pipeline.data_parallel = 1 and pipeline.compile = \"blocks\" or false, or "
                              "memory.block_swap = 0")
         quantised = self.memory.base_dtype in ("fp8", "int8", "nf4") or t.fp8_compute
-        if quantised and p.data_parallel_shard and p.data_parallel > 1:
+        if quantised and p.data_parallel_shard and p.data_parallel > 1:  # layouts searched: `whole_tensors`
             held = "fp8" if t.fp8_compute else self.memory.base_dtype
             raise ValueError(f"pipeline.data_parallel_shard cuts every weight across the replicas, and a base held in "
                              f"{held} keeps a scale per row beside each linear weight that is not cut alike: such "
@@ -574,6 +574,15 @@ class RunConfig(_Section):
     @property
     def micro_batch_size(self) -> int:
         return self.train.batch_size // (self.pipeline.microbatches * self.pipeline.data_parallel)
+
+    @property
+    def whole_tensors(self) -> str | None:
+        """What this config holds as whole tensors, which sharded replicas cannot cut (a quantised base's scale per
+        row, 8-bit moments), in words; None where nothing."""
+        m = self.memory
+        if m.base_dtype in ("fp8", "int8", "nf4") or self.train.fp8_compute:
+            return f"a base held in {'fp8' if self.train.fp8_compute else m.base_dtype} (memory.base_dtype)"
+        return "8-bit AdamW moments (memory.optimizer_state = \"8bit\")" if m.optimizer_state == "8bit" else None
 
 
 def _check_fp8_compute(config: "RunConfig") -> None:

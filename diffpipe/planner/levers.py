@@ -74,16 +74,16 @@ def unchanged(config: RunConfig) -> MemoryChoice:
 
 def _settings(config: RunConfig, replicas: Replicas) -> Iterator[tuple[MemoryChoice, Replicas]]:
     """Steps 1-3 of the module's docstring, each with swap as configured (0 where "auto")."""
-    m, p = config.memory, config.pipeline
+    m = config.memory
     choice = unchanged(config)
     yield choice, replicas
-    if m.optimizer_state == "auto" and _whole_tensors(p.data_parallel_shard, p.data_parallel):
+    whole = _whole_tensors(replicas.sharded, replicas.count)  # the layout's replicas, not only the config's
+    if m.optimizer_state == "auto" and whole:
         choice = replace(choice, optimizer_state="8bit")
         replicas = replace(replicas, moment_bytes=moment_bytes("8bit"))
         yield choice, replicas
     # a full fine-tune has no frozen base to quantise; sharded replicas cannot cut a quantised one (config.py)
-    if m.base_dtype == "auto" and config.adapter.type != "none" and _whole_tensors(p.data_parallel_shard,
-                                                                                    p.data_parallel):
+    if m.base_dtype == "auto" and config.adapter.type != "none" and whole:
         rest = torch.bfloat16 if config.train.precision != "fp32" else torch.float32
         for format in m.quantise_if_needed:
             yield replace(choice, base_dtype=format), replace(replicas, frozen=FrozenStorage(rest, format))

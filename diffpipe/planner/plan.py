@@ -311,13 +311,16 @@ def layouts_tried(config: RunConfig, meta: Backbone, world_size: int, hw: Hardwa
             for m in range(1, config.train.batch_size // dp + 1):
                 if config.train.batch_size % (m * dp) or choice.schedule.problem(ranks, choice.virtual_stages, m):
                     continue
+                split = f" x {sp} sharing each sample's tokens" if sp > 1 else ""
+                layout = f"{ranks} process(es) x {dp} replica(s){split}, {m} micro-batch(es)"
+                if dp > 1 and config.pipeline.data_parallel_shard and config.whole_tensors:  # config.py says why
+                    tried.append((None, f"{layout}: sharded replicas (pipeline.data_parallel_shard) cannot cut "
+                                        f"{config.whole_tensors}"))
+                    continue
                 try:
                     tried.append((make_plan(config, meta, stages, dp, m, hw, per_sample, sp), ""))
                 except Infeasible as exc:
-                    words = str(exc).splitlines()[0]
-                    split = f" x {sp} sharing each sample's tokens" if sp > 1 else ""
-                    layout = f"{ranks} process(es) x {dp} replica(s){split}, {m} micro-batch(es)"
-                    tried.append((None, f"{layout}: does not fit: {words}"))
+                    tried.append((None, f"{layout}: does not fit: {str(exc).splitlines()[0]}"))
     return tried
 
 

@@ -279,3 +279,29 @@ def test_a_quantised_base_is_refused_across_sharded_replicas_before_training(set
     unsharded = build_config({**sharded, "pipeline": {"stages": 1, "data_parallel": 2},
                               "memory": {"base_dtype": "auto", "quantise_if_needed": ["fp8", "nf4"]}})
     assert {c.base_dtype for c, _ in _settings(unsharded, _replicas(unsharded, 1, 2))} == {"auto", "fp8", "nf4"}
+
+
+def test_a_layout_search_never_plans_a_quantised_base_across_sharded_replicas():
+    """`diffpipe plan --world-size N` from a config of one replica with data_parallel_shard = true: the layouts it
+    tries with several replicas shard them, so they neither choose a quantised base (base_dtype "auto") nor plan
+    the config's own (fp8 here), which such a run could not write (the test above)."""
+    from diffpipe.build import build_backbone
+    from diffpipe.config_files import build_config
+    from diffpipe.planner.levers import _settings
+    from diffpipe.planner.plan import _replicas, hardware, layouts_tried
+
+    one = {"pipeline": {"stages": 1, "data_parallel": 1, "data_parallel_shard": True},
+           "train": {"precision": "bf16", "batch_size": 8}, "adapter": {"type": "lora"},
+           "memory": {"base_dtype": "auto", "quantise_if_needed": ["fp8", "nf4"]}}
+    auto = build_config(one)
+    assert {c.base_dtype for c, _ in _settings(auto, _replicas(auto, 1, 2))} == {"auto"}  # 2 sharded replicas
+    assert {c.base_dtype for c, _ in _settings(auto, _replicas(auto, 1, 1))} == {"auto", "fp8", "nf4"}
+
+    config = load_config(FLUX, ['adapter.type="lora"', 'train.precision="bf16"', "pipeline.stages=1",
+                                "pipeline.data_parallel_shard=true", 'memory.base_dtype="fp8"', "train.batch_size=2",
+                                "pipeline.microbatches=1", 'train.device="cpu"'])
+    tried = layouts_tried(config, build_backbone(config, "meta"), 2, hardware(config))
+    refused = [why for plan, why in tried if plan is None and "cannot cut a base held in fp8" in why]
+    planned = [plan for plan, _ in tried if plan is not None]
+    assert refused and all("1 process(es) x 2 replica(s)" in why for why in refused)
+    assert planned and all(plan.data_parallel == 1 for plan in planned)  # 2 stages of one replica still planned
