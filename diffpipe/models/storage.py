@@ -14,7 +14,7 @@ from torch import nn
 from .stored_linear import Fp8Linear, StoredLinear, fp8_computable
 
 __all__ = ["FrozenStorage", "quantisable", "PRODUCT_LAYERS", "LINEAR_FORMATS", "DEQUANTISE_FLOPS", "linear_class",
-           "element_bytes", "fp8_compute_words"]
+           "element_bytes", "fp8_compute_words", "fp8_layers"]
 
 # layers whose weights enter a matrix product or convolution: autocast computes them in bf16/fp16
 PRODUCT_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -90,11 +90,16 @@ class FrozenStorage:
                 stored.compute_in_fp8()
 
 
+def fp8_layers(model: nn.Module) -> list[nn.Linear]:
+    """The frozen linear layers of `model` whose products train.fp8_compute runs on fp8 tensor cores."""
+    return [m for m in model.modules() if quantisable(m) and fp8_computable(m)]
+
+
 def fp8_compute_words(model: nn.Module) -> str:
     """What train.fp8_compute computes in fp8 in `model` (built, on any device): the frozen linear layers whose sides
     the fp8 kernels take, and the share of those layers' weights they hold; for the run's header."""
     layers = [m for m in model.modules() if quantisable(m)]
-    fp8 = [m for m in layers if fp8_computable(m)]
+    fp8 = fp8_layers(model)
     weights = sum(m.weight.numel() for m in layers)
     share = sum(m.weight.numel() for m in fp8) / weights if weights else 0.0
     rest = len(layers) - len(fp8)

@@ -29,8 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..precision.autocast import CountedAutocast
 from .live_bytes import LiveBytes
-from ..models.storage import PRODUCT_LAYERS, quantisable
-from ..models.stored_linear import fp8_computable
+from ..models.storage import PRODUCT_LAYERS, fp8_layers, quantisable
 from ..models.units import Backbone
 from ..pipeline.exchange import exchanged_bytes
 from ..torch_support import (fused_attention, kept_storage_key, split_backward_input, split_backward_weight,
@@ -155,7 +154,7 @@ class _Fp8Products:
     """Counts the forward FLOPs of a module's frozen linear layers that fp8 tensor cores can take (hooks)."""
 
     def __init__(self, module: torch.nn.Module):
-        self.layers = [m for m in module.modules() if quantisable(m) and fp8_computable(m)]
+        self.layers = fp8_layers(module)
         self.flops, self._hooks = 0, []
 
     def _count(self, layer, inputs, output) -> None:
