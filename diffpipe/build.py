@@ -22,7 +22,7 @@ from .models.text import CaptionEncoder, TextEncoder
 from .models.units import Backbone, full_parameter_names
 from .pipeline.split import StageSpec, stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
-from .precision import AUTOCAST_DTYPES, frozen_storage
+from .precision import AUTOCAST_DTYPES, fp8_compute_on, frozen_storage
 from .torch_support import fp8_matmul_problem
 from .pipeline.traffic import Crossing, boundary_crossings, trace_tensors
 
@@ -96,7 +96,7 @@ def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], 
     memory.base_dtype says module by module (the host never holds a bf16 base whole in fp32), memory.block_swap
     units in host memory, dropout off unless train.dropout."""
     choose_attention(backbone, device)
-    problem = fp8_matmul_problem(device) if config.train.fp8_compute else None
+    problem = fp8_matmul_problem(device) if fp8_compute_on(config, device.type) else None
     if problem is not None:  # tried on the device itself, before any weight is read
         raise ConfigError(problem)
     give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)],

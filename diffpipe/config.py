@@ -201,13 +201,15 @@ class TrainConfig(_Section):
         "Clip gradients to this global norm over all stages; 0 turns clipping off."))
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
         "fp32, bf16 autocast, or fp16 autocast with a loss scaler."))
-    fp8_compute: bool = Field(False, description=(
+    fp8_compute: bool | Literal["auto"] = Field(False, description=(
         "LoRA-type runs under bf16 precision: the frozen base's linear layers (stored in fp8: memory.base_dtype "
         "\"fp8\" or auto) run their forward and input-gradient products on fp8 tensor cores (torch._scaled_mm, "
         "each activation and gradient quantised per token as it enters; layers whose sides are not multiples of 16 "
         "compute as fp8 storage does). Needs a GPU with fp8 (Ada, Hopper, Blackwell) or torch 2.13's CPU kernel. "
         "Faster only where the quantisation is fused: with pipeline.compile = \"blocks\" (docs/benchmarks.md); "
-        "changes the arithmetic again (each operand within 2^-4, as the stored weight)."))
+        "changes the arithmetic again (each operand within 2^-4, as the stored weight). \"auto\": on where the "
+        "planner counts it faster at no more memory (compiled blocks or a stage compiled whole, on a GPU with fp8 "
+        "tensor cores, a run that may take it: replicas not sharded); off elsewhere, never refused."))
     objective: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
         None, description=(
             "What the model predicts; unset: the prediction_type of model.path's pipeline scheduler (epsilon or "
@@ -540,9 +542,9 @@ class RunConfig(_Section):
                              "(pipeline.compile = true: one graph over units whose weights come and go) do not "
                              "allow: set pipeline.data_parallel = 1 and pipeline.compile = \"blocks\" or false, or "
                              "memory.block_swap = 0")
-        quantised = self.memory.base_dtype in ("fp8", "int8", "nf4") or t.fp8_compute
+        quantised = self.memory.base_dtype in ("fp8", "int8", "nf4") or t.fp8_compute is True  # "auto": not there
         if quantised and p.data_parallel_shard and p.data_parallel > 1:  # layouts searched: `whole_tensors`
-            held = "fp8" if t.fp8_compute else self.memory.base_dtype
+            held = "fp8" if t.fp8_compute is True else self.memory.base_dtype
             raise ValueError(f"pipeline.data_parallel_shard cuts every weight across the replicas, and a base held in "
                              f"{held} keeps a scale per row beside each linear weight that is not cut alike: such "
                              "a run trains and then fails writing its weights. Set pipeline.data_parallel_shard = "
@@ -556,8 +558,8 @@ class RunConfig(_Section):
             raise ValueError("checkpoint.export_every writes a LoRA's adapters (as export_every_epochs does), and adapter.type is \"none\": set "
                              "checkpoint.every and export a checkpoint with `diffpipe export RUN --step N`, or train "
                              "adapters (adapter.type = \"lora\", \"dora\", \"loha\" or \"lokr\")")
-        if t.fp8_compute:
-            _check_fp8_compute(self)
+        if t.fp8_compute is True and fp8_compute_problem(self):
+            raise ValueError(fp8_compute_problem(self))
         if self.adapter.type == "dora" and self.memory.base_dtype in ("fp8", "int8", "nf4"):
             raise ValueError(f"adapter.type = \"dora\" rescales each row of the whole base weight by its norm in every "
                              f"step (peft reads the weight itself), and memory.base_dtype = \"{self.memory.base_dtype}\" "
@@ -580,27 +582,28 @@ class RunConfig(_Section):
         """What this config holds as whole tensors, which sharded replicas cannot cut (a quantised base's scale per
         row, 8-bit moments), in words; None where nothing."""
         m = self.memory
-        if m.base_dtype in ("fp8", "int8", "nf4") or self.train.fp8_compute:
-            return f"a base held in {'fp8' if self.train.fp8_compute else m.base_dtype} (memory.base_dtype)"
+        if m.base_dtype in ("fp8", "int8", "nf4") or self.train.fp8_compute is True:
+            return f"a base held in {'fp8' if self.train.fp8_compute is True else m.base_dtype} (memory.base_dtype)"
         return "8-bit AdamW moments (memory.optimizer_state = \"8bit\")" if m.optimizer_state == "8bit" else None
 
 
-def _check_fp8_compute(config: "RunConfig") -> None:
-    """train.fp8_compute needs a frozen base held in fp8 and bf16 compute (the fp8 kernels' output)."""
+def fp8_compute_problem(config: "RunConfig") -> str | None:
+    """Why this run cannot take train.fp8_compute, in one line (a frozen base held in fp8, bf16 compute: the fp8
+    kernels' output, replicas that keep whole weights); None where it can."""
     if config.adapter.type in ("none", "dora"):
-        raise ValueError(
-            f"train.fp8_compute runs a frozen base's products in fp8, and adapter.type = \"{config.adapter.type}\" "
-            + ("trains every weight (fp8 training of trained weights, torchao's float8 recipes, is not built)"
-               if config.adapter.type == "none" else "reads the whole base weight in every step (peft's DoRA norm)")
-            + ": set train.fp8_compute = false, or train lora, loha or lokr")
+        return (f"train.fp8_compute runs a frozen base's products in fp8, and adapter.type = \"{config.adapter.type}\" "
+                + ("trains every weight (fp8 training of trained weights, torchao's float8 recipes, is not built)"
+                   if config.adapter.type == "none" else "reads the whole base weight in every step (peft's DoRA norm)")
+                + ": set train.fp8_compute = false, or train lora, loha or lokr")
     if config.memory.base_dtype not in ("auto", "fp8"):
-        raise ValueError(f"train.fp8_compute computes with the frozen weights stored in fp8, and memory.base_dtype = "
-                         f"\"{config.memory.base_dtype}\": set memory.base_dtype = \"fp8\" (or \"auto\"), or "
-                         "train.fp8_compute = false")
+        return (f"train.fp8_compute computes with the frozen weights stored in fp8, and memory.base_dtype = "
+                f"\"{config.memory.base_dtype}\": set memory.base_dtype = \"fp8\" (or \"auto\"), or "
+                "train.fp8_compute = false")
     if config.train.precision != "bf16":
-        raise ValueError(f"train.fp8_compute gives bf16 products (what fp8 kernels with a scale per row return), and "
-                         f"train.precision = \"{config.train.precision}\": set train.precision = \"bf16\", or "
-                         "train.fp8_compute = false")
+        return (f"train.fp8_compute gives bf16 products (what fp8 kernels with a scale per row return), and "
+                f"train.precision = \"{config.train.precision}\": set train.precision = \"bf16\", or "
+                "train.fp8_compute = false")
+    return None
 
 
 # train.optimizer_args each optimizer takes (train/optim.py, train/prodigy.py)

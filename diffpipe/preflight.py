@@ -24,7 +24,7 @@ from .pipeline.sequence import sample_tokens, sequence_problem
 from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
 from .planner.plan import resolve_memory, resolve_stages
-from .precision import frozen_storage
+from .precision import fp8_compute_on, frozen_storage
 from .torch_support import fp8_matmul_problem, schedule_problem
 
 __all__ = ["Checked", "check_before_launch"]
@@ -32,13 +32,14 @@ __all__ = ["Checked", "check_before_launch"]
 
 @dataclass
 class Checked:
-    """The model on the meta device, the resolved stage starts, the stages to checkpoint and the [memory] settings the
-    planner chose ("auto"), by key."""
+    """The model on the meta device, the resolved stage starts, the stages to checkpoint, the [memory] settings the
+    planner chose ("auto"), by key, and train.fp8_compute resolved."""
 
     backbone: Backbone
     split: list[int]
     checkpointing: list[int]
     memory: dict = field(default_factory=dict)
+    fp8_compute: bool = False
 
 
 def check_before_launch(config: RunConfig) -> Checked:
@@ -58,6 +59,12 @@ def check_before_launch(config: RunConfig) -> Checked:
                         f"(its patch size), but the data is {shape[-2]}x{shape[-1]}")
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
     device_kind = _check_device(config)
+    fp8_compute = fp8_compute_on(config, device_kind)
+    if config.train.fp8_compute == "auto":  # the stages are planned with it as resolved
+        config = config.model_copy(update={"train": config.train.model_copy(update={"fp8_compute": fp8_compute})})
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"train.fp8_compute = \"auto\": {'on' if fp8_compute else 'off'} (on where blocks are compiled on a "
+                  "GPU with fp8 tensor cores, for a LoRA, LoHa or LoKr in bf16 over an fp8 or \"auto\" base)", flush=True)
     memory = resolve_memory(config, backbone)
     changes = memory.changes(config.memory)
     if changes:  # settings left to the planner ("auto"): the stages are planned with them as chosen
@@ -70,7 +77,7 @@ def check_before_launch(config: RunConfig) -> Checked:
     split, checkpointing = resolve_stages(config, backbone)
     _check_first_stage_trains(backbone, split)
     _check_block_swap(config.memory.block_swap, backbone, split)
-    return Checked(backbone, split, checkpointing, changes)
+    return Checked(backbone, split, checkpointing, changes, fp8_compute)
 
 
 def _check_sequence_split(config: RunConfig, backbone: Backbone, shape: tuple[int, ...]) -> None:
@@ -116,7 +123,7 @@ def _check_device(config: RunConfig) -> str:
         print(f"train.device = \"auto\": {local} processes on this machine but {gpus} GPU(s), and NCCL needs one GPU "
               f"per process: training on the CPU (gloo). For the GPU, use at most {gpus} processes (pipeline.stages x "
               "pipeline.data_parallel)", flush=True)
-    if config.train.fp8_compute:  # a GPU's kind here (no CUDA context in the launcher); its product where it trains
+    if config.train.fp8_compute is True:  # a GPU's kind here (no CUDA context in the launcher); its product where it trains
         problem = fp8_matmul_problem(torch.device("cuda", 0) if device_kind == "cuda" else torch.device("cpu"),
                                      try_product=device_kind == "cpu")
         if problem is not None:

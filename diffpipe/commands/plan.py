@@ -56,7 +56,7 @@ def _runner_ups(config: RunConfig, meta, plan: Plan, hw) -> list[str]:
     t = config.train
     if t.precision != "bf16" or config.adapter.type not in ("lora", "loha", "lokr") or t.device == "cpu":
         return []  # plans are for GPUs unless train.device = "cpu"
-    used = (plan.replicas.frozen.name, t.fp8_compute)
+    used = (plan.replicas.frozen.name, plan.replicas.frozen.fp8_compute)
     lines, fitting = ["the frozen base held other ways (the same layout; memory.block_swap and checkpointing as "
                       "configured):"], []
     for base, fp8_compute, words in _BASES:

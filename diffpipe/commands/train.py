@@ -23,6 +23,7 @@ def _prepare_run(args) -> tuple:
 
     config = _run_config(args)
     checked = check_before_launch(config)
+    config.train.fp8_compute = checked.fp8_compute  # "auto" resolved
     is_main = int(os.environ.get("RANK", "0")) == 0
     if is_main:
         _say_what_trains(config, checked.backbone)

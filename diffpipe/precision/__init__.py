@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ..config import RunConfig
+from ..config import RunConfig, fp8_compute_problem
 from ..models.storage import FP8_PRODUCT_SPEEDUP, LINEAR_FORMATS, FrozenStorage, element_bytes
+from ..torch_support import fp8_matmul_problem
 
-__all__ = ["AUTOCAST_DTYPES", "frozen_storage", "element_bytes", "moment_bytes"]
+__all__ = ["AUTOCAST_DTYPES", "frozen_storage", "element_bytes", "moment_bytes", "fp8_compute_on"]
 
 # train.precision -> the dtype autocast computes in (None: fp32, no autocast)
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -27,7 +28,7 @@ def frozen_storage(config: RunConfig, device_kind: str) -> FrozenStorage:
     base in bf16 under autocast, in fp32 under fp32 compute, as int8 and nf4 do."""
     choice = config.memory.base_dtype
     autocast = config.train.precision != "fp32"
-    fp8_compute = config.train.fp8_compute
+    fp8_compute = fp8_compute_on(config, device_kind)
     if choice == "auto":
         lora = config.adapter.type != "none"
         choice = "fp8" if fp8_compute else "bf16" if lora and device_kind == "cuda" and autocast else "fp32"
@@ -36,6 +37,21 @@ def frozen_storage(config: RunConfig, device_kind: str) -> FrozenStorage:
         return FrozenStorage(torch.bfloat16 if autocast else torch.float32, linear=choice, fp8_compute=fp8_compute,
                              fp8_speedup=speedup)
     return FrozenStorage({"fp32": torch.float32, "bf16": torch.bfloat16}[choice])
+
+
+def fp8_compute_on(config: RunConfig, device_kind: str) -> bool:
+    """train.fp8_compute, "auto" resolved: on where blocks are compiled (pipeline.compile "blocks" or true: the
+    planner counts the products FP8_PRODUCT_SPEEDUP faster there, and an fp8 base never holds more than a bf16 one,
+    so the plan is faster and fits wherever the bf16 one does), for a run that may take it (`fp8_compute_problem`,
+    replicas not sharded) on a GPU with fp8 tensor cores (this machine's first; a plan made with no GPU here
+    assumes one); off eager (counted no faster) and everywhere else: "auto" never refuses."""
+    value, p = config.train.fp8_compute, config.pipeline
+    if value != "auto":
+        return value
+    if not p.compile or device_kind != "cuda" or fp8_compute_problem(config) or (
+            p.data_parallel_shard and p.data_parallel > 1):
+        return False
+    return not torch.cuda.is_available() or fp8_matmul_problem(torch.device("cuda", 0), try_product=False) is None
 
 
 def optimizer_state_bytes(train, optimizer_state: str) -> tuple[float, bool]:

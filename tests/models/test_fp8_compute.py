@@ -305,3 +305,35 @@ def test_a_layout_search_never_plans_a_quantised_base_across_sharded_replicas():
     planned = [plan for plan, _ in tried if plan is not None]
     assert refused and all("1 process(es) x 2 replica(s)" in why for why in refused)
     assert planned and all(plan.data_parallel == 1 for plan in planned)  # 2 stages of one replica still planned
+
+
+def test_auto_fp8_compute_is_on_where_blocks_compile_on_an_fp8_gpu_and_off_elsewhere_never_refused(capsys):
+    """train.fp8_compute = "auto" (issue 54 item 4): on where the planner counts it faster at no more memory
+    (compiled blocks, a GPU with fp8 tensor cores: a plan made here, with no GPU, assumes one), planned as `true`
+    is; off eager, on the CPU, and for what `true` refuses (full fine-tune, DoRA, another base, fp32, sharded
+    replicas), none of which refuses "auto"; the launcher resolves it before planning and says so."""
+    from diffpipe.build import build_backbone
+    from diffpipe.planner.plan import hardware, make_plan, planned_storage
+    from diffpipe.precision import fp8_compute_on
+    from diffpipe.preflight import check_before_launch
+
+    auto = ['adapter.type="lora"', 'train.precision="bf16"', 'train.fp8_compute="auto"', 'pipeline.compile="blocks"',
+            "pipeline.stages=1", "pipeline.microbatches=1", "train.batch_size=2"]
+    config = load_config(FLUX, auto)
+    assert not torch.cuda.is_available()  # the suite's machine: plans assume a GPU with fp8
+    assert fp8_compute_on(config, "cuda") and not fp8_compute_on(config, "cpu")
+    assert planned_storage(config).fp8_compute is True and planned_storage(config).linear == "fp8"
+    eager = planned_storage(load_config(FLUX, auto + ["pipeline.compile=false"]))
+    assert eager.fp8_compute is False and eager.linear is None  # the "auto" base: bf16 on a GPU
+    meta, hw = build_backbone(config, "meta"), hardware(config)
+    speed = {value: make_plan(load_config(FLUX, auto + [f"train.fp8_compute={value}"]), meta, 1, 1, 1, hw).samples_per_s
+             for value in ("true", "false", '"auto"')}
+    assert speed['"auto"'] == speed["true"] > speed["false"]
+    for setting in ("pipeline.compile=false", 'adapter.type="none"', 'adapter.type="dora"',
+                    'memory.base_dtype="bf16"', 'train.precision="fp32"'):
+        assert not fp8_compute_on(load_config(FLUX, auto + [setting]), "cuda"), setting  # and loads: not refused
+    sharded = auto + ["pipeline.data_parallel=2", "pipeline.data_parallel_shard=true", "train.batch_size=4"]
+    assert not fp8_compute_on(load_config(FLUX, sharded), "cuda")
+
+    checked = check_before_launch(load_config(FLUX, auto + ['train.device="cpu"']))
+    assert checked.fp8_compute is False and 'train.fp8_compute = "auto": off' in capsys.readouterr().out
