@@ -19,7 +19,7 @@ from .block_swap import SwappedWeights, swapped_units
 from .split import StageSpec
 from .zero_bubble import missed_parameters
 
-__all__ = ["StageModule", "build_stage_modules", "repeated_blocks"]
+__all__ = ["compiled_shapes_words", "StageModule", "build_stage_modules", "repeated_blocks"]
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -54,6 +54,21 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _COMPILED_SHAPES = 64  # graphs dynamo may compile per code object (a stage, or a class of blocks): input shapes
+
+
+def compiled_shapes_words(compile: bool | str, shapes: int, text_lengths: int = 1) -> str:
+    """What pipeline.compile compiles for data of `shapes` bucket shapes whose text is cut to up to `text_lengths`
+    lengths (models/tokens.TEXT_LENGTHS): a graph per input shape, at most `_COMPILED_SHAPES` per block class (or
+    stage compiled whole); past that a shape runs eager. For the run's header."""
+    what = "each repeated block class" if compile == "blocks" else "each stage"
+    texts = f" x up to {text_lengths} text lengths" if text_lengths > 1 else ""
+    graphs = shapes * text_lengths
+    words = (f"pipeline.compile = {compile!r}: {what} compiles once per input shape, its shapes fixed (not dynamic): "
+             f"{shapes} bucket shape(s){texts}, at most {graphs} graph(s) (limit {_COMPILED_SHAPES})")
+    if graphs > _COMPILED_SHAPES:
+        words += (f"; warning: past the limit the other shapes run eager: fewer buckets (data.bucket_step, "
+                  "data.max_aspect) keep them all compiled")
+    return words
 
 
 class StageModule(nn.Module):

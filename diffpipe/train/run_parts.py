@@ -23,6 +23,7 @@ from ..diffusion.objectives import element_weighted_mse, weighted_mse
 from ..distributed import Topology
 from ..models.family import Feed
 from ..models.text import CaptionEncoder
+from ..models.tokens import TEXT_LENGTHS
 from ..models.two_experts import IdleExpertGradients, TwoExperts
 from ..models.units import Backbone
 from ..models.vae import vae_scale_factor
@@ -31,7 +32,7 @@ from ..pipeline.runtime import PipelineRunner
 from ..pipeline.schedules import schedule_named
 from ..pipeline.sequence import SequenceShards, attend_across_shards, sample_tokens, split_sequence, tokens_problem
 from ..pipeline.split import stage_specs
-from ..pipeline.stage import StageModule
+from ..pipeline.stage import StageModule, compiled_shapes_words
 from ..pipeline.tied import TiedGradients, tied_parameters
 from ..pipeline.traffic import Crossing
 from ..planner.plan import resolve_memory, resolve_stages
@@ -114,6 +115,10 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
     mine = schedule.stage_indices(topo.pp_rank, p.stages, p.virtual_stages)
     text, data, held_out = _text_and_data(config, backbone, topo)  # first: the text encoders leave before the stages come
     _check_shares_of_buckets(config, backbone, data)
+    if p.compile and topo.is_main:  # recompiles bounded, and said: a graph per bucket shape
+        text_lengths = len(TEXT_LENGTHS) if backbone.family.reads_text_lengths else 1
+        print(compiled_shapes_words(p.compile, len(data.groups()) if hasattr(data, "groups") else 1, text_lengths),
+              flush=True)
     modules = build_stages(config, backbone, specs, mine, topo.device, p.checkpointing)
     if shards is not None:
         attend_across_shards(backbone, topo.sp_mesh, topo.device, shards)

@@ -114,3 +114,16 @@ def test_every_bucket_runs_compiled_past_dynamos_eight_shapes():
     frames = torch._dynamo.utils.counters["frames"]
     assert frames["total"] == frames["ok"], dict(frames)  # a frame past the limit is counted, not compiled
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 9
+
+
+def test_the_header_says_how_many_graphs_the_buckets_compile_and_warns_past_the_limit():
+    """Issue 54: recompiles bounded and said in the run's header: a graph per bucket shape (and text length, where
+    the family cuts each batch's text), and a warning where that passes dynamo's limit (the rest would run eager)."""
+    from diffpipe.pipeline.stage import _COMPILED_SHAPES, compiled_shapes_words
+
+    words = compiled_shapes_words("blocks", 3, 5)
+    assert "each repeated block class compiles once per input shape" in words
+    assert "3 bucket shape(s) x up to 5 text lengths, at most 15 graph(s)" in words and "warning" not in words
+    assert "each stage" in compiled_shapes_words(True, 1) and "text lengths" not in compiled_shapes_words(True, 1)
+    assert "warning: past the limit" in compiled_shapes_words("blocks", _COMPILED_SHAPES + 1)
+    assert "warning" not in compiled_shapes_words("blocks", _COMPILED_SHAPES)
