@@ -48,7 +48,7 @@ from transformers import (CLIPImageProcessor, CLIPTextConfig, CLIPTextModel, CLI
 
 __all__ = ["write_sd15", "write_sdxl", "write_flux", "write_chroma", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_wan22_i2v",
            "write_wan21_i2v",
-           "write_qwen_image", "write_hunyuan_video15",
+           "write_qwen_image", "write_hunyuan_video15", "write_z_image",
            "write_photos", "write_edits", "write_clips",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
 
@@ -386,6 +386,35 @@ def write_qwen_image(out: Path, seed: int = 0, edit: bool = False, plus: bool = 
     return folder
 
 
+def write_z_image(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Path:
+    """Z-Image layout (ZImagePipeline, as Tongyi-MAI/Z-Image-Turbo): a Qwen3 model (32 wide, three layers: the
+    pipeline reads the states second from the last) with a real Qwen2 BPE tokenizer carrying Qwen3's chat template
+    (thinking on: nothing after the assistant's turn opens), the 4-channel VAE the other layouts share, and a
+    ZImageTransformer2DModel of one noise and one context refiner and two main blocks reading 2 x 2 patches; the
+    scheduler shifted by 3, as Turbo's."""
+    from diffusers import ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_qwen_tokenizer()
+    tokenizer.chat_template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+        "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    chat_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text_encoder = Qwen3Model(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=2048, rope_theta=1000000.0,
+        bos_token_id=chat_end - 2, eos_token_id=chat_end))
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2, n_refiner_layers=1, n_heads=2,
+        n_kv_heads=2, qk_norm=True, cap_feat_dim=32, axes_dims=[4, 6, 6], axes_lens=[1536, 64, 64])
+    ZImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae or fitted_vae(),
+                   text_encoder=text_encoder.eval(), tokenizer=tokenizer, transformer=transformer,
+                   ).save_pretrained(out / "z_image", safe_serialization=True)
+    return out / "z_image"
+
+
 def write_hunyuan_video15(out: Path, seed: int = 0) -> Path:
     """HunyuanVideo 1.5's layout (HunyuanVideo15Pipeline, as hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v): a
     Qwen2.5-VL text model (32 wide, three layers: the pipeline reads the states three from the last) with a real Qwen2
@@ -588,7 +617,7 @@ def main() -> None:
                  write_wan21_i2v(out),
                  write_qwen_image(out),
                  write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True),
-                 write_hunyuan_video15(out), write_photos(out),
+                 write_hunyuan_video15(out), write_z_image(out, vae), write_photos(out),
                  write_edits(out), write_clips(out)):
         print(f"wrote {path}")
     (out / STAMP).write_text(_this_script() + "\n")

@@ -33,6 +33,7 @@ from diffusers.models.transformers.transformer_z_image import SEQ_MULTI_OF, Rope
 from torch import nn
 
 from ...family import ModelFamily, TextBatch
+from ...text import filled_lengths_of
 from ...tokens import mask_or_none, reset_rms_norm, text_mask
 from ...units import Backbone, Unit
 
@@ -168,8 +169,9 @@ class ZImageOut(nn.Module):
         super().__init__()
         self.final = model.all_final_layer["2-1"]
 
-    def forward(self, h, temb, sample):
-        return {"prediction": -self.final(h[:, :sample.shape[1]], c=temb)}  # the velocity: the model's, negated
+    def forward(self, h, temb, image_rotary):
+        tokens = image_rotary.shape[1] * image_rotary.shape[2]  # the picture's, unpadded
+        return {"prediction": -self.final(h[:, :tokens], c=temb)}  # the velocity: the model's, negated
 
 
 def z_image_backbone(model: ZImageTransformer2DModel) -> Backbone:
@@ -183,7 +185,7 @@ def z_image_backbone(model: ZImageTransformer2DModel) -> Backbone:
     reads = ("h", "temb", "image_rotary", "text_rotary", "text_mask")
     units += [Unit(f"layers.{i}", ZImageLayer(b, joins=i == 0), reads + (("context",) if i == 0 else ()), ("h",))
               for i, b in enumerate(model.layers)]
-    units.append(Unit("out", ZImageOut(model), ("h", "temb", "sample"), ("prediction",)))
+    units.append(Unit("out", ZImageOut(model), ("h", "temb", "image_rotary"), ("prediction",)))
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 
@@ -200,6 +202,11 @@ class ZImageFamily(ModelFamily):
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     sequence_refusal = ("pipeline.sequence_parallel is not built for Z-Image yet (its rotary tables depend on each "
                         "caption's length): set pipeline.sequence_parallel = 1")
+
+    def diffusers_lora_pipeline(self, cfg):
+        import diffusers
+
+        return diffusers.ZImagePipeline
 
     def check_supported(self, model):
         cfg = model.config
@@ -225,8 +232,10 @@ class ZImageFamily(ModelFamily):
         return cfg.cap_feat_dim, 0
 
     def conditions(self, cfg, text: TextBatch):
-        hidden, mask = text_mask(text.hidden, text.filled)
-        lengths = text.filled if text.filled is not None and any(text.filled) else [hidden.shape[1]] * len(hidden)
+        filled = text.filled if text.filled is not None else filled_lengths_of(text.hidden)
+        hidden, _ = text_mask(text.hidden, filled)
+        # each caption's tokens; none filled anywhere (the zeros a plan traces): the longest a caption may be
+        lengths = filled if any(filled) else [hidden.shape[1]] * len(hidden)
         batch, length = hidden.shape[:2]
         grid = (text.latent_size[0] // 2, text.latent_size[1] // 2)
         image, words = rotary_embedding(cfg, grid, lengths, length, hidden.device)
