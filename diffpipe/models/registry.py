@@ -24,9 +24,9 @@ BUILTIN_FAMILIES = {
     "wan_i2v": "diffpipe.models.families.wan.i2v:WanI2VFamily",
     "unet3d": "diffpipe.models.families.unet.unet3d:UNet3DFamily",
     "qwen_image": "diffpipe.models.families.qwen_image.qwen_image:QwenImageFamily",
-    "z_image": "diffpipe.models.families.z_image.z_image:ZImageFamily",
     "qwen_image_edit": "diffpipe.models.families.qwen_image.edit:QwenImageEditFamily",
     "hunyuan_video15": "diffpipe.models.families.hunyuan_video15.hunyuan_video15:HunyuanVideo15Family",
+    "z_image": "diffpipe.models.families.z_image.z_image:ZImageFamily",
 }
 
 
