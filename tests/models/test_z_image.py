@@ -1,7 +1,8 @@
 """Z-Image (issue 57) from a folder ZImagePipeline's own `save_pretrained` wrote: captions encoded exactly as the
 pipeline's `encode_prompt`; the units, a batch's text cut to one of a few lengths and masked, compute the model's own
 forward on each caption's real tokens (ZImagePipeline's call); the tiny example trains on 1 and 2 stages to the same
-losses; a LoRA exported for diffusers loads into ZImagePipeline with the trained output."""
+losses; a LoRA exported for diffusers loads into ZImagePipeline with the trained output, for ComfyUI under the names
+its Z-Image loader maps; single files in Tongyi-MAI's layout read and are written."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import ZImagePipeline
+from safetensors.torch import load_file
 
+from diffpipe.cli import main
+from diffpipe.models.families.z_image.release_layout import z_image_from_release, z_image_to_release
 from diffpipe.models.families.z_image.text import ZImageText
 from diffpipe.models.families.z_image.z_image import ZImageFamily
 from diffpipe.models.family import Feed
@@ -101,6 +105,42 @@ def test_a_lora_exports_for_diffusers_and_loads_into_z_image_pipeline(tiny, tmp_
     check_diffusers_lora(ZImagePipeline, tiny / "z_image", run, tmp_path / "out", _sampled)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and all(row["loss"] == row["loss"] for row in rows)
+    merged = load_file(str(run / "model.safetensors"))  # the base with the adapters merged, diffusers' names
+    comfy = tmp_path / "comfy.safetensors"
+    assert main(["export", str(run), "--format", "comfyui", "--out", str(comfy)]) == 0
+    # ComfyUI's Z-Image maps `diffusion_model.` + diffusers' names onto its fused qkv (comfy/utils.py z_image_to_diffusers)
+    layers = {k.removesuffix(".weight") for k in merged}
+    downs = [k.removeprefix("diffusion_model.").removesuffix(".lora_down.weight") for k in load_file(str(comfy))
+             if "lora_down" in k]
+    assert downs and set(downs) <= layers and "layers.1.attention.to_q" in downs
+    assert "noise_refiner.0.attention.to_k" in downs and "context_refiner.0.attention.to_v" in downs
+    original = tmp_path / "z_image_finetune.safetensors"  # Tongyi-MAI's layout, as ComfyUI loads a checkpoint
+    assert main(["export", str(run), "--format", "original", "--out", str(original)]) == 0
+    written = load_file(str(original))
+    assert "layers.0.attention.qkv.weight" in written and "x_embedder.weight" in written
+    back = z_image_from_release(written)  # diffusers' own reader of that layout
+    assert back.keys() == merged.keys() and all(torch.equal(back[k], merged[k]) for k in merged)
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_a_single_file_in_the_release_layout_reads_as_the_folders_weights(tiny, tmp_path, monkeypatch, prefix):
+    """Tongyi-MAI's single files (fused qkv, `x_embedder`, `final_layer`), and as ComfyUI saves a whole checkpoint
+    (`model.diffusion_model.` before them), with model.components naming the folder of the rest."""
+    from safetensors.torch import save_file
+
+    from diffpipe.build import build_backbone
+    from diffpipe.config_files import build_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tiny / "z_image"
+    weights = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    single = tmp_path / "z_image_turbo_bf16.safetensors"
+    save_file({prefix + k: v for k, v in z_image_to_release(weights).items()}, str(single))
+    config = build_config({"model": {"architecture": "z_image", "path": str(single), "components": str(folder)},
+                           "data": {"dataset": "folder", "path": str(tiny / "photos"), "resolution": 128,
+                                    "bucket_step": 32}})
+    model = build_backbone(config).model
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
 
 
 def test_one_step_of_the_pipeline_moves_its_latents_by_the_families_prediction(tiny, pipe):

@@ -36,6 +36,7 @@ from ...family import ModelFamily, TextBatch
 from ...text import filled_lengths_of
 from ...tokens import mask_or_none, reset_rms_norm, text_mask
 from ...units import Backbone, Unit
+from .release_layout import TONGYI
 
 __all__ = ["ZImageFamily", "z_image_backbone", "Z_IMAGE_PRESETS", "Z_IMAGE_TEXT_TOKENS", "pack_patches",
            "unpack_patches"]
@@ -198,6 +199,7 @@ class ZImageFamily(ModelFamily):
     component = "transformer"
     presets = Z_IMAGE_PRESETS
     pipelines = ("ZImagePipeline", "ZImageImg2ImgPipeline", "ZImageInpaintPipeline")
+    release_layout = TONGYI
     reads_text_lengths = True  # a batch's text is cut to its captions (text_mask), each caption's length counted
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     sequence_refusal = ("pipeline.sequence_parallel is not built for Z-Image yet (its rotary tables depend on each "
@@ -207,6 +209,11 @@ class ZImageFamily(ModelFamily):
         import diffusers
 
         return diffusers.ZImagePipeline
+
+    def comfyui_lora_names(self, cfg, modules):
+        """`diffusion_model.` and diffusers' own names: ComfyUI's Z-Image (its Lumina2 model) maps those onto its
+        fused `qkv` and renamed layers (comfy/utils.py `z_image_to_diffusers`, read by its LoRA loader)."""
+        return {m: f"diffusion_model.{m}" for m in modules}
 
     def check_supported(self, model):
         cfg = model.config
