@@ -44,7 +44,7 @@ __all__ = ["ZImageFamily", "z_image_backbone", "Z_IMAGE_PRESETS", "Z_IMAGE_TEXT_
 Z_IMAGE_TEXT_TOKENS = 512  # ZImagePipeline.__call__'s max_sequence_length
 
 Z_IMAGE_PRESETS = {
-    # Tongyi-MAI/Z-Image-Turbo's transformer/config.json: 6.15 B parameters
+    # Tongyi-MAI/Z-Image-Turbo's transformer/config.json: 6.17 B parameters as diffpipe counts them
     "6b": dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2,
                n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560, rope_theta=256.0,
                t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512]),
@@ -243,7 +243,7 @@ class ZImageFamily(ModelFamily):
         hidden, _ = text_mask(text.hidden, filled)
         # each caption's tokens; none filled anywhere (the zeros a plan traces): the longest a caption may be
         lengths = filled if any(filled) else [hidden.shape[1]] * len(hidden)
-        batch, length = hidden.shape[:2]
+        length = hidden.shape[1]
         grid = (text.latent_size[0] // 2, text.latent_size[1] // 2)
         image, words = rotary_embedding(cfg, grid, lengths, length, hidden.device)
         positions = torch.arange(length)[None, :]
@@ -275,10 +275,6 @@ class ZImageFamily(ModelFamily):
     def reset_own_parameters(self, module):
         """diffusers' RMSNorm, drawn as diffusers builds it."""
         return reset_rms_norm(module)
-
-    def constructor_buffers(self, model):
-        """The pad tokens are parameters the constructor sets to zero (a meta-built model's are drawn anew)."""
-        return {}
 
     def folder_text_encoder(self, folder):
         from .text import ZImageText
