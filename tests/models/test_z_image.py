@@ -161,3 +161,18 @@ def test_one_step_of_the_pipeline_moves_its_latents_by_the_families_prediction(t
         stepped = pipe(prompt_embeds=[hidden[0, :11]], latents=latents.clone(), num_inference_steps=1, height=128,
                        width=96, guidance_scale=0.0, output_type="latent").images
     torch.testing.assert_close(stepped.float(), latents - velocity, rtol=1e-4, atol=1e-5)
+
+
+def test_a_preset_without_weights_draws_them_as_diffusers_builds_them():
+    """Random weights on the meta-built model (no model.path): the model's own pad tokens and diffusers' RMSNorm,
+    which have no reset_parameters, start as the constructor makes them (zero, one); the rest drawn, finite."""
+    from diffpipe.build import build_backbone
+    from diffpipe.config_files import build_config
+
+    config = build_config({"model": {"architecture": "z_image", "preset": "digits", "text_max_length": 8},
+                           "data": {"dataset": "digits"}, "train": {"device": "cpu"}})
+    model = build_backbone(config).model
+    assert not model.x_pad_token.any() and not model.cap_pad_token.any()
+    assert torch.equal(model.layers[0].attention_norm1.weight, torch.ones(32))
+    assert all(torch.isfinite(p).all() and p.device.type == "cpu" for p in model.parameters())
+    assert model.layers[0].attention.to_q.weight.std() > 0

@@ -273,7 +273,12 @@ class ZImageFamily(ModelFamily):
         return pack_patches(-torch.stack(out).squeeze(2))
 
     def reset_own_parameters(self, module):
-        """diffusers' RMSNorm, drawn as diffusers builds it."""
+        """diffusers' RMSNorm, drawn as diffusers builds it; the model's own pad tokens, zero as its constructor
+        makes them."""
+        if isinstance(module, ZImageTransformer2DModel):
+            for p in module.parameters(recurse=False):
+                p.zero_()
+            return True
         return reset_rms_norm(module)
 
     def folder_text_encoder(self, folder):
