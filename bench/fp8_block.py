@@ -29,7 +29,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from diffpipe.models.stored_linear import Fp8Product, quantise  # noqa: E402
+from diffpipe.models.stored_linear import Fp8Product, fp8_forward, quantise  # noqa: E402
 from diffpipe.torch_support import scaled_matmul  # noqa: E402
 
 
@@ -39,8 +39,7 @@ class KeptTranspose(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, stored, stored_columns, scale, dtype):
         ctx.save_for_backward(stored_columns, scale)
-        x8, x_scale = quantise(x.reshape(-1, x.shape[-1]))
-        return scaled_matmul(x8, stored.t(), x_scale, scale.view(1, -1), dtype).view(*x.shape[:-1], stored.shape[0])
+        return fp8_forward(x, stored, scale, dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -57,8 +56,7 @@ class ForwardOnly(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, stored, scale, dtype):
         ctx.save_for_backward(stored, scale)
-        x8, x_scale = quantise(x.reshape(-1, x.shape[-1]))
-        return scaled_matmul(x8, stored.t(), x_scale, scale.view(1, -1), dtype).view(*x.shape[:-1], stored.shape[0])
+        return fp8_forward(x, stored, scale, dtype)
 
     @staticmethod
     def backward(ctx, grad):

@@ -542,9 +542,8 @@ class RunConfig(_Section):
                              "(pipeline.compile = true: one graph over units whose weights come and go) do not "
                              "allow: set pipeline.data_parallel = 1 and pipeline.compile = \"blocks\" or false, or "
                              "memory.block_swap = 0")
-        quantised = self.memory.base_dtype in ("fp8", "int8", "nf4") or t.fp8_compute is True  # "auto": not there
-        if quantised and p.data_parallel_shard and p.data_parallel > 1:  # layouts searched: `whole_tensors`
-            held = "fp8" if t.fp8_compute is True else self.memory.base_dtype
+        held = self.quantised_base
+        if held and p.data_parallel_shard and p.data_parallel > 1:  # layouts searched: `whole_tensors`
             raise ValueError(f"pipeline.data_parallel_shard cuts every weight across the replicas, and a base held in "
                              f"{held} keeps a scale per row beside each linear weight that is not cut alike: such "
                              "a run trains and then fails writing its weights. Set pipeline.data_parallel_shard = "
@@ -558,8 +557,8 @@ class RunConfig(_Section):
             raise ValueError("checkpoint.export_every writes a LoRA's adapters (as export_every_epochs does), and adapter.type is \"none\": set "
                              "checkpoint.every and export a checkpoint with `diffpipe export RUN --step N`, or train "
                              "adapters (adapter.type = \"lora\", \"dora\", \"loha\" or \"lokr\")")
-        if t.fp8_compute is True and fp8_compute_problem(self):
-            raise ValueError(fp8_compute_problem(self))
+        if t.fp8_compute is True and (problem := fp8_compute_problem(self)):
+            raise ValueError(problem)
         if self.adapter.type == "dora" and self.memory.base_dtype in ("fp8", "int8", "nf4"):
             raise ValueError(f"adapter.type = \"dora\" rescales each row of the whole base weight by its norm in every "
                              f"step (peft reads the weight itself), and memory.base_dtype = \"{self.memory.base_dtype}\" "
@@ -578,13 +577,21 @@ class RunConfig(_Section):
         return self.train.batch_size // (self.pipeline.microbatches * self.pipeline.data_parallel)
 
     @property
+    def quantised_base(self) -> str | None:
+        """The format this config holds its frozen linear weights in where it quantises them (fp8, int8, nf4; fp8
+        with train.fp8_compute = true, "auto" being undecided here); None where it does not."""
+        if self.train.fp8_compute is True:
+            return "fp8"
+        return self.memory.base_dtype if self.memory.base_dtype in ("fp8", "int8", "nf4") else None
+
+    @property
     def whole_tensors(self) -> str | None:
         """What this config holds as whole tensors, which sharded replicas cannot cut (a quantised base's scale per
         row, 8-bit moments), in words; None where nothing."""
-        m = self.memory
-        if m.base_dtype in ("fp8", "int8", "nf4") or self.train.fp8_compute is True:
-            return f"a base held in {'fp8' if self.train.fp8_compute is True else m.base_dtype} (memory.base_dtype)"
-        return "8-bit AdamW moments (memory.optimizer_state = \"8bit\")" if m.optimizer_state == "8bit" else None
+        if self.quantised_base:
+            return f"a base held in {self.quantised_base} (memory.base_dtype)"
+        eight_bit = self.memory.optimizer_state == "8bit"
+        return "8-bit AdamW moments (memory.optimizer_state = \"8bit\")" if eight_bit else None
 
 
 def fp8_compute_problem(config: "RunConfig") -> str | None:

@@ -30,7 +30,7 @@ from torch import nn
 from ..torch_support import scaled_matmul
 
 __all__ = ["StoredLinear", "Fp8Linear", "ScaledProduct", "FP8", "FP8_MAX", "quantise", "dequantise", "compute_dtype",
-           "Fp8Product", "fp8_computable"]
+           "Fp8Product", "fp8_computable", "fp8_forward"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -68,6 +68,13 @@ class ScaledProduct(torch.autograd.Function):
         return (grad * scale.view(-1).to(grad.dtype)).matmul(stored.to(grad.dtype)), None, None, None
 
 
+def fp8_forward(x: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x @ (q s).T in `dtype` on fp8 tensor cores: x quantised per row (token) as it enters, the fp8 weight q with its
+    scale per output row (`Fp8Product`'s forward, without the bias)."""
+    x8, x_scale = quantise(x.reshape(-1, x.shape[-1]))
+    return scaled_matmul(x8, stored.t(), x_scale, scale.view(1, -1), dtype).view(*x.shape[:-1], stored.shape[0])
+
+
 class Fp8Product(torch.autograd.Function):
     """x @ (q s).T + b with both products on fp8 tensor cores, for a frozen weight q in fp8 with a scale s per output
     row (torch_support.scaled_matmul: a scale per row of the left operand, per column of the right):
@@ -79,8 +86,7 @@ class Fp8Product(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, stored, scale, bias, dtype):
         ctx.save_for_backward(stored, scale)
-        x8, x_scale = quantise(x.reshape(-1, x.shape[-1]))
-        y = scaled_matmul(x8, stored.t(), x_scale, scale.view(1, -1), dtype).view(*x.shape[:-1], stored.shape[0])
+        y = fp8_forward(x, stored, scale, dtype)
         return y if bias is None else y + bias.to(dtype)
 
     @staticmethod

@@ -66,7 +66,7 @@ def compiled_shapes_words(compile: bool | str, shapes: int, text_lengths: int = 
     words = (f"pipeline.compile = {compile!r}: {what} compiles once per input shape, its shapes fixed (not dynamic): "
              f"{shapes} bucket shape(s){texts}, at most {graphs} graph(s) (limit {_COMPILED_SHAPES})")
     if graphs > _COMPILED_SHAPES:
-        words += (f"; warning: past the limit the other shapes run eager: fewer buckets (data.bucket_step, "
+        words += ("; warning: past the limit the other shapes run eager: fewer buckets (data.bucket_step, "
                   "data.max_aspect) keep them all compiled")
     return words
 

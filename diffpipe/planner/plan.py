@@ -299,6 +299,7 @@ def layouts_tried(config: RunConfig, meta: Backbone, world_size: int, hw: Hardwa
     family splits its tokens and each sample's tokens divide by them or are padded (pipeline/sequence.py)."""
     tried, per_sample = [], unit_costs(config, meta, 1)
     choice = choice_of(config.pipeline)
+    unshardable = config.whole_tensors if config.pipeline.data_parallel_shard else None  # config.py says why
     tokens = sample_tokens(meta, sample_shape(config, meta), text_length(config))
     for ranks in range(1, world_size + 1):
         stages = ranks * choice.per_rank if ranks > 1 else 1  # a lone process runs the model as one stage
@@ -313,9 +314,9 @@ def layouts_tried(config: RunConfig, meta: Backbone, world_size: int, hw: Hardwa
                     continue
                 split = f" x {sp} sharing each sample's tokens" if sp > 1 else ""
                 layout = f"{ranks} process(es) x {dp} replica(s){split}, {m} micro-batch(es)"
-                if dp > 1 and config.pipeline.data_parallel_shard and config.whole_tensors:  # config.py says why
+                if dp > 1 and unshardable:
                     tried.append((None, f"{layout}: sharded replicas (pipeline.data_parallel_shard) cannot cut "
-                                        f"{config.whole_tensors}"))
+                                        f"{unshardable}"))
                     continue
                 try:
                     tried.append((make_plan(config, meta, stages, dp, m, hw, per_sample, sp), ""))
