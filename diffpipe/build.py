@@ -90,19 +90,20 @@ def weights_of_each(model: torch.nn.Module, config: RunConfig, family) -> list[t
 
 
 def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], mine: list[int],
-                 device: torch.device, checkpointed: list[int]) -> list[StageModule]:
+                 device: torch.device, recomputed: list[int]) -> list[StageModule]:
     """The stages `mine` of a meta backbone ready to train on `device`, as the trainer and the planner's probe run
     them: weights for their units only (the others stay on the meta device, costing nothing), frozen ones stored as
     memory.base_dtype says module by module (the host never holds a bf16 base whole in fp32), memory.block_swap
-    units in host memory, dropout off unless train.dropout."""
+    units in host memory, the last `recomputed[i]` units of stage i checkpointed (none where the list is short), dropout
+    off unless train.dropout."""
     choose_attention(backbone, device)
     problem = fp8_matmul_problem(device) if fp8_compute_on(config, device.type) else None
     if problem is not None:  # tried on the device itself, before any weight is read
         raise ConfigError(problem)
     give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)],
                  frozen=replace(frozen_storage(config, device.type), quantise_on=device))
-    every = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision], frozenset(checkpointed),
-                                config.pipeline.compile)
+    every = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
+                                compiled=config.pipeline.compile, recomputed=recomputed)
     modules = [every[i].to_device(device, config.memory.block_swap).train() for i in mine]
     if not config.train.dropout:
         for dropout in (m for module in modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):

@@ -344,7 +344,13 @@ class PipelineConfig(_Section):
             "count)."))
     checkpointing: list[int] | Literal["none", "all", "auto"] = Field(
         "none", description=(
-            "Activation checkpointing: none, all, auto (only stages that would not fit), or stage indices."))
+            "Activation checkpointing: none, all, auto (only stages that would not fit, and of those only the fewest "
+            "of their last units with which they fit), or stage indices (those stages whole)."))
+    recomputed_units: list[int] | None = Field(
+        None, description=(
+            "How many units of each stage run checkpointed, counted from the stage's end, one number per stage "
+            "(0: none; a stage's unit count or more: all of it). Chosen by the planner under checkpointing = "
+            "\"auto\" and written to the run's config.toml; given here, it replaces pipeline.checkpointing."))
     compile: bool | Literal["blocks"] = Field(
         False, description=(
             "torch.compile: true compiles each stage whole (one graph per stage and input shape); \"blocks\" "
@@ -566,6 +572,9 @@ class RunConfig(_Section):
                              "train lora, loha or lokr")
         if isinstance(p.checkpointing, list) and any(not 0 <= i < chunks for i in p.checkpointing):
             raise ValueError(f"pipeline.checkpointing={p.checkpointing} names stages outside 0..{chunks - 1}")
+        if p.recomputed_units is not None and (len(p.recomputed_units) != chunks or min(p.recomputed_units) < 0):
+            raise ValueError(f"pipeline.recomputed_units = {p.recomputed_units}: give one count (0 or more) for each "
+                             f"of the {chunks} stages")
         return self
 
     @property

@@ -24,6 +24,7 @@ from .pipeline.sequence import sample_tokens, sequence_problem
 from .pipeline.split import SplitError
 from .pipeline.stage import repeated_blocks
 from .planner.plan import resolve_memory, resolve_stages
+from .planner.partition import Recomputed
 from .precision import fp8_compute_on, frozen_storage
 from .torch_support import fp8_matmul_problem, schedule_problem
 
@@ -32,12 +33,12 @@ __all__ = ["Checked", "check_before_launch"]
 
 @dataclass
 class Checked:
-    """The model on the meta device, the resolved stage starts, the stages to checkpoint, the [memory] settings the
-    planner chose ("auto"), by key, and train.fp8_compute resolved."""
+    """The model on the meta device, the resolved stage starts, how many of each stage's last units run checkpointed,
+    the [memory] settings the planner chose ("auto"), by key, and train.fp8_compute resolved."""
 
     backbone: Backbone
     split: list[int]
-    checkpointing: list[int]
+    recomputed: Recomputed
     memory: dict = field(default_factory=dict)
     fp8_compute: bool = False
 
@@ -74,10 +75,10 @@ def check_before_launch(config: RunConfig) -> Checked:
             print(f"memory settings chosen by the planner (\"auto\"): {memory.words(held)} (the first, in order "
                   "of how little they change the model, with which the plan fits: block swap, then 8-bit moments, then "
                   "a quantised base where memory.quantise_if_needed lists one; where none fits, the most saving)", flush=True)
-    split, checkpointing = resolve_stages(config, backbone)
+    split, recomputed = resolve_stages(config, backbone)
     _check_first_stage_trains(backbone, split)
     _check_block_swap(config.memory.block_swap, backbone, split)
-    return Checked(backbone, split, checkpointing, changes, fp8_compute)
+    return Checked(backbone, split, recomputed, changes, fp8_compute)
 
 
 def _check_sequence_split(config: RunConfig, backbone: Backbone, shape: tuple[int, ...]) -> None:

@@ -28,7 +28,8 @@ def _prepare_run(args) -> tuple:
     if is_main:
         _say_what_trains(config, checked.backbone)
     _check_export_format(config, checked.backbone)
-    config.pipeline.split, config.pipeline.checkpointing = checked.split, checked.checkpointing
+    config.pipeline.split, config.pipeline.recomputed_units = checked.split, list(checked.recomputed)
+    config.pipeline.checkpointing = checked.recomputed.stages
     for key, value in checked.memory.items():  # chosen by the planner ("auto")
         setattr(config.memory, key, value)
     run_dir = Path(config.output.dir)

@@ -73,11 +73,11 @@ def compiled_shapes_words(compile: bool | str, shapes: int, text_lengths: int = 
 
 class StageModule(nn.Module):
     def __init__(self, spec: StageSpec, units: list[Unit], parameter_names: dict[int, str],
-                 autocast_dtype: torch.dtype | None = None, checkpointed: bool = False,
+                 autocast_dtype: torch.dtype | None = None, recomputed: int = 0,
                  compiled: bool | str = False, repeated_blocks: tuple[str, ...] = ()):
         super().__init__()
         self.spec = spec
-        self.checkpointed = checkpointed
+        self.recomputed_from = len(units) - recomputed  # units from this index on run checkpointed
         self.clock = None  # a StageClock while the runtime times this stage
         # set by the runtime for zero-bubble schedules: outputs cloned (the schedule detaches them in place) and the
         # first forward with gradients checked for parameters the split backward would miss (zero_bubble.py)
@@ -181,16 +181,16 @@ class StageModule(nn.Module):
                 "interleaved_1f1b, or move pipeline.split so that this stage starts after these units")
 
     def _compute_units(self, named: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """The units in order. Checkpointed, each unit keeps only its inputs and is recomputed alone in backward
-        (as diffusers' gradient checkpointing does per block), so backward never holds more than one unit's
-        activations; checkpointing the stage whole kept one micro-batch's activations of every unit at once while
-        it was recomputed (a one-stage Wan 1.3B at 81 frames ran out of memory that way)."""
-        checkpointed = self.checkpointed and torch.is_grad_enabled()
+        """The units in order. Checkpointed (the stage's last `recomputed`), each unit keeps only its inputs and is
+        recomputed alone in backward (as diffusers' gradient checkpointing does per block), so backward never holds
+        more than one unit's activations; checkpointing the stage whole kept one micro-batch's activations of every
+        unit at once while it was recomputed (a one-stage Wan 1.3B at 81 frames ran out of memory that way)."""
+        checkpointed_from = self.recomputed_from if torch.is_grad_enabled() else len(self.unit_list)
         named = dict(named)
         for index, unit in enumerate(self.unit_list):
             if index in self.swaps:
                 named.update(self._run_swapped(index, {name: named[name] for name in unit.reads}))
-            elif checkpointed:  # its own dict of its inputs: `named` changes after, and backward recomputes from these
+            elif index >= checkpointed_from:  # its own dict of its inputs, which backward recomputes from
                 named.update(checkpoint(unit, {name: named[name] for name in unit.reads}, use_reentrant=False))
             else:
                 named.update(unit(named))
@@ -219,7 +219,16 @@ def repeated_blocks(backbone: Backbone, compiled: bool | str) -> tuple[str, ...]
 
 
 def build_stage_modules(backbone: Backbone, specs: list[StageSpec], autocast_dtype: torch.dtype | None = None,
-                        checkpointed: frozenset[int] = frozenset(), compiled: bool | str = False) -> list[StageModule]:
+                        checkpointed: frozenset[int] = frozenset(), compiled: bool | str = False,
+                        recomputed: list[int] | None = None) -> list[StageModule]:
+    """The stages of `specs`; those in `checkpointed` run every unit checkpointed, or, where `recomputed` is given
+    (a count per stage, pipeline.recomputed_units), their last that many units (none where the list is short)."""
     blocks = repeated_blocks(backbone, compiled)
+
+    def count(s: StageSpec) -> int:
+        if recomputed is not None:
+            return min(recomputed[s.index], s.last - s.first) if s.index < len(recomputed) else 0
+        return s.last - s.first if s.index in checkpointed else 0
+
     return [StageModule(s, backbone.units[s.first:s.last], backbone.parameter_names, autocast_dtype,
-                        s.index in checkpointed, compiled, blocks) for s in specs]
+                        count(s), compiled, blocks) for s in specs]

@@ -8,7 +8,8 @@ gradients, AdamW state, and the activations of the micro-batches its schedule ke
 under GPipe; stages - s for stage s under 1F1B; counted from the schedule's order of actions; zero-bubble
 schedules also hold the gradients of the weights' op outputs between a micro-batch's input-gradient and weight
 passes). Checkpointing a stage keeps only its inputs per micro-batch and pays one more forward (zero-bubble
-schedules hold its whole activations again between those two passes).
+schedules hold its whole activations again between those two passes); under "auto" a stage recomputes only its last
+units, the fewest with which it fits (`Recomputed`), so memory left over keeps the others' activations.
 The DP over (stages, units) is exact for this objective: tests compare it with brute force.
 """
 from __future__ import annotations
@@ -26,8 +27,8 @@ from ..precision import element_bytes
 from ..pipeline.split import balanced_partition
 from .costs import UnitCost
 
-__all__ = ["Hardware", "Replicas", "StageEstimate", "Partition", "Infeasible", "partition", "estimate_stages",
-           "unit_times", "BYTES_PER_GRADIENT", "BYTES_PER_WEIGHT"]
+__all__ = ["Hardware", "Replicas", "StageEstimate", "Partition", "Infeasible", "Recomputed", "partition",
+           "estimate_stages", "unit_times", "BYTES_PER_GRADIENT", "BYTES_PER_WEIGHT"]
 
 BYTES_PER_WEIGHT = 4  # fp32 master weights (autocast computes in bf16/fp16)
 BYTES_PER_GRADIENT = 4
@@ -122,21 +123,43 @@ class Replicas:
         return weights + trainable * BYTES_PER_GRADIENT + whole / self.count
 
 
+class Recomputed(tuple):
+    """How many units of each stage run checkpointed, counted from the stage's end, one number per stage (a stage's
+    unit count: the whole stage): a checkpointing mode of its own, beside "none", "all", "auto" and a list of stage
+    indices (pipeline.recomputed_units). Its last units, because block swap's units are a stage's last too."""
+
+    @property
+    def stages(self) -> list[int]:
+        """The stages that recompute any unit."""
+        return [i for i, count in enumerate(self) if count]
+
+
 @dataclass(frozen=True)
 class StageEstimate:
     index: int
     first: int
     last: int
     forward_s: float
-    backward_s: float  # includes the recomputed forward when checkpointed
+    backward_s: float  # includes the recomputed forward of its checkpointed units
     send_s: float
     memory_bytes: float
-    checkpointed: bool
+    recomputed: int  # its last units that run checkpointed (last - first: the whole stage)
     exchange_s: float = 0.0  # of forward_s + backward_s: sequence parallelism's all-to-alls (Replicas.exchange_s)
 
     @property
     def busy_s(self) -> float:
         return self.forward_s + self.backward_s + self.send_s
+
+    @property
+    def checkpointed(self) -> bool:
+        """Whether any of its units recompute their activations."""
+        return self.recomputed > 0
+
+    @property
+    def checkpointed_words(self) -> str:
+        """'yes' (every unit), 'no', or how many of its units ('12/59')."""
+        units = self.last - self.first
+        return "yes" if self.recomputed == units else "no" if not self.recomputed else f"{self.recomputed}/{units}"
 
 
 @dataclass(frozen=True)
@@ -187,72 +210,85 @@ def unit_times(cost: UnitCost, hw: Hardware) -> tuple[float, float]:
     return cost.forward_flops / rate, cost.backward_flops / rate
 
 
-def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, schedule, hw, checkpointed,
+def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, schedule, hw, recomputed: int,
            replicas: Replicas = Replicas()):
-    times = [replicas.unit_times(c, hw) for c in costs[first:last]]
+    """A stage of units first..last whose last `recomputed` units run checkpointed (and its swapped units, which
+    always do)."""
+    units = costs[first:last]
+    times = [replicas.unit_times(c, hw) for c in units]
+    again = units[len(units) - recomputed:] if recomputed else []  # checkpointed: their forward runs twice
     forward = sum(t[0] for t in times)
-    backward = sum(t[1] for t in times) + (forward if checkpointed else 0.0)
+    backward = sum(t[1] for t in times) + sum(t[0] for t in times[len(units) - len(again):])
     received = boundary_bytes[first - 1] if first > 0 else 0
     sent = boundary_bytes[last - 1] if last < len(costs) else 0
     send = 2 * sent / (hw.link_gbps * 1e9)  # activations forward, their gradients back
-    static = replicas.state_bytes(costs[first:last])
-    swapped = replicas.swapped(costs[first:last])
+    static = replicas.state_bytes(units)
+    swapped = replicas.swapped(units)
     if swapped:
-        saved, waits = _swap_costs(swapped, replicas, hw, checkpointed)
+        saved, waits = _swap_costs(swapped, replicas, hw, {id(c) for c in again})
         static -= saved
         forward, backward = forward + waits[0], backward + waits[1]
     held = schedule.in_flight(index, stages, microbatches)
-    kept_whole = {id(c) for c in swapped}  # a swapped unit keeps its outputs, and its activations once recomputed
+    # a checkpointed unit keeps its outputs (the next units' inputs) a micro-batch; a swapped one runs checkpointed
+    swapped_ids = {id(c) for c in swapped}
+    kept_whole = swapped_ids | {id(c) for c in again}
 
-    def per_microbatch(c: UnitCost) -> float:
-        if id(c) in kept_whole:
-            return sum(c.output_bytes.values())
+    def whole(c: UnitCost) -> float:  # its activations, as a unit not checkpointed keeps them a micro-batch
         return c.activation_bytes + replicas.kept_copies_bytes(c)
 
-    whole = received + sum(per_microbatch(c) for c in costs[first:last])
+    def per_microbatch(c: UnitCost) -> float:
+        return sum(c.output_bytes.values()) if id(c) in kept_whole else whole(c)
+
+    kept = received + sum(per_microbatch(c) for c in units)
     # Between a split backward's input and weight passes a micro-batch also holds the gradients of its weights'
     # op outputs. Not on the first stage: torch runs its whole backward in the weight pass (its inputs need none).
     awaiting = schedule.awaiting_weights(index, stages, microbatches) if index > 0 else 0
-    weight_pass = sum(c.weight_pass_bytes for c in costs[first:last])
-    if checkpointed:  # per micro-batch in flight: the stage's inputs and every unit's outputs (the next units'
-        # inputs); in backward one unit's activations, recomputed, which a micro-batch awaiting its weight pass
-        # keeps whole (measured: zbv ran out of memory when they were not counted)
-        kept = received + sum(sum(c.output_bytes.values()) for c in costs[first:last])
-        dynamic = (held * kept + awaiting * (whole + weight_pass)
-                   + max(c.activation_bytes + replicas.kept_copies_bytes(c) + c.working_bytes
-                         for c in costs[first:last]))
-    else:  # and, once, the most any unit holds at once beyond what it keeps (its intermediates)
-        dynamic = (held * whole + awaiting * weight_pass + max((c.activation_bytes for c in swapped), default=0)
-                   + max(c.working_bytes for c in costs[first:last]))
-    passes = 3 if checkpointed else 2  # forward, backward, and the recomputed forward
-    exchange = passes * sum(replicas.exchange_s(c, hw) for c in costs[first:last])
-    return StageEstimate(index, first, last, forward, backward, send, static + dynamic, checkpointed, exchange)
+    weight_pass = sum(c.weight_pass_bytes for c in units)
+    if len(again) == len(units):  # per micro-batch in flight: the stage's inputs and every unit's outputs; in
+        # backward one unit's activations, recomputed, which a micro-batch awaiting its weight pass keeps whole
+        # (measured: zbv ran out of memory when they were not counted)
+        recomputed_whole = received + sum(sum(c.output_bytes.values()) if id(c) in swapped_ids else whole(c)
+                                          for c in units)
+        dynamic = (held * kept + awaiting * (recomputed_whole + weight_pass)
+                   + max(whole(c) + c.working_bytes for c in units))
+    else:  # and, once, the most any unit holds at once beyond what it keeps (its intermediates), and a
+        # recomputed unit's activations in its backward (which a micro-batch awaiting its weight pass keeps)
+        recomputed_whole = received + sum(whole(c) for c in again) if again else 0
+        dynamic = (held * kept + awaiting * (recomputed_whole + weight_pass)
+                   + max((c.activation_bytes for c in swapped), default=0)
+                   + max((whole(c) for c in again), default=0) + max(c.working_bytes for c in units))
+    # forward, backward, and the recomputed forward of the checkpointed units
+    exchange = sum(replicas.exchange_s(c, hw) for c in units) * 2 + sum(replicas.exchange_s(c, hw) for c in again)
+    return StageEstimate(index, first, last, forward, backward, send, static + dynamic, len(again), exchange)
 
 
 def _swap_costs(swapped: list[UnitCost], replicas: Replicas, hw: Hardware,
-                checkpointed: bool) -> tuple[float, tuple[float, float]]:
+                recomputed: set[int]) -> tuple[float, tuple[float, float]]:
     """Block swap's (bytes of device memory saved, (forward, backward) seconds added) for a stage's swapped units.
     Their frozen weights are in host memory but for two at a time (one computing, the next copied in); each is copied
     in twice a micro-batch, for its forward and its recomputation, and compute waits for what of a copy its unit's own
-    time does not hide. Unless the stage is checkpointed whole, their recomputation is an extra forward each."""
+    time does not hide. Those not among the stage's checkpointed units (ids in `recomputed`, whose recomputation the
+    stage counts) add their recomputation, an extra forward each."""
     frozen = [replicas.frozen_bytes(c) for c in swapped]
     copy = [b / (hw.host_gbps * 1e9) for b in frozen]
     times = [replicas.unit_times(c, hw) for c in swapped]
     forward = sum(max(0.0, s - t[0]) for s, t in zip(copy, times))
     backward = sum(max(0.0, s - t[1]) for s, t in zip(copy, times))
-    if not checkpointed:
-        backward += sum(t[0] for t in times)
+    backward += sum(t[0] for c, t in zip(swapped, times) if id(c) not in recomputed)
     return sum(frozen) - 2 * max(frozen), (forward, backward)
 
 
-def _options(mode, index: int) -> tuple[bool, ...]:
+def _options(mode, index: int, units: int) -> tuple[int, ...]:
+    """The counts of a stage's last units that may run checkpointed, fewest first (the last saves the most)."""
     if mode == "none":
-        return (False,)
+        return (0,)
     if mode == "all":
-        return (True,)
+        return (units,)
     if mode == "auto":
-        return (False, True)
-    return (index in mode,)
+        return (0, units)
+    if isinstance(mode, Recomputed):
+        return (min(mode[index], units),)
+    return (units if index in mode else 0,)
 
 
 def _fits(est: StageEstimate, hw: Hardware, share: float) -> bool:
@@ -262,12 +298,24 @@ def _fits(est: StageEstimate, hw: Hardware, share: float) -> bool:
 
 def _best_stage(costs, boundary_bytes, first, last, index, stages, m, schedule, hw, mode,
                 replicas: Replicas = Replicas(), share: float = 1) -> StageEstimate | None:
-    """The stage as configured; under "auto" without checkpointing when that fits, else with it."""
-    for ckpt in _options(mode, index):
-        est = _stage(costs, boundary_bytes, first, last, index, stages, m, schedule, hw, ckpt, replicas)
+    """The stage as configured; under "auto" without checkpointing when that fits, else with the fewest of its last
+    units checkpointed that fit (memory falls as more are: found by bisection)."""
+    def stage(recomputed: int) -> StageEstimate:
+        return _stage(costs, boundary_bytes, first, last, index, stages, m, schedule, hw, recomputed, replicas)
+
+    options = _options(mode, index, last - first)
+    fitting = next((est for est in map(stage, options) if _fits(est, hw, share)), None)
+    if mode != "auto" or fitting is None or fitting.recomputed == 0:
+        return fitting
+    low, high = 0, fitting.recomputed  # low does not fit, high does
+    while high - low > 1:
+        middle = (low + high) // 2
+        est = stage(middle)
         if _fits(est, hw, share):
-            return est
-    return None
+            high, fitting = middle, est
+        else:
+            low = middle
+    return fitting
 
 
 def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int, schedule: ScheduleChoice,
@@ -285,7 +333,7 @@ def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int,
         args = (costs, boundary_bytes, bounds[i], bounds[i + 1], i, stages, microbatches, schedule, hw)
         est = _best_stage(*args, checkpointing, replicas, share=stages // schedule.ranks(stages))
         if est is None:  # nothing fits: report the most frugal option allowed, whose memory is the one to beat
-            est = _stage(*args, _options(checkpointing, i)[-1], replicas)
+            est = _stage(*args, _options(checkpointing, i, bounds[i + 1] - bounds[i])[-1], replicas)
         out.append(est)
     return Partition(tuple(out), microbatches, schedule)
 
@@ -345,21 +393,29 @@ def _fitted(starts: list[int], costs, boundary_bytes, stages: int, microbatches:
             hw: Hardware, checkpointing, replicas: Replicas) -> Partition | None:
     """The split at `starts` for processes that run several stages each (interleaved and V-shaped schedules): each
     process's stages must fit its device together (the sum of their peaks, as if all peaked at once), and under
-    checkpointing "auto" each stage's choice is the one that makes its process's work least. None if a process
-    cannot fit."""
+    checkpointing "auto" each stage's choice (none, all, or the fewest of its last units that fit an equal share of
+    the device) is the one that makes its process's work least. None if a process cannot fit."""
     bounds = [0, *starts, len(costs)]
 
-    def estimate(k: int, ckpt: bool) -> StageEstimate:
-        return _stage(costs, boundary_bytes, bounds[k], bounds[k + 1], k, stages, microbatches, schedule, hw, ckpt,
-                      replicas)
+    def estimate(k: int, recomputed: int) -> StageEstimate:
+        return _stage(costs, boundary_bytes, bounds[k], bounds[k + 1], k, stages, microbatches, schedule, hw,
+                      recomputed, replicas)
+
+    def options(k: int, share: int) -> tuple[int, ...]:
+        """Under "auto": none, all, and the fewest last units with which the stage fits its share of the device."""
+        whole = _options(checkpointing, k, bounds[k + 1] - bounds[k])
+        if checkpointing != "auto":
+            return whole
+        fewest = _best_stage(costs, boundary_bytes, bounds[k], bounds[k + 1], k, stages, microbatches, schedule, hw,
+                             "auto", replicas, share)
+        return tuple(sorted({*whole, *([fewest.recomputed] if fewest is not None else [])}))
 
     if hw.memory_bytes is None:
-        return Partition(tuple(estimate(k, _options(checkpointing, k)[0]) for k in range(stages)), microbatches,
-                         schedule)
+        return Partition(tuple(estimate(k, options(k, 1)[0]) for k in range(stages)), microbatches, schedule)
     chosen: dict[int, StageEstimate] = {}
     for mine in schedule.stages_by_process(stages):
         best = None
-        for flags in itertools.product(*(_options(checkpointing, k) for k in mine)):
+        for flags in itertools.product(*(options(k, len(mine)) for k in mine)):
             ests = [estimate(k, ckpt) for k, ckpt in zip(mine, flags)]
             held = sum(e.memory_bytes for e in ests)
             key = (sum(e.busy_s for e in ests), held)  # the process's work: it runs all its stages

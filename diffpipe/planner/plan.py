@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..build import build_backbone, example_inputs, sample_shape, text_length
-from ..config import RunConfig
+from ..config import PipelineConfig, RunConfig
 from ..models.materialise import is_meta
 from ..models.storage import FrozenStorage
 from ..models.units import Backbone
@@ -26,7 +26,8 @@ from ..pipeline.traffic import trace_shapes
 from .costs import UnitCost, count_unit_costs, load_profile
 from .levers import (MemoryChoice, choose, fewest_swapped, holding, leaves_any, most_saving, plan_memory,
                      suggestions, unchanged)
-from .partition import BYTES_PER_WEIGHT, Hardware, Infeasible, Partition, Replicas, estimate_stages, partition
+from .partition import (BYTES_PER_WEIGHT, Hardware, Infeasible, Partition, Recomputed, Replicas, estimate_stages,
+                        partition)
 
 __all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
            "planned_figures", "resolve_memory", "search_layouts", "profile_key", "scaled"]
@@ -179,7 +180,7 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
     p = config.pipeline
     schedule = choice_of(p)
     loose = estimate_stages(costs, bounds_bytes, balanced_partition([c.params for c in costs], stages), m, schedule,
-                            hw, p.checkpointing, replicas)
+                            hw, checkpointing_mode(p), replicas)
     peaks = loose.process_memory_bytes  # a process's stages must fit its device together
     rank = peaks.index(max(peaks))
     mine = loose.by_process()[rank]
@@ -198,25 +199,25 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
     more = stages + schedule.per_rank  # one more process, running as many stages as each of the others
     if more <= len(costs):
         try:
-            partition(costs, bounds_bytes, more, m, schedule, hw, p.checkpointing, replicas)
+            partition(costs, bounds_bytes, more, m, schedule, hw, checkpointing_mode(p), replicas)
             fixes.append(f"more stages (pipeline.stages = {schedule.ranks(more)} fits)")
         except Infeasible:
             fixes.append("more stages")
-    if p.checkpointing not in ("all", "auto"):  # "auto" was tried: it checkpoints every stage that needs it
+    if checkpointing_mode(p) not in ("all", "auto"):  # "auto" was tried: it checkpoints every stage that needs it
         try:
             partition(costs, bounds_bytes, stages, m, schedule, hw, "auto", replicas)
             fixes.append("activation checkpointing (pipeline.checkpointing = \"auto\" fits)")
         except Infeasible:
             fixes.append("activation checkpointing (not enough alone)")
     levers = suggestions(costs, replicas, adamw=config.train.optimizer == "adamw")
-    fits = _fits(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing)
+    fits = _fits(costs, bounds_bytes, stages, m, schedule, hw, checkpointing_mode(p))
     # not with data-parallel replicas (config.py refuses it)
     swap = fewest_swapped(replicas, fits, holding(costs)) if replicas.count == replicas.sequence else None
     if swap is not None:
         fixes.append(f"frozen weights of {swap} units per stage in host memory (memory.block_swap = {swap} fits)")
     for words, held in levers:
         try:
-            partition(costs, bounds_bytes, stages, m, schedule, hw, p.checkpointing, held)
+            partition(costs, bounds_bytes, stages, m, schedule, hw, checkpointing_mode(p), held)
             fixes.append(f"{words} fits")
         except Infeasible:
             fixes.append(f"{words} (not enough alone)")
@@ -231,7 +232,7 @@ def _explain(config: RunConfig, costs, bounds_bytes, stages: int, m: int, hw: Ha
     micro = config.micro_batch_size
     if micro > 1:  # costs scale linearly with the micro-batch; one sample cannot be halved
         try:
-            partition(scaled(costs, (micro // 2) / micro), bounds_bytes, stages, m, schedule, hw, p.checkpointing,
+            partition(scaled(costs, (micro // 2) / micro), bounds_bytes, stages, m, schedule, hw, checkpointing_mode(p),
                       replicas)
             fixes.append(f"a smaller micro-batch ({micro // 2} instead of {micro} fits: lower train.batch_size or "
                          "raise pipeline.microbatches)")
@@ -272,17 +273,17 @@ def make_plan(config: RunConfig, meta: Backbone, stages: int, data_parallel: int
     schedule = choice_of(p)
     replicas = _replicas(config, stages, data_parallel, sequence_parallel)
     try:
-        planned = partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
+        planned = partition(costs, bb, stages, microbatches, schedule, hw, checkpointing_mode(p), replicas)
     except Infeasible:
         # the memory settings left to the planner ("auto"), in planner/levers.py's order
-        fits = _fits(costs, bb, stages, microbatches, schedule, hw, p.checkpointing)
+        fits = _fits(costs, bb, stages, microbatches, schedule, hw, checkpointing_mode(p))
         chosen = choose(config, replicas, fits, holding(costs)) if leaves_any(config.memory) else None
         if chosen is None:
             raise Infeasible(_explain(config, costs, bb, stages, microbatches, hw, replicas)) from None
         replicas = chosen[1]
-        planned = partition(costs, bb, stages, microbatches, schedule, hw, p.checkpointing, replicas)
+        planned = partition(costs, bb, stages, microbatches, schedule, hw, checkpointing_mode(p), replicas)
     params = estimate_stages(costs, bb, balanced_by_parameters(meta, stages), microbatches, schedule, hw,
-                             p.checkpointing, replicas)
+                             checkpointing_mode(p), replicas)
     return Plan(stages, data_parallel, microbatches, micro, planned, params,
                 [c.trainable_params for c in costs], hw.link_gbps, replicas, sequence_parallel)
 
@@ -325,8 +326,13 @@ def layouts_tried(config: RunConfig, meta: Backbone, world_size: int, hw: Hardwa
     return tried
 
 
-def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], list[int]]:
-    """Stage starts and the stages to checkpoint, as the runtime takes them."""
+def checkpointing_mode(p: PipelineConfig):
+    """pipeline.recomputed_units where given (`Recomputed`), else pipeline.checkpointing: what the partition takes."""
+    return Recomputed(p.recomputed_units) if p.recomputed_units is not None else p.checkpointing
+
+
+def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], Recomputed]:
+    """Stage starts and how many of each stage's last units run checkpointed, as the runtime takes them."""
     p = config.pipeline
     stages = p.stages * p.virtual_stages
     check_stage_count(backbone, stages)
@@ -334,7 +340,8 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
     hw = hardware(config)
     # one stage, its checkpointing set and no device memory known to warn of: the plan could only say [] (counting
     # the units costs seconds a run, on a CPU; a GPU's memory is known, so it still warns where it would not fit)
-    decided = stages == 1 and p.checkpointing != "auto" and hw.memory_bytes is None
+    mode = checkpointing_mode(p)
+    decided = stages == 1 and mode != "auto" and hw.memory_bytes is None
     if p.split == "auto" and not decided:
         try:
             plan = make_plan(config, meta, stages, p.data_parallel, p.microbatches, hw,
@@ -346,17 +353,19 @@ def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], li
                   "the run may run out of memory", file=sys.stderr, flush=True)
             plan = make_plan(config, meta, stages, p.data_parallel, p.microbatches, replace(hw, memory_bytes=None),
                              sequence_parallel=p.sequence_parallel)
-        return plan.planned.starts, [s.index for s in plan.planned.stages if s.checkpointed]
+        return plan.planned.starts, Recomputed(s.recomputed for s in plan.planned.stages)
     if p.split == "auto":
         starts = []
     else:
         starts = balanced_by_parameters(backbone, stages) if p.split == "parameters" else list(p.split)
-    stage_specs(backbone, starts)  # validates
-    if p.checkpointing == "auto":
-        return starts, [s.index for s in planned_figures(config, meta, starts, "auto").stages if s.checkpointed]
-    if p.checkpointing == "all":
-        return starts, list(range(stages))
-    return starts, list(p.checkpointing) if isinstance(p.checkpointing, list) else []
+    specs = stage_specs(backbone, starts)  # validates
+    if mode == "auto":
+        return starts, Recomputed(s.recomputed for s in planned_figures(config, meta, starts, "auto").stages)
+    counts = [s.last - s.first for s in specs]
+    if isinstance(mode, Recomputed):
+        return starts, Recomputed(min(k, units) for k, units in zip(mode, counts))
+    return starts, Recomputed(units if mode == "all" or (isinstance(mode, list) and i in mode) else 0
+                              for i, units in enumerate(counts))
 
 
 def planned_figures(config: RunConfig, meta: Backbone, starts: list[int], checkpointing: list[int] | str) -> Partition:
@@ -408,7 +417,7 @@ def resolve_memory(config: RunConfig, backbone: Backbone) -> MemoryChoice:
     bounds = boundary_bytes(meta, costs, example_inputs(config, meta, config.micro_batch_size)[0])
 
     def fits(held: Replicas) -> bool:
-        figures = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, p.checkpointing, held)
+        figures = estimate_stages(costs, bounds, starts, p.microbatches, choice_of(p), hw, checkpointing_mode(p), held)
         return max(figures.process_memory_bytes) <= hw.memory_bytes
 
     chosen = choose(config, _replicas(config, stages, p.data_parallel, p.sequence_parallel), fits, holding(costs))

@@ -23,7 +23,7 @@ __all__ = ["parse_memory", "format_plan", "plan_as_dict", "write_profile", "desc
 # what each column of a plan's table holds (printed under it, and in docs/planning.md)
 COLUMNS = ("trained M: the stage's trained parameters, millions; fwd/bwd ms: one micro-batch's forward/backward; "
            "send ms: its sends to the next stage; peak GiB: the stage's memory at its peak (weights, optimizer state, "
-           "activations in flight); ckpt: activations recomputed in the backward; sends: the tensors it sends on")
+           "activations in flight); ckpt: activations recomputed in the backward (yes: every unit; 12/59: the stage's last 12 of its 59 units); sends: the tensors it sends on")
 
 GIB = 2**30
 
@@ -45,7 +45,8 @@ def _stage_rows(part: Partition, meta: Backbone, trainable: list[int]) -> list[d
                      "forward_ms": round(s.forward_s * 1e3, 3), "backward_ms": round(s.backward_s * 1e3, 3),
                      "send_ms": round(s.send_s * 1e3, 3), "all_to_all_ms": round(s.exchange_s * 1e3, 3),
                      "peak_GiB": round(s.memory_bytes / GIB, 2),
-                     "checkpointed": s.checkpointed, "sends": carried})
+                     "checkpointed": s.checkpointed, "recomputed_units": s.recomputed, "ckpt": s.checkpointed_words,
+                     "sends": carried})
     return rows
 
 
@@ -133,7 +134,7 @@ def format_plan(plan: Plan, meta: Backbone, config: RunConfig | None = None, hw:
         for r in part["stages"]:
             lines.append(f"  {r['stage']:>5} {r['units']:<22} {r['trainable_params_M']:>9.2f} {r['forward_ms']:>9.3f} "
                          f"{r['backward_ms']:>9.3f} {r['send_ms']:>8.3f} {r['peak_GiB']:>9.2f}  "
-                         f"{'yes' if r['checkpointed'] else 'no ':<4}  {', '.join(r['sends']) or '-'}")
+                         f"{r['ckpt']:<4}  {', '.join(r['sends']) or '-'}")
         lines.append(f"  slowest stage {part['slowest_stage_ms']:.3f} ms, data-parallel collectives "
                      f"{part['allreduce_ms']:.1f} ms, step {part['step_s']:.4f} s, bubble {part['bubble_fraction']:.1%}, "
                      f"{rate(part['samples_per_s'])} samples/s")
@@ -158,9 +159,12 @@ def explain(plan: Plan, tried: list[tuple[Plan | None, str]] | None = None) -> s
                      f"{rate(plan.samples_per_s_of(planned))} against {rate(plan.samples_per_s_of(even))} samples/s")
     else:
         lines.append(f"  the planned split is the parameter-count split {planned.starts}: the planner found none faster")
-    checkpointed = [st.index for st in planned.stages if st.checkpointed]
-    if checkpointed:
-        lines.append(f"  stages {checkpointed} recompute their activations: without, they would not fit the memory")
+    for st in planned.stages:
+        if st.checkpointed:
+            units = st.last - st.first
+            which = "all" if st.recomputed == units else f"the last {st.recomputed}"
+            lines.append(f"  stage {st.index} recomputes the activations of {which} of its {units} units: with fewer "
+                         "it would not fit the memory")
     runners_up = sorted((p for p, _ in tried or [] if p is not None and p is not plan), key=lambda p: -p.samples_per_s)
     for other in runners_up:
         lines.append(f"  {describe_layout(other)}: {rate(other.samples_per_s)} samples/s "

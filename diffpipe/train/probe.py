@@ -97,7 +97,7 @@ def probe_plan(config: RunConfig, meta: Backbone, plan: Plan, device: torch.devi
         whole = _StageToProbe([], 0, [], [(inputs["sample"].shape, torch.float32, False)], held=1)
         seconds, unsplit_peak = _probe_built(config, whole, conditions, device, repeats, optimizer)
         rows.append({**row, **_probed(seconds, unsplit_peak)})
-    checkpointed = [s.index for s in plan.planned.stages if s.checkpointed]
+    recomputed = [s.recomputed for s in plan.planned.stages]
     specs = stage_specs(meta, plan.planned.starts)
     for spec, predicted in zip(specs, plan.planned.stages):
         if only is not None and spec.index not in only:
@@ -108,12 +108,12 @@ def probe_plan(config: RunConfig, meta: Backbone, plan: Plan, device: torch.devi
         received = [(inputs[n].shape, torch.float32, False) if n in inputs
                     else (shapes[n], boundary_dtype, n in grad_names) for n in spec.receives]
         held = plan.planned.schedule.in_flight(spec.index, plan.stages, plan.microbatches)
-        stage = _StageToProbe(plan.planned.starts, spec.index, checkpointed, received, held)
+        stage = _StageToProbe(plan.planned.starts, spec.index, recomputed, received, held)
         seconds, peak = _probe_built(config, stage, conditions, device, repeats, optimizer)
         planned_s = predicted.forward_s + predicted.backward_s
         units = f"{meta.units[spec.first].name}..{meta.units[spec.last - 1].name}"
         row = {"stage": spec.index, "units": units, "micro_batch": micro, "in_flight": held,
-               "checkpointed": spec.index in checkpointed, "planned_ms": round(planned_s * 1e3, 2),
+               "checkpointed": predicted.checkpointed_words, "planned_ms": round(planned_s * 1e3, 2),
                **_probed(seconds, peak), "planned_peak_gib": round(predicted.memory_bytes / GIB, 2)}
         if seconds is not None:
             row["time_error"] = round(planned_s / seconds - 1, 3)
@@ -127,7 +127,7 @@ def probe_plan(config: RunConfig, meta: Backbone, plan: Plan, device: torch.devi
 class _StageToProbe:
     starts: list[int]  # the plan's split
     index: int
-    checkpointed: list[int]  # the plan's checkpointed stages
+    recomputed: list[int]  # the plan's checkpointed units, counted from each stage's end
     # the shape and dtype of each tensor the stage receives, and whether it needs a gradient
     received: list[tuple[torch.Size, torch.dtype, bool]]
     held: int  # micro-batches in flight
@@ -140,7 +140,7 @@ def _probe_built(config: RunConfig, stage: _StageToProbe, conditions, device: to
     module = None
     try:
         module = build_stages(config, backbone, stage_specs(backbone, stage.starts), [stage.index], device,
-                              stage.checkpointed)[0]
+                              stage.recomputed)[0]
         received = [torch.randn(shape, device=device, dtype=dtype).requires_grad_(grad)
                     for shape, dtype, grad in stage.received]
         return probe_stage(module, received, conditions, device, stage.held, repeats, optimizer, config)

@@ -81,13 +81,14 @@ class _ScaledMSE:
 
 def resolve_layout(config: RunConfig, backbone: Backbone) -> None:
     """The settings left to the planner ("auto"), chosen in `config` where the launcher did not choose them before
-    starting processes: the [memory] settings, then the split and the stages checkpointed."""
+    starting processes: the [memory] settings, then the split and the units checkpointed."""
     p, m = config.pipeline, config.memory
     if not isinstance(p.split, list) or "auto" in (m.block_swap, m.optimizer_state):
         for key, value in resolve_memory(config, backbone).changes(m).items():
             setattr(m, key, value)
-    if not isinstance(p.split, list) or not isinstance(p.checkpointing, list):
-        p.split, p.checkpointing = resolve_stages(config, backbone)
+    if not isinstance(p.split, list) or p.recomputed_units is None:
+        p.split, recomputed = resolve_stages(config, backbone)
+        p.recomputed_units, p.checkpointing = list(recomputed), recomputed.stages
 
 
 def resolve_epochs(train: TrainConfig, data, say: bool) -> None:
@@ -119,7 +120,7 @@ def build_run(config: RunConfig, topo: Topology) -> RunParts:
         text_lengths = len(TEXT_LENGTHS) if backbone.family.reads_text_lengths else 1
         print(compiled_shapes_words(p.compile, len(data.groups()) if hasattr(data, "groups") else 1, text_lengths),
               flush=True)
-    modules = build_stages(config, backbone, specs, mine, topo.device, p.checkpointing)
+    modules = build_stages(config, backbone, specs, mine, topo.device, p.recomputed_units)
     if shards is not None:
         attend_across_shards(backbone, topo.sp_mesh, topo.device, shards)
     tied = tied_parameters(backbone, specs)  # by the backbone's parameter objects, which wrapping replaces:

@@ -135,6 +135,12 @@ def _config(stages: int, schedule: str, virtual: int = 1, dp: int = 1, microbatc
     }
 
 
+def _partly(config: dict, recomputed: list[int]) -> dict:
+    """`config` with the last `recomputed[i]` units of stage i checkpointed."""
+    config["pipeline"]["recomputed_units"] = recomputed
+    return config
+
+
 def _odd_tokens(config: dict, latent_size: list[int], frames: int | None = None) -> dict:
     """`config` on synthetic latents of `latent_size` (and `frames`): a picture token count that sequence parallel
     degrees do not divide."""
@@ -151,6 +157,8 @@ TWO = {
     "1f1b-2-weight-decay-logit-normal": _config(2, "1f1b", weight_decay=0.1, timesteps="logit_normal"),
     "interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2),
     "1f1b-2-checkpointed": _config(2, "1f1b", checkpointing="all"),
+    # part of each stage checkpointed (pipeline.recomputed_units: its last units), as "auto" chooses near the memory
+    "flux-1f1b-2-partly-checkpointed": _partly(_config(2, "1f1b", model="flux"), [2, 1]),
     "sdxl-style-1f1b-2": _config(2, "1f1b", model="sdxl-style"),
     "lora-1f1b-2": _config(2, "1f1b", lora=True),
     "flux-gpipe-2": _config(2, "gpipe", model="flux"),

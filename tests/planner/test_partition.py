@@ -26,8 +26,9 @@ def _brute_force(costs, boundary, stages, m, schedule, hw, mode):
     n, best = len(costs), None
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = [0, *cuts, n]
-        choices = [(False,)] if mode == "none" else [(False, True)]
-        for ckpt in itertools.product(*(choices[0] for _ in range(stages))):
+        # under "auto" any count of a stage's last units checkpointed (the planner bisects for the fewest that fit)
+        choices = [(0,) if mode == "none" else range(bounds[i + 1] - bounds[i] + 1) for i in range(stages)]
+        for ckpt in itertools.product(*choices):
             ests = [_stage(costs, boundary, bounds[i], bounds[i + 1], i, stages, m, schedule, hw, ckpt[i])
                     for i in range(stages)]
             if hw.memory_bytes is not None and any(e.memory_bytes > hw.memory_bytes for e in ests):
@@ -72,8 +73,8 @@ def test_gpipe_holds_all_micro_batches_and_1f1b_fewer():
 
 def test_checkpointing_trades_time_for_memory():
     costs, boundary = _random_costs(random.Random(2), 3)
-    plain = _stage(costs, boundary, 0, 3, 0, 1, 4, ScheduleChoice.named("gpipe"), Hardware(), False)
-    ckpt = _stage(costs, boundary, 0, 3, 0, 1, 4, ScheduleChoice.named("gpipe"), Hardware(), True)
+    plain = _stage(costs, boundary, 0, 3, 0, 1, 4, ScheduleChoice.named("gpipe"), Hardware(), 0)
+    ckpt = _stage(costs, boundary, 0, 3, 0, 1, 4, ScheduleChoice.named("gpipe"), Hardware(), 3)
     assert ckpt.memory_bytes < plain.memory_bytes and ckpt.busy_s > plain.busy_s
 
 
@@ -104,7 +105,7 @@ def test_a_stage_uses_the_memory_its_process_s_other_stage_leaves():
     costs = [UnitCost(f"u{i}", params=10**9, trainable_params=10**9, forward_flops=10**12, backward_flops=2 * 10**12,
                       activation_bytes=(40 * 10**9 if i == 0 else 0), output_bytes={}) for i in range(4)]
     schedule = ScheduleChoice.named("interleaved_1f1b", 2)
-    plain = [_stage(costs, [0] * 4, i, i + 1, i, 4, 4, schedule, Hardware(), False) for i in range(4)]
+    plain = [_stage(costs, [0] * 4, i, i + 1, i, 4, 4, schedule, Hardware(), 0) for i in range(4)]
     hw = Hardware(memory_bytes=plain[0].memory_bytes + plain[2].memory_bytes)
     assert plain[0].memory_bytes > hw.memory_bytes / 2  # over its equal share
     part = partition(costs, [0] * 4, 4, 4, schedule, hw, "auto")
@@ -164,8 +165,8 @@ def test_a_checkpointed_stage_of_a_split_backward_holds_its_activations_until_th
     for name, waiting in (("interleaved_1f1b", 0), ("zbv", 2)):
         schedule = ScheduleChoice.named(name, 2)
         assert schedule.awaiting_weights(1, 4, 4) == waiting
-        ckpt = _stage(costs, boundary, 0, 2, 1, 4, 4, schedule, Hardware(), True)
-        static = _stage(costs, boundary, 0, 2, 1, 4, 4, schedule, Hardware(), False).memory_bytes - \
+        ckpt = _stage(costs, boundary, 0, 2, 1, 4, 4, schedule, Hardware(), 2)
+        static = _stage(costs, boundary, 0, 2, 1, 4, 4, schedule, Hardware(), 0).memory_bytes - \
             schedule.in_flight(1, 4, 4) * (boundary[-1] + whole_activations)
         assert ckpt.memory_bytes - static >= waiting * whole_activations
         assert ckpt.memory_bytes - static < (waiting + 1) * whole_activations

@@ -81,11 +81,12 @@ def test_auto_checkpointing_only_where_a_stage_would_not_fit():
     for memory, expect in ((80, "none"), (40, "some")):  # stage 0 needs ~53 GiB without
         config = load_config(EXAMPLES / "sdxl_unet.toml", ["pipeline.stages=2", "pipeline.microbatches=8",
                                                            "train.batch_size=32", f"plan.memory_gib={memory}"])
-        _, checkpointed = resolve_stages(config, build_backbone(config, "meta"))
+        meta = build_backbone(config, "meta")
+        _, recomputed = resolve_stages(config, meta)
         if expect == "none":
-            assert checkpointed == []
-        else:
-            assert 0 < len(checkpointed) < 2, checkpointed
+            assert recomputed.stages == []
+        else:  # some units of some stage, not every unit: (4, 8) of 38 units since partial checkpointing
+            assert 0 < sum(recomputed) < len(meta.units) // 2, recomputed
 
 
 def test_the_plan_leaves_the_headroom_free():
@@ -98,8 +99,8 @@ def test_the_plan_leaves_the_headroom_free():
         config = load_config(EXAMPLES / "sdxl_unet.toml", ["pipeline.stages=2", "pipeline.microbatches=8",
                                                            "train.batch_size=32", "plan.memory_gib=55",
                                                            f"plan.memory_headroom={headroom}"])
-        _, checkpointed = resolve_stages(config, build_backbone(config, "meta"))
-        assert checkpointed == expect, (headroom, checkpointed)
+        _, recomputed = resolve_stages(config, build_backbone(config, "meta"))
+        assert recomputed.stages == expect, (headroom, recomputed)
 
 
 def test_a_v_shaped_plan_that_fits_nowhere_is_told_how_many_processes_would_fit(capsys):
@@ -139,10 +140,12 @@ def test_one_stage_is_planned_only_where_the_plan_could_say_more_than_its_split(
     settings = ["pipeline.stages=1", "pipeline.microbatches=1", 'train.device="cpu"']
     for checkpointing, expect in (('"none"', []), ('"all"', [0])):
         config = load_config(EXAMPLES / "digits.toml", [*settings, f"pipeline.checkpointing={checkpointing}"])
-        assert plan.resolve_stages(config, build_backbone(config, "meta")) == ([], expect)
+        starts, recomputed = plan.resolve_stages(config, build_backbone(config, "meta"))
+        assert (starts, recomputed.stages) == ([], expect)
     assert counted == []
     config = load_config(EXAMPLES / "digits.toml", [*settings, "plan.memory_gib=0.001"])
-    assert plan.resolve_stages(config, build_backbone(config, "meta")) == ([], [])
+    starts, recomputed = plan.resolve_stages(config, build_backbone(config, "meta"))
+    assert (starts, recomputed.stages) == ([], [])
     assert counted and "the run may run out of memory" in capsys.readouterr().err
 
 
@@ -175,8 +178,8 @@ def test_explain_says_why_the_layout_won_against_the_others(capsys):
 def test_explain_gives_each_way_of_holding_the_base_as_a_runner_up_and_the_fastest_that_fits(capsys):
     """Issue 54's runner-ups: a Flux.1-dev LoRA on a 24 GiB card, compiled blocks: the bf16 base needs swapped blocks;
     fp8 (stored), int8, nf4 and fp8 compute each planned for the same layout; fp8 compute fits checkpointed alone and
-    is planned fastest (1.78 against 1.20 samples/s at 400 TFLOP/s; measured 1.813 on an H100 capped to 24 GiB,
-    docs/benchmarks.md); eager it is counted no faster than bf16 per product."""
+    is planned fastest (1.96 against 1.20 samples/s at 400 TFLOP/s, its last units checkpointed; docs/benchmarks.md
+    has it measured on an H100 capped to 24 GiB); eager it is counted no faster than bf16 per product."""
     args = ["plan", str(EXAMPLES / "flux_dev.toml"), "--gpu-memory", "24GiB", "--explain",
             "--set", "pipeline.stages=1", "--set", "pipeline.microbatches=1", "--set", "train.batch_size=1",
             "--set", 'adapter.type="lora"', "--set", 'memory.block_swap="auto"', "--set", 'pipeline.checkpointing="auto"',
@@ -195,7 +198,7 @@ def test_explain_gives_each_way_of_holding_the_base_as_a_runner_up_and_the_faste
     assert swapped > 0 and bf16_peak <= 24  # the bf16 base fits only with blocks in host memory
     assert compute[0] > 1.4 * bf16_speed and compute[0] > stored[0]  # no dequantising, faster products
     assert compute[1] == stored[1] < bf16_peak  # the same bytes held: fp8 weights
-    assert planned['memory.base_dtype = "nf4"'][1] < stored[1]  # half a byte a weight
+    assert max(peak for _, peak in planned.values()) <= 24 * 0.9  # each fits: spare memory keeps activations
     assert "  fastest that fits: train.fp8_compute = true" in "\n".join(out)
     assert "planned eager" not in "\n".join(out)
     assert main(args) == 0
