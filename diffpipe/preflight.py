@@ -76,9 +76,23 @@ def check_before_launch(config: RunConfig) -> Checked:
                   "of how little they change the model, with which the plan fits: block swap, then 8-bit moments, then "
                   "a quantised base where memory.quantise_if_needed lists one; where none fits, the most saving)", flush=True)
     split, recomputed = resolve_stages(config, backbone)
+    if config.pipeline.checkpointing == "auto" and int(os.environ.get("RANK", "0")) == 0:
+        print(checkpointing_words(recomputed, [0, *split, len(backbone.units)]), flush=True)
     _check_first_stage_trains(backbone, split)
     _check_block_swap(config.memory.block_swap, backbone, split)
     return Checked(backbone, split, recomputed, changes, fp8_compute)
+
+
+def checkpointing_words(recomputed: Recomputed, bounds: list[int]) -> str:
+    """What pipeline.checkpointing = "auto" chose, stage by stage: none, all, or the last N of its units."""
+    def stage(i: int, count: int) -> str:
+        units = bounds[i + 1] - bounds[i]
+        which = "none" if not count else "all" if count == units else f"its last {count} of {units} units"
+        return f"stage {i} {which}"
+
+    return ("pipeline.checkpointing = \"auto\": recomputed in backward: "
+            + ", ".join(stage(i, count) for i, count in enumerate(recomputed))
+            + " (the fewest, counted from each stage's end, with which it fits the memory)")
 
 
 def _check_sequence_split(config: RunConfig, backbone: Backbone, shape: tuple[int, ...]) -> None:

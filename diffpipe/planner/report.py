@@ -23,7 +23,8 @@ __all__ = ["parse_memory", "format_plan", "plan_as_dict", "write_profile", "desc
 # what each column of a plan's table holds (printed under it, and in docs/planning.md)
 COLUMNS = ("trained M: the stage's trained parameters, millions; fwd/bwd ms: one micro-batch's forward/backward; "
            "send ms: its sends to the next stage; peak GiB: the stage's memory at its peak (weights, optimizer state, "
-           "activations in flight); ckpt: activations recomputed in the backward (yes: every unit; 12/59: the stage's last 12 of its 59 units); sends: the tensors it sends on")
+           "activations in flight); ckpt: activations recomputed in the backward (yes: every unit; 12/59: the stage's "
+           "last 12 of its 59 units); sends: the tensors it sends on")
 
 GIB = 2**30
 

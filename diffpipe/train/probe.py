@@ -113,7 +113,8 @@ def probe_plan(config: RunConfig, meta: Backbone, plan: Plan, device: torch.devi
         planned_s = predicted.forward_s + predicted.backward_s
         units = f"{meta.units[spec.first].name}..{meta.units[spec.last - 1].name}"
         row = {"stage": spec.index, "units": units, "micro_batch": micro, "in_flight": held,
-               "checkpointed": predicted.checkpointed_words, "planned_ms": round(planned_s * 1e3, 2),
+               "checkpointed": predicted.checkpointed, "recomputed_units": predicted.recomputed,
+               "planned_ms": round(planned_s * 1e3, 2),
                **_probed(seconds, peak), "planned_peak_gib": round(predicted.memory_bytes / GIB, 2)}
         if seconds is not None:
             row["time_error"] = round(planned_s / seconds - 1, 3)

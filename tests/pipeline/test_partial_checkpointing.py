@@ -86,3 +86,32 @@ def test_recomputed_units_given_by_hand_are_planned_and_run_as_given(tmp_path):
     assert (starts, list(recomputed), recomputed.stages) == ([3], [2, len(meta.units) - 3], [0, 1])  # 99: all
     with pytest.raises(Exception, match="give one count .* for each of the 2 stages"):
         load_config(EXAMPLES / "digits.toml", [*sets[:2], "pipeline.recomputed_units=[2]"])
+
+
+def test_the_launcher_says_the_units_it_checkpoints_and_writes_them_to_the_run_config(tmp_path):
+    """A one-stage tiny Flux LoRA on a device between its planned peaks unchecked and all checkpointed: the launcher
+    checkpoints part of the stage, prints it, and the run's config.toml holds the counts (a resume plans nothing)."""
+    import tomllib
+
+    from diffpipe.build import build_backbone
+    from diffpipe.planner.partition import Recomputed
+    from diffpipe.planner.plan import planned_figures
+
+    from ..helpers import run_command
+
+    sets = ['adapter.type="lora"', "pipeline.stages=1", 'train.device="cpu"', 'pipeline.checkpointing="auto"']
+    config = load_config(EXAMPLES / "flux_tiny.toml", sets)
+    meta = build_backbone(config, "meta")
+    units = len(meta.units)
+    none, whole = (max(planned_figures(config, meta, [], Recomputed([k])).process_memory_bytes) for k in (0, units))
+    usable_gib = (none + whole) / 2 / 2**30
+    run = tmp_path / "run"
+    settings = [*sets, f"plan.memory_gib={usable_gib / 0.9}", "train.max_steps=1", "output.sample_every_end=false",
+                "checkpoint.every=0", "output.save_weights=false"]
+    result = run_command(["train", str(EXAMPLES / "flux_tiny.toml"), "--output-dir", str(run),
+                          *(x for s in settings for x in ("--set", s))])
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = tomllib.loads((run / "config.toml").read_text())["pipeline"]
+    count = written["recomputed_units"][0]
+    assert 0 < count < units and written["checkpointing"] == [0]
+    assert f"recomputed in backward: stage 0 its last {count} of {units} units" in result.stdout
