@@ -415,6 +415,41 @@ def write_z_image(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) ->
     return out / "z_image"
 
 
+def write_flux2_klein(out: Path, seed: int = 0) -> Path:
+    """FLUX.2 klein's layout (Flux2KleinPipeline, as black-forest-labs/FLUX.2-klein-4B): a Qwen3 causal LM (16 wide,
+    four layers: the pipeline reads states of three, which diffpipe takes at a quarter, a half and three quarters of
+    its depth, as 9, 18, 27 of klein's 36) with a real Qwen2 BPE tokenizer carrying Qwen3's chat template (thinking
+    off), FLUX.2's VAE (4 latent channels, 8x smaller sides; its batch norm's statistics drawn, not the identity, so a
+    latent left unnormalised shows) and a Flux2Transformer2DModel of one double and two single blocks reading 2 x 2
+    patches (16 channels) and the three states side by side (48 wide); the scheduler shifted by 3."""
+    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_qwen_tokenizer()
+    tokenizer.chat_template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+        "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    chat_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, max_position_embeddings=2048, rope_theta=1000000.0,
+        bos_token_id=chat_end - 2, eos_token_id=chat_end, tie_word_embeddings=True))
+    vae = AutoencoderKLFlux2(block_out_channels=(16, 16, 32, 32), latent_channels=4, norm_num_groups=8,
+                             layers_per_block=1, sample_size=64)
+    with torch.no_grad():  # statistics as if fitted: each of the 16 patch channels its own mean and spread
+        vae.bn.running_mean.copy_(0.2 * torch.randn(16))
+        vae.bn.running_var.copy_(torch.rand(16) + 0.5)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+    Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae.eval(),
+                       text_encoder=text_encoder.eval(), tokenizer=tokenizer, transformer=transformer,
+                       is_distilled=True).save_pretrained(out / "flux2_klein", safe_serialization=True)
+    return out / "flux2_klein"
+
+
 def write_hunyuan_video15(out: Path, seed: int = 0) -> Path:
     """HunyuanVideo 1.5's layout (HunyuanVideo15Pipeline, as hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v): a
     Qwen2.5-VL text model (32 wide, three layers: the pipeline reads the states three from the last) with a real Qwen2
@@ -617,7 +652,7 @@ def main() -> None:
                  write_wan21_i2v(out),
                  write_qwen_image(out),
                  write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True),
-                 write_hunyuan_video15(out), write_z_image(out, vae), write_photos(out),
+                 write_hunyuan_video15(out), write_z_image(out, vae), write_flux2_klein(out), write_photos(out),
                  write_edits(out), write_clips(out)):
         print(f"wrote {path}")
     (out / STAMP).write_text(_this_script() + "\n")

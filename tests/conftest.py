@@ -69,6 +69,7 @@ def tiny(tmp_path_factory) -> Path:
     script.write_qwen_image(out, edit=True)
     script.write_qwen_image(out, edit=True, plus=True)
     script.write_z_image(out, vae)
+    script.write_flux2_klein(out)
     script.write_photos(out)
     script.write_edits(out)
     return out

@@ -27,6 +27,7 @@ BUILTIN_FAMILIES = {
     "qwen_image_edit": "diffpipe.models.families.qwen_image.edit:QwenImageEditFamily",
     "hunyuan_video15": "diffpipe.models.families.hunyuan_video15.hunyuan_video15:HunyuanVideo15Family",
     "z_image": "diffpipe.models.families.z_image.z_image:ZImageFamily",
+    "flux2": "diffpipe.models.families.flux2.flux2:Flux2Family",
 }
 
 

@@ -2,11 +2,14 @@
 (`AutoencoderKL`: SD, SDXL, Flux, SD3, and the spatio-temporal UNet's text-to-video pipelines, frame by frame) and
 clips through Wan's video VAE (`AutoencoderKLWan`: 8x smaller sides, 1 + (F - 1) / 4 latent frames of F frames).
 Qwen-Image's VAE (`AutoencoderKLQwenImage`, Wan's kind) encodes an image as a clip of one frame. HunyuanVideo 1.5's
-(`AutoencoderKLHunyuanVideo15`: 16x smaller sides, a latent frame per 4 video frames) encodes clips too.
+(`AutoencoderKLHunyuanVideo15`: 16x smaller sides, a latent frame per 4 video frames) encodes clips too. FLUX.2's
+(`AutoencoderKLFlux2`) makes 32 channels at 8x smaller sides.
 
 Scaling follows diffusers' own training scripts and pipelines: (z - shift_factor) x scaling_factor for image VAEs;
 per channel (z - latents_mean) / latents_std for Wan's and Qwen's (their pipelines decode with the inverse);
-z x scaling_factor for HunyuanVideo 1.5's (as its pipelines encode a first frame and decode). Weights
+z x scaling_factor for HunyuanVideo 1.5's (as its pipelines encode a first frame and decode); for FLUX.2's, each 2x2
+patch's channels less its batch norm's running mean over its running spread (Flux2Pipeline normalises its patchified
+latents so), the latents kept unpatchified: the family packs 2x2 patches into tokens as Flux.1's does. Weights
 are read from safetensors files only.
 """
 from __future__ import annotations
@@ -15,7 +18,8 @@ import json
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, AutoencoderKLHunyuanVideo15, AutoencoderKLQwenImage, AutoencoderKLWan
+from diffusers import (AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLHunyuanVideo15, AutoencoderKLQwenImage,
+                       AutoencoderKLWan)
 
 from .folder import component_weights
 
@@ -32,7 +36,8 @@ def _vae_config(folder: Path) -> dict:
 
 def load_vae(folder: Path) -> AutoencoderKL | AutoencoderKLWan | AutoencoderKLQwenImage:
     component_weights(folder, "vae")  # refuses pickles before from_pretrained could read one
-    vae_class = _VIDEO_VAES.get(_vae_config(folder).get("_class_name"), AutoencoderKL)
+    vae_class = {**_VIDEO_VAES, "AutoencoderKLFlux2": AutoencoderKLFlux2}.get(_vae_config(folder).get("_class_name"),
+                                                                            AutoencoderKL)
     vae = vae_class.from_pretrained(folder, subfolder="vae", use_safetensors=True, local_files_only=True,
                                     low_cpu_mem_usage=False)  # (True would need accelerate)
     return vae.eval().requires_grad_(False)
@@ -84,6 +89,18 @@ def _wan_statistics(vae, device: torch.device) -> tuple[torch.Tensor, torch.Tens
             torch.tensor(vae.config.latents_std, device=device).view(channel))
 
 
+def _flux2_normalised(vae, z: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """FLUX.2's latents (N, 32, H, W) with each 2x2 patch's 128 channels normalised by the VAE's batch norm statistics
+    (`inverse`: restored), as Flux2Pipeline normalises its patchified latents; the patch layout is Flux2Pipeline's
+    `_patchify_latents` (channel, row, column), which is the family's packing too (tokens.pack_latents)."""
+    (n, c, h, w), (p, q) = z.shape, vae.config.patch_size
+    patched = z.view(n, c, h // p, p, w // q, q).permute(0, 1, 3, 5, 2, 4).reshape(n, c * p * q, h // p, w // q)
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1).to(z.device, z.dtype) + vae.config.batch_norm_eps)
+    patched = patched * std + mean if inverse else (patched - mean) / std
+    return patched.reshape(n, c, p, q, h // p, w // q).permute(0, 1, 4, 2, 5, 3).reshape(n, c, h, w)
+
+
 def _clip_by_clip(fn, clips: torch.Tensor) -> torch.Tensor:
     """`fn` of one clip (1, C, F, H, W) applied to each of clips (N, C, F, H, W). HunyuanVideo 1.5's VAE needs it:
     it attends with a (B, S, S) mask that torch broadcasts against (B, 1, S, S) queries as (1, B, S, S), so diffusers
@@ -116,6 +133,8 @@ def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
         return (z - mean) / std
     if pixels.dim() == 5:
         return _frame_by_frame(lambda images: encode_latents(vae, images), pixels)
+    if isinstance(vae, AutoencoderKLFlux2):
+        return _flux2_normalised(vae, vae.encode(pixels).latent_dist.mean.float())
     cfg = vae.config
     return (vae.encode(pixels).latent_dist.mean.float() - (cfg.shift_factor or 0.0)) * cfg.scaling_factor
 
@@ -137,6 +156,8 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
             z = latents * std + mean
     elif latents.dim() == 5:
         return _frame_by_frame(lambda images: decode_latents(vae, images), latents)
+    elif isinstance(vae, AutoencoderKLFlux2):
+        z = _flux2_normalised(vae, latents, inverse=True)
     else:
         z = latents / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
     return vae.decode(z.to(weights.dtype)).sample.float().clamp(-1, 1).cpu()
