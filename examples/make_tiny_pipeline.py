@@ -12,6 +12,7 @@ tested without downloading anything.
     diffpipe train examples/chroma_tiny.toml               # a tiny Chroma-layout model on the photos
     diffpipe train examples/qwen_image_edit_tiny.toml      # a tiny Qwen-Image-Edit-layout edit model on the edits
     diffpipe train examples/hunyuan_video15_tiny.toml      # a tiny HunyuanVideo 1.5-layout video model on the clips
+    diffpipe train examples/flux2_klein_tiny.toml          # a tiny FLUX.2 klein-layout model on the photos
 
 Each pipeline is built from diffusers' and transformers' own classes (UNet2DConditionModel, AutoencoderKL, CLIP text
 models and a real CLIP BPE tokenizer over a small vocabulary) and written by the pipeline's `save_pretrained`, so
@@ -20,7 +21,8 @@ text_encoder_2/, tokenizer_2/ for SDXL; transformer/, a CLIP and a T5 encoder wi
 Flux; the T5 alone for Chroma; three text encoders for SD3; for Wan its video VAE and a umT5 encoder; Wan 2.2 A14B's two experts; Wan 2.1 I2V's CLIP vision model; for
 Qwen-Image a Qwen2.5-VL encoder with a real Qwen2 byte-level BPE tokenizer, and Qwen's VAE; for Qwen-Image-Edit
 the same with a Qwen2VLProcessor whose vision tower reads the control picture; for HunyuanVideo 1.5 a Qwen2.5-VL text
-model with a chat template, a ByT5 encoder and its 16x video VAE). The photos are scikit-learn's two sample photographs (china.jpg,
+model with a chat template, a ByT5 encoder and its 16x video VAE; for Z-Image and FLUX.2 klein a Qwen3 model with a
+chat template, and FLUX.2's own VAE for klein). The photos are scikit-learn's two sample photographs (china.jpg,
 flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption;
 the edits are eight of them with a grey copy of each as its control image.
 The clips are coloured shapes sliding over a gradient, written as mp4 (H.264) and webm (VP9) by PyAV, captioned with
@@ -48,7 +50,7 @@ from transformers import (CLIPImageProcessor, CLIPTextConfig, CLIPTextModel, CLI
 
 __all__ = ["write_sd15", "write_sdxl", "write_flux", "write_chroma", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_wan22_i2v",
            "write_wan21_i2v",
-           "write_qwen_image", "write_hunyuan_video15", "write_z_image",
+           "write_qwen_image", "write_hunyuan_video15", "write_z_image", "write_flux2_klein",
            "write_photos", "write_edits", "write_clips",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
 

@@ -31,6 +31,14 @@ FLUX2_PRESETS = {
     "dev": dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128,
                 num_attention_heads=48, joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
                 axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=True),
+    # FLUX.2 klein 4 B and 9 B (timestep-distilled, no guidance embedding), as diffusers' conversion script and the
+    # released transformer configs give them; their text: Qwen3-4B's (3 x 2560) and Qwen3-8B's (3 x 4096) states
+    "klein-4b": dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
+                     num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
+                     axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=False),
+    "klein-9b": dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=24, attention_head_dim=128,
+                     num_attention_heads=32, joint_attention_dim=12288, timestep_guidance_channels=256, mlp_ratio=3.0,
+                     axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=False),
     # 1-channel 8x8 latents (scikit-learn's digits), patchified 2x2 into 16 tokens of 4 channels
     "digits": dict(patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16,
                    num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=32, mlp_ratio=3.0,
