@@ -388,6 +388,17 @@ def write_qwen_image(out: Path, seed: int = 0, edit: bool = False, plus: bool = 
     return folder
 
 
+def qwen3_chat_tokenizer():
+    """The tiny Qwen2 BPE tokenizer carrying Qwen3's chat template: a user message, the assistant's turn opened, and
+    with thinking off the empty thinking block Qwen3 writes (Z-Image's pipeline turns thinking on, FLUX.2 klein's off)."""
+    tokenizer = tiny_qwen_tokenizer()
+    tokenizer.chat_template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+        "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    return tokenizer
+
+
 def write_z_image(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) -> Path:
     """Z-Image layout (ZImagePipeline, as Tongyi-MAI/Z-Image-Turbo): a Qwen3 model (32 wide, three layers: the
     pipeline reads the states second from the last) with a real Qwen2 BPE tokenizer carrying Qwen3's chat template
@@ -398,11 +409,7 @@ def write_z_image(out: Path, vae: AutoencoderKL | None = None, seed: int = 0) ->
     from transformers import Qwen3Config, Qwen3Model
 
     torch.manual_seed(seed)
-    tokenizer = tiny_qwen_tokenizer()
-    tokenizer.chat_template = (
-        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
-        "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    tokenizer = qwen3_chat_tokenizer()
     chat_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     text_encoder = Qwen3Model(Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
@@ -428,11 +435,7 @@ def write_flux2_klein(out: Path, seed: int = 0) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    tokenizer = tiny_qwen_tokenizer()
-    tokenizer.chat_template = (
-        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
-        "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    tokenizer = qwen3_chat_tokenizer()
     chat_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     text_encoder = Qwen3ForCausalLM(Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,

@@ -92,15 +92,19 @@ def test_latents_are_made_and_decoded_as_flux2_klein_pipeline_does(tiny, pipe):
     torch.testing.assert_close(decode_latents(vae, ours), image.clamp(-1, 1), rtol=1e-4, atol=1e-4)
 
 
+def _fed(transformer, latent_size: tuple[int, int], timestep: torch.Tensor):
+    """Two captions' random states, random latents packed, and the conditions diffpipe feeds the units."""
+    hidden = torch.randn(2, 512, 48, generator=torch.Generator().manual_seed(0))
+    feed = Feed(Flux2Family(), transformer.config)
+    conditions = dict(feed.conditions(hidden, torch.zeros(2, 0), torch.zeros(2, 6), latent_size), timestep=timestep)
+    return hidden, feed.pack(torch.randn(2, 4, *latent_size, generator=torch.Generator().manual_seed(1))), conditions
+
+
 def test_the_units_compute_the_pipelines_transformer_call(tiny, pipe):
     """What diffpipe feeds (conditions of text, a bucket's latent size) through the units equals the folder's model
     called as Flux2KleinPipeline calls it (t / 1000, the ids of the first sample, no guidance)."""
     family, transformer = Flux2Family(), pipe.transformer.eval()
-    hidden = torch.randn(2, 512, 48, generator=torch.Generator().manual_seed(0))
-    feed = Feed(family, transformer.config)
-    conditions = dict(feed.conditions(hidden, torch.zeros(2, 0), torch.zeros(2, 6), (8, 6)),
-                      timestep=torch.tensor([900.0, 20.0]))
-    sample = feed.pack(torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(1)))
+    hidden, sample, conditions = _fed(transformer, (8, 6), torch.tensor([900.0, 20.0]))
     with torch.no_grad():
         ours = family.backbone(transformer, "layers").forward({"sample": sample}, conditions)
         theirs = transformer(hidden_states=sample, timestep=conditions["timestep"] / 1000, guidance=None,
@@ -114,14 +118,9 @@ def test_the_tiny_example_trains_on_one_and_two_stages_to_the_same_losses(tiny, 
 
 
 def _sampled(transformer) -> torch.Tensor:
-    family = Flux2Family()
-    hidden = torch.randn(2, 512, 48, generator=torch.Generator().manual_seed(0))
-    feed = Feed(family, transformer.config)
-    conditions = dict(feed.conditions(hidden, torch.zeros(2, 0), torch.zeros(2, 6), (8, 8)),
-                      timestep=torch.tensor([500.0, 20.0]))
-    sample = feed.pack(torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(1)))
+    _, sample, conditions = _fed(transformer, (8, 8), torch.tensor([500.0, 20.0]))
     with torch.no_grad():
-        return family.diffusers_forward(transformer.eval(), sample, conditions)
+        return Flux2Family().diffusers_forward(transformer.eval(), sample, conditions)
 
 
 def test_a_lora_exports_for_diffusers_and_loads_into_flux2_klein_pipeline(tiny, tmp_path):

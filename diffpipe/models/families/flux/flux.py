@@ -19,9 +19,9 @@ import torch
 from diffusers import FluxTransformer2DModel
 from torch import nn
 
-from ...family import ModelFamily, TextBatch
+from ...family import TextBatch
+from .packed import PackedFamily
 from .release_layout import BFL
-from ...tokens import pack_latents, unpack_latents
 from ...units import Backbone, Unit
 
 __all__ = ["FluxFamily", "flux_backbone", "FLUX_PRESETS", "image_ids"]
@@ -102,7 +102,7 @@ def flux_backbone(model: FluxTransformer2DModel) -> Backbone:
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 
-class FluxFamily(ModelFamily):
+class FluxFamily(PackedFamily):
     """Flux.1: a CLIP text model's pooled output and T5's hidden states; flow matching."""
 
     name = "flux"
@@ -130,23 +130,8 @@ class FluxFamily(ModelFamily):
         layout (comfy/utils.py `flux_to_diffusers`: to_q/to_k/to_v as rows of `qkv`, `proj_mlp` of `linear1`)."""
         return {m: f"transformer.{m}" for m in modules}
 
-    def check_supported(self, model):
-        if model.config.patch_size != 1:
-            raise ValueError(f"Flux config patch_size={model.config.patch_size} is not supported: diffusers' Flux packs "
-                             "latents 2x2 outside the model, with patch_size = 1")
-
     def describe(self, model, granularity):
         return flux_backbone(model)
-
-    def latent_channels(self, cfg):
-        return cfg.in_channels // 4
-
-    def default_latent_size(self, cfg):
-        """Flux configs carry no sample size: 128 (1024 pixels, what Flux trains at); 1-channel configs are for digits."""
-        return 8 if cfg.in_channels == 4 else 128
-
-    def latent_multiple(self, cfg):
-        return 2
 
     def text_widths(self, cfg):
         return cfg.joint_attention_dim, cfg.pooled_projection_dim
@@ -159,12 +144,6 @@ class FluxFamily(ModelFamily):
         if cfg.guidance_embeds:
             named["guidance"] = torch.full((batch,), text.guidance, device=device)
         return named
-
-    def pack(self, cfg, latents):
-        return pack_latents(latents)
-
-    def unpack_prediction(self, cfg, prediction, latent_size):
-        return unpack_latents(prediction, latent_size)
 
     def diffusers_forward(self, model, sample, conditions):
         return model(hidden_states=sample, timestep=conditions["timestep"] / 1000,

@@ -20,9 +20,10 @@ import torch
 from diffusers import Flux2Transformer2DModel
 from torch import nn
 
-from ...family import ModelFamily, TextBatch
-from ...tokens import pack_latents, reset_rms_norm, unpack_latents
+from ...family import TextBatch
+from ...tokens import reset_rms_norm
 from ...units import Backbone, Unit
+from ..flux.packed import PackedFamily
 
 __all__ = ["Flux2Family", "flux2_backbone", "FLUX2_PRESETS", "image_ids", "text_ids"]
 
@@ -131,7 +132,7 @@ def flux2_backbone(model: Flux2Transformer2DModel) -> Backbone:
     return Backbone(units=units, inputs=("sample",), conditions=conditions, output="prediction", model=model)
 
 
-class Flux2Family(ModelFamily):
+class Flux2Family(PackedFamily):
     """FLUX.2: an LLM's states of three layers side by side (klein: Qwen3; dev: Mistral, not read from folders yet),
     no pooled text; its own VAE (32 channels, 8x smaller sides, patches normalised); flow matching."""
 
@@ -151,23 +152,8 @@ class Flux2Family(ModelFamily):
 
         return diffusers.Flux2KleinPipeline
 
-    def check_supported(self, model):
-        if model.config.patch_size != 1:
-            raise ValueError(f"FLUX.2 config patch_size={model.config.patch_size} is not supported: its pipelines "
-                             "patchify latents 2x2 outside the model, with patch_size = 1")
-
     def describe(self, model, granularity):
         return flux2_backbone(model)
-
-    def latent_channels(self, cfg):
-        return cfg.in_channels // 4
-
-    def default_latent_size(self, cfg):
-        """1024 pixels through the 8x VAE; 1-channel configs are for digits."""
-        return 8 if cfg.in_channels == 4 else 128
-
-    def latent_multiple(self, cfg):
-        return 2
 
     def text_widths(self, cfg):
         return cfg.joint_attention_dim, 0
@@ -181,12 +167,6 @@ class Flux2Family(ModelFamily):
         if cfg.guidance_embeds:
             named["guidance"] = torch.full((batch,), text.guidance, device=device)
         return named
-
-    def pack(self, cfg, latents):
-        return pack_latents(latents)
-
-    def unpack_prediction(self, cfg, prediction, latent_size):
-        return unpack_latents(prediction, latent_size)
 
     def diffusers_forward(self, model, sample, conditions):
         return model(hidden_states=sample, timestep=conditions["timestep"] / 1000, guidance=conditions.get("guidance"),
