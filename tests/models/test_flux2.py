@@ -11,6 +11,7 @@ import pytest
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
 
+from diffpipe.cli import main
 from diffpipe.models.families.flux2.flux2 import FLUX2_PRESETS, Flux2Family, flux2_backbone, image_ids, text_ids
 from diffpipe.models.families.flux2.text import Flux2KleinText
 from diffpipe.models.family import Feed
@@ -129,3 +130,19 @@ def test_a_lora_exports_for_diffusers_and_loads_into_flux2_klein_pipeline(tiny, 
                     "--set", 'adapter.type="lora"', "--set", "adapter.rank=4", "--set", "adapter.alpha=8.0")
     assert result.returncode == 0, result.stderr[-3000:]
     check_diffusers_lora(Flux2KleinPipeline, tiny / "flux2_klein", run, tmp_path / "out", _sampled)
+
+
+def test_a_flux2_dev_folder_is_refused_in_one_line_before_its_text_encoder_is_read(tiny, tmp_path, capsys):
+    """FLUX.2 dev's Flux2Pipeline captions through Mistral 3, not read yet: refused before a Mistral would be read as
+    a Qwen3 (the tiny klein folder relabelled)."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(tiny / "flux2_klein", tmp_path / "flux2_dev")
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "Flux2Pipeline"}))
+    code = main(["train", str(ROOT / "examples" / "flux2_klein_tiny.toml"), "--output-dir", str(tmp_path / "run"),
+                 "--set", f'model.path="{folder}"', "--set", f'data.path="{tiny / "photos"}"', *QUICK])
+    err = capsys.readouterr().err
+    assert code != 0 and "is a FLUX.2 dev folder (Flux2Pipeline: a Mistral 3 text encoder)" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -20,6 +20,7 @@ import torch
 from diffusers import Flux2Transformer2DModel
 from torch import nn
 
+from ....errors import ConfigError
 from ...family import TextBatch
 from ...tokens import reset_rms_norm
 from ...units import Backbone, Unit
@@ -179,14 +180,27 @@ class Flux2Family(PackedFamily):
     def folder_text_encoder(self, folder):
         from .text import Flux2KleinText
 
+        _check_klein(folder)
         return Flux2KleinText.from_folder(folder)
 
     def folder_text_widths(self, folder):
         from ...folder import text_encoder_configs
 
+        _check_klein(folder)
         return 3 * text_encoder_configs(folder)[0]["hidden_size"], 0
 
     def folder_text_length(self, folder):
         from .text import FLUX2_TEXT_TOKENS
 
         return FLUX2_TEXT_TOKENS
+
+
+def _check_klein(folder) -> None:
+    """FLUX.2 dev's folders (Flux2Pipeline) caption through Mistral 3 with its own system message, not read yet: one
+    line, before a Mistral is read as a Qwen3."""
+    from ...folder import pipeline_index
+
+    if pipeline_index(folder).get("_class_name") == "Flux2Pipeline":
+        raise ConfigError(f"model.path = {str(folder)!r} is a FLUX.2 dev folder (Flux2Pipeline: a Mistral 3 text "
+                          "encoder), whose captions diffpipe does not encode yet; train a FLUX.2 klein folder "
+                          "(Flux2KleinPipeline), or plan dev without its folder (model.preset = \"dev\")")
