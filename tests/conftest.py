@@ -48,12 +48,12 @@ def _copy_of_made(tmp_path_factory, name: str, parts: tuple[str, ...]) -> Path |
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
     """A folder with sd15/, sdxl/, flux/, flux_kontext/, chroma/, sd3/, qwen_image/, qwen_image_edit/,
-    qwen_image_edit_plus/ and z_image/ pipeline folders,
+    qwen_image_edit_plus/, z_image/ and flux2_klein/ pipeline folders,
     photos/ (16 captioned crops) and edits/ (8 of them under pictures/, a grey copy of each under controls/); treat it
     as read-only (copy photos/ before changing it)."""
     made = _copy_of_made(tmp_path_factory, "tiny", ("sd15", "sdxl", "flux", "flux_kontext", "chroma", "sd3", "qwen_image",
-                                                    "qwen_image_edit", "qwen_image_edit_plus", "z_image", "photos",
-                                                    "edits"))
+                                                    "qwen_image_edit", "qwen_image_edit_plus", "z_image", "flux2_klein",
+                                                    "photos", "edits"))
     if made is not None:
         return made
     out = tmp_path_factory.mktemp("tiny")

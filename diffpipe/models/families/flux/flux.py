@@ -20,7 +20,7 @@ from diffusers import FluxTransformer2DModel
 from torch import nn
 
 from ...family import TextBatch
-from .packed import PackedFamily
+from ...packed import PackedFamily
 from .release_layout import BFL
 from ...units import Backbone, Unit
 

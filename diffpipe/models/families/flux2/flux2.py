@@ -23,8 +23,8 @@ from torch import nn
 from ....errors import ConfigError
 from ...family import TextBatch
 from ...tokens import reset_rms_norm
+from ...packed import PackedFamily
 from ...units import Backbone, Unit
-from ..flux.packed import PackedFamily
 
 __all__ = ["Flux2Family", "flux2_backbone", "FLUX2_PRESETS", "image_ids", "text_ids"]
 

@@ -1,9 +1,9 @@
-"""What Flux.1's and FLUX.2's families share: latents packed 2x2 into tokens outside the model, as their pipelines
-pack them (`tokens.pack_latents`), so the model itself runs with patch_size = 1."""
+"""What families whose pipelines pack latents 2x2 into tokens outside the model share (Flux.1's, as
+`tokens.pack_latents` packs them, and FLUX.2's): the model itself runs with patch_size = 1."""
 from __future__ import annotations
 
-from ...family import ModelFamily
-from ...tokens import pack_latents, unpack_latents
+from .family import ModelFamily
+from .tokens import pack_latents, unpack_latents
 
 __all__ = ["PackedFamily"]
 
