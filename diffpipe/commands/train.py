@@ -19,6 +19,7 @@ def _prepare_run(args) -> tuple:
     """The run's config checked, the planner's choices taken into it, its folder prepared (this machine's first
     process) and what it trains said (the first process): (config, run folder, whether this process is the first,
     the folder's lock)."""
+    from ..planner.plan import take_stages
     from ..preflight import check_before_launch
 
     config = _run_config(args)
@@ -28,8 +29,7 @@ def _prepare_run(args) -> tuple:
     if is_main:
         _say_what_trains(config, checked.backbone)
     _check_export_format(config, checked.backbone)
-    config.pipeline.split, config.pipeline.recomputed_units = checked.split, list(checked.recomputed)
-    config.pipeline.checkpointing = checked.recomputed.stages
+    take_stages(config.pipeline, checked.split, checked.recomputed)
     for key, value in checked.memory.items():  # chosen by the planner ("auto")
         setattr(config.memory, key, value)
     run_dir = Path(config.output.dir)

@@ -30,7 +30,7 @@ from .partition import (BYTES_PER_WEIGHT, Hardware, Infeasible, Partition, Recom
                         partition)
 
 __all__ = ["Plan", "unit_costs", "boundary_bytes", "hardware", "planning_device", "make_plan", "resolve_stages",
-           "planned_figures", "resolve_memory", "search_layouts", "profile_key", "scaled"]
+           "take_stages", "planned_figures", "resolve_memory", "search_layouts", "profile_key", "scaled"]
 
 
 @dataclass
@@ -329,6 +329,12 @@ def layouts_tried(config: RunConfig, meta: Backbone, world_size: int, hw: Hardwa
 def checkpointing_mode(p: PipelineConfig):
     """pipeline.recomputed_units where given (`Recomputed`), else pipeline.checkpointing: what the partition takes."""
     return Recomputed(p.recomputed_units) if p.recomputed_units is not None else p.checkpointing
+
+
+def take_stages(p: PipelineConfig, split: list[int], recomputed: Recomputed) -> None:
+    """The resolved split and checkpointed units written into `p` (the run's config.toml holds them, so a resume
+    plans nothing): pipeline.recomputed_units, and pipeline.checkpointing as the stages recomputing any unit."""
+    p.split, p.recomputed_units, p.checkpointing = split, list(recomputed), recomputed.stages
 
 
 def resolve_stages(config: RunConfig, backbone: Backbone) -> tuple[list[int], Recomputed]:

@@ -35,7 +35,7 @@ from ..pipeline.split import stage_specs
 from ..pipeline.stage import StageModule, compiled_shapes_words
 from ..pipeline.tied import TiedGradients, tied_parameters
 from ..pipeline.traffic import Crossing
-from ..planner.plan import resolve_memory, resolve_stages
+from ..planner.plan import resolve_memory, resolve_stages, take_stages
 from ..sampling import grid_controls, grid_prompts, show_controls
 from .checkpoint import model_shapes
 from .evaluation import held_out_data
@@ -87,8 +87,7 @@ def resolve_layout(config: RunConfig, backbone: Backbone) -> None:
         for key, value in resolve_memory(config, backbone).changes(m).items():
             setattr(m, key, value)
     if not isinstance(p.split, list) or p.recomputed_units is None:
-        p.split, recomputed = resolve_stages(config, backbone)
-        p.recomputed_units, p.checkpointing = list(recomputed), recomputed.stages
+        take_stages(p, *resolve_stages(config, backbone))
 
 
 def resolve_epochs(train: TrainConfig, data, say: bool) -> None:
