@@ -8,6 +8,9 @@ the Flux adapter computes once and sends across stage boundaries, against the by
     python bench/flux_slice.py --double 19 --single 38 --batch 1 --steps 20 --lora 16 --base-dtype bf16 --gc both
     python bench/flux_slice.py --kontext ...   # Flux Kontext: a 1024x1024 control's 4096 tokens beside the picture's
     python bench/flux_slice.py --chroma ...    # Chroma1-HD's blocks (no guidance or pooled text; modulation pruned)
+    python bench/flux_slice.py --flux2 klein-4b --double 5 --single 20 --batch 1 --lora 16 --base-dtype bf16
+                                               # FLUX.2 klein (issue 57): 32-channel latents in 2x2 patches (128
+                                               # wide), Qwen3's 3 x 2560-wide text, no guidance embedding
     python bench/flux_slice.py --double 19 --single 38 --batch 1 --steps 20 --lora 16 --base-dtype bf16 --compile \
         --fp8-compute both                  # issue 54: compiled blocks, diffpipe with and without fp8 compute
 
@@ -15,8 +18,8 @@ the Flux adapter computes once and sends across stage boundaries, against the by
 `compile_repeated_blocks(fullgraph=True)` in the plain one). --fp8-compute on|both runs diffpipe with
 `train.fp8_compute` (the base's linear weights in fp8, their products on fp8 tensor cores; with both, also without).
 
-With --lora RANK both loops train a LoRA of that rank on to_q/to_k/to_v/to_out.0 (issue 33's anchor) over a base
-stored in --base-dtype. Each diffpipe run also lists the host's garbage collections of the oldest generation (a
+With --lora RANK both loops train a LoRA of that rank on to_q/to_k/to_v/to_out.0 (issue 33's anchor; FLUX.2: also
+its single blocks' fused `to_qkv_mlp_proj`, the family's targets) over a base stored in --base-dtype. Each diffpipe run also lists the host's garbage collections of the oldest generation (a
 pause of the whole host, every Python object scanned) and the steps they fell in; --gc both runs diffpipe twice,
 as it runs and with `gc.freeze()` before training (what it held after building never scanned again).
 
@@ -45,29 +48,54 @@ from diffpipe.distributed import single_process_topology  # noqa: E402
 from diffpipe.models.families.flux.chroma import CHROMA_PRESETS  # noqa: E402
 from diffpipe.models.families.flux.flux import FLUX_PRESETS, image_ids  # noqa: E402
 from diffpipe.models.families.flux.kontext import reference_ids  # noqa: E402
+from diffpipe.models.families.flux2.flux2 import FLUX2_PRESETS, Flux2Family, text_ids  # noqa: E402
+from diffpipe.models.families.flux2.flux2 import image_ids as flux2_image_ids  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
 TOKENS, LATENT = 512, 128
 
 
 def architecture(args) -> str:
-    return "chroma" if args.chroma else "flux_kontext" if args.kontext else "flux"
+    return "flux2" if args.flux2 else "chroma" if args.chroma else "flux_kontext" if args.kontext else "flux"
 
 
 def _slice(args) -> dict:
-    preset = CHROMA_PRESETS["hd"] if args.chroma else FLUX_PRESETS["dev"]
+    preset = (FLUX2_PRESETS[args.flux2] if args.flux2 else CHROMA_PRESETS["hd"] if args.chroma
+              else FLUX_PRESETS["dev"])
     return dict(preset, num_layers=args.double, num_single_layers=args.single)
 
 
 def _model_class(args):
     import diffusers
 
-    return diffusers.ChromaTransformer2DModel if args.chroma else diffusers.FluxTransformer2DModel
+    return (diffusers.Flux2Transformer2DModel if args.flux2 else diffusers.ChromaTransformer2DModel if args.chroma
+            else diffusers.FluxTransformer2DModel)
 
 
-def _inputs(batch: int, device: str = "cuda", kontext: bool = False, chroma: bool = False) -> dict:
+def lora_targets(architecture: str) -> list[str]:
+    return list(Flux2Family.lora_targets) if architecture == "flux2" else ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def _flux2_inputs(batch: int, device: str, size: dict) -> dict:
+    """FLUX.2's inputs as Flux2KleinPipeline gives its transformer: 4096 tokens of 2x2 patches, 512 caption
+    positions, position ids of four axes, no guidance on klein."""
+    cuda = dict(device=device)
+    inputs = dict(hidden_states=torch.randn(batch, (LATENT // 2) ** 2, size["in_channels"], **cuda),
+                  timestep=torch.rand(batch, **cuda),
+                  encoder_hidden_states=torch.randn(batch, TOKENS, size["joint_attention_dim"], **cuda),
+                  img_ids=flux2_image_ids((LATENT // 2, LATENT // 2), device), txt_ids=text_ids(TOKENS, device))
+    if size["guidance_embeds"]:
+        inputs["guidance"] = torch.full((batch,), 4.0, **cuda)
+    return inputs
+
+
+def _inputs(batch: int, device: str = "cuda", kontext: bool = False, chroma: bool = False,
+            flux2: dict | None = None) -> dict:
     """The model's inputs; with `kontext`, a control's tokens after the picture's, as FluxKontextPipeline joins them;
-    with `chroma`, no guidance or pooled text (every text position filled, as the synthetic captions: no mask)."""
+    with `chroma`, no guidance or pooled text (every text position filled, as the synthetic captions: no mask);
+    with `flux2` (the model's config), FLUX.2's."""
+    if flux2 is not None:
+        return _flux2_inputs(batch, device, flux2)
     cuda = dict(device=device)
     picture, ids = (LATENT // 2) ** 2, image_ids((LATENT, LATENT), device)
     if kontext:
@@ -88,7 +116,8 @@ def step_flops(args) -> float:
         model = _model_class(args)(**_slice(args))
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
-        model(**_inputs(args.batch, "meta", args.kontext, args.chroma), return_dict=False)
+        model(**_inputs(args.batch, "meta", args.kontext, args.chroma, _slice(args) if args.flux2 else None),
+              return_dict=False)
     return 3.0 * counter.get_total_flops()
 
 
@@ -113,7 +142,7 @@ def _config(args, fp8_compute: bool = False):
         "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0}}
     if args.lora:
         table["adapter"] = {"type": "lora", "rank": args.lora, "alpha": float(args.lora),
-                            "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]}
+                            "target_modules": lora_targets(architecture(args))}
     return build_config(table)
 
 
@@ -128,7 +157,8 @@ def plain_loop(args, flops: float) -> None:
     if args.compile:
         model.compile_repeated_blocks(fullgraph=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
-    target = torch.randn(args.batch, (LATENT // 2) ** 2, 64, device="cuda")
+    target = torch.randn(args.batch, (LATENT // 2) ** 2, _slice(args)["in_channels"] if args.flux2 else 64,
+                         device="cuda")
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -225,6 +255,8 @@ def main() -> None:
     parser.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--kontext", action="store_true", help="Flux Kontext: a control image's tokens beside each picture's")
     parser.add_argument("--chroma", action="store_true", help="Chroma: its blocks at Chroma1-HD's width")
+    parser.add_argument("--flux2", choices=sorted(FLUX2_PRESETS), default=None,
+                        help="FLUX.2's blocks at this preset's width (klein-4b, klein-9b, dev)")
     parser.add_argument("--compile", action="store_true", help="compile the repeated blocks in both loops")
     parser.add_argument("--fp8-compute", choices=["off", "on", "both"], default="off",
                         help="diffpipe with train.fp8_compute (both: with and without)")

@@ -109,17 +109,19 @@ def _label(loop: str, compiled: bool, lora_rank: int | None) -> str:
 
 def _plain_model(config, batch: int, lora_rank: int | None, bf16_base: bool):
     """The family's diffusers model on the GPU, its inputs, and the trained parameters, as a user sets them up."""
-    if config.model.architecture in ("flux", "flux_kontext", "chroma"):
+    if config.model.architecture in ("flux", "flux_kontext", "chroma", "flux2"):
         from diffpipe.models.registry import family_for
         from flux_slice import _inputs as flux_inputs
+        from flux_slice import lora_targets
 
         family = family_for(config.model.architecture)
         size = config.model.config or family.presets[config.model.preset]
         with torch.device("cuda"):  # 12 B random weights: drawn on the GPU, not the host
             model = family.model_class(**size)
         inputs = flux_inputs(batch, kontext=config.model.architecture == "flux_kontext",
-                             chroma=config.model.architecture == "chroma")
-        targets = FLUX_LORA_TARGETS
+                             chroma=config.model.architecture == "chroma",
+                             flux2=size if config.model.architecture == "flux2" else None)
+        targets = lora_targets(config.model.architecture)
     elif config.model.architecture == "qwen_image":
         from types import SimpleNamespace
 
