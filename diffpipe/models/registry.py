@@ -28,6 +28,7 @@ BUILTIN_FAMILIES = {
     "hunyuan_video15": "diffpipe.models.families.hunyuan_video15.hunyuan_video15:HunyuanVideo15Family",
     "z_image": "diffpipe.models.families.z_image.z_image:ZImageFamily",
     "flux2": "diffpipe.models.families.flux2.flux2:Flux2Family",
+    "ltx2": "diffpipe.models.families.ltx2.ltx2:LTX2Family",
 }
 
 

@@ -36,7 +36,7 @@ def test_a_weight_used_by_the_first_and_last_units_is_found_tied():
 
 @pytest.mark.parametrize("architecture,says", [
     ("dit", "model.architecture: 'dit' is not one of unet2d, flux, flux_kontext, chroma, sd3, wan, wan_i2v, unet3d, "
-            "qwen_image, qwen_image_edit, hunyuan_video15, z_image, flux2, or a ModelFamily subclass"),
+            "qwen_image, qwen_image_edit, hunyuan_video15, z_image, flux2, ltx2, or a ModelFamily subclass"),
     ("tests.models.nowhere:Family", "cannot import"),
     ("diffpipe.config:RunConfig", "is not a ModelFamily subclass"),
 ])

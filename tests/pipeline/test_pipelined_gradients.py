@@ -75,6 +75,7 @@ from diffpipe.models.families.sd3.sd3 import SD3_PRESETS
 from diffpipe.models.families.qwen_image.qwen_image import QWEN_IMAGE_PRESETS
 from diffpipe.models.families.z_image.z_image import Z_IMAGE_PRESETS
 from diffpipe.models.families.flux2.flux2 import FLUX2_PRESETS
+from diffpipe.models.families.ltx2.ltx2 import LTX2_PRESETS
 from diffpipe.models.families.unet.unet3d import UNET3D_PRESETS
 from diffpipe.models.families.wan.wan import WAN_PRESETS
 from diffpipe.models.families.wan.i2v import WAN_I2V_PRESETS
@@ -104,11 +105,13 @@ MODELS = {"digits": ("unet2d", UNET_PRESETS["digits"]), "sdxl-style": ("unet2d",
           "qwen-image-edit": ("qwen_image_edit", QWEN_IMAGE_PRESETS["digits"]),
           "hunyuan-video15": ("hunyuan_video15", HUNYUAN_VIDEO15_PRESETS["digits"]),
           "z-image": ("z_image", Z_IMAGE_PRESETS["digits"]),  # reversed time and prediction; per-sample rotary tables
-          "flux2": ("flux2", FLUX2_PRESETS["digits"])}  # modulations computed once and sent on; 4-axis rotary
+          "flux2": ("flux2", FLUX2_PRESETS["digits"]),  # modulations computed once and sent on; 4-axis rotary
+          # video and audio streams, the audio's tokens after the video's in one sample; synthetic clips
+          "ltx2": ("ltx2", LTX2_PRESETS["digits"])}
 
 
 MOVING = ("wan", "wan-i2v", "wan-ti2v-i2v", "wan21-i2v", "unet3d", "hunyuan-video15")  # trained on clips of moving digits
-SYNTHETIC = ("sdxl-style", "flux-kontext", "qwen-image-edit")  # trained on synthetic latents (an edit model: with random controls)
+SYNTHETIC = ("sdxl-style", "flux-kontext", "qwen-image-edit", "ltx2")  # trained on synthetic latents (an edit model: with random controls)
 TEXT_LENGTH = 8
 
 
@@ -175,6 +178,7 @@ TWO = {
     "z-image-lora-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="z-image", lora=True),
     "flux2-1f1b-2": _config(2, "1f1b", model="flux2"),
     "flux2-lora-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="flux2", lora=True),
+    "ltx2-1f1b-2": _config(2, "1f1b", model="ltx2"),
     "toy-tied-1f1b-2": _config(2, "1f1b", model="toy-tied"),
     "toy-tied-interleaved-2x2": _config(2, "interleaved_1f1b", virtual=2, model="toy-tied"),
     "wan-gpipe-2": _config(2, "gpipe", model="wan"),
