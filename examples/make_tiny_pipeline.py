@@ -22,7 +22,8 @@ Flux; the T5 alone for Chroma; three text encoders for SD3; for Wan its video VA
 Qwen-Image a Qwen2.5-VL encoder with a real Qwen2 byte-level BPE tokenizer, and Qwen's VAE; for Qwen-Image-Edit
 the same with a Qwen2VLProcessor whose vision tower reads the control picture; for HunyuanVideo 1.5 a Qwen2.5-VL text
 model with a chat template, a ByT5 encoder and its 16x video VAE; for Z-Image and FLUX.2 klein a Qwen3 model with a
-chat template, and FLUX.2's own VAE for klein). The photos are scikit-learn's two sample photographs (china.jpg,
+chat template, and FLUX.2's own VAE for klein; for LTX-2 a Gemma 3 model, the text connectors, the video and audio
+VAEs and a vocoder). The photos are scikit-learn's two sample photographs (china.jpg,
 flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption;
 the edits are eight of them with a grey copy of each as its control image.
 The clips are coloured shapes sliding over a gradient, written as mp4 (H.264) and webm (VP9) by PyAV, captioned with
@@ -50,7 +51,7 @@ from transformers import (CLIPImageProcessor, CLIPTextConfig, CLIPTextModel, CLI
 
 __all__ = ["write_sd15", "write_sdxl", "write_flux", "write_chroma", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_wan22_i2v",
            "write_wan21_i2v",
-           "write_qwen_image", "write_hunyuan_video15", "write_z_image", "write_flux2_klein",
+           "write_qwen_image", "write_hunyuan_video15", "write_z_image", "write_flux2_klein", "write_ltx2",
            "write_photos", "write_edits", "write_clips",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
 
@@ -455,6 +456,62 @@ def write_flux2_klein(out: Path, seed: int = 0) -> Path:
     return out / "flux2_klein"
 
 
+def write_ltx2(out: Path, seed: int = 0) -> Path:
+    """LTX-2's layout (LTX2Pipeline, as Lightricks/LTX-2): a Gemma 3 model (16 wide, two layers, a one-layer SigLIP
+    tower it never uses for text) with the tiny Qwen2 BPE tokenizer, the pipeline's text connectors (one layer a
+    stream, 8 learned registers: the release's 128 make their mask all ones, as these do), the video VAE (8 latent
+    channels, 8x smaller sides, a latent frame per 4 frames after the first, as stated in its config) and the audio VAE
+    (stereo 16-bin mel spectrograms, 2 latent channels, 4x fewer frames and bins: audio tokens 2 x 4 = 8 wide, as the
+    video's), a vocoder, and a two-block LTX2VideoTransformer3DModel reading 8-channel tokens of both."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2Pipeline,
+                           LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_qwen_tokenizer()
+    text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                     max_position_embeddings=2048, sliding_window=16),
+        vision_config=SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=28, patch_size=14),
+        mm_tokens_per_image=4))
+    connectors = LTX2TextConnectors(
+        caption_channels=16, text_proj_in_factor=3, video_connector_num_attention_heads=2,
+        video_connector_attention_head_dim=8, video_connector_num_layers=1, video_connector_num_learnable_registers=8,
+        audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=8)
+    vae = AutoencoderKLLTX2Video(
+        latent_channels=8, block_out_channels=(8, 16), down_block_types=("LTX2VideoDownBlock3D",) * 2,
+        decoder_block_out_channels=(8, 16), layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+        spatio_temporal_scaling=(True, True), decoder_spatio_temporal_scaling=(True, True),
+        decoder_inject_noise=(False, False, False), downsample_type=("spatiotemporal",) * 2,
+        upsample_type=("spatiotemporal",) * 2, upsample_residual=(False, False), upsample_factor=(1, 1),
+        patch_size=2, spatial_compression_ratio=8, temporal_compression_ratio=4)
+    with torch.no_grad():  # statistics as if fitted: a latent left unnormalised shows
+        vae.latents_mean.copy_(0.1 * torch.randn(8))
+        vae.latents_std.copy_(torch.rand(8) + 0.5)
+    audio_vae = AutoencoderKLLTX2Audio(base_channels=8, ch_mult=(1, 2, 4), num_res_blocks=1, resolution=32,
+                                       latent_channels=2, mel_bins=16)
+    with torch.no_grad():
+        audio_vae.latents_mean.copy_(0.1 * torch.randn(8))
+        audio_vae.latents_std.copy_(torch.rand(8) + 0.5)
+    vocoder = LTX2Vocoder(in_channels=2 * 16, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
+                          upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+                          leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+        vae_scale_factors=(4, 8, 8), audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=2,
+        audio_attention_head_dim=8, audio_cross_attention_dim=16, num_layers=2, caption_channels=16)
+    LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(), audio_vae=audio_vae.eval(),
+                 text_encoder=text_encoder.eval(), tokenizer=tokenizer, connectors=connectors.eval(),
+                 transformer=transformer, vocoder=vocoder.eval()).save_pretrained(out / "ltx2",
+                                                                                  safe_serialization=True)
+    return out / "ltx2"
+
+
 def write_hunyuan_video15(out: Path, seed: int = 0) -> Path:
     """HunyuanVideo 1.5's layout (HunyuanVideo15Pipeline, as hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v): a
     Qwen2.5-VL text model (32 wide, three layers: the pipeline reads the states three from the last) with a real Qwen2
@@ -657,7 +714,7 @@ def main() -> None:
                  write_wan21_i2v(out),
                  write_qwen_image(out),
                  write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True),
-                 write_hunyuan_video15(out), write_z_image(out, vae), write_flux2_klein(out), write_photos(out),
+                 write_hunyuan_video15(out), write_z_image(out, vae), write_flux2_klein(out), write_ltx2(out), write_photos(out),
                  write_edits(out), write_clips(out)):
         print(f"wrote {path}")
     (out / STAMP).write_text(_this_script() + "\n")

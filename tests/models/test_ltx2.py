@@ -83,3 +83,28 @@ def test_a_sample_packs_into_the_video_tokens_then_the_audio_tokens_and_back():
                      latent_size=(frames, side, side), guidance=1.0)
     named = family.conditions(cfg, text)
     assert named["video_coords"].shape == (2, 3, 32, 2) and named["audio_coords"].shape == (2, 1, audio, 2)
+
+
+CAPTIONS = ["a red square moving left", "", "  a blue disc moving up with words unknown to the vocab  "]
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_video):
+    from diffusers import LTX2Pipeline
+
+    return LTX2Pipeline.from_pretrained(tiny_video / "ltx2")
+
+
+def test_text_is_encoded_as_ltx2_pipeline_does(tiny_video, pipe):
+    """Gemma 3's states of every layer through the pipeline's connectors, the video's then the audio's."""
+    from diffpipe.models.families.ltx2.text import LTX2Text
+
+    with torch.no_grad():
+        embeds, mask, _, _ = pipe.encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False, device="cpu")
+        video, audio, connector_mask = pipe.connectors(embeds, mask, padding_side="left")
+    assert bool(connector_mask.all())  # the registers fill the padding: nothing is masked
+    hidden, pooled = LTX2Text.from_folder(tiny_video / "ltx2").encode(CAPTIONS)
+    assert hidden.shape == (3, 1024, 32) and pooled.shape == (3, 0)
+    torch.testing.assert_close(hidden, torch.cat((video, audio), dim=-1), rtol=1e-5, atol=1e-6)
+    family = LTX2Family()
+    assert family.folder_text_widths(tiny_video / "ltx2") == family.text_widths(pipe.transformer.config) == (32, 0)

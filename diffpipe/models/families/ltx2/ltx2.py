@@ -75,6 +75,14 @@ def sample_frames(cfg, video_frames: int, height: int, width: int) -> int:
     return video_frames + _audio_rows(cfg, video_frames, height, width)
 
 
+def caption_widths(cfg) -> tuple[int, int]:
+    """(video, audio) widths of the caption states the model reads: LTX-2.0 projects captions of `caption_channels`
+    for each stream; LTX-2.3's connectors project them to each stream's cross-attention width themselves."""
+    if cfg.use_prompt_embeddings:
+        return cfg.caption_channels, cfg.caption_channels
+    return cfg.cross_attention_dim, cfg.audio_cross_attention_dim
+
+
 def _stacked(rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return torch.stack(rope, dim=1)  # (B, 2, ...): the batch first, as every stream
 
@@ -116,7 +124,7 @@ class LTX2Embed(nn.Module):
         if self.prompted:  # LTX-2.3: sigma is the timestep (the pipeline's)
             streams["temb_prompt"] = embedded(self.prompt_adaln, t, h.dtype)[0]
             streams["temb_prompt_audio"] = embedded(self.audio_prompt_adaln, t, audio.dtype)[0]
-        context, audio_context = encoder_hidden_states.chunk(2, dim=-1)
+        context, audio_context = encoder_hidden_states.split(caption_widths(cfg), dim=-1)
         if cfg.use_prompt_embeddings:
             context = self.caption_projection(context).view(batch, -1, h.shape[-1])
             audio_context = self.audio_caption_projection(audio_context).view(batch, -1, audio.shape[-1])
@@ -171,8 +179,8 @@ def ltx2_backbone(model: LTX2VideoTransformer3DModel) -> Backbone:
 
 
 class LTX2Family(ModelFamily):
-    """LTX-2: a clip's video and audio denoised together (flow matching); captions from Gemma 3 through the text
-    connectors (not read from folders yet: trained from `model.config` or a preset on synthetic clips)."""
+    """LTX-2: a clip's video and audio denoised together (flow matching); captions from Gemma 3 through the
+    pipeline's text connectors (text.py)."""
 
     name = "ltx2"
     model_class = LTX2VideoTransformer3DModel
@@ -208,7 +216,23 @@ class LTX2Family(ModelFamily):
         return sample_frames(cfg, 2 if cfg.in_channels == 8 else 16, side, side)
 
     def text_widths(self, cfg):
-        return 2 * cfg.caption_channels, 0  # the video's and the audio's text states side by side
+        return sum(caption_widths(cfg)), 0  # the video's and the audio's caption states side by side
+
+    def folder_text_encoder(self, folder):
+        from .text import LTX2Text
+
+        return LTX2Text.from_folder(folder)
+
+    def folder_text_widths(self, folder):
+        from ...folder import text_encoder_configs
+        from .text import connector_widths
+
+        return sum(connector_widths(text_encoder_configs(folder, ("connectors",))[0])), 0
+
+    def folder_text_length(self, folder):
+        from .text import LTX2_TEXT_TOKENS
+
+        return LTX2_TEXT_TOKENS
 
     def conditions(self, cfg, text: TextBatch):
         frames, height, width = text.latent_size
@@ -234,7 +258,7 @@ class LTX2Family(ModelFamily):
     def diffusers_forward(self, model, sample, conditions):
         coords = conditions["video_coords"]
         video, audio = sample[:, :coords.shape[2]], sample[:, coords.shape[2]:]
-        context, audio_context = conditions["encoder_hidden_states"].chunk(2, dim=-1)
+        context, audio_context = conditions["encoder_hidden_states"].split(caption_widths(model.config), dim=-1)
         out = model(hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=context,
                     audio_encoder_hidden_states=audio_context, timestep=conditions["timestep"],
                     sigma=conditions["timestep"], video_coords=coords, audio_coords=conditions["audio_coords"],
