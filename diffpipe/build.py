@@ -168,7 +168,7 @@ def sample_shape(config: RunConfig, backbone: Backbone) -> tuple[int, ...]:
         size = tuple(config.data.latent_size or (family.default_latent_size(cfg),) * 2)
     frames = family.latent_frames(cfg)
     if frames is not None:
-        frames = source.latent_frames(config) or config.data.frames or frames
+        frames = family.sample_frames(cfg, source.latent_frames(config) or config.data.frames or frames, size)
     return (family.latent_channels(cfg),) + ((frames,) if frames is not None else ()) + size
 
 

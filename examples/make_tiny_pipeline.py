@@ -27,7 +27,7 @@ VAEs and a vocoder). The photos are scikit-learn's two sample photographs (china
 flower.jpg, shipped inside the package), cut into crops of three aspect ratios, each with a same-named .txt caption;
 the edits are eight of them with a grey copy of each as its control image.
 The clips are coloured shapes sliding over a gradient, written as mp4 (H.264) and webm (VP9) by PyAV, captioned with
-the shape, its colour and its motion.
+the shape, its colour and its motion; av_clips/ are such clips with a tone of the colour's pitch as their sound.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from transformers import (CLIPImageProcessor, CLIPTextConfig, CLIPTextModel, CLI
 __all__ = ["write_sd15", "write_sdxl", "write_flux", "write_chroma", "write_sd3", "write_wan", "write_wan22", "write_wan22_ti2v", "write_wan22_i2v",
            "write_wan21_i2v",
            "write_qwen_image", "write_hunyuan_video15", "write_z_image", "write_flux2_klein", "write_ltx2",
-           "write_photos", "write_edits", "write_clips",
+           "write_photos", "write_edits", "write_clips", "write_av_clips", "write_video_with_audio",
            "write_video", "fitted_vae", "CAPTION_WORDS"]
 
 CAPTION_WORDS = ("a photo of the chinese temple flower pink yellow red roof tree sky close view wide "
@@ -636,6 +636,59 @@ def write_clips(out: Path) -> Path:
     return folder
 
 
+def write_video_with_audio(path: Path, frames: list, fps: int, audio, rate: int = 48000) -> Path:
+    """RGB frames as H.264 and a stereo waveform (2, samples) of floats in [-1, 1] as AAC, in one .mp4."""
+    import av
+    import numpy as np
+
+    with av.open(str(path), mode="w") as container:
+        video = container.add_stream("libx264", rate=fps)
+        video.height, video.width = frames[0].shape[:2]
+        video.pix_fmt = "yuv420p"
+        sound = container.add_stream("aac", rate=rate, layout="stereo")
+        for pixels in frames:
+            container.mux(video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(video.encode())
+        step = sound.codec_context.frame_size or 1024
+        for start in range(0, audio.shape[1], step):
+            chunk = np.ascontiguousarray(audio[:, start:start + step], dtype=np.float32)
+            frame = av.AudioFrame.from_ndarray(chunk, format="fltp", layout="stereo")
+            frame.sample_rate, frame.pts = rate, start
+            container.mux(sound.encode(frame))
+        container.mux(sound.encode())
+    return path
+
+
+_PITCHES = {"red": 330.0, "blue": 550.0, "yellow": 880.0}  # Hz: each colour sounds its own tone
+
+
+def write_av_clips(out: Path) -> Path:
+    """Eight captioned clips with their sound (LTX-2's data): 24 frames a second, 64x48 or 48x64, 17 to 25 frames,
+    a shape sliding as in clips/ while a tone of its colour's pitch sounds, louder on the side it moves to (stereo
+    AAC at 48 kHz, a little longer than the video); and two that LTX-2 cannot use: one at 8 frames a second, one
+    without sound."""
+    import numpy as np
+
+    folder = out / "av_clips"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(8):
+        shape, colour, motion = ("square", "disc")[i % 2], list(_COLOURS)[i % 3], list(_MOTIONS)[i % 4]
+        count = 17 + 4 * (i % 3)
+        frames = _shape_frames(shape, colour, motion, count, (48, 64) if i % 3 else (64, 48))
+        seconds = np.arange(int((count / 24 + 0.2) * 48000)) / 48000
+        tone = 0.3 * np.sin(2 * np.pi * _PITCHES[colour] * seconds)
+        left = {"left": 1.0, "right": 0.3}.get(motion, 0.7)
+        audio = np.stack([left * tone, (1.3 - left) * tone])
+        name = f"{colour}_{shape}_{motion}_{i}"
+        write_video_with_audio(folder / f"{name}.mp4", frames, 24, audio)
+        (folder / f"{name}.txt").write_text(f"a {colour} {shape} moving {motion}, a {colour} tone\n")
+    write_video(folder / "slow_red_disc.mp4", _shape_frames("disc", "red", "left", 17, (48, 64)), fps=8)
+    (folder / "slow_red_disc.txt").write_text("a red disc moving left\n")
+    write_video(folder / "silent_blue_square.mp4", _shape_frames("square", "blue", "up", 17, (48, 64)), fps=24)
+    (folder / "silent_blue_square.txt").write_text("a blue square moving up\n")
+    return folder
+
+
 # (photo, caption, crops as (left, top, width, height) in the 640x427 photo): landscape, portrait and square crops
 _CROPS = {
     "china": ("a photo of the chinese temple", [
@@ -715,7 +768,7 @@ def main() -> None:
                  write_qwen_image(out),
                  write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True),
                  write_hunyuan_video15(out), write_z_image(out, vae), write_flux2_klein(out), write_ltx2(out), write_photos(out),
-                 write_edits(out), write_clips(out)):
+                 write_edits(out), write_clips(out), write_av_clips(out)):
         print(f"wrote {path}")
     (out / STAMP).write_text(_this_script() + "\n")
 

@@ -187,10 +187,16 @@ class FolderImages:
                 batches.append(batch)
         return batches[torch.randperm(per_epoch, generator=gen)[position]]
 
+    @property
+    def reader(self) -> Callable[[ImageItem, Placement], torch.Tensor]:
+        """What the VAE encodes of an item: its pixels (`read_pixels`), or what a VAE that reads items itself makes
+        of it (LTX-2's codec: the clip with its audio)."""
+        return getattr(self.vae, "read_item", read_pixels)
+
     def x0(self, indices: list[int]) -> torch.Tensor:
         if self.latents is not None:
             return torch.stack([self.latents[i] for i in indices])
-        pixels = torch.stack([read_pixels(self.items[i], self.placements[i]) for i in indices])
+        pixels = torch.stack([self.reader(self.items[i], self.placements[i]) for i in indices])
         return encode_latents(self.vae, pixels).cpu()
 
     def control_latents(self, indices: list[int]) -> torch.Tensor | None:

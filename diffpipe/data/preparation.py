@@ -23,7 +23,7 @@ from .controls import cache_controls, find_controls
 from .first_frames import cache_first_frames, find_first_frames
 from .folder import BadImage, ImageItem, Skipped, files_beside, read_rgb, scan_folders, uncaptioned_note
 from .images import (FolderImages, cache_folder, caption_key, data_buckets, data_folders, file_hash, latent_key,
-                     read_pixels, regularisation_folders, smallest_side, store_latents)
+                     regularisation_folders, smallest_side, store_latents)
 from .videos import clip_frames
 
 __all__ = ["prepare_folder_images", "latent_keys"]
@@ -143,7 +143,7 @@ def _check_decodes(dataset: FolderImages) -> None:
     kept = []
     for i, (item, placement) in enumerate(zip(dataset.items, dataset.placements)):
         try:
-            read_pixels(item, placement)
+            dataset.reader(item, placement)
             if dataset.controls is not None and not dataset.first_frames:  # a first frame: read with its clip
                 read_rgb(dataset.controls[i])
             kept.append(i)
@@ -162,7 +162,7 @@ def _cache_latents(dataset: FolderImages, keys: list[str], store: ShardStore, va
                    show) -> list[str]:
     """The items' latents from the store under their `keys` (`latent_keys`); returns the kept items' keys."""
     latents, reasons = store_latents(dataset.items, dataset.placements, store, vae, rank, world, barrier, show,
-                                     "caching VAE latents", keys=keys)
+                                     "caching VAE latents", keys=keys, reader=dataset.reader)
     for i, why in reasons.items():
         dataset.skipped.add(dataset.items[i].path, why)
     dataset.latents = latents

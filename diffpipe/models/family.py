@@ -230,6 +230,11 @@ class ModelFamily:
         """Latent frames of a clip trained on without a VAE deciding (video families); None: images."""
         return None
 
+    def sample_frames(self, cfg: Any, frames: int, latent_size: tuple[int, int]) -> int:
+        """Latent frames of a sample whose clip has `frames` latent frames of `latent_size`: the same, unless the
+        family lays more than the video in a sample (LTX-2: its audio's tokens in frames after the video's)."""
+        return frames
+
     def diffusers_lora_pipeline(self, cfg: Any):
         """The diffusers pipeline class whose `save_lora_weights` writes this family's LoRA files (export
         --format diffusers), or None where none is known."""

@@ -9,8 +9,9 @@ Scaling follows diffusers' own training scripts and pipelines: (z - shift_factor
 per channel (z - latents_mean) / latents_std for Wan's and Qwen's (their pipelines decode with the inverse);
 z x scaling_factor for HunyuanVideo 1.5's (as its pipelines encode a first frame and decode); for FLUX.2's, each 2x2
 patch's channels less its batch norm's running mean over its running spread (Flux2Pipeline normalises its patchified
-latents so), the latents kept unpatchified: the family packs 2x2 patches into tokens as Flux.1's does. Weights
-are read from safetensors files only.
+latents so), the latents kept unpatchified: the family packs 2x2 patches into tokens as Flux.1's does. An LTX-2
+folder's VAE is its two (video and audio) as one codec that reads and encodes a clip with its audio
+(families/ltx2/codec.py: `encode_sample`, `decode_sample`). Weights are read from safetensors files only.
 """
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def _vae_config(folder: Path) -> dict:
 
 
 def load_vae(folder: Path) -> AutoencoderKL | AutoencoderKLWan | AutoencoderKLQwenImage:
+    if _vae_config(folder).get("_class_name") == "AutoencoderKLLTX2Video":
+        from .families.ltx2.codec import AudioVideoCodec
+
+        return AudioVideoCodec.from_folder(folder)
     component_weights(folder, "vae")  # refuses pickles before from_pretrained could read one
     vae_class = {**_VIDEO_VAES, "AutoencoderKLFlux2": AutoencoderKLFlux2}.get(_vae_config(folder).get("_class_name"),
                                                                             AutoencoderKL)
@@ -51,6 +56,8 @@ def vae_scale_factor(source: Path | torch.nn.Module) -> int:
     stated = cfg.get("scale_factor_spatial") or cfg.get("spatial_compression_ratio")  # Wan's name; HunyuanVideo 1.5's
     if stated:
         return int(stated)
+    if "downsample_type" in cfg:  # LTX-2's: its patch, then each level that halves the sides
+        return cfg["patch_size"] * 2 ** sum("spatial" in kind for kind in cfg["downsample_type"])
     return 2 ** (len(cfg.get("block_out_channels") or cfg.get("dim_mult")) - 1)
 
 
@@ -67,6 +74,8 @@ def vae_frame_factor(source: Path | torch.nn.Module) -> int:
     stated = cfg.get("scale_factor_temporal") or cfg.get("temporal_compression_ratio")
     if stated:
         return int(stated)
+    if "downsample_type" in cfg:  # LTX-2's: each level that halves the frames ("temporal", "spatiotemporal")
+        return cfg["patch_size_t"] * 2 ** sum("temporal" in kind for kind in cfg["downsample_type"])
     return 2 ** sum(cfg.get("temperal_downsample", []))
 
 
@@ -74,7 +83,8 @@ def trains_images(folder: Path) -> bool:
     """Whether a folder's VAE is one an image model trains through: an image VAE, or Qwen's (a video VAE whose
     pipelines encode each image as a clip of one frame). Wan's and HunyuanVideo 1.5's make latents of clips for video
     models."""
-    return _vae_config(folder).get("_class_name") not in ("AutoencoderKLWan", "AutoencoderKLHunyuanVideo15")
+    return _vae_config(folder).get("_class_name") not in ("AutoencoderKLWan", "AutoencoderKLHunyuanVideo15",
+                                                          "AutoencoderKLLTX2Video")
 
 
 def latent_frames(video_frames: int, frame_factor: int) -> int:
@@ -119,6 +129,8 @@ def _frame_by_frame(fn, clips: torch.Tensor) -> torch.Tensor:
 def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
     """Scaled latents of pixels in [-1, 1]: images (N, 3, H, W) or clips (N, 3, F, H, W); the mean of the VAE's
     posterior. An image VAE encodes a clip frame by frame."""
+    if hasattr(vae, "encode_sample"):  # a codec of its own (LTX-2's two VAEs)
+        return vae.encode_sample(pixels)
     weights = next(vae.parameters())
     pixels = pixels.to(weights.device, weights.dtype)
     if isinstance(vae, AutoencoderKLHunyuanVideo15) and len(pixels) > 1:
@@ -142,6 +154,8 @@ def encode_latents(vae, pixels: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """RGB in [-1, 1] on the CPU of latents scaled as `encode_latents` scales them (images or clips)."""
+    if hasattr(vae, "decode_sample"):
+        return vae.decode_sample(latents)
     weights = next(vae.parameters())
     latents = latents.to(weights.device, torch.float32)
     if isinstance(vae, AutoencoderKLHunyuanVideo15) and len(latents) > 1:

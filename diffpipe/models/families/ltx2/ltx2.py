@@ -211,9 +211,11 @@ class LTX2Family(ModelFamily):
         return 4 if cfg.in_channels == 8 else 16  # 512 pixels through the 32x VAE; the digits' 4 x 4
 
     def latent_frames(self, cfg):
-        """121 frames at 512 x 768 (LTX2Pipeline's default): 16 latent frames, one more holding its audio."""
-        side = self.default_latent_size(cfg)
-        return sample_frames(cfg, 2 if cfg.in_channels == 8 else 16, side, side)
+        """The video's latent frames: 16 of 121 frames (LTX2Pipeline's default); the digits' 2."""
+        return 2 if cfg.in_channels == 8 else 16
+
+    def sample_frames(self, cfg, frames, latent_size):
+        return sample_frames(cfg, frames, *latent_size)
 
     def text_widths(self, cfg):
         return sum(caption_widths(cfg)), 0  # the video's and the audio's caption states side by side
