@@ -80,10 +80,10 @@ def tiny_video(tmp_path_factory) -> Path:
     """A folder with wan/ (a WanPipeline folder: umT5, Wan's video VAE, a two-block transformer), wan22/ (the same with
     Wan 2.2 A14B's second expert, transformer_2/, and boundary_ratio 0.875), wan22_i2v/, wan22_ti2v/ (TI2V-5B's
     layout), wan21_i2v/ (Wan 2.1 I2V's: a CLIP vision model beside), hunyuan_video15/ (a HunyuanVideo15Pipeline folder),
-    ltx2/ (an LTX2Pipeline folder) and clips/ (twelve captioned mp4/webm videos and a still image); treat it as
-    read-only (copy clips/ before changing it)."""
+    ltx2/ (an LTX2Pipeline folder), clips/ (twelve captioned mp4/webm videos and a still image) and av_clips/ (clips
+    with their sound, one at 8 frames a second, one silent); treat it as read-only (copy clips/ before changing it)."""
     made = _copy_of_made(tmp_path_factory, "tiny_video", ("wan", "wan22", "wan22_i2v", "wan22_ti2v", "wan21_i2v",
-                                                          "hunyuan_video15", "ltx2", "clips"))
+                                                          "hunyuan_video15", "ltx2", "clips", "av_clips"))
     if made is not None:
         return made
     out = tmp_path_factory.mktemp("tiny_video")
@@ -96,4 +96,5 @@ def tiny_video(tmp_path_factory) -> Path:
     script.write_hunyuan_video15(out)
     script.write_ltx2(out)
     script.write_clips(out)
+    script.write_av_clips(out)
     return out

@@ -1,16 +1,27 @@
 """LTX-2 (issue 57, video with its audio): the units compute the model's own forward as LTX2Pipeline calls it (both
 streams, one timestep), the audio's length is the pipeline's, a sample's layout (the audio's tokens in latent frames
-after the video's) packs and unpacks exactly, and a tiny LTX-2 trains on synthetic clips on 1 and 2 stages to the
-same losses."""
+after the video's) packs and unpacks exactly; captions are encoded and a clip with its sound made into latents as the
+pipeline makes them; the tiny example trains on clips with their sound on 1 and 2 stages to the same losses, skipping
+a clip at another frame rate and one without sound, and its LoRA loads into LTX2Pipeline with the trained output."""
 from __future__ import annotations
 
 import pytest
 import torch
 from diffusers import LTX2VideoTransformer3DModel
 
+import math
+from pathlib import Path
+
+from diffpipe.models.families.ltx2.codec import AudioVideoCodec, log_mel, read_audio, with_audio
 from diffpipe.models.families.ltx2.ltx2 import (LTX2_PRESETS, LTX2Family, audio_coords, audio_latent_frames,
                                                 ltx2_backbone, sample_frames, video_coords, video_frames_of)
 from diffpipe.models.family import TextBatch
+
+from ..helpers import check_diffusers_lora, run_command, trains_alike_on_one_and_two_stages
+
+ROOT = Path(__file__).parent.parent.parent
+QUICK = ["--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0",
+         "--set", "train.warmup_steps=0"]
 
 
 TINY = LTX2_PRESETS["digits"]
@@ -108,3 +119,84 @@ def test_text_is_encoded_as_ltx2_pipeline_does(tiny_video, pipe):
     torch.testing.assert_close(hidden, torch.cat((video, audio), dim=-1), rtol=1e-5, atol=1e-6)
     family = LTX2Family()
     assert family.folder_text_widths(tiny_video / "ltx2") == family.text_widths(pipe.transformer.config) == (32, 0)
+
+
+def test_a_tone_lands_in_its_mel_bins_on_its_channel():
+    """The log-mel spectrogram the audio VAE reads: a 1 kHz tone on the left channel only peaks in the bin around
+    1 kHz there and is silence (log 1e-5) on the right."""
+    rate, bins = 16000, 16
+    t = torch.arange(rate) / rate
+    waveform = torch.stack((0.5 * torch.sin(2 * torch.pi * 1000 * t), torch.zeros(rate)))[None]
+    mel = log_mel(waveform, rate, 160, bins)
+    assert mel.shape == (1, 2, rate // 160 + 1, bins)
+    left = mel[0, 0, 10:-10].mean(0)
+    # slaney mels: linear to 15 at 1 kHz, then log; 8 kHz is 15 + ln 8 / (ln 6.4 / 27) = 45.2, so 16 bins centre at
+    # 45.2 k / 17, and 1 kHz (15) is nearest the 6th centre (k = 5.6): bin 5. Mels spaced linearly in Hz would put
+    # it in bin 1
+    assert int(left.argmax()) == 5
+    assert torch.allclose(mel[0, 1], torch.full_like(mel[0, 1], math.log(1e-5)))
+
+
+def test_a_clip_with_its_sound_becomes_latents_as_ltx2_pipeline_makes_them(tiny_video, pipe):
+    """The video's latents normalised as LTX2Pipeline._normalize_latents; the audio's as the pipeline packs and
+    normalises audio latents (`_pack_audio_latents`, `_normalize_audio_latents`), cut to the pipeline's count for the
+    clip's frames, laid after the video's; decoding shows the video."""
+    codec = AudioVideoCodec.from_folder(tiny_video / "ltx2")
+    clip = next(p for p in sorted((tiny_video / "av_clips").glob("*.mp4")) if not p.name.startswith(("slow", "silent")))
+    torch.manual_seed(0)
+    pixels = torch.rand(3, 17, 48, 64) * 2 - 1
+    waveform = read_audio(clip, 17 / 24, 16000)
+    with torch.no_grad():
+        sample = codec.encode_sample(with_audio(pixels, waveform)[None])
+        z = pipe.vae.encode(pixels[None]).latent_dist.mean
+        video = pipe._normalize_latents(z, pipe.vae.latents_mean, pipe.vae.latents_std, pipe.vae.config.scaling_factor)
+        mel = log_mel(waveform[None], 16000, 160, 16)
+        audio = pipe._pack_audio_latents(pipe.audio_vae.encode(mel).latent_dist.mean)
+        audio = pipe._normalize_audio_latents(audio, pipe.audio_vae.latents_mean, pipe.audio_vae.latents_std)
+    count = round(17 / 24 * 16000 / 160 / 4)  # the pipeline's: 18 audio latents for 17 frames at 24 a second
+    cfg = pipe.transformer.config
+    assert audio_latent_frames(cfg, 5) == count and sample.shape == (1, 8, sample_frames(cfg, 5, 6, 8), 6, 8)
+    torch.testing.assert_close(sample[:, :, :5], video, rtol=1e-5, atol=1e-5)
+    tokens = LTX2Family().pack(cfg, sample)
+    torch.testing.assert_close(tokens[:, 5 * 6 * 8:], audio[:, :count], rtol=1e-5, atol=1e-5)
+    assert codec.decode_sample(sample).shape == (1, 3, 17, 48, 64)
+
+
+def _train(tiny_video, out, *extra):
+    return run_command(["train", str(ROOT / "examples" / "ltx2_tiny.toml"), "--output-dir", str(out),
+                        "--set", f'model.path="{tiny_video / "ltx2"}"', "--set", f'data.path="{tiny_video / "av_clips"}"',
+                        "--set", f'data.cache_dir="{Path(out).parent / "cache"}"', *QUICK, *extra])
+
+
+def test_the_tiny_example_trains_alike_on_one_and_two_stages(tiny_video, tmp_path):
+    trains_alike_on_one_and_two_stages(lambda out, *args: _train(tiny_video, out, *args), tmp_path, steps=4)
+
+
+def test_clips_it_cannot_use_are_skipped_with_the_reason(tiny_video, tmp_path):
+    ran = _train(tiny_video, tmp_path / "run", "--set", "train.max_steps=1", "--set", "pipeline.stages=1")
+    assert ran.returncode == 0, ran.stdout[-3000:]
+    assert "skipped 2" in ran.stdout
+    assert "silent_blue_square.mp4: no audio track" in ran.stdout
+    assert "slow_red_disc.mp4: 8 frames a second" in ran.stdout
+
+
+def test_a_lora_loads_into_ltx2_pipeline_with_the_trained_output(tiny_video, tmp_path):
+    from diffusers import LTX2Pipeline
+
+    run = tmp_path / "lora"
+    ran = _train(tiny_video, run, "--set", "train.max_steps=4", "--set", "train.learning_rate=1e-2",
+                 "--set", "pipeline.stages=1", "--set", 'adapter.type="lora"', "--set", "adapter.rank=4",
+                 "--set", "adapter.alpha=8.0")
+    assert ran.returncode == 0, ran.stdout[-3000:]
+    family, torch_gen = LTX2Family(), torch.Generator().manual_seed(1)
+
+    def predict(transformer):
+        cfg = transformer.config
+        sample = torch.randn(2, 8, sample_frames(cfg, 3, 4, 4), 4, 4, generator=torch_gen.manual_seed(1))
+        text = TextBatch(hidden=torch.randn(2, 7, 32, generator=torch_gen), pooled=torch.zeros(2, 0),
+                         size_ids=torch.zeros(2, 6), latent_size=tuple(sample.shape[2:]), guidance=1.0)
+        named = dict(family.conditions(cfg, text), timestep=torch.tensor([300.0, 800.0]))
+        with torch.no_grad():
+            return family.diffusers_forward(transformer, family.pack(cfg, sample), named)
+
+    check_diffusers_lora(LTX2Pipeline, tiny_video / "ltx2", run, tmp_path / "out", predict)

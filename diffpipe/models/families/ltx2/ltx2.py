@@ -204,6 +204,11 @@ class LTX2Family(ModelFamily):
     def describe(self, model, granularity):
         return ltx2_backbone(model)
 
+    def diffusers_lora_pipeline(self, cfg):
+        import diffusers
+
+        return diffusers.LTX2Pipeline
+
     def latent_channels(self, cfg):
         return cfg.in_channels
 
