@@ -14,7 +14,7 @@ from rich.progress import track
 
 from ..config import DataConfig
 from ..errors import DataError
-from ..models.folder import component_weights, fingerprint_files
+from ..models.folder import component_weights, fingerprint_files, has_component
 from ..models.text import CaptionEncoder
 from .batches import step_texts
 from .buckets import Bucket, Placement, place
@@ -53,7 +53,8 @@ def prepare_folder_images(data: DataConfig, model_path: Path, vae, text: Caption
     if data.cache:  # the models' fingerprints (a read of their weight files) once for both splits
         if rank == 0:
             print(f"cache: {cache_folder(data)} (data.cache_dir moves it)", flush=True)
-        vae_fingerprint = fingerprint_files(component_weights(model_path, "vae"))
+        vaes = [name for name in ("vae", "audio_vae") if has_component(model_path, name)]  # LTX-2: both
+        vae_fingerprint = fingerprint_files([f for name in vaes for f in component_weights(model_path, name)])
         latent_store = ShardStore(cache_folder(data) / f"latents-{vae_fingerprint[:16]}")
         text_store = ShardStore(cache_folder(data) / f"text-{text.fingerprint()[:16]}")
 
