@@ -260,13 +260,22 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="compile the repeated blocks in both loops")
     parser.add_argument("--fp8-compute", choices=["off", "on", "both"], default="off",
                         help="diffpipe with train.fp8_compute (both: with and without)")
+    parser.add_argument("--attention", choices=["flash", "cudnn"], default="flash",
+                        help="SDPA's kernels in both loops: flash (cuDNN's off, as diffpipe runs Flux) or cuDNN's")
     parser.add_argument("--gc", choices=["default", "frozen", "both"], default="default",
                         help="diffpipe as it runs, with gc.freeze() before training, or both")
     args = parser.parse_args()
     # torch 2.11 on an H200: cuDNN's attention backward fails on Flux's shapes ("mha_graph.execute(...).is_good()",
     # seen as CUBLAS_STATUS_EXECUTION_FAILED without CUDA_LAUNCH_BLOCKING) in the plain loop and in diffpipe alike;
-    # flash attention is used instead, for both
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    # flash attention is used instead, for both. --attention cudnn tries cuDNN's again (issue 54: alone, at Flux's
+    # shapes, it ran on an H100 at 1.9x flash's speed, bench/attention_backends.py): the Flux families' own refusal
+    # (their `cudnn_attention` flag, which diffpipe's build reads) is lifted in this process for the experiment
+    if args.attention == "flash":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    else:
+        from diffpipe.models.registry import family_for
+
+        type(family_for(architecture(args))).cudnn_attention = True
     rotary_cost()
     flops = step_flops(args)
     if args.only != "diffpipe":
