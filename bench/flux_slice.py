@@ -262,6 +262,8 @@ def main() -> None:
                         help="diffpipe with train.fp8_compute (both: with and without)")
     parser.add_argument("--attention", choices=["flash", "cudnn"], default="flash",
                         help="SDPA's kernels in both loops: flash (cuDNN's off, as diffpipe runs Flux) or cuDNN's")
+    parser.add_argument("--memory-fraction", type=float, default=None,
+                        help="cap torch's allocator at this share of the card (what it leaves, the driver has)")
     parser.add_argument("--gc", choices=["default", "frozen", "both"], default="default",
                         help="diffpipe as it runs, with gc.freeze() before training, or both")
     args = parser.parse_args()
@@ -270,6 +272,8 @@ def main() -> None:
     # flash attention is used instead, for both. --attention cudnn tries cuDNN's again (issue 54: alone, at Flux's
     # shapes, it ran on an H100 at 1.9x flash's speed, bench/attention_backends.py): the Flux families' own refusal
     # (their `cudnn_attention` flag, which diffpipe's build reads) is lifted in this process for the experiment
+    if args.memory_fraction:
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction)
     if args.attention == "flash":
         torch.backends.cuda.enable_cudnn_sdp(False)
     else:
