@@ -24,7 +24,7 @@ from .diffusion.timesteps import NUM_TRAIN_TIMESTEPS
 from .models.family import Feed
 from .models.loading import CheckpointError
 from .models.registry import family_for
-from .models.vae import decode_latents, encode_latents, load_vae, vae_scale_factor
+from .models.vae import decode_latents, encode_latents, vae_scale_factor
 from .models.text import CaptionEncoder, TextEncoder
 from .pipeline.split import stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
@@ -172,7 +172,7 @@ def load_generator(run_dir: str | Path) -> Generator:
                          feed(config, backbone), sample_shape(config, backbone))
     config.model.path = str(pipeline)  # back to the folder its text encoders, VAE and sample size come from
     return Generator(config, forward, build_text_encoder(config, backbone), feed(config, backbone),
-                     sample_shape(config, backbone), load_vae(pipeline))
+                     sample_shape(config, backbone), backbone.family.folder_vae(pipeline))
 
 
 def _grey_levels(images: torch.Tensor) -> torch.Tensor:

@@ -191,7 +191,8 @@ class FolderImages:
     def reader(self) -> Callable[[ImageItem, Placement], torch.Tensor]:
         """What the VAE encodes of an item: its pixels (`read_pixels`), or what a VAE that reads items itself makes
         of it (LTX-2's codec: the clip with its audio)."""
-        return getattr(self.vae, "read_item", read_pixels)
+        read_item = getattr(self.vae, "read_item", None)
+        return read_pixels if read_item is None else partial(read_item, read_pixels=read_pixels)
 
     def x0(self, indices: list[int]) -> torch.Tensor:
         if self.latents is not None:

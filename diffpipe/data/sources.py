@@ -297,14 +297,13 @@ class FolderSource(DataSource):
 
     def build(self, config, backbone, shape, text, device, rank, world, barrier):
         from ..models.loading import CheckpointError
-        from ..models.vae import load_vae
         from .preparation import prepare_folder_images
 
         folder = config.model.pipeline_folder()
         if folder is None:
             raise CheckpointError("data.dataset = 'folder' needs a diffusers pipeline folder (with model_index.json "
                                   "and vae/) whose VAE turns the images into latents: model.path or model.components")
-        vae = load_vae(folder).to(device)
+        vae = backbone.family.folder_vae(folder).to(device)
         video = backbone.family.latent_frames(backbone.model.config) is not None
         return prepare_folder_images(config.data, folder, vae, text, rank, world, barrier,
                                      frame_buckets=sorted(set(config.data.frame_buckets)) if video else None,

@@ -14,7 +14,7 @@ from PIL import Image
 
 from ..errors import BadImage
 
-__all__ = ["VIDEO_SUFFIXES", "probe_video", "read_clip", "clip_frames", "frame_rate"]
+__all__ = ["VIDEO_SUFFIXES", "probe_video", "read_clip", "clip_frames"]
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
 
@@ -40,16 +40,6 @@ def probe_video(path: Path) -> tuple[int, int, int]:
             stream = container.streams.video[0]
             frames = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
             return stream.codec_context.width, stream.codec_context.height, frames
-    except _decode_errors() as exc:
-        raise BadImage(f"not a readable video ({type(exc).__name__})") from None
-
-
-def frame_rate(path: Path) -> float:
-    """Frames a second of the first video stream, as the container states it."""
-    try:
-        with _pyav().open(str(path)) as container:
-            stream = container.streams.video[0]
-            return float(stream.average_rate or stream.guessed_rate)
     except _decode_errors() as exc:
         raise BadImage(f"not a readable video ({type(exc).__name__})") from None
 

@@ -230,6 +230,13 @@ class ModelFamily:
         """Latent frames of a clip trained on without a VAE deciding (video families); None: images."""
         return None
 
+    def folder_vae(self, folder: Path):
+        """The frozen VAE a pipeline folder's latents are made with (models/vae.py `load_vae`), or the family's own
+        codec of the folder's autoencoders (LTX-2's video and audio VAEs)."""
+        from .vae import load_vae
+
+        return load_vae(folder)
+
     def sample_frames(self, cfg: Any, frames: int, latent_size: tuple[int, int]) -> int:
         """Latent frames of a sample whose clip has `frames` latent frames of `latent_size`: the same, unless the
         family lays more than the video in a sample (LTX-2: its audio's tokens in frames after the video's)."""

@@ -9,9 +9,10 @@ Scaling follows diffusers' own training scripts and pipelines: (z - shift_factor
 per channel (z - latents_mean) / latents_std for Wan's and Qwen's (their pipelines decode with the inverse);
 z x scaling_factor for HunyuanVideo 1.5's (as its pipelines encode a first frame and decode); for FLUX.2's, each 2x2
 patch's channels less its batch norm's running mean over its running spread (Flux2Pipeline normalises its patchified
-latents so), the latents kept unpatchified: the family packs 2x2 patches into tokens as Flux.1's does. An LTX-2
-folder's VAE is its two (video and audio) as one codec that reads and encodes a clip with its audio
-(families/ltx2/codec.py: `encode_sample`, `decode_sample`). Weights are read from safetensors files only.
+latents so), the latents kept unpatchified: the family packs 2x2 patches into tokens as Flux.1's does. A family may
+bring a codec of its own instead (`ModelFamily.folder_vae`: LTX-2's two VAEs, video and audio, reading and encoding
+a clip with its sound, families/ltx2/codec.py); `encode_latents` and `decode_latents` hand such a codec's latents to
+its `encode_sample` and `decode_sample`. Weights are read from safetensors files only.
 """
 from __future__ import annotations
 
@@ -36,10 +37,6 @@ def _vae_config(folder: Path) -> dict:
 
 
 def load_vae(folder: Path) -> AutoencoderKL | AutoencoderKLWan | AutoencoderKLQwenImage:
-    if _vae_config(folder).get("_class_name") == "AutoencoderKLLTX2Video":
-        from .families.ltx2.codec import AudioVideoCodec
-
-        return AudioVideoCodec.from_folder(folder)
     component_weights(folder, "vae")  # refuses pickles before from_pretrained could read one
     vae_class = {**_VIDEO_VAES, "AutoencoderKLFlux2": AutoencoderKLFlux2}.get(_vae_config(folder).get("_class_name"),
                                                                             AutoencoderKL)

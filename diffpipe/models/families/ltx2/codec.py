@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from ....errors import BadImage
-from .ltx2 import FRAME_RATE
+from .layout import FRAME_RATE, audio_latent_frames, sample_frames, video_frames_of
 
-__all__ = ["AudioVideoCodec", "read_audio", "log_mel", "with_audio", "MEL_FFT"]
+__all__ = ["AudioVideoCodec", "read_audio", "frame_rate", "log_mel", "with_audio", "MEL_FFT"]
 
 MEL_FFT = 1024  # LTX-2's audio processor: n_fft = win_length = 1024 at 16 kHz
 
@@ -94,6 +94,18 @@ def read_audio(path: Path, seconds: float, rate: int, channels: int = 2) -> torc
     return torch.from_numpy(np.concatenate(chunks, axis=1)[:, :want].copy())
 
 
+def frame_rate(path: Path) -> float:
+    """Frames a second of the file's first video stream, as its container states it."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            return float(stream.average_rate or stream.guessed_rate)
+    except (av.FFmpegError, OSError, ValueError, IndexError) as exc:
+        raise BadImage(f"not a readable video ({type(exc).__name__})") from None
+
+
 def _audio_samples(pixel_frames: int, rate: int) -> int:
     return round(pixel_frames / FRAME_RATE * rate)
 
@@ -143,12 +155,9 @@ class AudioVideoCodec(nn.Module):
                 return pixel_frames
         raise ValueError(f"no clip with its audio fills {frames} frames of {height} x {width} pixels")
 
-    def read_item(self, item, placement) -> torch.Tensor:
-        """The item's clip read at 24 frames a second with its audio (`with_audio`); `BadImage` where it cannot
-        be (a still image, another frame rate, no or too little audio)."""
-        from ....data.images import read_pixels
-        from ....data.videos import frame_rate
-
+    def read_item(self, item, placement, read_pixels) -> torch.Tensor:
+        """The item's clip (its pixels as `read_pixels` reads them) with its audio (`with_audio`); `BadImage` where
+        it cannot be used (a still image, another frame rate than 24, no or too little audio)."""
         if not placement.frames or item.frames == 0:
             raise BadImage("a still image: LTX-2 trains clips with their audio")
         rate = frame_rate(item.path)
@@ -163,8 +172,6 @@ class AudioVideoCodec(nn.Module):
     @torch.no_grad()
     def encode_sample(self, clips: torch.Tensor) -> torch.Tensor:
         """(B, 3, F + k, H, W) clips with their audio (`with_audio`) -> (B, C, f + a, h, w) a sample's latents."""
-        from .ltx2 import audio_latent_frames, sample_frames
-
         b, _, total, height, width = clips.shape
         frames = self._pixel_frames(total, height, width)
         weights = next(self.video.parameters())
@@ -193,8 +200,6 @@ class AudioVideoCodec(nn.Module):
     @torch.no_grad()
     def decode_sample(self, latents: torch.Tensor) -> torch.Tensor:
         """RGB in [-1, 1] on the CPU of a sample's video (samples during training are shown without their audio)."""
-        from .ltx2 import video_frames_of
-
         weights = next(self.video.parameters())
         video_frames = video_frames_of(self.timing, *latents.shape[2:])
         z = latents[:, :, :video_frames].to(weights.device, torch.float32)

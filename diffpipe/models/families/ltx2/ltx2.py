@@ -1,17 +1,16 @@
-"""Adapter for diffusers' `LTX2VideoTransformer3DModel` (LTX-2: video with its audio): issue 57's third family, WIP.
+"""Adapter for diffusers' `LTX2VideoTransformer3DModel` (LTX-2: video with its sound): issue 57's third family.
 
 LTX-2 denoises a clip's video latents and its audio latents together: two token streams, video (`h`) and audio
 (`audio`), each with its own attention, text cross-attention and feed-forward, and in every block an attention from
 each to the other. Both are trained at one timestep per sample, as LTX2Pipeline runs them (it passes the same `t` as
 `timestep` and `sigma` to both streams).
 
-**A sample's layout.** diffpipe trains one latent tensor per sample; an LTX-2 sample is the clip's video latents
-(C, F, H, W) with its audio's tokens after them, in `audio_frames` extra latent frames (zero-padded to whole frames:
-the audio's latent tokens are each `audio_in_channels` = C wide, 8 channels x 16 mel bins in the release, as the video's
-are 128 channels). The audio's length follows from the clip's: (8 (F - 1) + 1) pixel frames at `FRAME_RATE` frames a
-second last that many seconds, and the audio VAE gives `sampling_rate / hop_length / 4` latent frames a second (25 in the
-release): LTX2Pipeline's count. `pack` turns such a tensor into the tokens the model reads, the video's then the
-audio's (the padding dropped); `unpack_prediction` lays a prediction out again the same way.
+**A sample's layout** (layout.py). diffpipe trains one latent tensor per sample; an LTX-2 sample is the clip's video
+latents (C, F, H, W) with its audio's tokens after them in extra latent frames (zero-padded to whole frames: an audio
+token is `audio_in_channels` = C wide, 8 channels x 16 mel bins in the release, as a video token is 128 channels),
+as many as LTX2Pipeline makes for the clip. `pack` turns such a tensor into the tokens the model reads, the video's
+then the audio's (the padding dropped); `unpack_prediction` lays a prediction out again the same way. codec.py makes
+such samples of clips with their sound; text.py the captions.
 
 Units: `embed` (both streams' input projections, the rotary tables of both streams and of their cross-attentions,
 cosines and sines stacked, each stream's time embedding and its output modulation, the cross-attention modulations and
@@ -24,18 +23,16 @@ padding with learned registers and give a mask of ones (pipelines/ltx2/connector
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from diffusers import LTX2VideoTransformer3DModel
 from torch import nn
 
 from ...family import ModelFamily, TextBatch
 from ...units import Backbone, Unit
+from .layout import FRAME_RATE, audio_latent_frames, sample_frames, video_frames_of
 
-__all__ = ["LTX2Family", "ltx2_backbone", "LTX2_PRESETS", "FRAME_RATE", "audio_latent_frames", "video_frames_of"]
-
-FRAME_RATE = 24.0  # LTX2Pipeline's default frame_rate: what the audio's length and the video's time positions assume
+__all__ = ["LTX2Family", "ltx2_backbone", "LTX2_PRESETS", "caption_widths", "video_coords", "audio_coords",
+           "FRAME_RATE", "audio_latent_frames", "sample_frames", "video_frames_of"]  # the last four: layout.py
 
 LTX2_PRESETS = {
     # LTX-2 (19 B: a 14 B video stream, a 5 B audio stream): diffusers' defaults for the class, the release's config
@@ -49,30 +46,6 @@ LTX2_PRESETS = {
 # the embed unit's outputs, every block's inputs past the two streams and the captions
 _MODULATIONS = ("temb", "temb_audio", "ca_shift", "ca_audio_shift", "ca_gate", "ca_audio_gate")
 _ROPES = ("rope", "rope_audio", "rope_ca", "rope_ca_audio")
-
-
-def audio_latent_frames(cfg, video_frames: int) -> int:
-    """The audio latent frames LTX2Pipeline makes for `video_frames` latent frames of video (at FRAME_RATE)."""
-    seconds = ((video_frames - 1) * cfg.vae_scale_factors[0] + 1) / FRAME_RATE
-    return round(seconds * cfg.audio_sampling_rate / cfg.audio_hop_length / cfg.audio_scale_factor)
-
-
-def _audio_rows(cfg, video_frames: int, height: int, width: int) -> int:
-    """Latent frames the audio's tokens fill after `video_frames` of video (height x width tokens a frame)."""
-    return math.ceil(audio_latent_frames(cfg, video_frames) / (height * width))
-
-
-def video_frames_of(cfg, frames: int, height: int, width: int) -> int:
-    """The video's latent frames in a sample of `frames` latent frames (the video's and the audio's after them)."""
-    for video in range(1, frames):
-        if video + _audio_rows(cfg, video, height, width) == frames:
-            return video
-    raise ValueError(f"no LTX-2 clip fills {frames} latent frames of {height} x {width} with its video and audio")
-
-
-def sample_frames(cfg, video_frames: int, height: int, width: int) -> int:
-    """Latent frames of a sample whose video has `video_frames`: the video's and its audio's."""
-    return video_frames + _audio_rows(cfg, video_frames, height, width)
 
 
 def caption_widths(cfg) -> tuple[int, int]:
@@ -235,6 +208,11 @@ class LTX2Family(ModelFamily):
         from .text import connector_widths
 
         return sum(connector_widths(text_encoder_configs(folder, ("connectors",))[0])), 0
+
+    def folder_vae(self, folder):
+        from .codec import AudioVideoCodec
+
+        return AudioVideoCodec.from_folder(folder)
 
     def folder_text_length(self, folder):
         from .text import LTX2_TEXT_TOKENS
