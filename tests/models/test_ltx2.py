@@ -200,3 +200,35 @@ def test_a_lora_loads_into_ltx2_pipeline_with_the_trained_output(tiny_video, tmp
             return family.diffusers_forward(transformer, family.pack(cfg, sample), named)
 
     check_diffusers_lora(LTX2Pipeline, tiny_video / "ltx2", run, tmp_path / "out", predict)
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_a_single_file_in_the_release_layout_reads_as_the_folders_weights(tiny_video, tmp_path, monkeypatch, prefix):
+    """Lightricks' layout (`patchify_proj`, `adaln_single`, `q_norm`, ...), alone or as a whole release whose other
+    weights (the VAEs', the connectors') sit beside the transformer's, with model.components naming the folder of the
+    rest; and written back (`export --format original`'s map), diffusers' own reader gives every tensor back."""
+    from safetensors.torch import load_file, save_file
+
+    from diffpipe.build import build_backbone
+    from diffpipe.config_files import build_config
+    from diffpipe.models.families.ltx2.release_layout import ltx2_from_release, ltx2_to_release
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tiny_video / "ltx2"
+    weights = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    release = ltx2_to_release(weights)
+    assert "patchify_proj.weight" in release and "adaln_single.emb.timestep_embedder.linear_1.weight" in release
+    assert "transformer_blocks.0.attn1.q_norm.weight" in release
+    back = ltx2_from_release(dict(release))
+    assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
+    whole = {prefix + k: v for k, v in release.items()}
+    if prefix:  # a whole release: the other components' weights beside the transformer's
+        whole.update({"vae.per_channel_statistics.mean-of-means": torch.zeros(8),
+                      prefix + "video_embeddings_connector.learnable_registers": torch.zeros(8, 16)})
+    single = tmp_path / "ltx-2-19b-dev.safetensors"
+    save_file(whole, str(single))
+    config = build_config({"model": {"architecture": "ltx2", "path": str(single), "components": str(folder)},
+                           "data": {"dataset": "folder", "path": str(tiny_video / "av_clips"), "resolution": 64,
+                                    "bucket_step": 16, "frame_buckets": [17]}})
+    model = build_backbone(config).model
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())

@@ -30,6 +30,7 @@ from torch import nn
 from ...family import ModelFamily, TextBatch
 from ...units import Backbone, Unit
 from .layout import FRAME_RATE, audio_latent_frames, sample_frames, video_frames_of
+from .release_layout import LIGHTRICKS
 
 __all__ = ["LTX2Family", "ltx2_backbone", "LTX2_PRESETS", "caption_widths", "video_coords", "audio_coords",
            "FRAME_RATE", "audio_latent_frames", "sample_frames", "video_frames_of"]  # the last four: layout.py
@@ -163,6 +164,7 @@ class LTX2Family(ModelFamily):
     default_objective = "flow_matching"
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     sequence_refusal = "pipeline.sequence_parallel is not built for LTX-2 yet: set pipeline.sequence_parallel = 1"
+    release_layout = LIGHTRICKS  # Lightricks' single files (ltx-2-19b-dev.safetensors): release_layout.py
 
     def check_supported(self, model):
         cfg = model.config
