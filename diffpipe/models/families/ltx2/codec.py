@@ -147,6 +147,11 @@ class AudioVideoCodec(nn.Module):
         config = LTX2VideoTransformer3DModel.load_config(folder, subfolder="transformer", local_files_only=True)
         return cls(*parts, SimpleNamespace(**config))
 
+    def _video_statistics(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The video VAE's per-channel latent mean and spread, shaped to broadcast over `like` (B, C, F, H, W)."""
+        channel = (1, -1, 1, 1, 1)
+        return self.video.latents_mean.view(channel).to(like), self.video.latents_std.view(channel).to(like)
+
     def _pixel_frames(self, frames: int, height: int, width: int) -> int:
         """The clip's frames in a (3, frames, H, W) tensor of pixels with its audio after them."""
         for pixel_frames in range(1, frames + 1):
@@ -176,8 +181,7 @@ class AudioVideoCodec(nn.Module):
         frames = self._pixel_frames(total, height, width)
         weights = next(self.video.parameters())
         z = self.video.encode(clips[:, :, :frames].to(weights.device, weights.dtype)).latent_dist.mean.float()
-        mean = self.video.latents_mean.view(1, -1, 1, 1, 1).to(z)
-        std = self.video.latents_std.view(1, -1, 1, 1, 1).to(z)
+        mean, std = self._video_statistics(z)
         video = (z - mean) * self.video.config.scaling_factor / std
         rate, cfg = self.audio.config.sample_rate, self.audio.config
         samples = _audio_samples(frames, rate)
@@ -203,7 +207,6 @@ class AudioVideoCodec(nn.Module):
         weights = next(self.video.parameters())
         video_frames = video_frames_of(self.timing, *latents.shape[2:])
         z = latents[:, :, :video_frames].to(weights.device, torch.float32)
-        mean = self.video.latents_mean.view(1, -1, 1, 1, 1).to(z)
-        std = self.video.latents_std.view(1, -1, 1, 1, 1).to(z)
+        mean, std = self._video_statistics(z)
         z = z * std / self.video.config.scaling_factor + mean
         return self.video.decode(z.to(weights.dtype)).sample.float().clamp(-1, 1).cpu()
