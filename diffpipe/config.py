@@ -416,7 +416,7 @@ class CheckpointConfig(_Section):
     export_format: Literal["diffusers", "kohya", "comfyui"] = Field("diffusers", description=(
         "Layout of checkpoint.export_every's files: diffusers (pipe.load_lora_weights; every family with a diffusers "
         "LoRA loader), kohya (ComfyUI, A1111, kohya's tools; UNets) or comfyui (ComfyUI's LoRA loader: UNets, Flux, "
-        "SD3, Wan)."))
+        "SD3, Wan, Z-Image, Qwen-Image, FLUX.2, LTX-2)."))
 
 
 class OutputConfig(_Section):

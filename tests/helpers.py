@@ -113,6 +113,36 @@ def check_diffusers_lora(pipeline_class, folder, run, out, predict, load=None) -
     torch.testing.assert_close(predict(pipe.transformer), want, rtol=1e-5, atol=1e-5)
 
 
+def check_comfyui_lora(pipeline_class, folder, run, out, predict, to_release, from_release) -> None:
+    """A run's LoRA exported with `diffpipe export --format comfyui` for a family whose ComfyUI model is its release's
+    (FLUX.2's BFL names, LTX-2's Lightricks'), loaded as ComfyUI loads it: every weight of the model under
+    `diffusion_model.` and its own name (comfy/lora.py `model_lora_keys_unet`'s generic map), `W += alpha / rank *
+    up @ down` (alpha 1 per rank without an `.alpha`). The base's weights go to the release's names
+    (`to_release`), take the patches, and come back by diffusers' own reader of the release (`from_release`); the
+    output equals the trained model's (its model.safetensors) and no key is left unloaded."""
+    import torch
+    from safetensors.torch import load_file
+
+    trained = pipeline_class.from_pretrained(folder).transformer
+    trained.load_state_dict(load_file(str(run / "model.safetensors")))
+    want = predict(trained)
+    assert main(["export", str(run), "--format", "comfyui", "--out", str(out)]) == 0
+    lora = load_file(str(out))
+    base = pipeline_class.from_pretrained(folder).transformer
+    release = to_release({k: v.float().clone() for k, v in base.state_dict().items()})
+    loaded = set()
+    for key in [k for k in lora if k.endswith(".lora_down.weight")]:
+        x = key.removesuffix(".lora_down.weight")
+        weight = release[x.removeprefix("diffusion_model.") + ".weight"]
+        up, down = lora[f"{x}.lora_up.weight"].float(), lora[key].float()
+        alpha = lora[f"{x}.alpha"].item() / down.shape[0] if f"{x}.alpha" in lora else 1.0
+        weight += alpha * (up.flatten(1) @ down.flatten(1)).reshape(weight.shape)
+        loaded |= {key, f"{x}.lora_up.weight", f"{x}.alpha"}
+    assert set(lora) - loaded == set(), sorted(set(lora) - loaded)[:5]
+    base.load_state_dict(from_release(release))
+    torch.testing.assert_close(predict(base), want, rtol=1e-5, atol=1e-5)
+
+
 EDIT_QUICK = ["--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0",
               "--set", "train.warmup_steps=0", "--set", "data.caption_dropout=0.0"]
 

@@ -5,6 +5,8 @@ loha.py, lokr.py), DoRA with a `.dora_scale` made for ComfyUI's arithmetic (belo
 
 - SD 1.x/2.x and SDXL: kohya's file (`lora_unet_...`, as --format kohya);
 - Flux and SD3: diffusers' layer names under `transformer.`, which ComfyUI maps onto its fused layouts;
+- FLUX.2 and LTX-2: `diffusion_model.` and their releases' own names (BFL's, Lightricks'), a FLUX.2 double block's
+  query, key and value written as one LoRA of its fused `qkv` (export/kohya.py `fused_lora`);
 - Wan: `diffusion_model.` and Wan's own layer names (`blocks.0.self_attn.q`), ComfyUI's own layout for Wan LoRAs,
   without `.alpha` (the scale in `lora_up`), as diffusion-pipe writes them and diffusers reads them.
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ExportError
+from ..models.family import FusedRows
 import torch
 
 from .kohya import write_adapters
@@ -42,6 +45,11 @@ def _names(run, modules: list[str]) -> dict[str, str]:
     if names is None:
         raise ExportError(f"ComfyUI loads no LoRA of {run.family.name!r} models that diffpipe knows how to write: "
                           "use --format diffusers")
+    fused = sorted(m for m, name in names.items() if isinstance(name, FusedRows))
+    if fused and run.config.adapter.type != "lora":
+        raise ExportError(f"--format comfyui: ComfyUI's {run.family.name} fuses {fused[0]} with other layers into "
+                          f"one weight, and a {run.config.adapter.type} of fused layers is not written yet: use "
+                          "--format diffusers, or train adapter.type = \"lora\"")
     return names
 
 

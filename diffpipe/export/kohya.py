@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ..errors import ExportError
+from ..models.family import FusedRows
 from ..models.lora import adapted_module, lora_scale
 from ..models.single_file import kohya_lora_names
 from ..written_files import EXPORT_KEY, save_tensors
@@ -52,7 +53,8 @@ def write_adapters(run, out: Path, name_of, alpha: bool = True, dora_scale=None,
       scale by alpha / rank only where a factor is a product, and by 1 where both are whole, as peft never does.
 
     Loaders scale by alpha / rank, as peft trained. Without `alpha`, no `.alpha` is written and the first factor
-    (`lora_up`, `hada_w1_a`) carries the scale (loaders then scale by 1)."""
+    (`lora_up`, `hada_w1_a`) carries the scale (loaders then scale by 1). Modules named as `FusedRows` (a release's
+    layer fusing several of diffusers', BFL's `qkv`) are written as that layer's one LoRA (`fused_lora`)."""
     adapters = load_file(str(run.folder / "lora.safetensors"))
     with safe_open(str(run.folder / "lora.safetensors"), framework="pt") as f:
         metadata = f.metadata() or {}
@@ -63,11 +65,16 @@ def write_adapters(run, out: Path, name_of, alpha: bool = True, dora_scale=None,
     names = name_of(sorted(by_module))
     adapter = run.config.adapter
     scale = lora_scale(adapter)
-    written = {}
+    written, fused = {}, {}
     for module, own in sorted(by_module.items()):
         rows = (lambda m: dora_scale(module, m, adapters)) if dora_scale else (lambda m: m)
         keys = _lycoris_keys(own, adapter.alpha if alpha else None, scale, rows)
+        if isinstance(names[module], FusedRows):
+            fused.setdefault(names[module].name, {})[names[module]] = keys
+            continue
         written.update({f"{names[module]}.{key}": t for key, t in keys.items()})
+    for name, parts in fused.items():
+        written.update({f"{name}.{key}": t for key, t in fused_lora(parts, scale, alpha).items()})
     out.parent.mkdir(parents=True, exist_ok=True)
     if adapter.type == "lora":
         header = {"ss_network_module": "networks.lora"}
@@ -78,6 +85,25 @@ def write_adapters(run, out: Path, name_of, alpha: bool = True, dora_scale=None,
     header.update({"ss_network_dim": str(adapter.rank), "ss_network_alpha": str(adapter.alpha), **metadata,
                    EXPORT_KEY: fmt})  # a later export --force may replace it
     return save_tensors(written, out, metadata=header)
+
+
+def fused_lora(parts: dict[FusedRows, dict[str, torch.Tensor]], scale: float, alpha: bool) -> dict[str, torch.Tensor]:
+    """One LoRA of a fused layer from its parts' (kohya's keys, scaled by `scale` unless `alpha`): the downs stacked,
+    each up in its part's rows and its down's columns (zero elsewhere: a part not adapted changes nothing), the scale
+    in `lora_up` and `.alpha` the whole rank (loaders scale by alpha / rank = 1). Exact: the fused delta is each
+    part's delta in its rows."""
+    downs = [keys["lora_down.weight"] for _, keys in sorted(parts.items())]
+    ups = [keys["lora_up.weight"] * (scale if alpha else 1.0) for _, keys in sorted(parts.items())]
+    count, width = next(iter(parts)).parts, ups[0].shape[0]
+    up = torch.zeros(count * width, sum(d.shape[0] for d in downs), dtype=ups[0].dtype)
+    column = 0
+    for (where, _), down, part_up in zip(sorted(parts.items()), downs, ups):
+        up[where.part * width:(where.part + 1) * width, column:column + down.shape[0]] = part_up
+        column += down.shape[0]
+    keys = {"lora_down.weight": torch.cat(downs, dim=0), "lora_up.weight": up}
+    if alpha:
+        keys["alpha"] = torch.tensor(float(column))
+    return keys
 
 
 def _lycoris_keys(own: dict[str, torch.Tensor], alpha: float | None, scale: float,

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import torch
 from torch import nn
 
 from .units import Backbone
 
-__all__ = ["ModelFamily", "TextBatch", "Feed", "ReleaseLayout", "unprefixed"]
+__all__ = ["ModelFamily", "TextBatch", "Feed", "FusedRows", "ReleaseLayout", "unprefixed"]
 
 # what ComfyUI puts before a backbone's names in the checkpoints it saves; the families' own releases have none
 _SAVED_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -43,6 +43,15 @@ class ReleaseLayout:
     recognises: Callable[[list[str]], bool]
     to_diffusers: Callable[[dict[str, torch.Tensor], dict], dict[str, torch.Tensor]]
     from_diffusers: Callable[[dict[str, torch.Tensor], dict], dict[str, torch.Tensor]]
+
+
+class FusedRows(NamedTuple):
+    """Where a LoRA of one diffusers layer goes in a release whose one layer fuses several (BFL's `qkv`): the fused
+    layer's `name`, the layer's `part` of its rows (0 first), of `parts` equal parts."""
+
+    name: str
+    part: int
+    parts: int
 
 
 @dataclass
@@ -249,10 +258,11 @@ class ModelFamily:
 
     release_layout: ClassVar[ReleaseLayout | None] = None  # the family's own single-file layout, where known
 
-    def comfyui_lora_names(self, cfg: Any, modules: list[str]) -> dict[str, str] | None:
+    def comfyui_lora_names(self, cfg: Any, modules: list[str]) -> dict[str, str | FusedRows] | None:
         """Module path -> the name ComfyUI's LoRA loader maps onto that module (comfy/lora.py,
-        `model_lora_keys_unet`), before `.lora_down.weight`; None where ComfyUI loads no LoRA of this family
-        (export --format comfyui). Raise ValueError naming a module it would leave unloaded."""
+        `model_lora_keys_unet`), before `.lora_down.weight`, or `FusedRows` where ComfyUI's layer fuses several of
+        diffusers' (their LoRAs are written as one); None where ComfyUI loads no LoRA of this family (export
+        --format comfyui). Raise ValueError naming a module it would leave unloaded."""
         return None
 
     def reset_own_parameters(self, module: nn.Module) -> bool:

@@ -10,15 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+from safetensors.torch import load_file, save_file
 
 from diffpipe.cli import main
 from diffpipe.models.families.flux2.flux2 import FLUX2_PRESETS, Flux2Family, flux2_backbone, image_ids, text_ids
+from diffpipe.models.families.flux2.release_layout import flux2_from_release, flux2_to_release
 from diffpipe.models.families.flux2.text import Flux2KleinText
 from diffpipe.models.family import Feed
 from diffpipe.models.tokens import pack_latents
 from diffpipe.models.vae import decode_latents, encode_latents, load_vae
 
-from ..helpers import check_diffusers_lora, run_command, trains_alike_on_one_and_two_stages
+from ..helpers import check_comfyui_lora, check_diffusers_lora, run_command, trains_alike_on_one_and_two_stages
 
 ROOT = Path(__file__).parent.parent.parent
 CAPTIONS = ["a photo of the chinese temple", "", "a close photo of a pink flower with words unknown to the vocab"]
@@ -124,12 +126,48 @@ def _sampled(transformer) -> torch.Tensor:
         return Flux2Family().diffusers_forward(transformer.eval(), sample, conditions)
 
 
-def test_a_lora_exports_for_diffusers_and_loads_into_flux2_klein_pipeline(tiny, tmp_path):
+def test_a_lora_exports_for_diffusers_and_comfyui_and_loads_to_the_trained_output(tiny, tmp_path):
+    """diffusers' names into Flux2KleinPipeline; ComfyUI's (BFL's names, a double block's query, key and value as
+    one LoRA of `qkv`; here the text's key alone too, the rest of its `txt_attn.qkv` untouched) as ComfyUI loads
+    them onto BFL's model, read back by diffusers' converter."""
     run = tmp_path / "lora"
+    targets = '["to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj", "add_k_proj"]'
     result = _train(tiny, run, "--set", "train.max_steps=6", "--set", "train.learning_rate=1e-2",
-                    "--set", 'adapter.type="lora"', "--set", "adapter.rank=4", "--set", "adapter.alpha=8.0")
+                    "--set", 'adapter.type="lora"', "--set", "adapter.rank=4", "--set", "adapter.alpha=8.0",
+                    "--set", f"adapter.target_modules={targets}")
     assert result.returncode == 0, result.stderr[-3000:]
     check_diffusers_lora(Flux2KleinPipeline, tiny / "flux2_klein", run, tmp_path / "out", _sampled)
+    comfy = tmp_path / "comfy.safetensors"
+    check_comfyui_lora(Flux2KleinPipeline, tiny / "flux2_klein", run, comfy, _sampled, flux2_to_release,
+                       flux2_from_release)
+    names = {k.removesuffix(".lora_down.weight") for k in load_file(str(comfy)) if k.endswith(".lora_down.weight")}
+    assert {"diffusion_model.double_blocks.0.img_attn.qkv", "diffusion_model.double_blocks.0.txt_attn.qkv",
+            "diffusion_model.double_blocks.0.img_attn.proj", "diffusion_model.single_blocks.1.linear1"} <= names
+
+
+@pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
+def test_a_single_file_in_bfls_layout_reads_as_the_folders_weights(tiny, tmp_path, monkeypatch, prefix):
+    """BFL's layout (`img_attn.qkv`, `linear1`, `.scale` norms, the final modulation's halves swapped), as BFL
+    releases it or as ComfyUI saves it, with model.components naming the folder of the rest; written back
+    (`export --format original`'s map), diffusers' own reader gives every tensor back."""
+    from diffpipe.build import build_backbone
+    from diffpipe.config_files import build_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tiny / "flux2_klein"
+    weights = load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    release = flux2_to_release(weights)
+    assert {"double_blocks.0.img_attn.qkv.weight", "single_blocks.1.linear1.weight", "img_in.weight",
+            "double_blocks.0.txt_attn.norm.key_norm.scale", "final_layer.adaLN_modulation.1.weight",
+            "double_stream_modulation_img.lin.weight"} <= release.keys()
+    back = flux2_from_release(dict(release))
+    assert back.keys() == weights.keys() and all(torch.equal(back[k], weights[k]) for k in weights)
+    single = tmp_path / "flux-2-klein-4b.safetensors"
+    save_file({prefix + k: v for k, v in release.items()}, str(single))
+    config = build_config({"model": {"architecture": "flux2", "path": str(single), "components": str(folder)},
+                           "data": {"dataset": "folder", "path": str(tiny / "photos"), "resolution": 64}})
+    model = build_backbone(config).model
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
 
 
 def test_a_flux2_dev_folder_is_refused_in_one_line_before_its_text_encoder_is_read(tiny, tmp_path, capsys):

@@ -5,19 +5,20 @@ pipeline makes them; the tiny example trains on clips with their sound on 1 and 
 a clip at another frame rate and one without sound, and its LoRA loads into LTX2Pipeline with the trained output."""
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 from diffusers import LTX2VideoTransformer3DModel
 
-import math
-from pathlib import Path
-
 from diffpipe.models.families.ltx2.codec import AudioVideoCodec, log_mel, read_audio, with_audio
 from diffpipe.models.families.ltx2.ltx2 import (LTX2_PRESETS, LTX2Family, audio_coords, audio_latent_frames,
                                                 ltx2_backbone, sample_frames, video_coords, video_frames_of)
+from diffpipe.models.families.ltx2.release_layout import ltx2_from_release, ltx2_to_release
 from diffpipe.models.family import TextBatch
 
-from ..helpers import check_diffusers_lora, run_command, trains_alike_on_one_and_two_stages
+from ..helpers import check_comfyui_lora, check_diffusers_lora, run_command, trains_alike_on_one_and_two_stages
 
 ROOT = Path(__file__).parent.parent.parent
 QUICK = ["--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0",
@@ -180,7 +181,7 @@ def test_clips_it_cannot_use_are_skipped_with_the_reason(tiny_video, tmp_path):
     assert "slow_red_disc.mp4: 8 frames a second" in ran.stdout
 
 
-def test_a_lora_loads_into_ltx2_pipeline_with_the_trained_output(tiny_video, tmp_path):
+def test_a_lora_loads_into_ltx2_pipeline_and_comfyui_with_the_trained_output(tiny_video, tmp_path):
     from diffusers import LTX2Pipeline
 
     run = tmp_path / "lora"
@@ -200,6 +201,9 @@ def test_a_lora_loads_into_ltx2_pipeline_with_the_trained_output(tiny_video, tmp
             return family.diffusers_forward(transformer, family.pack(cfg, sample), named)
 
     check_diffusers_lora(LTX2Pipeline, tiny_video / "ltx2", run, tmp_path / "out", predict)
+    # ComfyUI's LTX-2 model has Lightricks' names: `diffusion_model.` and the release's layer names
+    check_comfyui_lora(LTX2Pipeline, tiny_video / "ltx2", run, tmp_path / "comfy.safetensors", predict,
+                       ltx2_to_release, ltx2_from_release)
 
 
 @pytest.mark.parametrize("prefix", ["", "model.diffusion_model."])
@@ -211,7 +215,6 @@ def test_a_single_file_in_the_release_layout_reads_as_the_folders_weights(tiny_v
 
     from diffpipe.build import build_backbone
     from diffpipe.config_files import build_config
-    from diffpipe.models.families.ltx2.release_layout import ltx2_from_release, ltx2_to_release
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     folder = tiny_video / "ltx2"

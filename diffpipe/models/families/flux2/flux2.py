@@ -25,6 +25,7 @@ from ...family import TextBatch
 from ...tokens import reset_rms_norm
 from ...packed import PackedFamily
 from ...units import Backbone, Unit
+from .release_layout import FLUX2_BFL, comfyui_names
 
 __all__ = ["Flux2Family", "flux2_backbone", "FLUX2_PRESETS", "image_ids", "text_ids"]
 
@@ -147,11 +148,16 @@ class Flux2Family(PackedFamily):
     # peft matches `to_out` on the double blocks' (a ModuleList) too and refuses it
     lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj")
     sequence_refusal = "pipeline.sequence_parallel is not built for FLUX.2 yet: set pipeline.sequence_parallel = 1"
+    release_layout = FLUX2_BFL  # BFL's single files (flux2-dev.safetensors): release_layout.py
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers
 
         return diffusers.Flux2KleinPipeline
+
+    def comfyui_lora_names(self, cfg, modules):
+        """`diffusion_model.` and BFL's names (release_layout.py): ComfyUI's FLUX.2 is BFL's model."""
+        return comfyui_names(cfg, modules)
 
     def describe(self, model, granularity):
         return flux2_backbone(model)

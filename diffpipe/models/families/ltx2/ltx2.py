@@ -30,7 +30,7 @@ from torch import nn
 from ...family import ModelFamily, TextBatch
 from ...units import Backbone, Unit
 from .layout import FRAME_RATE, audio_latent_frames, sample_frames, video_frames_of
-from .release_layout import LIGHTRICKS
+from .release_layout import LIGHTRICKS, release_name
 
 __all__ = ["LTX2Family", "ltx2_backbone", "LTX2_PRESETS", "caption_widths", "video_coords", "audio_coords",
            "FRAME_RATE", "audio_latent_frames", "sample_frames", "video_frames_of"]  # the last four: layout.py
@@ -183,6 +183,11 @@ class LTX2Family(ModelFamily):
         import diffusers
 
         return diffusers.LTX2Pipeline
+
+    def comfyui_lora_names(self, cfg, modules):
+        """`diffusion_model.` and the release's names (release_layout.py), which ComfyUI's LTX-2 model (its LTXAV,
+        Lightricks' names) maps onto its own weights (comfy/lora.py `model_lora_keys_unet`)."""
+        return {m: f"diffusion_model.{release_name(m)}" for m in modules}
 
     def latent_channels(self, cfg):
         return cfg.in_channels

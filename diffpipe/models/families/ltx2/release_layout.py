@@ -14,7 +14,7 @@ import torch
 
 from ...family import ReleaseLayout, unprefixed
 
-__all__ = ["LIGHTRICKS", "ltx2_from_release", "ltx2_to_release"]
+__all__ = ["LIGHTRICKS", "ltx2_from_release", "ltx2_to_release", "release_name"]
 
 _PREFIX = "model.diffusion_model."
 # diffusers' name -> the release's, for parts of a name (diffusers' converter maps them the other way)
@@ -38,21 +38,20 @@ def ltx2_from_release(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return convert_ltx2_transformer_to_diffusers({unprefixed(k): v for k, v in weights.items()})
 
 
+def release_name(key: str) -> str:
+    """A diffusers LTX-2 transformer weight's (or layer's) name in the release."""
+    for ours, theirs in _TOP:
+        if key.startswith(ours):
+            return theirs + key[len(ours):]
+    for ours, theirs in _RENAMED:
+        if ours in key:
+            return key.replace(ours, theirs)
+    return key
+
+
 def ltx2_to_release(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """diffusers' LTX-2 transformer weights under the release's names (no prefix)."""
-    out = {}
-    for key, value in weights.items():
-        for ours, theirs in _TOP:
-            if key.startswith(ours):
-                key = theirs + key[len(ours):]
-                break
-        else:
-            for ours, theirs in _RENAMED:
-                if ours in key:
-                    key = key.replace(ours, theirs)
-                    break
-        out[key] = value
-    return out
+    return {release_name(key): value for key, value in weights.items()}
 
 
 LIGHTRICKS = ReleaseLayout(
