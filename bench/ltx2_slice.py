@@ -8,6 +8,7 @@ to 1.0, the whole batch as one micro-batch. The plain loop calls the model as LT
 
     python bench/ltx2_slice.py [--blocks 4] [--batch 1] [--steps 8] [--lora 16 --base-dtype bf16] [--only plain|diffpipe]
     python bench/ltx2_slice.py --device cpu --preset digits --blocks 2 --steps 3    # a smoke run on the CPU
+    python bench/ltx2_slice.py --blocks 8 --lora 16 --base-dtype bf16 --steps 6 --profile   # each under torch.profiler
 
 Prints one JSON line per measurement (as bench/z_image_slice.py): median step after the first two, samples/s, TFLOP/s
 (the FLOPs of one forward counted by torch's FlopCounterMode on the meta device, times 3) and the peak memory.
@@ -145,6 +146,19 @@ def diffpipe_run(args, flops: float) -> None:
     _report("diffpipe ltx2, one stage", args, [r["step_time_s"] for r in rows], flops)
 
 
+def profiled(what: str, run, top: int = 12) -> None:
+    """`run()` under torch.profiler: one JSON line of the device time of every kernel and op and the `top` ones
+    (name, milliseconds, calls), to tell a GPU difference from a host one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+    rows = sorted(((e.self_device_time_total / 1e3, e.count, e.key) for e in prof.key_averages()
+                   if e.self_device_time_total > 0), reverse=True)
+    print(json.dumps({"what": f"profile: {what}", "device_ms": round(sum(r[0] for r in rows), 1),
+                      "top": [[name[:90], round(ms, 1), calls] for ms, calls, name in rows[:top]]}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=4, help="blocks (of 48)")
@@ -156,15 +170,18 @@ def main() -> None:
     parser.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--preset", choices=sorted(LTX2_PRESETS), default="2.0")
+    parser.add_argument("--profile", action="store_true", help="each run under torch.profiler, its top kernels printed")
     args = parser.parse_args()
     flops = step_flops(args)
-    if args.only != "diffpipe":
-        plain_loop(args, flops)
-    gc.collect()
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-    if args.only != "plain":
-        diffpipe_run(args, flops)
+    runs = [("plain", plain_loop), ("diffpipe", diffpipe_run)]
+    for name, run in [(name, run) for name, run in runs if args.only in (None, name)]:
+        if args.profile:
+            profiled(name, lambda: run(args, flops))
+        else:
+            run(args, flops)
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
