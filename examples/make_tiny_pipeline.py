@@ -665,25 +665,32 @@ _PITCHES = {"red": 330.0, "blue": 550.0, "yellow": 880.0}  # Hz: each colour sou
 def write_av_clips(out: Path) -> Path:
     """Eight captioned clips with their sound (LTX-2's data): 24 frames a second, 64x48 or 48x64, 17 to 25 frames,
     a shape sliding as in clips/ while a tone of its colour's pitch sounds, louder on the side it moves to (stereo
-    AAC at 48 kHz, a little longer than the video); and two that LTX-2 cannot use: one at 8 frames a second, one
-    without sound."""
+    AAC at 48 kHz, a little longer than the video); one at 8 frames a second (read at 24: each frame shown three
+    times); and two that LTX-2 cannot use: one at 30 frames a second too short at 24 (17 frames: 14 at 24, fewer
+    than the tiny example's 17), one without sound."""
     import numpy as np
 
     folder = out / "av_clips"
     folder.mkdir(parents=True, exist_ok=True)
+
+    def tone(colour: str, motion: str, seconds: float):
+        t = np.arange(int((seconds + 0.2) * 48000)) / 48000
+        wave = 0.3 * np.sin(2 * np.pi * _PITCHES[colour] * t)
+        left = {"left": 1.0, "right": 0.3}.get(motion, 0.7)
+        return np.stack([left * wave, (1.3 - left) * wave])
+
     for i in range(8):
         shape, colour, motion = ("square", "disc")[i % 2], list(_COLOURS)[i % 3], list(_MOTIONS)[i % 4]
         count = 17 + 4 * (i % 3)
         frames = _shape_frames(shape, colour, motion, count, (48, 64) if i % 3 else (64, 48))
-        seconds = np.arange(int((count / 24 + 0.2) * 48000)) / 48000
-        tone = 0.3 * np.sin(2 * np.pi * _PITCHES[colour] * seconds)
-        left = {"left": 1.0, "right": 0.3}.get(motion, 0.7)
-        audio = np.stack([left * tone, (1.3 - left) * tone])
         name = f"{colour}_{shape}_{motion}_{i}"
-        write_video_with_audio(folder / f"{name}.mp4", frames, 24, audio)
+        write_video_with_audio(folder / f"{name}.mp4", frames, 24, tone(colour, motion, count / 24))
         (folder / f"{name}.txt").write_text(f"a {colour} {shape} moving {motion}, a {colour} tone\n")
-    write_video(folder / "slow_red_disc.mp4", _shape_frames("disc", "red", "left", 17, (48, 64)), fps=8)
-    (folder / "slow_red_disc.txt").write_text("a red disc moving left\n")
+    for name, (shape, colour, motion), count, fps in (("slow_red_disc", ("disc", "red", "left"), 8, 8),
+                                                       ("quick_yellow_square", ("square", "yellow", "right"), 17, 30)):
+        frames = _shape_frames(shape, colour, motion, count, (48, 64))
+        write_video_with_audio(folder / f"{name}.mp4", frames, fps, tone(colour, motion, count / fps))
+        (folder / f"{name}.txt").write_text(f"a {colour} {shape} moving {motion}, a {colour} tone\n")
     write_video(folder / "silent_blue_square.mp4", _shape_frames("square", "blue", "up", 17, (48, 64)), fps=24)
     (folder / "silent_blue_square.txt").write_text("a blue square moving up\n")
     return folder

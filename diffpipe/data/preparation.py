@@ -115,12 +115,21 @@ def _placed(items: list[ImageItem], buckets: list[Bucket], skipped: Skipped, vae
     if frame_buckets is None:
         return FolderImages(items, [place(i.width, i.height, buckets) for i in items], skipped, vae=vae)
     kept, placements = [], []
+    # a VAE that reads clips at a frame rate of its own counts their frames at it (LTX-2's codec: 24 a second)
+    frames_of = getattr(vae, "frames_of", lambda item: item.frames)
     for item in items:
-        frames = clip_frames(item.frames, frame_buckets)
+        try:
+            offered = frames_of(item)
+        except BadImage as exc:
+            skipped.add(item.path, str(exc))
+            continue
+        frames = clip_frames(offered, frame_buckets)
         if frames is None:
             if not any(path == item.path for path, _ in skipped.files):  # once, not once per repeat
+                counted = (f"{offered} frames" if offered == item.frames
+                           else f"{item.frames} frames, {offered} at the frame rate the model reads")
                 skipped.add(item.path, f"a still image, and data.frame_buckets {frame_buckets} has no 1"
-                            if not item.frames else f"too short: {item.frames} frames, and the shortest clip of "
+                            if not item.frames else f"too short: {counted}, and the shortest clip of "
                             f"data.frame_buckets {frame_buckets} is {min(b for b in frame_buckets if b > 1)}")
             continue
         kept.append(item)

@@ -174,11 +174,32 @@ def test_the_tiny_example_trains_alike_on_one_and_two_stages(tiny_video, tmp_pat
 
 
 def test_clips_it_cannot_use_are_skipped_with_the_reason(tiny_video, tmp_path):
+    """A clip without sound, and one at 30 frames a second whose 17 frames are 14 at 24 (the tiny example trains 17);
+    the one at 8 frames a second trains (read at 24)."""
     ran = _train(tiny_video, tmp_path / "run", "--set", "train.max_steps=1", "--set", "pipeline.stages=1")
     assert ran.returncode == 0, ran.stdout[-3000:]
     assert "skipped 2" in ran.stdout
     assert "silent_blue_square.mp4: no audio track" in ran.stdout
-    assert "slow_red_disc.mp4: 8 frames a second" in ran.stdout
+    assert "quick_yellow_square.mp4: too short: 17 frames, 14 at the frame rate the model reads" in ran.stdout
+    assert "slow_red_disc" not in ran.stdout
+
+
+def test_a_clip_at_another_frame_rate_is_read_at_24_frames_a_second(tiny_video):
+    """slow_red_disc.mp4 (8 frames at 8 a second): the k-th of its 17 frames at 24 is its own frame k // 3, the one on
+    screen at k / 24 seconds; its sound is the same 17 / 24 seconds'; it offers 24 frames at 24 to the buckets."""
+    from diffpipe.data.buckets import Bucket, place
+    from diffpipe.data.folder import ImageItem
+    from diffpipe.data.images import read_pixels
+
+    codec = AudioVideoCodec.from_folder(tiny_video / "ltx2")
+    item = ImageItem(tiny_video / "av_clips" / "slow_red_disc.mp4", "", 64, 48, frames=8)
+    assert codec.frames_of(item) == 24
+    placement = place(64, 48, [Bucket(64, 48)], frames=17)
+    read = codec.read_item(item, placement, read_pixels)
+    own = read_pixels(item, place(64, 48, [Bucket(64, 48)], frames=6))
+    assert (own[:, 1:] - own[:, :-1]).abs().amax() > 0.1  # the disc moves from frame to frame
+    torch.testing.assert_close(read[:, :17], own[:, [k // 3 for k in range(17)]], rtol=0, atol=0)
+    torch.testing.assert_close(read, with_audio(read[:, :17], read_audio(item.path, 17 / 24, 16000)), rtol=0, atol=0)
 
 
 def test_a_lora_loads_into_ltx2_pipeline_and_comfyui_with_the_trained_output(tiny_video, tmp_path):

@@ -3,7 +3,10 @@ ltx2.py: the video's latent frames, then the audio's tokens in latent frames aft
 
 A clip is read at 24 frames a second (`FRAME_RATE`, what the model is told) with its audio track: the first F frames
 and the audio of those F / 24 seconds, resampled to the audio VAE's rate (16 kHz) in stereo by PyAV. A clip at another
-frame rate, without an audio track or with less audio than video is not used (skipped and counted, with the reason).
+frame rate is read at 24 too: the k-th frame is the one on screen at k / 24 seconds (a 30 fps clip loses every fifth
+frame, an 8 fps one shows each three times), and its length in frames is counted at 24 (`frames_of`) when it is
+bucketed. A clip without an audio track or with less audio than video is not used (skipped and counted, with the
+reason).
 Until it is encoded the audio rides with the pixels in one tensor, the waveform's samples laid into extra pixel
 frames after the clip's (`with_audio`), so the data path stacks, buckets and caches it as it does any clip.
 
@@ -17,6 +20,7 @@ normalised by the audio VAE's `latents_mean` and `latents_std` (its `_normalize_
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +110,10 @@ def frame_rate(path: Path) -> float:
         raise BadImage(f"not a readable video ({type(exc).__name__})") from None
 
 
+def _is_24(rate: float) -> bool:
+    return abs(rate - FRAME_RATE) <= 0.01
+
+
 def _audio_samples(pixel_frames: int, rate: int) -> int:
     return round(pixel_frames / FRAME_RATE * rate)
 
@@ -160,16 +168,25 @@ class AudioVideoCodec(nn.Module):
                 return pixel_frames
         raise ValueError(f"no clip with its audio fills {frames} frames of {height} x {width} pixels")
 
+    def frames_of(self, item) -> int:
+        """The frames a clip offers at 24 a second (the data path buckets clips by it): its own count at 24, else
+        the most whose times k / 24 fall within its length; 0 for a still image."""
+        if item.frames == 0:
+            return 0
+        rate = frame_rate(item.path)
+        return item.frames if _is_24(rate) else math.ceil(item.frames * FRAME_RATE / rate - 1e-9)
+
     def read_item(self, item, placement, read_pixels) -> torch.Tensor:
-        """The item's clip (its pixels as `read_pixels` reads them) with its audio (`with_audio`); `BadImage` where
-        it cannot be used (a still image, another frame rate than 24, no or too little audio)."""
+        """The item's clip (its pixels as `read_pixels` reads them, at 24 frames a second) with its audio
+        (`with_audio`); `BadImage` where it cannot be used (a still image, no or too little audio)."""
         if not placement.frames or item.frames == 0:
             raise BadImage("a still image: LTX-2 trains clips with their audio")
         rate = frame_rate(item.path)
-        if abs(rate - FRAME_RATE) > 0.01:
-            raise BadImage(f"{rate:g} frames a second: LTX-2 trains clips at {FRAME_RATE:g} (LTX2Pipeline's "
-                           "frame_rate); re-encode it at 24 (ffmpeg -i IN -r 24 OUT)")
-        pixels = read_pixels(item, placement)
+        if _is_24(rate):
+            pixels = read_pixels(item, placement)
+        else:  # the frame on screen at each k / 24 seconds, of as many of the clip's own as that reaches
+            shown = [math.floor(k * rate / FRAME_RATE + 1e-9) for k in range(placement.frames)]
+            pixels = read_pixels(item, replace(placement, frames=shown[-1] + 1))[:, shown]
         sample_rate = self.audio.config.sample_rate
         waveform = read_audio(item.path, placement.frames / FRAME_RATE, sample_rate, self.channels)
         return with_audio(pixels, waveform)
