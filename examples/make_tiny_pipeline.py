@@ -456,6 +456,75 @@ def write_flux2_klein(out: Path, seed: int = 0) -> Path:
     return out / "flux2_klein"
 
 
+# Mistral's chat template in the shape Mistral Small 3's has (system prompt, then the user's turn), for text given as
+# a list of blocks as Flux2Pipeline gives it (pictures are [IMG], which a caption never has)
+_MISTRAL_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- if system is defined %}{{- '[SYSTEM_PROMPT]' }}{%- if system is string %}{{- system }}"
+    "{%- else %}{%- for block in system %}{{- block['text'] }}{%- endfor %}{%- endif %}{{- '[/SYSTEM_PROMPT]' }}"
+    "{%- endif %}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}{{- '[INST]' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}{%- for block in message['content'] %}"
+    "{%- if block['type'] == 'text' %}{{- block['text'] }}{%- else %}{{- '[IMG]' }}{%- endif %}{%- endfor %}"
+    "{%- endif %}{{- '[/INST]' }}{%- else %}{{- message['content'] }}{{- eos_token }}{%- endif %}{%- endfor %}")
+
+
+def write_flux2_dev(out: Path, seed: int = 0) -> Path:
+    """FLUX.2 dev's layout (Flux2Pipeline, as black-forest-labs/FLUX.2-dev): a Mistral 3 model (its text model 16 wide,
+    four layers: the pipeline reads states of three, 10, 20, 30 of the release's 40, which diffpipe takes at a quarter,
+    a half and three quarters of its depth; a one-layer Pixtral tower it never uses for text) and its tokenizer folder
+    as the release's processor keeps it (the tiny Qwen2 BPE with Mistral's special tokens, a Mistral-style chat
+    template in chat_template.jinja, processor_config.json naming PixtralProcessor, which model_index.json names too);
+    FLUX.2's VAE and a Flux2Transformer2DModel with the guidance embedding dev has, reading the three states side by
+    side (48 wide). PixtralProcessor itself needs torchvision, which this project does not install: the folder is
+    written by hand around the components' own save_pretrained."""
+    import json
+
+    import diffusers
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig
+
+    torch.manual_seed(seed)
+    folder = out / "flux2_dev"
+    tokenizer = tiny_qwen_tokenizer()
+    tokenizer.add_special_tokens({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+                                  "additional_special_tokens": ["[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                                                                "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    tokenizer.save_pretrained(folder / "tokenizer")
+    (folder / "tokenizer" / "chat_template.jinja").write_text(_MISTRAL_TEMPLATE)
+    (folder / "tokenizer" / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "PixtralProcessor", "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+         "image_end_token": "[IMG_END]", "patch_size": 16, "spatial_merge_size": 2}, indent=2))
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=MistralConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                  num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                  max_position_embeddings=2048, rope_theta=1000000.0,
+                                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id),
+        vision_config=PixtralVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, head_dim=8, image_size=64, patch_size=16),
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2))
+    text_encoder.eval().save_pretrained(folder / "text_encoder", safe_serialization=True)
+    vae = AutoencoderKLFlux2(block_out_channels=(16, 16, 32, 32), latent_channels=4, norm_num_groups=8,
+                             layers_per_block=1, sample_size=64)
+    with torch.no_grad():  # statistics as if fitted, as klein's
+        vae.bn.running_mean.copy_(0.2 * torch.randn(16))
+        vae.bn.running_var.copy_(torch.rand(16) + 0.5)
+    vae.eval().save_pretrained(folder / "vae", safe_serialization=True)
+    Flux2Transformer2DModel(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True,
+    ).save_pretrained(folder / "transformer", safe_serialization=True)
+    FlowMatchEulerDiscreteScheduler(shift=3.0).save_pretrained(folder / "scheduler")
+    (folder / "model_index.json").write_text(json.dumps(
+        {"_class_name": "Flux2Pipeline", "_diffusers_version": diffusers.__version__,
+         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "text_encoder": ["transformers",
+         "Mistral3ForConditionalGeneration"], "tokenizer": ["transformers", "PixtralProcessor"],
+         "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"]},
+        indent=2))
+    return folder
+
+
 def write_ltx2(out: Path, seed: int = 0) -> Path:
     """LTX-2's layout (LTX2Pipeline, as Lightricks/LTX-2): a Gemma 3 model (16 wide, two layers, a one-layer SigLIP
     tower it never uses for text) with the tiny Qwen2 BPE tokenizer, the pipeline's text connectors (one layer a
@@ -774,7 +843,7 @@ def main() -> None:
                  write_wan21_i2v(out),
                  write_qwen_image(out),
                  write_qwen_image(out, edit=True), write_qwen_image(out, edit=True, plus=True),
-                 write_hunyuan_video15(out), write_z_image(out, vae), write_flux2_klein(out), write_ltx2(out), write_photos(out),
+                 write_hunyuan_video15(out), write_z_image(out, vae), write_flux2_klein(out), write_flux2_dev(out), write_ltx2(out), write_photos(out),
                  write_edits(out), write_clips(out), write_av_clips(out)):
         print(f"wrote {path}")
     (out / STAMP).write_text(_this_script() + "\n")

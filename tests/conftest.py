@@ -48,12 +48,12 @@ def _copy_of_made(tmp_path_factory, name: str, parts: tuple[str, ...]) -> Path |
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> Path:
     """A folder with sd15/, sdxl/, flux/, flux_kontext/, chroma/, sd3/, qwen_image/, qwen_image_edit/,
-    qwen_image_edit_plus/, z_image/ and flux2_klein/ pipeline folders,
+    qwen_image_edit_plus/, z_image/, flux2_klein/ and flux2_dev/ pipeline folders,
     photos/ (16 captioned crops) and edits/ (8 of them under pictures/, a grey copy of each under controls/); treat it
     as read-only (copy photos/ before changing it)."""
     made = _copy_of_made(tmp_path_factory, "tiny", ("sd15", "sdxl", "flux", "flux_kontext", "chroma", "sd3", "qwen_image",
                                                     "qwen_image_edit", "qwen_image_edit_plus", "z_image", "flux2_klein",
-                                                    "photos", "edits"))
+                                                    "flux2_dev", "photos", "edits"))
     if made is not None:
         return made
     out = tmp_path_factory.mktemp("tiny")
@@ -70,6 +70,7 @@ def tiny(tmp_path_factory) -> Path:
     script.write_qwen_image(out, edit=True, plus=True)
     script.write_z_image(out, vae)
     script.write_flux2_klein(out)
+    script.write_flux2_dev(out)
     script.write_photos(out)
     script.write_edits(out)
     return out

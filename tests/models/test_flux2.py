@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from diffpipe.cli import main
 from diffpipe.models.families.flux2.flux2 import FLUX2_PRESETS, Flux2Family, flux2_backbone, image_ids, text_ids
 from diffpipe.models.families.flux2.release_layout import flux2_from_release, flux2_to_release
-from diffpipe.models.families.flux2.text import Flux2KleinText
+from diffpipe.models.families.flux2.text import Flux2DevText, Flux2KleinText
 from diffpipe.models.family import Feed
 from diffpipe.models.tokens import pack_latents
 from diffpipe.models.vae import decode_latents, encode_latents, load_vae
@@ -170,17 +170,34 @@ def test_a_single_file_in_bfls_layout_reads_as_the_folders_weights(tiny, tmp_pat
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
 
 
-def test_a_flux2_dev_folder_is_refused_in_one_line_before_its_text_encoder_is_read(tiny, tmp_path, capsys):
-    """FLUX.2 dev's Flux2Pipeline captions through Mistral 3, not read yet: refused before a Mistral would be read as
-    a Qwen3 (the tiny klein folder relabelled)."""
-    import json
-    import shutil
+def test_a_dev_folders_captions_are_encoded_as_flux2_pipeline_encodes_them(tiny):
+    """FLUX.2 dev's Flux2Pipeline: Mistral 3 after FLUX.2's system message, the tokenizer's chat template read from
+    the processor's file; equal to the pipeline's own encoding (its `_get_mistral_3_small_prompt_embeds`, told to
+    read layers 1, 2, 3 of the tiny encoder's 4: dev's 10, 20, 30 of 40) given the folder's tokenizer. The pipeline
+    itself is not built here: its PixtralProcessor needs torchvision."""
+    from diffusers import Flux2Pipeline
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
 
-    folder = shutil.copytree(tiny / "flux2_klein", tmp_path / "flux2_dev")
-    index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "Flux2Pipeline"}))
-    code = main(["train", str(ROOT / "examples" / "flux2_klein_tiny.toml"), "--output-dir", str(tmp_path / "run"),
-                 "--set", f'model.path="{folder}"', "--set", f'data.path="{tiny / "photos"}"', *QUICK])
-    err = capsys.readouterr().err
-    assert code != 0 and "is a FLUX.2 dev folder (Flux2Pipeline: a Mistral 3 text encoder)" in err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    text = Flux2DevText.from_folder(tiny / "flux2_dev")
+    hidden, pooled = text.encode(CAPTIONS)
+    with torch.no_grad():
+        expected = Flux2Pipeline._get_mistral_3_small_prompt_embeds(
+            text.models[0], text.tokenizers[0], list(CAPTIONS), device="cpu", system_message=SYSTEM_MESSAGE,
+            hidden_states_layers=(1, 2, 3))
+    assert hidden.shape == expected.shape == (3, 512, 48) and pooled.shape == (3, 0)
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-6)
+    filled = text.tokenizers[0].apply_chat_template(text.conversations(["a red square"]), tokenize=False)[0]
+    assert filled.startswith("<s>[SYSTEM_PROMPT]" + SYSTEM_MESSAGE) and filled.endswith("[INST]a red square[/INST]")
+
+
+def test_a_dev_folder_trains_with_its_guidance(tiny, tmp_path):
+    """The tiny Flux2Pipeline folder (Mistral 3, the guidance embedding) trains on 2 stages, its loss finite."""
+    import json
+
+    run = tmp_path / "dev"
+    result = run_command(["train", str(ROOT / "examples" / "flux2_klein_tiny.toml"), "--output-dir", str(run),
+                          "--set", f'model.path="{tiny / "flux2_dev"}"', "--set", f'data.path="{tiny / "photos"}"',
+                          "--set", "train.max_steps=2", *QUICK])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(row["loss"] == row["loss"] for row in rows)

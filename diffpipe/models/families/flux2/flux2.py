@@ -1,4 +1,4 @@
-"""Adapter for diffusers' `Flux2Transformer2DModel` (FLUX.2 dev and klein): issue 57's second family, WIP.
+"""Adapter for diffusers' `Flux2Transformer2DModel` (FLUX.2 dev and klein): issue 57's second family.
 
 Units: `embed` (image and text tokens embedded, the time and guidance embedding `temb`, the three modulations every
 block of a kind shares: `mod_img` and `mod_txt` for the double-stream blocks, `mod_single` for the single-stream
@@ -12,7 +12,8 @@ The backbone reads latents as Flux2Pipeline gives its transformer: the VAE's 32 
 Flux.1's packing (`pack_latents`); position ids of four axes (time, row, column, layer), one row per sample (the
 same for all samples of a bucket). Timesteps are t in [0, 1000] as diffpipe samples them; the model takes t / 1000
 (and multiplies by 1000 itself). Klein's text: Qwen3's states of three layers side by side, 512 positions with the
-pads (text.py); the transformer attends to all of them, unmasked, as Flux2KleinPipeline calls it.
+pads (text.py); the transformer attends to all of them, unmasked, as Flux2KleinPipeline calls it. Dev's text:
+Mistral 3's states of three layers after FLUX.2's system message (text.py), and the guidance embedding dev has.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import torch
 from diffusers import Flux2Transformer2DModel
 from torch import nn
 
-from ....errors import ConfigError
 from ...family import TextBatch
 from ...tokens import reset_rms_norm
 from ...packed import PackedFamily
@@ -135,14 +135,14 @@ def flux2_backbone(model: Flux2Transformer2DModel) -> Backbone:
 
 
 class Flux2Family(PackedFamily):
-    """FLUX.2: an LLM's states of three layers side by side (klein: Qwen3; dev: Mistral, not read from folders yet),
-    no pooled text; its own VAE (32 channels, 8x smaller sides, patches normalised); flow matching."""
+    """FLUX.2: an LLM's states of three layers side by side (klein: Qwen3; dev: Mistral 3 after FLUX.2's system
+    message), no pooled text; its own VAE (32 channels, 8x smaller sides, patches normalised); flow matching."""
 
     name = "flux2"
     model_class = Flux2Transformer2DModel
     component = "transformer"
     presets = FLUX2_PRESETS
-    pipelines = ("Flux2KleinPipeline",)
+    pipelines = ("Flux2KleinPipeline", "Flux2Pipeline")
     # the double blocks' attention and the single blocks' fused input (q, k, v and the MLP's in): every block adapted,
     # as a stage of single blocks alone has something to train. Not the single blocks' fused output `attn.to_out`:
     # peft matches `to_out` on the double blocks' (a ModuleList) too and refuses it
@@ -153,7 +153,7 @@ class Flux2Family(PackedFamily):
     def diffusers_lora_pipeline(self, cfg):
         import diffusers
 
-        return diffusers.Flux2KleinPipeline
+        return diffusers.Flux2Pipeline if cfg["guidance_embeds"] else diffusers.Flux2KleinPipeline
 
     def comfyui_lora_names(self, cfg, modules):
         """`diffusion_model.` and BFL's names (release_layout.py): ComfyUI's FLUX.2 is BFL's model."""
@@ -184,16 +184,15 @@ class Flux2Family(PackedFamily):
         return reset_rms_norm(module)
 
     def folder_text_encoder(self, folder):
-        from .text import Flux2KleinText
+        from .text import Flux2DevText, Flux2KleinText
 
-        _check_klein(folder)
-        return Flux2KleinText.from_folder(folder)
+        return (Flux2DevText if _is_dev(folder) else Flux2KleinText).from_folder(folder)
 
     def folder_text_widths(self, folder):
         from ...folder import text_encoder_configs
 
-        _check_klein(folder)
-        return 3 * text_encoder_configs(folder)[0]["hidden_size"], 0
+        config = text_encoder_configs(folder)[0]
+        return 3 * (config["text_config"] if _is_dev(folder) else config)["hidden_size"], 0
 
     def folder_text_length(self, folder):
         from .text import FLUX2_TEXT_TOKENS
@@ -201,12 +200,8 @@ class Flux2Family(PackedFamily):
         return FLUX2_TEXT_TOKENS
 
 
-def _check_klein(folder) -> None:
-    """FLUX.2 dev's folders (Flux2Pipeline) caption through Mistral 3 with its own system message, not read yet: one
-    line, before a Mistral is read as a Qwen3."""
+def _is_dev(folder) -> bool:
+    """FLUX.2 dev's folders (Flux2Pipeline) caption through Mistral 3, klein's (Flux2KleinPipeline) through Qwen3."""
     from ...folder import pipeline_index
 
-    if pipeline_index(folder).get("_class_name") == "Flux2Pipeline":
-        raise ConfigError(f"model.path = {str(folder)!r} is a FLUX.2 dev folder (Flux2Pipeline: a Mistral 3 text "
-                          "encoder), whose captions diffpipe does not encode yet; train a FLUX.2 klein folder "
-                          "(Flux2KleinPipeline), or plan dev without its folder (model.preset = \"dev\")")
+    return pipeline_index(folder).get("_class_name") == "Flux2Pipeline"
