@@ -145,6 +145,9 @@ class ChromaFamily(FluxFamily):
     pipelines = ("ChromaPipeline", "ChromaImg2ImgPipeline", "ChromaInpaintPipeline")
     release_layout = CHROMA  # its releases' single files: BFL's names, the modulation pruned (release_layout.py)
     reads_text_lengths = True  # a batch's text is cut to its captions (qwen_image.text_mask)
+    # its single blocks join attention and MLP outputs as Flux's do (the strided gradient cuDNN's attention fails
+    # on: flux.py `_Block`), in units of its own that do not make the gradient contiguous yet: flash attention
+    cudnn_attention = False
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers

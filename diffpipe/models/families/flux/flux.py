@@ -67,12 +67,36 @@ class FluxEmbed(nn.Module):
                 "rope": torch.stack((cos, sin))}
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity forward; the gradient made contiguous on its way back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _contiguous_gradient(module, inputs, output):
+    return _ContiguousGradient.apply(output)
+
+
 class _Block(nn.Module):
-    """A double- or single-stream block: both take and return (text tokens, image tokens) in diffusers 0.42."""
+    """A double- or single-stream block: both take and return (text tokens, image tokens) in diffusers 0.42.
+
+    A single block joins its attention's output with its MLP's along the channels, so the gradient reaching the
+    attention is a strided slice, where a double block's comes back contiguous: cuDNN's attention kernels reuse a
+    graph across the two and fail in the backward (bench/flux_cudnn_probe.py: each kind alone trains, one of each
+    fails; docs/benchmarks.md). The single block's attention hands back a contiguous gradient instead (a forward hook
+    on its `attn`), which makes every backward of the model alike; a copy of one (tokens x width) tensor a block."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
+        if hasattr(block, "proj_mlp"):  # a single-stream block
+            block.attn.register_forward_hook(_contiguous_gradient)
 
     def forward(self, h, context, temb, rope):
         context, h = self.block(hidden_states=h, encoder_hidden_states=context, temb=temb,
@@ -111,8 +135,10 @@ class FluxFamily(PackedFamily):
     presets = FLUX_PRESETS
     release_layout = BFL  # its own releases' single-file layout
     pipelines = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
-    # torch 2.11 on an H200: cuDNN's attention backward fails on Flux's 1024x1024 shapes ("mha_graph.execute(...)
-    # .is_good()", reported as CUBLAS_STATUS_EXECUTION_FAILED), in a plain diffusers loop too; flash attention works
+    # cuDNN's attention backward failed inside Flux ("mha_graph.execute(...).is_good()", H100 and H200, torch 2.11)
+    # until the single blocks' attention handed back a contiguous gradient (`_Block`); with it the whole Flux.1-dev
+    # trains eagerly on cuDNN's kernels (an H100, docs/benchmarks.md). Still off until compiled runs are seen to
+    # train and to be faster on it (bench/flux_slice.py --attention cudnn lifts this in the bench's process)
     cudnn_attention = False
     # the image tokens, the text tokens (every attention joins them) and the rotary table of both (the text's
     # positions, then the image's) split over a sample's processes: each attends with [its text share, its image
