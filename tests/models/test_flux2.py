@@ -190,14 +190,29 @@ def test_a_dev_folders_captions_are_encoded_as_flux2_pipeline_encodes_them(tiny)
     assert filled.startswith("<s>[SYSTEM_PROMPT]" + SYSTEM_MESSAGE) and filled.endswith("[INST]a red square[/INST]")
 
 
-def test_a_dev_folder_trains_with_its_guidance(tiny, tmp_path):
-    """The tiny Flux2Pipeline folder (Mistral 3, the guidance embedding) trains on 2 stages, its loss finite."""
-    import json
+def test_a_dev_folder_trains_a_lora_that_flux2_pipeline_loads_to_the_trained_output(tiny, tmp_path):
+    """The tiny Flux2Pipeline folder (Mistral 3, the guidance embedding) trains a LoRA on 2 stages; exported for
+    diffusers it is Flux2Pipeline's file, and Flux2Pipeline's own loader (`lora_state_dict`,
+    `load_lora_into_transformer`: the pipeline itself needs torchvision for its processor) puts it into the folder's
+    transformer with the trained output."""
+    from diffusers import Flux2Pipeline
 
     run = tmp_path / "dev"
     result = run_command(["train", str(ROOT / "examples" / "flux2_klein_tiny.toml"), "--output-dir", str(run),
                           "--set", f'model.path="{tiny / "flux2_dev"}"', "--set", f'data.path="{tiny / "photos"}"',
-                          "--set", "train.max_steps=2", *QUICK])
+                          "--set", "train.max_steps=4", "--set", "train.learning_rate=1e-2", "--set",
+                          'adapter.type="lora"', "--set", "adapter.rank=4", "--set", "adapter.alpha=8.0", *QUICK])
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 and all(row["loss"] == row["loss"] for row in rows)
+    folder = tiny / "flux2_dev" / "transformer"
+    trained = Flux2Transformer2DModel.from_pretrained(folder)
+    trained.load_state_dict(load_file(str(run / "model.safetensors")))
+    want = _sampled(trained)
+    assert main(["export", str(run), "--format", "diffusers", "--out", str(tmp_path / "out")]) == 0
+    base = Flux2Transformer2DModel.from_pretrained(folder)
+    before = _sampled(base)
+    # as Flux2Pipeline.load_lora_weights reads and loads it: the file's metadata carries the adapters' config (alpha)
+    adapters, metadata = Flux2Pipeline.lora_state_dict(str(tmp_path / "out" / "pytorch_lora_weights.safetensors"),
+                                                       return_lora_metadata=True)
+    Flux2Pipeline.load_lora_into_transformer(adapters, transformer=base, metadata=metadata)
+    assert (before - want).abs().max() > 1e-3  # the adapters matter
+    torch.testing.assert_close(_sampled(base), want, rtol=1e-5, atol=1e-5)
