@@ -1,4 +1,4 @@
-"""The LoRA recipes a user copies (examples/{sdxl,flux,wan,z_image,flux2_klein,ltx2}_lora.toml) run as their headers say: the CPU line against
+"""The LoRA recipes a user copies (examples/{sdxl,flux,wan,z_image,flux2_klein,flux2_dev,ltx2}_lora.toml) run as their headers say: the CPU line against
 the tiny pipelines (read from the file, so the header cannot go stale), then the export command the header gives.
 Each trains 2 steps here; the recipes' own values are for real models on GPUs."""
 from __future__ import annotations
@@ -37,13 +37,15 @@ def _on(folders: dict[str, Path], args: list[str]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("name", ["sdxl_lora", "flux_lora", "wan_lora", "z_image_lora", "flux2_klein_lora", "ltx2_lora"])
+@pytest.mark.parametrize("name", ["sdxl_lora", "flux_lora", "wan_lora", "z_image_lora", "flux2_klein_lora",
+                                  "flux2_dev_lora", "ltx2_lora"])
 def test_a_recipe_trains_on_the_tiny_pipeline_and_exports_as_its_header_says(name, tiny, tiny_video, tmp_path):
     recipe = EXAMPLES / f"{name}.toml"
     data = tmp_path / "data"  # the recipe caches latents beside its data: a copy, not the shared folder
     shutil.copytree({"wan_lora": tiny_video / "clips", "ltx2_lora": tiny_video / "av_clips"}.get(name, tiny / "photos"), data)
-    # flux2_klein before flux: each replaces a prefix of the path
-    folders = {"sdxl": tiny / "sdxl", "flux2_klein": tiny / "flux2_klein", "flux": tiny / "flux",
+    # flux2_klein and flux2_dev before flux: each replaces a prefix of the path
+    folders = {"sdxl": tiny / "sdxl", "flux2_klein": tiny / "flux2_klein", "flux2_dev": tiny / "flux2_dev",
+               "flux": tiny / "flux",
                "wan": tiny_video / "wan", "z_image": tiny / "z_image", "ltx2": tiny_video / "ltx2", "photos": data,
                "av_clips": data, "clips": data}
     train = _on(folders, _header_command(recipe, "train"))
