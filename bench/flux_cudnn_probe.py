@@ -13,22 +13,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-class ContiguousGrad(torch.autograd.Function):
-    """The identity forward; the gradient made contiguous on its way back."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
+from diffpipe.models.families.flux.flux import ContiguousGradient  # noqa: E402
 
 
 def build(args):
@@ -52,7 +46,7 @@ def build(args):
                 p.data = p.data.float()
     if args.fix == "hook":
         for block in model.single_transformer_blocks:
-            block.attn.register_forward_hook(lambda module, inputs, out: ContiguousGrad.apply(out))
+            block.attn.register_forward_hook(lambda module, inputs, out: ContiguousGradient.apply(out))
     return model
 
 
@@ -65,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.fix == "sdpa":
         sdpa = F.scaled_dot_product_attention
-        F.scaled_dot_product_attention = lambda *a, **k: ContiguousGrad.apply(sdpa(*a, **k))
+        F.scaled_dot_product_attention = lambda *a, **k: ContiguousGradient.apply(sdpa(*a, **k))
     model = build(args)
     cuda = dict(device="cuda")
     ids = torch.zeros(4096, 3, **cuda)

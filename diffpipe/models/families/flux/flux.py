@@ -24,7 +24,7 @@ from ...packed import PackedFamily
 from .release_layout import BFL
 from ...units import Backbone, Unit
 
-__all__ = ["FluxFamily", "flux_backbone", "FLUX_PRESETS", "image_ids"]
+__all__ = ["ContiguousGradient", "FluxFamily", "flux_backbone", "FLUX_PRESETS", "image_ids"]
 
 _DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
             num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
@@ -67,7 +67,7 @@ class FluxEmbed(nn.Module):
                 "rope": torch.stack((cos, sin))}
 
 
-class _ContiguousGradient(torch.autograd.Function):
+class ContiguousGradient(torch.autograd.Function):
     """The identity forward; the gradient made contiguous on its way back."""
 
     @staticmethod
@@ -80,7 +80,7 @@ class _ContiguousGradient(torch.autograd.Function):
 
 
 def _contiguous_gradient(module, inputs, output):
-    return _ContiguousGradient.apply(output)
+    return ContiguousGradient.apply(output)
 
 
 class _Block(nn.Module):
