@@ -92,12 +92,13 @@ def fused_lora(parts: dict[FusedRows, dict[str, torch.Tensor]], scale: float, al
     each up in its part's rows and its down's columns (zero elsewhere: a part not adapted changes nothing), the scale
     in `lora_up` and `.alpha` the whole rank (loaders scale by alpha / rank = 1). Exact: the fused delta is each
     part's delta in its rows."""
-    downs = [keys["lora_down.weight"] for _, keys in sorted(parts.items())]
-    ups = [keys["lora_up.weight"] * (scale if alpha else 1.0) for _, keys in sorted(parts.items())]
-    count, width = next(iter(parts)).parts, ups[0].shape[0]
+    ordered = sorted(parts.items())  # by part: the fused layer's rows in order
+    downs = [keys["lora_down.weight"] for _, keys in ordered]
+    ups = [keys["lora_up.weight"] * (scale if alpha else 1.0) for _, keys in ordered]
+    count, width = ordered[0][0].parts, ups[0].shape[0]
     up = torch.zeros(count * width, sum(d.shape[0] for d in downs), dtype=ups[0].dtype)
     column = 0
-    for (where, _), down, part_up in zip(sorted(parts.items()), downs, ups):
+    for (where, _), down, part_up in zip(ordered, downs, ups):
         up[where.part * width:(where.part + 1) * width, column:column + down.shape[0]] = part_up
         column += down.shape[0]
     keys = {"lora_down.weight": torch.cat(downs, dim=0), "lora_up.weight": up}

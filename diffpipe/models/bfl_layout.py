@@ -15,7 +15,17 @@ import torch
 
 from .family import unprefixed
 
-__all__ = ["BflNames", "count_blocks", "from_bfl", "is_bfl_layout", "is_flux2_layout", "to_bfl"]
+__all__ = ["BflNames", "DOUBLE_NORMS", "DOUBLE_QKV", "FINAL_MODULATION", "SINGLE_NORMS", "count_blocks", "from_bfl",
+           "is_bfl_layout", "is_flux2_layout", "to_bfl"]
+
+# what Flux.1 and FLUX.2 name alike (diffusers' converters of both agree): a double block's norms and fused query, key
+# and value, a single block's norms, the final modulation (its halves swapped)
+DOUBLE_NORMS = {"img_attn.norm.query_norm": "attn.norm_q", "img_attn.norm.key_norm": "attn.norm_k",
+                "txt_attn.norm.query_norm": "attn.norm_added_q", "txt_attn.norm.key_norm": "attn.norm_added_k"}
+DOUBLE_QKV = {"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+              "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}
+SINGLE_NORMS = {"norm.query_norm": "attn.norm_q", "norm.key_norm": "attn.norm_k"}
+FINAL_MODULATION = {"final_layer.adaLN_modulation.1": "norm_out.linear"}
 
 
 @dataclass(frozen=True)

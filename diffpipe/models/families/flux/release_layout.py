@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ...bfl_layout import BflNames, count_blocks, from_bfl, is_bfl_layout, is_flux2_layout, to_bfl
+from ...bfl_layout import (DOUBLE_NORMS, DOUBLE_QKV, FINAL_MODULATION, SINGLE_NORMS, BflNames, count_blocks,
+                           from_bfl, is_bfl_layout, is_flux2_layout, to_bfl)
 from ...family import ReleaseLayout, unprefixed
 
 __all__ = ["BFL", "CHROMA", "FLUX1", "is_bfl_layout", "is_chroma_layout", "flux_from_bfl", "flux_to_bfl"]
@@ -31,14 +32,12 @@ FLUX1 = BflNames(
     double={"img_mod.lin": "norm1.linear", "txt_mod.lin": "norm1_context.linear", "img_attn.proj": "attn.to_out.0",
             "txt_attn.proj": "attn.to_add_out", "img_mlp.0": "ff.net.0.proj", "img_mlp.2": "ff.net.2",
             "txt_mlp.0": "ff_context.net.0.proj", "txt_mlp.2": "ff_context.net.2"},
-    double_norms={"img_attn.norm.query_norm": "attn.norm_q", "img_attn.norm.key_norm": "attn.norm_k",
-                  "txt_attn.norm.query_norm": "attn.norm_added_q", "txt_attn.norm.key_norm": "attn.norm_added_k"},
-    double_fused={"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-                  "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")},
+    double_norms=DOUBLE_NORMS,
+    double_fused=DOUBLE_QKV,
     single={"modulation.lin": "norm.linear", "linear2": "proj_out"},
-    single_norms={"norm.query_norm": "attn.norm_q", "norm.key_norm": "attn.norm_k"},
+    single_norms=SINGLE_NORMS,
     single_fused={"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")},
-    swapped={"final_layer.adaLN_modulation.1": "norm_out.linear"})
+    swapped=FINAL_MODULATION)
 # what Chroma pruned from Flux.1-schnell: the modulation layers and the embedders of time, pooled text and guidance
 _PRUNED = ("time_in.", "vector_in.", "guidance_in.", "final_layer.adaLN_modulation.", ".img_mod.", ".txt_mod.",
            ".modulation.")

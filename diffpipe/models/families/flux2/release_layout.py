@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from ...bfl_layout import BflNames, count_blocks, is_flux2_layout, to_bfl
+from ...bfl_layout import (DOUBLE_NORMS, DOUBLE_QKV, FINAL_MODULATION, SINGLE_NORMS, BflNames, count_blocks,
+                           is_flux2_layout, to_bfl)
 from ...family import FusedRows, ReleaseLayout, unprefixed
 
 __all__ = ["FLUX2", "FLUX2_BFL", "comfyui_names", "flux2_from_release", "flux2_to_release"]
@@ -29,14 +30,12 @@ FLUX2 = BflNames(
          "single_stream_modulation.lin": "single_stream_modulation.linear"},
     double={"img_attn.proj": "attn.to_out.0", "txt_attn.proj": "attn.to_add_out", "img_mlp.0": "ff.linear_in",
             "img_mlp.2": "ff.linear_out", "txt_mlp.0": "ff_context.linear_in", "txt_mlp.2": "ff_context.linear_out"},
-    double_norms={"img_attn.norm.query_norm": "attn.norm_q", "img_attn.norm.key_norm": "attn.norm_k",
-                  "txt_attn.norm.query_norm": "attn.norm_added_q", "txt_attn.norm.key_norm": "attn.norm_added_k"},
-    double_fused={"img_attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-                  "txt_attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")},
+    double_norms=DOUBLE_NORMS,
+    double_fused=DOUBLE_QKV,
     single={"linear1": "attn.to_qkv_mlp_proj", "linear2": "attn.to_out"},
-    single_norms={"norm.query_norm": "attn.norm_q", "norm.key_norm": "attn.norm_k"},
+    single_norms=SINGLE_NORMS,
     single_fused={},
-    swapped={"final_layer.adaLN_modulation.1": "norm_out.linear"})
+    swapped=FINAL_MODULATION)
 
 
 def flux2_from_release(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

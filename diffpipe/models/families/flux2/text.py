@@ -41,8 +41,13 @@ class Flux2KleinText(FolderText):
         return cls([tokenizer], [model], folder)
 
     @property
+    def text_config(self):
+        """The config of the language model whose layers are read."""
+        return self.models[0].config
+
+    @property
     def hidden_size(self) -> int:
-        return 3 * self.models[0].config.hidden_size
+        return 3 * self.text_config.hidden_size
 
     @property
     def pooled_size(self) -> int:
@@ -53,42 +58,33 @@ class Flux2KleinText(FolderText):
                                                        add_generation_prompt=True, enable_thinking=False)
                 for c in captions]
 
+    def tokens(self, captions: list[str]):
+        """The captions' token ids and attention mask, padded to `max_length`, as the pipeline tokenizes them."""
+        return self.tokenizers[0](self.prompts(captions), max_length=self.max_length, padding="max_length",
+                                  truncation=True, return_tensors="pt")
+
     @torch.no_grad()
     def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = self.tokenizers[0](self.prompts(captions), max_length=self.max_length, padding="max_length",
-                                    truncation=True, return_tensors="pt").to(self.device)
-        states = self.models[0](input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+        tokens = self.tokens(captions).to(self.device)
+        states = self.models[0](input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
                                 output_hidden_states=True, use_cache=False).hidden_states
-        layers = hidden_layers(self.models[0].config.num_hidden_layers)
+        layers = hidden_layers(self.text_config.num_hidden_layers)
         hidden = torch.cat([states[k] for k in layers], dim=-1)  # (B, L, 3 D): each position's three states in turn
         return hidden, torch.zeros(len(captions), 0, device=self.device)
 
 
-class Flux2DevText(FolderText):
-    suffixes = ("",)
-    max_length = FLUX2_TEXT_TOKENS
-
-    def __init__(self, tokenizers: list, models: list[torch.nn.Module], folder: Path | None = None,
-                 chat_template: str | None = None):
-        super().__init__(tokenizers, models, folder)
-        self.chat_template = chat_template
+class Flux2DevText(Flux2KleinText):
+    """Klein's encoding of dev's Mistral 3 (its language model's layers), with dev's conversation."""
 
     @classmethod
     def from_folder(cls, folder: Path) -> "Flux2DevText":
         tokenizer, model = load_text_encoder(folder, "1", Mistral3ForConditionalGeneration)
-        return cls([tokenizer], [model], folder, tokenizer.chat_template or processor_chat_template(folder))
+        tokenizer.chat_template = tokenizer.chat_template or processor_chat_template(folder)
+        return cls([tokenizer], [model], folder)
 
     @property
-    def depth(self) -> int:
-        return self.models[0].config.text_config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return 3 * self.models[0].config.text_config.hidden_size
-
-    @property
-    def pooled_size(self) -> int:
-        return 0
+    def text_config(self):
+        return self.models[0].config.text_config
 
     def conversations(self, captions: list[str]) -> list:
         from diffusers.pipelines.flux2.pipeline_flux2 import format_input
@@ -96,16 +92,10 @@ class Flux2DevText(FolderText):
 
         return format_input(prompts=captions, system_message=SYSTEM_MESSAGE)
 
-    @torch.no_grad()
-    def _encode(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = self.tokenizers[0].apply_chat_template(
-            self.conversations(captions), chat_template=self.chat_template, add_generation_prompt=False,
-            tokenize=True, return_dict=True, return_tensors="pt", padding="max_length", truncation=True,
-            max_length=self.max_length).to(self.device)
-        states = self.models[0](input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"],
-                                output_hidden_states=True, use_cache=False).hidden_states
-        hidden = torch.cat([states[k] for k in hidden_layers(self.depth)], dim=-1)  # each position's three in turn
-        return hidden, torch.zeros(len(captions), 0, device=self.device)
+    def tokens(self, captions: list[str]):
+        return self.tokenizers[0].apply_chat_template(
+            self.conversations(captions), add_generation_prompt=False, tokenize=True, return_dict=True,
+            return_tensors="pt", padding="max_length", truncation=True, max_length=self.max_length)
 
 
 def processor_chat_template(folder: Path) -> str:
