@@ -3,7 +3,11 @@ fine-tuning; samples/s and peak memory. SDXL UNet config, random weights, 1024x1
 weights, bf16 autocast, batch 8 in one micro-batch, fused AdamW.
 
     python bench/lora_sdxl.py [--ranks 16,64] [--steps 8] [--skip-full] [--base-dtypes bf16,fp32] [--loops] [--plain-draws] [--rounds N]
-                              [--types lora,dora,loha,lokr]
+                              [--types lora,dora,loha,lokr] [--compile] [--fp8-compute]
+
+--compile: diffpipe's runs with `pipeline.compile = "blocks"` (the UNet's transformer blocks compiled; the plain loop
+stays eager, as the issue's goal compares). --fp8-compute: each LoRA round also runs diffpipe over an fp8 base whose
+products are fp8 (`train.fp8_compute`).
 
 --types: adapter.type of both loops (the plain loop injects peft's adapters of that type the same way).
 
@@ -132,14 +136,19 @@ def plain_peft_loop(rank: int, steps: int, host_profile: bool = False, kind: str
     del model, opt
 
 
-def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: str = "lora") -> None:
-    """diffpipe, one stage, the same batch as one micro-batch (rank None: full fine-tune)."""
+def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: str = "lora", compiled: bool = False,
+                 fp8_compute: bool = False) -> None:
+    """diffpipe, one stage, the same batch as one micro-batch (rank None: full fine-tune); `compiled`: its blocks
+    compiled; `fp8_compute`: an fp8 base computing in fp8."""
     torch.cuda.reset_peak_memory_stats()
     sets = ["pipeline.stages=1", "pipeline.microbatches=1", f"train.batch_size={BATCH}", f"train.max_steps={steps}",
             "observe.every=1000", "observe.timeline_step=0", "observe.log_every=0", "output.save_weights=false",
             "output.sample_every_end=false", "checkpoint.every=0", "train.learning_rate=1e-4",
-            'pipeline.checkpointing="none"', 'train.device="cuda"']
+            'pipeline.checkpointing="none"', 'train.device="cuda"', f"train.fp8_compute={str(fp8_compute).lower()}"]
+    if compiled:
+        sets.append('pipeline.compile="blocks"')
     if rank is not None:
+        base_dtype = "fp8" if fp8_compute else base_dtype
         sets += [f'adapter.type="{kind}"', f"adapter.rank={rank}", f"adapter.alpha={float(rank)}",
                  f'memory.base_dtype="{base_dtype}"']
     config = load_config(ROOT / "examples" / "sdxl_unet.toml", sets)
@@ -148,6 +157,7 @@ def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: s
     trainer.fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     what = f"diffpipe {kind}, {base_dtype} base" if rank is not None else "diffpipe full fine-tune"
+    what += (", compiled blocks" if compiled else "") + (", fp8 compute" if fp8_compute else "")
     _report(what, rank, [r["step_time_s"] for r in rows])
     del trainer
 
@@ -204,6 +214,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="the LoRA loops this many times, alternating")
     parser.add_argument("--host-profile", action="store_true", help="the plain loop and diffpipe's step by hand "
                         "under cProfile (see above), nothing else")
+    parser.add_argument("--compile", action="store_true", help='diffpipe\'s runs with pipeline.compile = "blocks"')
+    parser.add_argument("--fp8-compute", action="store_true", help="also diffpipe's LoRA over an fp8 base computing "
+                        "in fp8")
     args = parser.parse_args()
     if args.host_profile:
         for rank in [int(r) for r in args.ranks.split(",") if r]:
@@ -221,14 +234,17 @@ def main() -> None:
                 plain_peft_loop(rank, args.steps, kind=kind, draws=True)
                 _free()
             for base_dtype in args.base_dtypes.split(","):
-                diffpipe_run(rank, args.steps, base_dtype, kind)
+                diffpipe_run(rank, args.steps, base_dtype, kind, args.compile)
+                _free()
+            if args.fp8_compute:
+                diffpipe_run(rank, args.steps, "fp8", kind, args.compile, fp8_compute=True)
                 _free()
         for base_dtype in args.base_dtypes.split(",") if args.loops else ():
             for fixed in (False, True):
                 diffpipe_by_hand(rank, args.steps, base_dtype, fixed)
                 _free()
     if not args.skip_full:
-        diffpipe_run(None, args.steps)
+        diffpipe_run(None, args.steps, compiled=args.compile)
 
 
 if __name__ == "__main__":

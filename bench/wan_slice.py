@@ -21,6 +21,14 @@ user would hold them), diffpipe's `model.expert = "both"` (models/two_experts.py
 --checkpointing recomputes every block's activations in backward: diffusers' `enable_gradient_checkpointing()` in
 the plain loop, `pipeline.checkpointing = "all"` in diffpipe (the whole 1.3B model at 81 frames needs it on 141 GB).
 
+    python bench/wan_slice.py --lora 16 --base-dtype bf16 [--compile] [--fp8-compute on|both] [--attention cudnn]
+
+--lora RANK trains LoRAs on the attention's projections (the family's targets; peft's in the plain loop, as a user
+injects them) over a frozen base stored in --base-dtype; --compile compiles the repeated blocks in both loops
+(`compile_repeated_blocks` / `pipeline.compile = "blocks"`); --fp8-compute runs diffpipe's LoRA over an fp8 base whose
+products are fp8 (`train.fp8_compute`; "both": also the --base-dtype run); --attention picks SDPA's kernel in both
+loops (flash: cuDNN's off, as before; cudnn: left on, torch's own order, which takes it first on an H100).
+
 Prints one JSON line per measurement: median step after the first two, video frames/s (latent frames x 4 - 3 per
 clip), TFLOP/s (the FLOPs of one forward counted by torch's FlopCounterMode on the meta device, times 3, over the
 median step) and the peak allocated memory.
@@ -110,17 +118,38 @@ def _report(what: str, args, steps: list[float], flops: float, **extra) -> None:
                       "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2), **extra}), flush=True)
 
 
-def plain_loop(args, flops: float) -> None:
-    """diffusers' model, its own forward, AdamW: the loop a user writes."""
+def _plain_expert(args):
+    """One WanTransformer3DModel on the GPU as a user sets it up: with --lora, a frozen base in --base-dtype and
+    peft's adapters (kept in fp32) on the family's targets; --compile: its repeated blocks compiled."""
     from diffusers import WanTransformer3DModel
 
+    with torch.device("cuda"):
+        model = WanTransformer3DModel(**_slice(args))
+    if args.lora:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        from diffpipe.models.registry import family_for
+
+        model.to(dtype=torch.bfloat16 if args.base_dtype == "bf16" else torch.float32).requires_grad_(False)
+        inject_adapter_in_model(LoraConfig(r=args.lora, lora_alpha=args.lora,
+                                           target_modules=list(family_for(_architecture(args)).lora_targets)), model)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    if args.checkpointing:
+        model.enable_gradient_checkpointing()
+    if args.compile:
+        model.compile_repeated_blocks(fullgraph=True)
+    return model.train()
+
+
+def plain_loop(args, flops: float) -> None:
+    """diffusers' model, its own forward, AdamW: the loop a user writes."""
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
-    experts = [WanTransformer3DModel(**_slice(args)).to("cuda").train() for _ in range(2 if args.both else 1)]
-    if args.checkpointing:
-        for model in experts:
-            model.enable_gradient_checkpointing()
-    opt = torch.optim.AdamW([p for model in experts for p in model.parameters()], lr=1e-5, fused=True)
+    experts = [_plain_expert(args) for _ in range(2 if args.both else 1)]
+    opt = torch.optim.AdamW([p for model in experts for p in model.parameters() if p.requires_grad], lr=1e-5,
+                            fused=True)
     inputs = _inputs(args)
     target = torch.randn_like(inputs["hidden_states"][:, :_slice(args)["out_channels"]])
 
@@ -137,24 +166,37 @@ def plain_loop(args, flops: float) -> None:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     params = sum(p.numel() for model in experts for p in model.parameters())
-    _report("plain WanTransformer3DModel loop", args, times, flops, params_B=round(params / 1e9, 2))
+    _report(f"plain WanTransformer3DModel loop{_how(args)}", args, times, flops, params_B=round(params / 1e9, 2),
+            step_ms=[round(t * 1e3, 1) for t in times])
 
 
-def diffpipe_run(args, flops: float) -> None:
+def _how(args, fp8_compute: bool = False) -> str:
+    lora = f", LoRA r{args.lora} over a {'fp8' if fp8_compute else args.base_dtype} base" if args.lora else ""
+    return (f"{lora}{', compiled blocks' if args.compile else ''}{', fp8 compute' if fp8_compute else ''}"
+            f", {args.attention} attention")
+
+
+def diffpipe_run(args, flops: float, fp8_compute: bool = False) -> None:
     torch.cuda.reset_peak_memory_stats()
-    config = build_config({
+    table = {
         "model": {"architecture": _architecture(args), "config": _slice(args), "text_max_length": TOKENS,
                   "expert": "both" if args.both else None},
         "data": {"dataset": "synthetic", "frames": args.frames, "latent_size": list(_latent_size(args))},
         "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
-                  "objective": "flow_matching", "device": "cuda"},
-        "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "all" if args.checkpointing else "none"},
+                  "objective": "flow_matching", "device": "cuda", "fp8_compute": fp8_compute},
+        "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "all" if args.checkpointing else "none",
+                     "compile": "blocks" if args.compile else False},
         "observe": {"every": 1000, "timeline_step": 0, "log_every": 0},
-        "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0}})
+        "output": {"save_weights": False, "sample_every_end": False}, "checkpoint": {"every": 0}}
+    if args.lora:
+        table["adapter"] = {"type": "lora", "rank": args.lora, "alpha": float(args.lora)}
+        table["memory"] = {"base_dtype": "fp8" if fp8_compute else args.base_dtype}
     run_dir = Path(tempfile.mkdtemp())
-    Trainer(config, single_process_topology("cuda"), run_dir).fit()
+    Trainer(build_config(table), single_process_topology("cuda"), run_dir).fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    _report("diffpipe, one stage", args, [r["step_time_s"] for r in rows], flops)
+    times = [r["step_time_s"] for r in rows]
+    _report(f"diffpipe, one stage{_how(args, fp8_compute)}", args, times, flops,
+            step_ms=[round(t * 1e3, 1) for t in times])
 
 
 def main() -> None:
@@ -167,15 +209,26 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true")
     parser.add_argument("--only", choices=["plain", "diffpipe"], default=None)
     parser.add_argument("--both", action="store_true", help="two experts (Wan 2.2 A14B's), switched by timestep")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK")
+    parser.add_argument("--base-dtype", choices=["fp32", "bf16"], default="fp32", help="the LoRA's frozen base")
+    parser.add_argument("--compile", action="store_true", help="compile the repeated blocks in both loops")
+    parser.add_argument("--fp8-compute", choices=["off", "on", "both"], default="off",
+                        help="diffpipe's LoRA over an fp8 base computing in fp8 (both: also the --base-dtype run)")
+    parser.add_argument("--attention", choices=["flash", "cudnn"], default="flash",
+                        help="SDPA's kernel in both loops: flash (cuDNN's off) or cuDNN's first")
     args = parser.parse_args()
-    torch.backends.cuda.enable_cudnn_sdp(False)  # as bench/flux_slice.py: cuDNN's attention backward failed on H200
+    if args.fp8_compute != "off" and not args.lora:
+        parser.error("--fp8-compute needs --lora (fp8 compute runs a LoRA's frozen base)")
+    if args.attention == "flash":  # torch's own order then (cuDNN's first on an H100 under torch 2.11)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     flops = step_flops(args)
     if args.only != "diffpipe":
         plain_loop(args, flops)
-    gc.collect()
-    torch.cuda.empty_cache()
-    if args.only != "plain":
-        diffpipe_run(args, flops)
+    for fp8_compute in {"off": [False], "on": [True], "both": [False, True]}[args.fp8_compute]:
+        gc.collect()
+        torch.cuda.empty_cache()
+        if args.only != "plain":
+            diffpipe_run(args, flops, fp8_compute)
 
 
 if __name__ == "__main__":

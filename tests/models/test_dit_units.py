@@ -127,14 +127,17 @@ def test_the_wan_rotary_tables_are_rebuilt_on_a_meta_model():
     assert all(torch.equal(rebuilt[name], buffer) for name, buffer in real.named_buffers())
 
 
-def test_flux_single_blocks_hand_their_attention_a_contiguous_gradient():
-    """A Flux single block joins its attention's output with its MLP's along the channels, so the gradient reaching
-    the attention would be a strided slice, which cuDNN's attention fails on after a double block's contiguous one
-    (an H100: bench/flux_cudnn_probe.py); the units hand it back contiguous, every single block's, for 1 and 2 units
-    built from one model."""
-    family = FluxFamily()
-    model = FluxTransformer2DModel(**FLUX).train()
+@pytest.mark.parametrize("name", ["flux", "chroma"])
+def test_single_blocks_hand_their_attention_a_contiguous_gradient(name):
+    """A Flux (or Chroma) single block joins its attention's output with its MLP's along the channels, so the
+    gradient reaching the attention would be a strided slice, which cuDNN's attention fails on after a double block's
+    contiguous one (an H100: bench/flux_cudnn_probe.py); the units hand it back contiguous, every single block's.
+    A model described twice (1 and 2 stages of one model) keeps one hook a block: a second would copy again."""
+    family, config = CASES[name]
+    model = family.model_class(**config).train()
+    family.describe(model, "layers")
     backbone = family.describe(model, "layers")
+    assert all(len(block.attn._forward_hooks) == 1 for block in model.single_transformer_blocks)
     reached = []  # the gradient of each single block's attention output, as the attention's backward gets it
 
     def watch(module, args, out):
@@ -142,10 +145,10 @@ def test_flux_single_blocks_hand_their_attention_a_contiguous_gradient():
 
     for block in model.single_transformer_blocks:
         block.attn.register_forward_hook(watch, prepend=True)
-    _, latents, conditions = _fed(family, model)
-    named = {"sample": Feed(family, model.config, guidance=3.5).pack(latents), **conditions}
+    feed, latents, conditions = _fed(family, model)
+    named = {"sample": feed.pack(latents), **conditions}
     for unit in backbone.units:
         named.update(unit(named))
     named[backbone.output].square().mean().backward()
-    assert len(reached) == FLUX["num_single_layers"]
+    assert len(reached) == config["num_single_layers"]
     assert all(grad.is_contiguous() for grad in reached), [grad.stride() for grad in reached]

@@ -28,7 +28,7 @@ from diffusers.models.embeddings import get_timestep_embedding
 from torch import nn
 
 from ...family import TextBatch
-from .flux import FluxFamily, image_ids
+from .flux import FluxFamily, hand_back_contiguous_gradient, image_ids
 from .release_layout import CHROMA
 from ...tokens import mask_or_none, text_mask
 from ...units import Backbone, Unit
@@ -84,11 +84,13 @@ class _Double(nn.Module):
 
 
 class _Single(nn.Module):
-    """Single block i on the joined tokens; the first joins the text's before the image's."""
+    """Single block i on the joined tokens; the first joins the text's before the image's. Its attention hands back
+    a contiguous gradient, as Flux's single blocks' (flux.py `_Block`: cuDNN's attention fails on the strided one)."""
 
     def __init__(self, block: nn.Module, index: int):
         super().__init__()
         self.block, self.rows = block, 3 * index
+        hand_back_contiguous_gradient(block)
 
     def run(self, h, temb, rope, attention_mask):
         h = self.block(hidden_states=h, temb=temb[:, self.rows:self.rows + 3], image_rotary_emb=(rope[0], rope[1]),
@@ -145,9 +147,8 @@ class ChromaFamily(FluxFamily):
     pipelines = ("ChromaPipeline", "ChromaImg2ImgPipeline", "ChromaInpaintPipeline")
     release_layout = CHROMA  # its releases' single files: BFL's names, the modulation pruned (release_layout.py)
     reads_text_lengths = True  # a batch's text is cut to its captions (qwen_image.text_mask)
-    # its single blocks join attention and MLP outputs as Flux's do (the strided gradient cuDNN's attention fails
-    # on: flux.py `_Block`), in units of its own that do not make the gradient contiguous yet: flash attention
-    cudnn_attention = False
+    # its single blocks join attention and MLP outputs as Flux's do; its units hand the attention a contiguous
+    # gradient as Flux's do (`_Single`), so cuDNN's kernels serve it too (an H100, docs/benchmarks.md)
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers

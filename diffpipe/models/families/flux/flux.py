@@ -24,7 +24,8 @@ from ...packed import PackedFamily
 from .release_layout import BFL
 from ...units import Backbone, Unit
 
-__all__ = ["ContiguousGradient", "FluxFamily", "flux_backbone", "FLUX_PRESETS", "image_ids"]
+__all__ = ["ContiguousGradient", "FluxFamily", "flux_backbone", "FLUX_PRESETS", "image_ids",
+           "hand_back_contiguous_gradient"]
 
 _DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
             num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
@@ -83,6 +84,14 @@ def _contiguous_gradient(module, inputs, output):
     return ContiguousGradient.apply(output)
 
 
+def hand_back_contiguous_gradient(single_block: nn.Module) -> None:
+    """Make the gradient reaching a single-stream block's attention output contiguous (see `_Block`): a forward
+    hook on its `attn`, registered once a block (a model described twice keeps one)."""
+    if not getattr(single_block.attn, "_diffpipe_contiguous_gradient", False):
+        single_block.attn.register_forward_hook(_contiguous_gradient)
+        single_block.attn._diffpipe_contiguous_gradient = True
+
+
 class _Block(nn.Module):
     """A double- or single-stream block: both take and return (text tokens, image tokens) in diffusers 0.42.
 
@@ -96,7 +105,7 @@ class _Block(nn.Module):
         super().__init__()
         self.block = block
         if hasattr(block, "proj_mlp"):  # a single-stream block
-            block.attn.register_forward_hook(_contiguous_gradient)
+            hand_back_contiguous_gradient(block)
 
     def forward(self, h, context, temb, rope):
         context, h = self.block(hidden_states=h, encoder_hidden_states=context, temb=temb,
@@ -136,10 +145,9 @@ class FluxFamily(PackedFamily):
     release_layout = BFL  # its own releases' single-file layout
     pipelines = ("FluxPipeline", "FluxImg2ImgPipeline", "FluxInpaintPipeline")
     # cuDNN's attention backward failed inside Flux ("mha_graph.execute(...).is_good()", H100 and H200, torch 2.11)
-    # until the single blocks' attention handed back a contiguous gradient (`_Block`); with it the whole Flux.1-dev
-    # trains eagerly on cuDNN's kernels (an H100, docs/benchmarks.md). Still off until compiled runs are seen to
-    # train and to be faster on it (bench/flux_slice.py --attention cudnn lifts this in the bench's process)
-    cudnn_attention = False
+    # until the single blocks' attention handed back a contiguous gradient (`_Block`); with it Flux.1-dev trains on
+    # cuDNN's kernels, eager and compiled, and its LoRA step is 1.27x faster compiled than on flash attention (an
+    # H100, docs/benchmarks.md): `cudnn_attention` stays the default, True
     # the image tokens, the text tokens (every attention joins them) and the rotary table of both (the text's
     # positions, then the image's) split over a sample's processes: each attends with [its text share, its image
     # share], and Ulysses gathers every share's keys
