@@ -5,9 +5,11 @@ weights, bf16 autocast, batch 8 in one micro-batch, fused AdamW.
     python bench/lora_sdxl.py [--ranks 16,64] [--steps 8] [--skip-full] [--base-dtypes bf16,fp32] [--loops] [--plain-draws] [--rounds N]
                               [--types lora,dora,loha,lokr] [--compile] [--fp8-compute]
 
---compile: diffpipe's runs with `pipeline.compile = "blocks"` (the UNet's transformer blocks compiled; the plain loop
-stays eager, as the issue's goal compares). --fp8-compute: each LoRA round also runs diffpipe over an fp8 base whose
-products are fp8 (`train.fp8_compute`).
+--compile: diffpipe's runs with `pipeline.compile = "blocks"` (the UNet's transformer blocks compiled; the plain LoRA
+loop stays eager, as the issue's goal compares), and the full fine-tune also as a plain loop under
+`torch.compile(unet)` (the issue's baseline for it). --fp8-compute: each LoRA round also runs diffpipe over an fp8 base
+whose products are fp8, and the full fine-tune also with its trained linear layers in fp8 (`train.fp8_compute`,
+torchao's float8 training).
 
 --types: adapter.type of both loops (the plain loop injects peft's adapters of that type the same way).
 
@@ -136,6 +138,31 @@ def plain_peft_loop(rank: int, steps: int, host_profile: bool = False, kind: str
     del model, opt
 
 
+def plain_full_loop(steps: int, compiled: bool) -> None:
+    """The whole UNet trained in fp32 weights under bf16 autocast, fused AdamW, `torch.compile(unet)` if asked."""
+    from diffusers import UNet2DConditionModel
+
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = UNet2DConditionModel(**UNET_PRESETS["sdxl"]).to("cuda").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    run = torch.compile(model) if compiled else model
+    inputs, target = _drawn_batch(torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = run(**inputs).sample
+        torch.nn.functional.mse_loss(out.float(), target).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    _report(f"plain full fine-tune{', torch.compile(unet)' if compiled else ''}", None, times)
+    del model, opt, run
+
+
 def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: str = "lora", compiled: bool = False,
                  fp8_compute: bool = False) -> None:
     """diffpipe, one stage, the same batch as one micro-batch (rank None: full fine-tune); `compiled`: its blocks
@@ -244,7 +271,13 @@ def main() -> None:
                 diffpipe_by_hand(rank, args.steps, base_dtype, fixed)
                 _free()
     if not args.skip_full:
+        if args.compile:
+            plain_full_loop(args.steps, compiled=True)
+            _free()
         diffpipe_run(None, args.steps, compiled=args.compile)
+        if args.fp8_compute:
+            _free()
+            diffpipe_run(None, args.steps, compiled=args.compile, fp8_compute=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from .config import ConfigError, RunConfig
 from .diffusion.timesteps import DYNAMIC_SHIFT
 from .data.sources import source_of
 from .models.family import Feed, ModelFamily
+from .models.fp8_training import train_in_fp8
 from .models.lora import add_lora, base_module_name, is_adapter_holder, load_adapters, seed_lora
 from .models.loading import CheckpointError, build_model, checked_weights
 from .models.folder import dynamic_shift, expert_boundary
@@ -105,6 +106,9 @@ def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], 
     every = build_stage_modules(backbone, specs, AUTOCAST_DTYPES[config.train.precision],
                                 compiled=config.pipeline.compile, recomputed=recomputed)
     modules = [every[i].to_device(device, config.memory.block_swap).train() for i in mine]
+    if config.adapter.type == "none" and fp8_compute_on(config, device.type):  # a full fine-tune's, torchao's
+        for module in modules:
+            train_in_fp8(module)
     if not config.train.dropout:
         for dropout in (m for module in modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
             dropout.eval()

@@ -202,14 +202,17 @@ class TrainConfig(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description=(
         "fp32, bf16 autocast, or fp16 autocast with a loss scaler."))
     fp8_compute: bool | Literal["auto"] = Field(False, description=(
-        "LoRA-type runs under bf16 precision: the frozen base's linear layers (stored in fp8: memory.base_dtype "
-        "\"fp8\" or auto) run their forward and input-gradient products on fp8 tensor cores (torch._scaled_mm, "
-        "each activation and gradient quantised per token as it enters; layers whose sides are not multiples of 16 "
-        "compute as fp8 storage does). Needs a GPU with fp8 (Ada, Hopper, Blackwell) or torch 2.13's CPU kernel. "
-        "Faster only where the quantisation is fused: with pipeline.compile = \"blocks\" (docs/benchmarks.md); "
-        "changes the arithmetic again (each operand within 2^-4, as the stored weight). \"auto\": on where the "
-        "planner counts it faster at no more memory (compiled blocks or a stage compiled whole, on a GPU with fp8 "
-        "tensor cores, a run that may take it: replicas not sharded); off elsewhere, never refused."))
+        "Matrix products on fp8 tensor cores, under bf16 precision. LoRA-type runs: the frozen base's linear "
+        "layers (stored in fp8: memory.base_dtype \"fp8\" or auto) run their forward and input-gradient products "
+        "in fp8 (torch._scaled_mm, each activation and gradient quantised per token as it enters; layers whose "
+        "sides are not multiples of 16 compute as fp8 storage does). Full fine-tunes (adapter.type \"none\"): the "
+        "trained linear layers run all three products in fp8 through torchao's float8 training (rowwise scales; "
+        "fp32 weights kept; models/fp8_training.py). Needs a GPU with fp8 (Ada, Hopper, Blackwell) or torch 2.13's "
+        "CPU kernel. Faster only where the quantisation is fused: with pipeline.compile = \"blocks\" "
+        "(docs/benchmarks.md); changes the arithmetic (each operand within 2^-4). \"auto\": on where the planner "
+        "counts it faster at no more memory (a LoRA-type run with compiled blocks or a stage compiled whole, on a "
+        "GPU with fp8 tensor cores, replicas not sharded); off elsewhere (full fine-tunes included), never "
+        "refused."))
     objective: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
         None, description=(
             "What the model predicts; unset: the prediction_type of model.path's pipeline scheduler (epsilon or "
@@ -589,7 +592,7 @@ class RunConfig(_Section):
     def quantised_base(self) -> str | None:
         """The format this config holds its frozen linear weights in where it quantises them (fp8, int8, nf4; fp8
         with train.fp8_compute = true, "auto" being undecided here); None where it does not."""
-        if self.train.fp8_compute is True:
+        if self.train.fp8_compute is True and self.adapter.type != "none":
             return "fp8"
         return self.memory.base_dtype if self.memory.base_dtype in ("fp8", "int8", "nf4") else None
 
@@ -606,12 +609,14 @@ class RunConfig(_Section):
 def fp8_compute_problem(config: "RunConfig") -> str | None:
     """Why this run cannot take train.fp8_compute, in one line (a frozen base held in fp8, bf16 compute: the fp8
     kernels' output, replicas that keep whole weights); None where it can."""
-    if config.adapter.type in ("none", "dora"):
-        return (f"train.fp8_compute runs a frozen base's products in fp8, and adapter.type = \"{config.adapter.type}\" "
-                + ("trains every weight (fp8 training of trained weights, torchao's float8 recipes, is not built)"
-                   if config.adapter.type == "none" else "reads the whole base weight in every step (peft's DoRA norm)")
-                + ": set train.fp8_compute = false, or train lora, loha or lokr")
-    if config.memory.base_dtype not in ("auto", "fp8"):
+    if config.adapter.type == "dora":
+        return ("train.fp8_compute runs a frozen base's products in fp8, and adapter.type = \"dora\" reads the whole "
+                "base weight in every step (peft's DoRA norm): set train.fp8_compute = false, or train lora, loha or "
+                "lokr")
+    if config.adapter.type == "none" and config.pipeline.data_parallel_shard and config.pipeline.data_parallel > 1:
+        return ("train.fp8_compute on a full fine-tune (torchao's float8 training) is not tested on sharded replicas "
+                "here: set pipeline.data_parallel_shard = false, or train.fp8_compute = false")
+    if config.adapter.type != "none" and config.memory.base_dtype not in ("auto", "fp8"):
         return (f"train.fp8_compute computes with the frozen weights stored in fp8, and memory.base_dtype = "
                 f"\"{config.memory.base_dtype}\": set memory.base_dtype = \"fp8\" (or \"auto\"), or "
                 "train.fp8_compute = false")

@@ -84,7 +84,11 @@ def _say_what_trains(config, backbone) -> None:
     note = optimizer_note(config.train)
     if note is not None:
         print(note, flush=True)
-    if config.train.fp8_compute:
+    if config.train.fp8_compute is True and config.adapter.type == "none":
+        from ..models.fp8_training import fp8_training_words
+
+        print(fp8_training_words(backbone.model), flush=True)
+    elif config.train.fp8_compute and config.adapter.type != "none":
         from ..models.storage import fp8_compute_words
 
         print(fp8_compute_words(backbone.model), flush=True)

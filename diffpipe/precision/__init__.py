@@ -28,7 +28,7 @@ def frozen_storage(config: RunConfig, device_kind: str) -> FrozenStorage:
     base in bf16 under autocast, in fp32 under fp32 compute, as int8 and nf4 do."""
     choice = config.memory.base_dtype
     autocast = config.train.precision != "fp32"
-    fp8_compute = fp8_compute_on(config, device_kind)
+    fp8_compute = fp8_compute_on(config, device_kind) and config.adapter.type != "none"  # a full fine-tune's: torchao
     if choice == "auto":
         lora = config.adapter.type != "none"
         choice = "fp8" if fp8_compute else "bf16" if lora and device_kind == "cuda" and autocast else "fp32"
@@ -43,12 +43,13 @@ def fp8_compute_on(config: RunConfig, device_kind: str) -> bool:
     """train.fp8_compute, "auto" resolved: on where blocks are compiled (pipeline.compile "blocks" or true: the
     planner counts the products FP8_PRODUCT_SPEEDUP faster there, and an fp8 base never holds more than a bf16 one,
     so the plan is faster and fits wherever the bf16 one does), for a run that may take it (`fp8_compute_problem`,
-    replicas not sharded) on a GPU with fp8 tensor cores (this machine's first; a plan made with no GPU here
-    assumes one); off eager (counted no faster) and everywhere else: "auto" never refuses."""
+    replicas not sharded, a LoRA-type run: the planner does not count a full fine-tune's fp8 products yet) on a GPU
+    with fp8 tensor cores (this machine's first; a plan made with no GPU here assumes one); off eager (counted no
+    faster) and everywhere else: "auto" never refuses."""
     value, p = config.train.fp8_compute, config.pipeline
     if value != "auto":
         return value
-    if not p.compile or device_kind != "cuda" or fp8_compute_problem(config) or (
+    if not p.compile or device_kind != "cuda" or config.adapter.type == "none" or fp8_compute_problem(config) or (
             p.data_parallel_shard and p.data_parallel > 1):
         return False
     return not torch.cuda.is_available() or fp8_matmul_problem(torch.device("cuda", 0), try_product=False) is None

@@ -1,0 +1,51 @@
+"""fp8 compute for a full fine-tune (train.fp8_compute with adapter.type = "none"): torchao's float8 training.
+
+A full fine-tune's linear layers keep their fp32 weights (the optimizer's), and under bf16 autocast all three of
+their products run on fp8 tensor cores: the forward, the input gradient and the weight gradient, each operand cast
+to float8 (e4m3) with a scale per row as it enters (torchao's "rowwise" recipe, torchtitan's choice for accuracy;
+the LoRA path's Fp8Product scales its operands the same way, models/stored_linear.py). torchao (pytorch/ao) is
+PyTorch's own library for this; diffpipe swaps the layers with its `convert_to_float8_training` and nothing else.
+Layers whose sides are not multiples of 16 stay bf16 (the fp8 kernels' rule); so does every other layer
+(convolutions, norms, embeddings).
+
+torchao's conversion also applies its own workaround for a Triton fp8 miscompile to inductor's min/max code
+(torchao/float8/_inductor_patch.py), for the process: the library's, where it chose to put it.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+__all__ = ["RECIPE", "train_in_fp8", "fp8_training_words", "fp8_trainable"]
+
+RECIPE = "rowwise"  # torchao's Float8LinearRecipeName: a scale per row of each operand
+
+
+def fp8_trainable(module: nn.Module) -> bool:
+    """A plain linear layer with trained weights whose sides the fp8 kernels take (multiples of 16)."""
+    return (type(module) is nn.Linear and module.weight.requires_grad
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def train_in_fp8(module: nn.Module) -> int:
+    """Swap `module`'s fp8-trainable linear layers for torchao's Float8Linear (the same weight and bias parameters,
+    so names, the optimizer's state and checkpoints are unchanged), in place; how many were swapped."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    count = sum(1 for m in module.modules() if fp8_trainable(m))
+    if count:
+        convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(RECIPE),
+                                   module_filter_fn=lambda m, name: fp8_trainable(m))
+    return count
+
+
+def fp8_training_words(model: nn.Module) -> str:
+    """What a full fine-tune of `model` (built, on any device, before its layers are swapped) trains in fp8, for the
+    run's header: its trained linear layers whose sides the fp8 kernels take, and the share of the trained linear
+    layers' weights they hold."""
+    linear = [m for m in model.modules() if type(m) is nn.Linear and m.weight.requires_grad]
+    fp8 = [m for m in linear if fp8_trainable(m)]
+    weights = sum(m.weight.numel() for m in linear)
+    share = sum(m.weight.numel() for m in fp8) / weights if weights else 0.0
+    return (f"train.fp8_compute: {len(fp8)} of {len(linear)} trained linear layers ({share:.1%} of their weights) "
+            f"train on fp8 tensor cores (torchao's float8 training, {RECIPE} scales: the forward, input and weight "
+            "gradients; the rest, convolutions included, in bf16)")

@@ -1,0 +1,102 @@
+"""train.fp8_compute on a full fine-tune (models/fp8_training.py, torchao's float8 training): the trained linear
+layers whose sides are multiples of 16 are swapped for torchao's Float8Linear with the same parameters, and their
+output, input gradient and weight gradient are fp8 products (within fp8's rounding of fp32's, not bf16's); the tiny
+Flux full fine-tune trains with it on 1 and 2 stages to the same losses, near the bf16 run's, and its weights load
+into diffusers' model by their usual names."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torchao.float8.float8_linear import Float8Linear
+
+from diffpipe.config import ConfigError
+from diffpipe.config_files import load_config
+from diffpipe.models.fp8_training import train_in_fp8
+from diffpipe.torch_support import fp8_matmul_problem
+
+from ..helpers import losses_of, run_command
+
+FLUX = Path(__file__).parent.parent.parent / "examples" / "flux_tiny.toml"
+CPU_FP8 = pytest.mark.skipif(fp8_matmul_problem(torch.device("cpu")) is not None,
+                             reason="this torch's CPU kernel takes one scale per tensor (torch 2.13 has rowwise)")
+
+
+def test_only_trained_linear_layers_with_sides_of_16_are_swapped_keeping_their_parameters():
+    model = nn.Sequential(nn.Linear(48, 32), nn.GELU(), nn.Linear(32, 30), nn.Linear(30, 32), nn.Linear(32, 32))
+    model[4].requires_grad_(False)  # frozen: a full fine-tune's fp8 compute is for what it trains
+    before = [id(p) for p in model.parameters()]
+    assert train_in_fp8(model) == 1
+    assert [type(m) for m in model] == [Float8Linear, nn.GELU, nn.Linear, nn.Linear, nn.Linear]
+    assert [id(p) for p in model.parameters()] == before
+    assert list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias",
+                                        "4.weight", "4.bias"]
+
+
+@CPU_FP8
+def test_the_swapped_layers_products_are_fp8_not_bf16():
+    """Gaussian operands: the output, input gradient and weight gradient of a swapped layer are within fp8's
+    rounding of the fp32 products (e4m3: 3 mantissa bits) and are not bf16's products (a silent fallback)."""
+    g = torch.Generator().manual_seed(0)
+    layer = nn.Linear(256, 128, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(128, 256, generator=g))
+    x, grad = torch.randn(64, 256, generator=g), torch.randn(64, 128, generator=g)
+
+    def run(module, dtype=torch.bfloat16):
+        xi = x.clone().requires_grad_()
+        module.weight.grad = None
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            y = module(xi)
+        y.backward(grad.to(y.dtype))
+        return y.float(), xi.grad.float(), module.weight.grad.float()
+
+    exact = run(layer, None)
+    bf16 = run(layer)
+    train_in_fp8(layer := nn.Sequential(layer))
+    fp8 = run(layer[0])
+    for name, e, b, f in zip(("output", "input gradient", "weight gradient"), exact, bf16, fp8):
+        error = ((f - e).norm() / e.norm()).item()
+        assert 0.01 < error < 0.08, (name, error)  # fp8's rounding of both operands
+        assert ((b - e).norm() / e.norm()).item() < 0.01, name  # bf16's is far smaller
+
+
+def test_the_config_takes_fp8_compute_on_a_full_fine_tune_but_not_across_sharded_replicas():
+    base = ['adapter.type="none"', 'train.precision="bf16"', "train.fp8_compute=true"]
+    config = load_config(FLUX, base)
+    assert config.quantised_base is None  # nothing frozen is stored in fp8
+    with pytest.raises(ConfigError, match="sharded replicas"):
+        load_config(FLUX, base + ["pipeline.stages=1", "pipeline.data_parallel=2", "pipeline.data_parallel_shard=true", "pipeline.microbatches=1",
+                                  "train.batch_size=4"])
+    with pytest.raises(ConfigError, match='train.precision = "bf16"'):
+        load_config(FLUX, base + ['train.precision="fp32"'])
+
+
+@CPU_FP8
+def test_the_tiny_flux_full_fine_tune_trains_in_fp8_on_one_and_two_stages_to_the_same_losses(tmp_path):
+    quick = ["--set", "train.max_steps=4", "--set", 'adapter.type="none"', "--set", 'train.precision="bf16"',
+             "--set", "output.sample_every_end=false", "--set", "checkpoint.every=0", "--set", "observe.log_every=0"]
+    losses = {}
+    for name, extra in (("fp8 compute, 1 stage", ["train.fp8_compute=true", "pipeline.stages=1"]),
+                        ("fp8 compute, 2 stages", ["train.fp8_compute=true", "pipeline.stages=2"]),
+                        ("bf16, 1 stage", ["pipeline.stages=1"])):
+        run = tmp_path / name.replace(" ", "_").replace(",", "")
+        result = run_command(["train", str(FLUX), "--output-dir", str(run), *quick,
+                              *[arg for setting in extra for arg in ("--set", setting)]])
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert ("trained linear layers" in result.stdout) == ("fp8 compute" in name), result.stdout[-2000:]
+        losses[name] = losses_of(run)
+    one, two, bf16 = (torch.tensor(losses[n]) for n in losses)
+    torch.testing.assert_close(two, one, rtol=1e-4, atol=0)
+    assert not torch.equal(one, bf16) and torch.allclose(one, bf16, rtol=0.05)
+    # the weights keep diffusers' names: they load into the model whole
+    from diffusers import FluxTransformer2DModel
+
+    model = FluxTransformer2DModel.from_pretrained(load_config(FLUX).model.path, subfolder="transformer")
+    start = model.proj_out.weight.detach().clone()
+    weights = load_file(tmp_path / "fp8_compute_2_stages" / "model.safetensors")
+    assert model.load_state_dict(weights, strict=True)
+    assert not torch.equal(model.proj_out.weight, start)  # trained
