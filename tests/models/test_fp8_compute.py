@@ -140,7 +140,6 @@ def test_the_cpu_runs_fp8_products_from_torch_2_13_and_says_so_before():
 
 
 @pytest.mark.parametrize("setting, words", [
-    (['adapter.type="none"'], "trains every weight"),
     (['adapter.type="dora"'], "DoRA"),
     (['memory.base_dtype="bf16"'], 'memory.base_dtype = "fp8"'),
     (['train.precision="fp16"'], 'train.precision = "bf16"'),
