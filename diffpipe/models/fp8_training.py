@@ -26,15 +26,28 @@ def fp8_trainable(module: nn.Module) -> bool:
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
+def _contiguous_input(layer: nn.Module, args: tuple) -> tuple:
+    return (args[0].contiguous(), *args[1:])
+
+
 def train_in_fp8(module: nn.Module) -> int:
     """Swap `module`'s fp8-trainable linear layers for torchao's Float8Linear (the same weight and bias parameters,
-    so names, the optimizer's state and checkpoints are unchanged), in place; how many were swapped."""
+    so names, the optimizer's state and checkpoints are unchanged), in place; how many were swapped.
+
+    Each swapped layer is handed a contiguous input: Float8Linear flattens its input after casting it, and a cast
+    with a scale per row cannot be copied (torchao 0.18: "aten.clone.default with axiswise scaling is not supported
+    yet"), which a strided input needs (SDXL's transformers project a permuted (B, H*W, C) view: `proj_in`)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     count = sum(1 for m in module.modules() if fp8_trainable(m))
     if count:
         convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(RECIPE),
                                    module_filter_fn=lambda m, name: fp8_trainable(m))
+        from torchao.float8.float8_linear import Float8Linear
+
+        for layer in module.modules():
+            if isinstance(layer, Float8Linear):
+                layer.register_forward_pre_hook(_contiguous_input)
     return count
 
 

@@ -64,6 +64,22 @@ def test_the_swapped_layers_products_are_fp8_not_bf16():
         assert ((b - e).norm() / e.norm()).item() < 0.01, name  # bf16's is far smaller
 
 
+@CPU_FP8
+def test_a_swapped_layer_takes_a_strided_input():
+    """SDXL's transformers project a permuted view (use_linear_projection: `proj_in` of (B, H*W, C) from (B, C, H, W));
+    torchao's rowwise cast of it could not be flattened (an H200 run of the SDXL full fine-tune failed so)."""
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    model = Transformer2DModel(num_attention_heads=2, attention_head_dim=16, in_channels=32, cross_attention_dim=32,
+                               norm_num_groups=8, use_linear_projection=True)
+    assert train_in_fp8(model) > 0 and isinstance(model.proj_in, Float8Linear)
+    x = torch.randn(2, 32, 4, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, encoder_hidden_states=torch.randn(2, 5, 32)).sample
+    out.float().square().mean().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
 def test_the_config_takes_fp8_compute_on_a_full_fine_tune_but_not_across_sharded_replicas():
     base = ['adapter.type="none"', 'train.precision="bf16"', "train.fp8_compute=true"]
     config = load_config(FLUX, base)
