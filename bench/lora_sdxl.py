@@ -95,6 +95,18 @@ def _drawn_batch(generator: torch.Generator) -> tuple[dict, torch.Tensor]:
     return inputs, noise - latents
 
 
+def _timed_step(model, opt, inputs: dict, target: torch.Tensor, start: float) -> float:
+    """One training step of a plain loop (bf16 autocast, MSE, the optimizer's step), waited for: seconds since
+    `start`."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(**inputs).sample
+    torch.nn.functional.mse_loss(out.float(), target).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def plain_peft_loop(rank: int, steps: int, host_profile: bool = False, kind: str = "lora",
                     draws: bool = False) -> None:
     """diffusers' UNet with peft's adapters (the same injection), AdamW on the adapters: the loop a user writes. It
@@ -123,13 +135,7 @@ def plain_peft_loop(rank: int, steps: int, host_profile: bool = False, kind: str
             start = time.perf_counter()
             if draws:
                 inputs, target = _drawn_batch(generator)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                out = model(**inputs).sample
-            torch.nn.functional.mse_loss(out.float(), target).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+            times.append(_timed_step(model, opt, inputs, target, start))
     if host_profile:
         _host_profile("plain peft loop", run_steps, steps)
         return
@@ -151,14 +157,7 @@ def plain_full_loop(steps: int, compiled: bool) -> None:
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = run(**inputs).sample
-        torch.nn.functional.mse_loss(out.float(), target).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(_timed_step(run, opt, inputs, target, time.perf_counter()))
     _report(f"plain full fine-tune{', torch.compile(unet)' if compiled else ''}", None, times)
     del model, opt, run
 
