@@ -148,7 +148,7 @@ class ChromaFamily(FluxFamily):
     release_layout = CHROMA  # its releases' single files: BFL's names, the modulation pruned (release_layout.py)
     reads_text_lengths = True  # a batch's text is cut to its captions (qwen_image.text_mask)
     # its single blocks join attention and MLP outputs as Flux's do; its units hand the attention a contiguous
-    # gradient as Flux's do (`_Single`), so cuDNN's kernels serve it too (an H100, docs/benchmarks.md)
+    # gradient as Flux's do (`_Single`), so cuDNN's kernels serve it too (an H200, docs/benchmarks.md)
 
     def diffusers_lora_pipeline(self, cfg):
         import diffusers
