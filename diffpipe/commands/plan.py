@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..build import build_backbone
 from ..config import RunConfig
-from ..planner.plan import Plan, hardware, layouts_tried, make_plan, planning_device
+from ..planner.plan import Plan, hardware, layouts_tried, make_plan, planning_device, unit_costs
 from ..planner.report import (describe_layout, explain, format_plan, parse_memory, plan_as_dict, rate,
                               write_profile)
 from ..train.probe import format_probe, probe_plan, probed_samples_per_s
@@ -59,14 +59,17 @@ def _runner_ups(config: RunConfig, meta, plan: Plan, hw) -> list[str]:
     used = (plan.replicas.frozen.name, plan.replicas.frozen.fp8_compute)
     lines, fitting = ["the frozen base held other ways (the same layout; memory.block_swap and checkpointing as "
                       "configured):"], []
+    per_sample = None  # each way's units counted alike (bf16 compute, frozen weights outside linears in bf16): once
     for base, fp8_compute, words in _BASES:
         if (base, fp8_compute) == used:
             continue
         changed = config.model_copy(update={"train": t.model_copy(update={"fp8_compute": fp8_compute}),
                                             "memory": config.memory.model_copy(update={"base_dtype": base})})
+        if per_sample is None and not config.plan.profile:  # a profile is read per way (its key names the base)
+            per_sample = unit_costs(changed, meta, 1)
         try:
             other = make_plan(changed, meta, plan.stages, plan.data_parallel, plan.microbatches, hw,
-                              sequence_parallel=plan.sequence_parallel)
+                              per_sample=per_sample, sequence_parallel=plan.sequence_parallel)
         except Infeasible as why:
             lines.append(f"  {words}: does not fit ({str(why).splitlines()[0]})")
             continue
