@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from .stored_linear import fp8_computable
+
 __all__ = ["RECIPE", "train_in_fp8", "fp8_training_words", "fp8_trainable"]
 
 RECIPE = "rowwise"  # torchao's Float8LinearRecipeName: a scale per row of each operand
@@ -22,8 +24,7 @@ RECIPE = "rowwise"  # torchao's Float8LinearRecipeName: a scale per row of each 
 
 def fp8_trainable(module: nn.Module) -> bool:
     """A plain linear layer with trained weights whose sides the fp8 kernels take (multiples of 16)."""
-    return (type(module) is nn.Linear and module.weight.requires_grad
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    return type(module) is nn.Linear and module.weight.requires_grad and fp8_computable(module)
 
 
 def _contiguous_input(layer: nn.Module, args: tuple) -> tuple:
