@@ -98,7 +98,11 @@ class Replicas:
 
     def swapped(self, units: list[UnitCost]) -> list[UnitCost]:
         """The units of a stage whose frozen weights swap (as pipeline/block_swap.swapped_units picks them)."""
-        return [units[i] for i in last_holding([c.params > c.trainable_params for c in units], self.block_swap)]
+        return [units[i] for i in self.swapped_positions(units)]
+
+    def swapped_positions(self, units: list[UnitCost]) -> list[int]:
+        """Where those units are in the stage's list."""
+        return last_holding([c.params > c.trainable_params for c in units], self.block_swap)
 
     def kept_copies_bytes(self, unit: UnitCost) -> float:
         """Per micro-batch in flight, under autocast: the bf16/fp16 copies of the unit's trained weights that its
@@ -110,15 +114,17 @@ class Replicas:
             return trained
         return trained + unit.frozen_product_params * self.autocast_bytes
 
-    def state_bytes(self, units: list[UnitCost]) -> float:
-        """Weights, gradients, optimizer state and any moving average of a stage of these units, per device."""
-        weights, trainable = sum(self.weight_bytes(c) for c in units), sum(c.trainable_params for c in units)
+    def state_bytes(self, units: list[UnitCost], held: list[float] | None = None) -> float:
+        """Weights, gradients, optimizer state and any moving average of a stage of these units, per device (`held`:
+        their weight_bytes, where already worked out)."""
+        held = [self.weight_bytes(c) for c in units] if held is None else held
+        weights, trainable = sum(held), sum(c.trainable_params for c in units)
         factored = 4 * sum(c.factored_state_params for c in units) if self.factored else 0
         whole = weights + trainable * (BYTES_PER_GRADIENT + self.moment_bytes + self.average_bytes) + factored
         if not self.sharded or self.count == 1:
             return whole
         if self.gathered_per_unit:
-            gathered = max(self.weight_bytes(c) + c.trainable_params * BYTES_PER_GRADIENT for c in units)
+            gathered = max(w + c.trainable_params * BYTES_PER_GRADIENT for w, c in zip(held, units))
             return whole / self.count + 2 * gathered
         return weights + trainable * BYTES_PER_GRADIENT + whole / self.count
 
@@ -210,36 +216,50 @@ def unit_times(cost: UnitCost, hw: Hardware) -> tuple[float, float]:
     return cost.forward_flops / rate, cost.backward_flops / rate
 
 
-def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, schedule, hw, recomputed: int,
-           replicas: Replicas = Replicas()):
+class _Counted(list):
+    """The units, with each one's figures under one Replicas and Hardware worked out once: a search asks for them
+    once for every stage that holds the unit (a Wan 14B world-size-8 plan: millions of times). Its (forward,
+    backward) seconds, weights as held, activations as a unit not checkpointed keeps them a micro-batch (with the
+    autocast copies its backward keeps), outputs, and one pass's all-to-alls."""
+
+    def __init__(self, costs: list[UnitCost], replicas: Replicas, hw: Hardware):
+        super().__init__(costs)
+        self.times = [replicas.unit_times(c, hw) for c in costs]
+        self.held = [replicas.weight_bytes(c) for c in costs]
+        self.whole = [c.activation_bytes + replicas.kept_copies_bytes(c) for c in costs]
+        self.outputs = [sum(c.output_bytes.values()) for c in costs]
+        self.exchange = [replicas.exchange_s(c, hw) for c in costs]
+
+
+def _stage(costs: list[UnitCost], boundary_bytes, first, last, index, stages, microbatches, schedule, hw,
+           recomputed: int, replicas: Replicas = Replicas()):
     """A stage of units first..last whose last `recomputed` units run checkpointed (and its swapped units, which
-    always do)."""
+    always do). `costs` as partition() passes it: _Counted with these replicas and hardware."""
+    if not isinstance(costs, _Counted):
+        costs = _Counted(costs, replicas, hw)
     units = costs[first:last]
-    times = [replicas.unit_times(c, hw) for c in units]
-    again = units[len(units) - recomputed:] if recomputed else []  # checkpointed: their forward runs twice
+    times = costs.times[first:last]
+    again = range(last - recomputed, last)  # checkpointed: their forward runs twice
     forward = sum(t[0] for t in times)
     backward = sum(t[1] for t in times) + sum(t[0] for t in times[len(units) - len(again):])
     received = boundary_bytes[first - 1] if first > 0 else 0
     sent = boundary_bytes[last - 1] if last < len(costs) else 0
     send = 2 * sent / (hw.link_gbps * 1e9)  # activations forward, their gradients back
-    static = replicas.state_bytes(units)
-    swapped = replicas.swapped(units)
+    static = replicas.state_bytes(units, costs.held[first:last])
+    swapped = [first + i for i in replicas.swapped_positions(units)]
     if swapped:
-        saved, waits = _swap_costs(swapped, replicas, hw, {id(c) for c in again})
+        saved, waits = _swap_costs([costs[k] for k in swapped], replicas, hw, {id(costs[k]) for k in again})
         static -= saved
         forward, backward = forward + waits[0], backward + waits[1]
     held = schedule.in_flight(index, stages, microbatches)
     # a checkpointed unit keeps its outputs (the next units' inputs) a micro-batch; a swapped one runs checkpointed
-    swapped_ids = {id(c) for c in swapped}
-    kept_whole = swapped_ids | {id(c) for c in again}
+    kept_whole = {*swapped, *again}
+    whole = costs.whole
 
-    def whole(c: UnitCost) -> float:  # its activations, as a unit not checkpointed keeps them a micro-batch
-        return c.activation_bytes + replicas.kept_copies_bytes(c)
+    def per_microbatch(k: int) -> float:
+        return costs.outputs[k] if k in kept_whole else whole[k]
 
-    def per_microbatch(c: UnitCost) -> float:
-        return sum(c.output_bytes.values()) if id(c) in kept_whole else whole(c)
-
-    kept = received + sum(per_microbatch(c) for c in units)
+    kept = received + sum(per_microbatch(k) for k in range(first, last))
     # Between a split backward's input and weight passes a micro-batch also holds the gradients of its weights'
     # op outputs. Not on the first stage: torch runs its whole backward in the weight pass (its inputs need none).
     awaiting = schedule.awaiting_weights(index, stages, microbatches) if index > 0 else 0
@@ -247,18 +267,17 @@ def _stage(costs, boundary_bytes, first, last, index, stages, microbatches, sche
     if len(again) == len(units):  # per micro-batch in flight: the stage's inputs and every unit's outputs; in
         # backward one unit's activations, recomputed, which a micro-batch awaiting its weight pass keeps whole
         # (measured: zbv ran out of memory when they were not counted)
-        recomputed_whole = received + sum(sum(c.output_bytes.values()) if id(c) in swapped_ids else whole(c)
-                                          for c in units)
+        recomputed_whole = received + sum(costs.outputs[k] if k in swapped else whole[k] for k in range(first, last))
         dynamic = (held * kept + awaiting * (recomputed_whole + weight_pass)
-                   + max(whole(c) + c.working_bytes for c in units))
+                   + max(whole[first + i] + c.working_bytes for i, c in enumerate(units)))
     else:  # and, once, the most any unit holds at once beyond what it keeps (its intermediates), and a
         # recomputed unit's activations in its backward (which a micro-batch awaiting its weight pass keeps)
-        recomputed_whole = received + sum(whole(c) for c in again) if again else 0
+        recomputed_whole = received + sum(whole[k] for k in again) if again else 0
         dynamic = (held * kept + awaiting * (recomputed_whole + weight_pass)
-                   + max((c.activation_bytes for c in swapped), default=0)
-                   + max((whole(c) for c in again), default=0) + max(c.working_bytes for c in units))
+                   + max((costs[k].activation_bytes for k in swapped), default=0)
+                   + max((whole[k] for k in again), default=0) + max(c.working_bytes for c in units))
     # forward, backward, and the recomputed forward of the checkpointed units
-    exchange = sum(replicas.exchange_s(c, hw) for c in units) * 2 + sum(replicas.exchange_s(c, hw) for c in again)
+    exchange = sum(costs.exchange[first:last]) * 2 + sum(costs.exchange[k] for k in again)
     return StageEstimate(index, first, last, forward, backward, send, static + dynamic, len(again), exchange)
 
 
@@ -322,6 +341,7 @@ def estimate_stages(costs, boundary_bytes, starts: list[int], microbatches: int,
                     hw: Hardware, checkpointing="none", replicas: Replicas = Replicas()) -> Partition:
     """Figures for a given split (no memory check), e.g. the parameter-count split; where processes run several
     stages, checkpointed process by process when they can fit (`_fitted`)."""
+    costs = _Counted(costs, replicas, hw)
     bounds = [0, *starts, len(costs)]
     stages = len(bounds) - 1
     if schedule.ranks(stages) < stages:
@@ -348,6 +368,7 @@ def partition(costs: list[UnitCost], boundary_bytes: list[int], stages: int, mic
     while the step gets shorter (a local search, not exact)."""
     if stages > len(costs):
         raise Infeasible(f"{stages} stages but only {len(costs)} units; use at most {len(costs)} stages")
+    costs = _Counted(costs, replicas, hw)
     args = (costs, boundary_bytes, stages, microbatches, schedule, hw, checkpointing, replicas)
     per_process = stages // schedule.ranks(stages)
     exact = _split(*args, share=per_process)
