@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -131,16 +131,58 @@ def _unit_inputs(named: dict[str, torch.Tensor], reads, grad_names: set[str]) ->
 
 
 def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor], conditions: dict[str, torch.Tensor],
-                     autocast_dtype: torch.dtype | None = None,
-                     frozen_dtype: torch.dtype | None = None) -> list[UnitCost]:
+                     autocast_dtype: torch.dtype | None = None, frozen_dtype: torch.dtype | None = None,
+                     twins: bool = True) -> list[UnitCost]:
     """Costs from running the units on meta tensors; `backbone` must be on the meta device. With `autocast_dtype`,
     each op runs in the dtype CUDA's autocast gives it (precision/autocast.py), so what is saved for backward is
     counted in the dtypes training saves it in; `frozen_dtype`: how frozen weights are stored (memory.base_dtype),
     which decides, for one, whether a norm meets its weight in its input's dtype and takes torch's fused kernel,
-    which saves less."""
+    which saves less. `twins`: a unit alike in every way that decides its costs to one counted before it
+    (`twin_key`) takes that one's costs, not counted again (a Flux.1-dev plan counts 2 of its 57 blocks)."""
     named = {k: v.to("meta") for k, v in {**inputs, **conditions}.items()}
     grad_names = needs_grad(backbone)
-    return [_count_unit(unit, named, grad_names, autocast_dtype, frozen_dtype) for unit in backbone.units]
+    counted: dict[tuple, tuple[UnitCost, dict[str, torch.Tensor]]] = {}
+    out = []
+    for unit in backbone.units:
+        key = twin_key(unit, named, grad_names) if twins else None
+        if key in counted:  # a repeated block fed alike (a DiT's): its twin's costs, its twin's outputs' shapes
+            cost, outputs = counted[key]
+            out.append(replace(cost, name=unit.name, output_bytes=dict(cost.output_bytes)))
+            named.update(outputs)
+            continue
+        out.append(_count_unit(unit, named, grad_names, autocast_dtype, frozen_dtype))
+        if key is not None:
+            counted[key] = out[-1], {k: named[k] for k in unit.writes}
+    return out
+
+
+def twin_key(unit, named: dict[str, torch.Tensor], grad_names: set[str]) -> tuple:
+    """What decides a unit's counted costs: its modules' classes, plain settings and hooks, its parameters' and
+    buffers' shapes, dtypes and trainability, and its inputs' shapes and dtypes. Units alike in all of these (a DiT's
+    repeated blocks) run the same ops on the meta device; one that keeps its place or any other setting of its own
+    (a block index) is counted alone."""
+    def settings(module: torch.nn.Module) -> tuple:
+        plain = tuple(sorted((k, _setting(v)) for k, v in vars(module).items() if not k.startswith("_")))
+        hooks = tuple(len(getattr(module, k)) for k in _HOOKS)
+        return type(module).__qualname__, plain, hooks
+
+    return (unit.reads, unit.writes,
+            tuple((name, settings(m)) for name, m in unit.module.named_modules()),
+            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in unit.module.named_parameters()),
+            tuple((name, tuple(b.shape), b.dtype) for name, b in unit.module.named_buffers()),
+            tuple((k, tuple(named[k].shape), named[k].dtype, k in grad_names) for k in unit.reads))
+
+
+def _setting(value):
+    """A module's attribute as the key holds it: plain values and tuples or lists of them as they are, anything
+    else by its class."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_setting(v) for v in value)
+    return value if isinstance(value, _PLAIN) else type(value).__qualname__
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _stored(module: torch.nn.Module, frozen_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

@@ -1,0 +1,82 @@
+"""A repeated block is counted once: a unit alike in every way that decides its costs (modules, settings, hooks,
+parameters, inputs) to one counted before it takes that one's costs. The costs must be what counting each unit
+alone gives, on real families' backbones and on units that look alike but are not (a setting of their own, an input
+of another shape)."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from diffpipe.build import build_backbone, example_inputs
+from diffpipe.config_files import load_config
+from diffpipe.models.units import Backbone, Unit
+from diffpipe.planner.costs import count_unit_costs
+
+EXAMPLES = Path(__file__).parent.parent.parent / "examples"
+
+
+def _costs(example: str, twins: bool):
+    """A fresh meta backbone's costs (counting leaves gradients on the meta weights)."""
+    config = load_config(EXAMPLES / example)
+    meta = build_backbone(config, "meta")
+    return count_unit_costs(meta, *example_inputs(config, meta, 1), twins=twins)
+
+
+@pytest.mark.parametrize("example", ["flux_tiny.toml", "wan_clips.toml", "ltx2_tiny.toml", "sd3_tiny.toml",
+                                     "qwen_image_tiny.toml", "photos.toml"])
+def test_twins_cost_what_counting_each_unit_alone_costs(example):
+    alone, twins = _costs(example, twins=False), _costs(example, twins=True)
+    assert [asdict(c) for c in twins] == [asdict(c) for c in alone]
+
+
+class _Repeat(nn.Module):
+    """A linear layer applied `times` times: the same parameters whatever `times` is."""
+
+    def __init__(self, times: int):
+        super().__init__()
+        self.times = times
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = self.linear(x)
+        return {"x": x}
+
+
+class _Longer(nn.Module):
+    def forward(self, x):
+        return {"x": torch.cat([x, x], dim=0)}
+
+
+def test_units_alike_but_for_a_setting_or_an_input_shape_are_counted_alone():
+    blocks = [_Repeat(1), _Repeat(1), _Repeat(2), _Longer(), _Repeat(1)]
+    model = nn.ModuleList(blocks)
+    units = [Unit(f"unit.{i}", block, ("x",), ("x",)) for i, block in enumerate(blocks)]
+    backbone = Backbone(units, inputs=("x",), conditions=(), output="x", model=model.to("meta"))
+    costs = count_unit_costs(backbone, {"x": torch.randn(4, 8)}, {})
+    flops = [c.forward_flops for c in costs]
+    assert flops[1] == flops[0]  # a twin
+    assert flops[2] == 2 * flops[0]  # its own setting: applied twice
+    assert flops[4] == 2 * flops[0]  # after the unit that doubles the rows: twice the rows
+    assert costs[4].activation_bytes == 2 * costs[0].activation_bytes
+
+
+def test_a_flux_dev_plan_counts_two_blocks_not_57(monkeypatch):
+    """Where the saving is: Flux.1-dev's 19 double and 38 single blocks are two kinds of twins."""
+    from diffpipe.planner import costs as counting
+
+    counted = []
+    real = counting._count_unit
+
+    def count(unit, *args, **kwargs):
+        counted.append(unit.name)
+        return real(unit, *args, **kwargs)
+
+    monkeypatch.setattr(counting, "_count_unit", count)
+    costs = _costs("flux_dev.toml", twins=True)
+    assert len(costs) == 59 and [c.name for c in costs][:3] == ["embed", "double.0", "double.1"]
+    assert [n for n in counted if n.startswith(("double", "single"))] == ["double.0", "single.0"]
