@@ -10,7 +10,8 @@ therefore counted as the fused (memory-efficient) kernel runs it, saving queries
 log-sum-exp, with that kernel's FLOPs (its backward recomputes the scores). Under bf16/fp16 training each op runs in
 the dtype CUDA's autocast gives it (precision/autocast.py), so saved tensors are counted in their training dtypes, the
 copies of trained weights apart (once per micro-batch); and each unit's working memory, what it holds at once beyond
-what it keeps, is counted as its tensors live and die (planner/live_bytes.py). Profiled
+what it keeps, is counted as its tensors live and die (planner/live_bytes.py). A unit alike in every way that
+decides its costs to one counted before it (a DiT's repeated blocks: `twin_key`) takes that one's costs. Profiled
 mode runs them on the real device and times forward and backward, and on CUDA also measures the memory a
 forward leaves alive; its result is saved as JSON that later plans reuse (`diffpipe plan --profile`).
 """
