@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Unit", "Backbone", "full_parameter_names"]
+__all__ = ["Unit", "Backbone", "full_parameter_names", "twin_key"]
 
 
 @dataclass(frozen=True)
@@ -74,3 +74,33 @@ def full_parameter_names(model: nn.Module) -> dict[int, str]:
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     names.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
     return names
+
+
+def twin_key(unit: Unit, named: dict[str, torch.Tensor], grad_names: frozenset[str] | set[str] = frozenset()) -> tuple:
+    """What decides what a unit computes on the meta device (its ops, their shapes and dtypes): its modules' classes,
+    plain settings and hooks, its parameters' and buffers' shapes, dtypes and trainability, and its inputs' (from
+    `named`) shapes and dtypes, and which of them need gradients (`grad_names`). Units alike in all of these (a DiT's
+    repeated blocks) are twins: the planner counts one of them (planner/costs.py), a trace runs one
+    (pipeline/traffic.py). One that keeps its place or any other setting of its own (a block index) is no twin."""
+    def settings(module: torch.nn.Module) -> tuple:
+        plain = tuple(sorted((k, _setting(v)) for k, v in vars(module).items() if not k.startswith("_")))
+        hooks = tuple(len(getattr(module, k)) for k in _HOOKS)
+        return type(module).__qualname__, plain, hooks
+
+    return (unit.reads, unit.writes,
+            tuple((name, settings(m)) for name, m in unit.module.named_modules()),
+            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in unit.module.named_parameters()),
+            tuple((name, tuple(b.shape), b.dtype) for name, b in unit.module.named_buffers()),
+            tuple((k, tuple(named[k].shape), named[k].dtype, k in grad_names) for k in unit.reads))
+
+
+def _setting(value):
+    """A module's attribute as the key holds it: plain values and tuples or lists of them as they are, anything
+    else by its class."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_setting(v) for v in value)
+    return value if isinstance(value, _PLAIN) else type(value).__qualname__
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.units import Backbone
+from ..models.units import Backbone, twin_key
 from ..precision.autocast import CountedAutocast
 from .split import StageSpec
 
@@ -20,13 +20,17 @@ def trace_tensors(backbone: Backbone, inputs: dict[str, torch.Tensor], condition
                   autocast_dtype: torch.dtype | None = None) -> list[dict[str, torch.Tensor]]:
     """Every live name's tensor after each unit (a name such as "h" is rewritten, so shapes and dtypes change), from
     running the units on meta tensors, under autocast to `autocast_dtype` where given; `backbone` must live on the
-    meta device too."""
+    meta device too. A unit's twin (models/units.py `twin_key`) hands on what the first of them wrote."""
     named = {k: v.to("meta") for k, v in {**inputs, **conditions}.items()}
     after = []
+    written: dict[tuple, dict[str, torch.Tensor]] = {}  # by twin_key: a repeated block fed alike is run once
     autocast = CountedAutocast(autocast_dtype, []) if autocast_dtype is not None else nullcontext()
     with torch.no_grad(), autocast:
         for unit in backbone.units:
-            named.update(unit(named))
+            key = twin_key(unit, named)
+            if key not in written:
+                written[key] = unit(named)
+            named.update(written[key])
             after.append(dict(named))
     return after
 

@@ -31,7 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..precision.autocast import CountedAutocast
 from .live_bytes import LiveBytes
 from ..models.storage import PRODUCT_LAYERS, fp8_layers, quantisable
-from ..models.units import Backbone
+from ..models.units import Backbone, twin_key
 from ..pipeline.exchange import exchanged_bytes
 from ..torch_support import (fused_attention, kept_storage_key, split_backward_input, split_backward_weight,
                              view_base)
@@ -155,35 +155,6 @@ def count_unit_costs(backbone: Backbone, inputs: dict[str, torch.Tensor], condit
         if key is not None:
             counted[key] = out[-1], {k: named[k] for k in unit.writes}
     return out
-
-
-def twin_key(unit, named: dict[str, torch.Tensor], grad_names: set[str]) -> tuple:
-    """What decides a unit's counted costs: its modules' classes, plain settings and hooks, its parameters' and
-    buffers' shapes, dtypes and trainability, and its inputs' shapes and dtypes. Units alike in all of these (a DiT's
-    repeated blocks) run the same ops on the meta device; one that keeps its place or any other setting of its own
-    (a block index) is counted alone."""
-    def settings(module: torch.nn.Module) -> tuple:
-        plain = tuple(sorted((k, _setting(v)) for k, v in vars(module).items() if not k.startswith("_")))
-        hooks = tuple(len(getattr(module, k)) for k in _HOOKS)
-        return type(module).__qualname__, plain, hooks
-
-    return (unit.reads, unit.writes,
-            tuple((name, settings(m)) for name, m in unit.module.named_modules()),
-            tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in unit.module.named_parameters()),
-            tuple((name, tuple(b.shape), b.dtype) for name, b in unit.module.named_buffers()),
-            tuple((k, tuple(named[k].shape), named[k].dtype, k in grad_names) for k in unit.reads))
-
-
-def _setting(value):
-    """A module's attribute as the key holds it: plain values and tuples or lists of them as they are, anything
-    else by its class."""
-    if isinstance(value, (tuple, list)):
-        return tuple(_setting(v) for v in value)
-    return value if isinstance(value, _PLAIN) else type(value).__qualname__
-
-
-_PLAIN = (bool, int, float, str, type(None), torch.dtype)
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _stored(module: torch.nn.Module, frozen_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:

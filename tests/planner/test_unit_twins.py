@@ -80,3 +80,24 @@ def test_a_flux_dev_plan_counts_two_blocks_not_57(monkeypatch):
     costs = _costs("flux_dev.toml", twins=True)
     assert len(costs) == 59 and [c.name for c in costs][:3] == ["embed", "double.0", "double.1"]
     assert [n for n in counted if n.startswith(("double", "single"))] == ["double.0", "single.0"]
+
+
+def test_a_trace_hands_on_what_each_unit_writes(monkeypatch):
+    """pipeline/traffic.py runs a twin once: every name's shape and dtype after each unit as running each unit."""
+    from diffpipe.pipeline import traffic
+
+    blocks = [_Repeat(1), _Longer(), _Repeat(1), _Longer(), _Repeat(1)]
+    units = [Unit(f"unit.{i}", block, ("x",), ("x",)) for i, block in enumerate(blocks)]
+    backbone = Backbone(units, inputs=("x",), conditions=(), output="x", model=nn.ModuleList(blocks).to("meta"))
+    assert [tuple(after["x"].shape) for after in traffic.trace_tensors(backbone, {"x": torch.randn(4, 8)}, {})] == \
+        [(4, 8), (8, 8), (8, 8), (16, 8), (16, 8)]
+
+    def shapes(traced):
+        return [{k: (tuple(v.shape), v.dtype) for k, v in after.items()} for after in traced]
+
+    config = load_config(EXAMPLES / "flux_tiny.toml")
+    meta = build_backbone(config, "meta")
+    args = (meta, *example_inputs(config, meta, 2), torch.bfloat16)
+    twins = shapes(traffic.trace_tensors(*args))
+    monkeypatch.setattr(traffic, "twin_key", lambda unit, named: id(unit))
+    assert twins == shapes(traffic.trace_tensors(*args))
