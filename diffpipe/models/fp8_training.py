@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .stored_linear import fp8_computable
+from .stored_linear import fp8_computable, fp8_share_words
 
 __all__ = ["RECIPE", "train_in_fp8", "fp8_training_words", "fp8_trainable"]
 
@@ -58,8 +58,5 @@ def fp8_training_words(model: nn.Module) -> str:
     layers' weights they hold."""
     linear = [m for m in model.modules() if type(m) is nn.Linear and m.weight.requires_grad]
     fp8 = [m for m in linear if fp8_trainable(m)]
-    weights = sum(m.weight.numel() for m in linear)
-    share = sum(m.weight.numel() for m in fp8) / weights if weights else 0.0
-    return (f"train.fp8_compute: {len(fp8)} of {len(linear)} trained linear layers ({share:.1%} of their weights) "
-            f"train on fp8 tensor cores (torchao's float8 training, {RECIPE} scales: the forward, input and weight "
+    return (f"train.fp8_compute: {fp8_share_words(fp8, linear, 'trained')} train on fp8 tensor cores (torchao's float8 training, {RECIPE} scales: the forward, input and weight "
             "gradients; the rest, convolutions included, in bf16)")

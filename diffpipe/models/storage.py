@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .stored_linear import Fp8Linear, StoredLinear, fp8_computable
+from .stored_linear import Fp8Linear, StoredLinear, fp8_computable, fp8_share_words
 
 __all__ = ["FrozenStorage", "quantisable", "PRODUCT_LAYERS", "LINEAR_FORMATS", "DEQUANTISE_FLOPS", "linear_class",
            "element_bytes", "fp8_compute_words", "fp8_layers"]
@@ -100,11 +100,8 @@ def fp8_compute_words(model: nn.Module) -> str:
     the fp8 kernels take, and the share of those layers' weights they hold; for the run's header."""
     layers = [m for m in model.modules() if quantisable(m)]
     fp8 = fp8_layers(model)
-    weights = sum(m.weight.numel() for m in layers)
-    share = sum(m.weight.numel() for m in fp8) / weights if weights else 0.0
     rest = len(layers) - len(fp8)
-    return (f"train.fp8_compute: {len(fp8)} of {len(layers)} frozen linear layers ({share:.1%} of their weights) "
-            "compute on fp8 tensor cores" + (f"; the other {rest} (sides not multiples of 16) turn their fp8 weight "
+    return (f"train.fp8_compute: {fp8_share_words(fp8, layers, 'frozen')} compute on fp8 tensor cores" + (f"; the other {rest} (sides not multiples of 16) turn their fp8 weight "
                                              "back first" if rest else ""))
 
 

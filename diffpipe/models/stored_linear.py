@@ -103,6 +103,14 @@ def fp8_computable(linear: nn.Linear) -> bool:
     return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
+def fp8_share_words(fp8: list[nn.Linear], among: list[nn.Linear], kind: str) -> str:
+    """'N of M {kind} linear layers (x% of their weights)': those of `among` that fp8 tensor cores take (`fp8`), for
+    a run's header."""
+    weights = sum(m.weight.numel() for m in among)
+    share = sum(m.weight.numel() for m in fp8) / weights if weights else 0.0
+    return f"{len(fp8)} of {len(among)} {kind} linear layers ({share:.1%} of their weights)"
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a product on `x` runs in: autocast's where it is on, else x's."""
     kind = x.device.type
