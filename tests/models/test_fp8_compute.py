@@ -194,7 +194,8 @@ def test_the_planner_counts_the_fp8_products_and_times_them_faster_by_the_measur
     layers = [m for m in backbone.model.modules() if quantisable(m)]
     assert layers and all(m.in_features % 16 == 0 and m.out_features % 16 == 0 for m in layers)
     hooks = [m.register_forward_hook(seen) for m in layers]
-    count_unit_costs(backbone, *example_inputs(config, backbone, 1), torch.bfloat16, torch.bfloat16)  # one sample
+    count_unit_costs(backbone, *example_inputs(config, backbone, 1), torch.bfloat16, torch.bfloat16,
+                     twins=False)  # one sample, every unit run (a twin runs no hook)
     for hook in hooks:
         hook.remove()
     expected = sum(2 * n * m.in_features * m.out_features for m, n in rows.items())
