@@ -22,7 +22,7 @@ from .errors import TorchVersionError
 __all__ = ["TESTED", "TorchVersionError", "check_torch", "schedule_problem", "split_backward_input", "split_backward_weight",
            "kept_storage_key", "view_base", "schedule_actions", "data_parallel_wrappers", "recompile_limit",
            "scale_in_place", "fused_attention", "non_persistent_buffers", "move_lr_schedule", "foreach",
-           "scaled_matmul", "fp8_matmul_problem"]
+           "scaled_matmul", "fp8_matmul_problem", "hook_counts"]
 
 TESTED = ("2.11", "2.13")  # minor versions the suite runs on; pyproject's range spans them
 _INSTALL = "pip install 'torch==2.13.0'"
@@ -177,6 +177,14 @@ def non_persistent_buffers(module: torch.nn.Module) -> set[str]:
     if names is None:
         raise _missing("nn.Module._non_persistent_buffers_set", "building a model on the meta device")
     return set(names)
+
+
+def hook_counts(module: torch.nn.Module) -> tuple[int, ...]:
+    """How many forward, forward-pre, backward and backward-pre hooks the module itself holds."""
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    if not all(hasattr(module, kind) for kind in kinds):
+        raise _missing("nn.Module's hook dictionaries", "planning (repeated blocks counted once)")
+    return tuple(len(getattr(module, kind)) for kind in kinds)
 
 
 def move_lr_schedule(schedule: torch.optim.lr_scheduler.LambdaLR, optimizer: torch.optim.Optimizer,

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..torch_support import hook_counts
+
 __all__ = ["Unit", "Backbone", "full_parameter_names", "twin_key"]
 
 
@@ -84,8 +86,7 @@ def twin_key(unit: Unit, named: dict[str, torch.Tensor], grad_names: frozenset[s
     (pipeline/traffic.py). One that keeps its place or any other setting of its own (a block index) is no twin."""
     def settings(module: torch.nn.Module) -> tuple:
         plain = tuple(sorted((k, _setting(v)) for k, v in vars(module).items() if not k.startswith("_")))
-        hooks = tuple(len(getattr(module, k)) for k in _HOOKS)
-        return type(module).__qualname__, plain, hooks
+        return type(module).__qualname__, plain, hook_counts(module)
 
     return (unit.reads, unit.writes,
             tuple((name, settings(m)) for name, m in unit.module.named_modules()),
@@ -103,4 +104,3 @@ def _setting(value):
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

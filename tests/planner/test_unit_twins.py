@@ -53,7 +53,8 @@ class _Longer(nn.Module):
 
 
 def test_units_alike_but_for_a_setting_or_an_input_shape_are_counted_alone():
-    blocks = [_Repeat(1), _Repeat(1), _Repeat(2), _Longer(), _Repeat(1)]
+    blocks = [_Repeat(1), _Repeat(1), _Repeat(2), _Longer(), _Repeat(1), _Repeat(1)]
+    blocks[5].register_forward_hook(lambda module, args, out: {"x": module.linear(out["x"])})  # a hook's own work
     model = nn.ModuleList(blocks)
     units = [Unit(f"unit.{i}", block, ("x",), ("x",)) for i, block in enumerate(blocks)]
     backbone = Backbone(units, inputs=("x",), conditions=(), output="x", model=model.to("meta"))
@@ -63,6 +64,7 @@ def test_units_alike_but_for_a_setting_or_an_input_shape_are_counted_alone():
     assert flops[2] == 2 * flops[0]  # its own setting: applied twice
     assert flops[4] == 2 * flops[0]  # after the unit that doubles the rows: twice the rows
     assert costs[4].activation_bytes == 2 * costs[0].activation_bytes
+    assert flops[5] == 2 * flops[4]  # its hook applies the layer again
 
 
 def test_a_flux_dev_plan_counts_two_blocks_not_57(monkeypatch):
