@@ -1,0 +1,55 @@
+#!/bin/bash
+# Issue 54's goals still unmeasured, on one GPU (written in the thirty-ninth session, when no machine was lent), each
+# run in its own process under its own time limit, its output appended to $OUT/<part>.txt as it comes:
+#   1: `diffpipe plan examples/sdxl_unet.toml` on this torch (the check a planner change needs);
+#   2: SDXL full fine-tune, batch 8, 1024^2: diffpipe with torchao's fp8 training, compiled blocks, against the plain
+#      `torch.compile(unet)` loop (the goal: >= 1.1x), then diffpipe in bf16 compiled;
+#   3: SDXL LoRA r16: the plain peft loop (eager) against diffpipe over an fp8 base computing in fp8, compiled (>= 1.2x);
+#   4: the Wan 14B-width 4-block slice, 81 frames 480x832, LoRA r16: plain eager and compiled, then diffpipe on cuDNN's
+#      attention, compiled, bf16 and fp8 compute (>= 1.2x);
+#   5: Flux.1-dev-size LoRA loss curves, 200 steps on the photos, bf16 against fp8 compute (bench/fp8_loss_curves.py);
+#   6: Flux Kontext on cuDNN's attention, a short probe (whether FluxKontextFamily can drop cudnn_attention = False).
+#   PARTS="2 3" OUT=runs/fp8 bash bench/fp8_gpu.sh
+# Parts 2-3 take about 9 minutes, 4 about 8, 5 about 8 (one call each under the device's 10-minute limit). On the lent
+# device machine, install the carried wheels (diffusers, pydantic and its parts, tomli_w, torchao) first and put them
+# on PYTHONPATH.
+set -u
+OUT=${OUT:-runs/fp8}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PARTS=${PARTS:-"1 2 3"}
+run() {  # part, seconds, command...
+    local part=$1 limit=$2
+    shift 2
+    echo "== $*" >> "$OUT/$part.txt"
+    timeout "$limit" "$@" >> "$OUT/$part.txt" 2>&1
+    echo "rc $?" >> "$OUT/$part.txt"
+    grep -E '^\{|^rc |Error' "$OUT/$part.txt" | tail -2
+}
+B="import sys; sys.path.insert(0, 'bench'); import lora_sdxl as b"  # timeout runs programs, not functions
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+if has 1; then run plan 60 python3 -m diffpipe plan examples/sdxl_unet.toml; fi
+if has 2; then
+    run sdxl_full 150 python3 -c "$B; b.diffpipe_run(None, 8, compiled=True, fp8_compute=True)"
+    run sdxl_full 200 python3 -c "$B; b.plain_full_loop(8, compiled=True)"
+    run sdxl_full 120 python3 -c "$B; b.diffpipe_run(None, 8, compiled=True)"
+fi
+if has 3; then
+    run sdxl_lora 60 python3 -c "$B; b.plain_peft_loop(16, 8)"
+    run sdxl_lora 120 python3 -c "$B; b.diffpipe_run(16, 8, 'fp8', compiled=True, fp8_compute=True)"
+fi
+if has 4; then
+    W="bench/wan_slice.py --blocks 4 --frames 21 --lora 16 --base-dtype bf16 --steps 8"
+    run wan 110 python3 $W --attention flash --only plain
+    run wan 130 python3 $W --attention flash --only plain --compile
+    run wan 220 python3 $W --attention cudnn --only diffpipe --compile --fp8-compute both
+fi
+if has 5; then
+    run curves 150 python3 bench/write_flux_folder.py --out /tmp/flux_dev --double 19 --single 38 --t5-layers 2 --photos
+    run curves 330 python3 bench/fp8_loss_curves.py --model /tmp/flux_dev --steps 200 --resolution 512 \
+        --out "$OUT/curves.json"
+fi
+if has 6; then
+    run kontext 100 python3 bench/flux_slice.py --double 2 --single 4 --batch 1 --steps 4 --lora 16 --base-dtype bf16 \
+        --only diffpipe --attention cudnn --kontext
+fi
