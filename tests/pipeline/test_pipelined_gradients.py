@@ -22,8 +22,14 @@ A NaN or inf anywhere fails. `test_planted_errors_fail_the_comparison` shows eac
 Tolerance: every difference is measured relative to the largest magnitude of the tensor compared. In fp32 the
 pipeline runs the same operations on the same micro-batches; what differs is the order in which gradients are
 summed (micro-batches, replicas, stages' norms), a rounding of about 1e-7 relative per addition. Measured worst
-cases: losses 1.5e-7, norms 1.1e-6, gradients 6.5e-6, moments 1.5e-5; the bound is 1e-4, far under any real
-error (a missing micro-batch or replica division is 0.5 or more, a dropped micro-batch about 0.25). Weights are
+cases: losses 1.5e-7, norms 1.1e-6, gradients 6.5e-6; the bound is 1e-4, far under any real error (a missing
+micro-batch or replica division is 0.5 or more, a dropped micro-batch about 0.25). AdamW's moments after the last
+step hold the later steps' gradients, which the first step's roundings have moved: for most models 1.5e-5 apart, but
+Wan 2.1 I2V's cross-attention key biases (and their norm's weights) are sums that cancel, and their moments drift
+1.0e-4 (1F1B) and 5.3e-4 (sequence parallel) of their own size on an AVX2 CPU (under 1e-4 on the AVX-512 ones
+measured before). That is rounding: the unsplit model run twice, its initial weights one float32 rounding apart
+(x (1 +- 2^-24) each), differs by 1.1e-4 in the same moment. So moments are bound at 2e-3, 18x that drift and still
+more than 100x under a real error (a doubled moment is 1.0). Weights are
 compared against lr x steps, the furthest AdamW moves a weight: an element whose gradient is near Adam's epsilon
 turns a rounding-sized gradient difference into a visible update difference (measured worst 3.2e-3 of lr x
 steps); the bound, 2e-2, is far under a wrong learning rate or schedule step (0.17 and more here).
@@ -87,7 +93,7 @@ from .reference_loop import OPTIMIZER_STATE, Draws, StepDraw, reference
 
 STEPS = 3
 REL_TOL = 1e-4
-TOLERANCES = {"losses": REL_TOL, "grad_norms": REL_TOL, "grads": REL_TOL, "moments": REL_TOL, "weights": 2e-2}
+TOLERANCES = {"losses": REL_TOL, "grad_norms": REL_TOL, "grads": REL_TOL, "moments": 2e-3, "weights": 2e-2}
 CHECKS = ("losses", "grad_norms", "grads", "moments", "weights")
 
 
