@@ -28,7 +28,8 @@ step hold the later steps' gradients, which the first step's roundings have move
 Wan 2.1 I2V's cross-attention key biases (and their norm's weights) are sums that cancel, and their moments drift
 1.0e-4 (1F1B) and 5.3e-4 (sequence parallel) of their own size on an AVX2 CPU (under 1e-4 on the AVX-512 ones
 measured before). That is rounding: the unsplit model run twice, its initial weights one float32 rounding apart
-(x (1 +- 2^-24) each), differs by 1.1e-4 in the same moment. So moments are bound at 2e-3, 18x that drift and still
+(x (1 +- 2^-24) each), differs by 1.1e-4 in the same moment (`python -m tests.pipeline.rounding_drift
+wan21-i2v-1f1b-2`). So moments are bound at 2e-3, 18x that drift and still
 more than 100x under a real error (a doubled moment is 1.0). Weights are
 compared against lr x steps, the furthest AdamW moves a weight: an element whose gradient is near Adam's epsilon
 turns a rounding-sized gradient difference into a visible update difference (measured worst 3.2e-3 of lr x
