@@ -36,7 +36,7 @@ def find_controls(dataset: FolderImages, data: DataConfig) -> None:
     placements, kept = [], []
     for i, (control, placement) in enumerate(zip(controls, dataset.placements)):
         try:
-            width, height, _ = probe_image(control)
+            width, height, *_ = probe_image(control)
         except BadImage as exc:
             dataset.skipped.add(dataset.items[i].path, f"its control image {control.name}: {exc}")
             placements.append(None)

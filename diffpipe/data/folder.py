@@ -31,6 +31,7 @@ class ImageItem:
     width: int  # as seen, EXIF orientation applied
     height: int
     frames: int = 0  # a video's frames; 0: a still image
+    frame_rate: float = 0.0  # a video's frames a second, as its container states them (read with its frames)
     loss_weight: float = 1.0  # data.regularisation_weight for a regularisation image, else 1
 
 
@@ -96,11 +97,12 @@ def _oriented_size(image: Image.Image) -> tuple[int, int]:
     return (h, w) if orientation in (5, 6, 7, 8) else (w, h)
 
 
-def probe_image(path: Path) -> tuple[int, int, int]:
-    """(width, height, 0) of an image as seen (EXIF orientation applied), from its header; `BadImage` when unreadable."""
+def probe_image(path: Path) -> tuple[int, int, int, float]:
+    """(width, height, 0, 0.0) of an image as seen (EXIF orientation applied), from its header (the frames and frame
+    rate of a still image, as `probe_video` gives a video's); `BadImage` when unreadable."""
     try:
         with Image.open(path) as image:
-            return (*_oriented_size(image), 0)
+            return (*_oriented_size(image), 0, 0.0)
     except (UnidentifiedImageError, OSError) as exc:
         raise BadImage(f"not a readable image ({type(exc).__name__})") from None
 
@@ -122,14 +124,14 @@ def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skippe
             try:
                 if path.stat().st_size == 0:
                     raise BadImage("empty file (0 bytes)")
-                width, height, frames = probes[path.suffix.lower()](path)
+                width, height, frames, rate = probes[path.suffix.lower()](path)
             except BadImage as exc:
                 skipped.add(path, str(exc))
                 continue
             if min(width, height) < min_side:
                 skipped.add(path, f"{width}x{height} is too small (shorter side under {min_side} pixels)")
                 continue
-            items += [ImageItem(path, _caption(path, metadata, folder), width, height, frames)] * repeats
+            items += [ImageItem(path, _caption(path, metadata, folder), width, height, frames, rate)] * repeats
             usable += 1
             if usable == first:
                 return items

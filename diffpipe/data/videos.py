@@ -30,16 +30,17 @@ def _decode_errors() -> tuple[type[BaseException], ...]:
     return (_pyav().FFmpegError, OSError, ValueError, IndexError, EOFError)
 
 
-def probe_video(path: Path) -> tuple[int, int, int]:
-    """(width, height, frames) of the first video stream, from the container without decoding pictures; counts the
-    stream's packets where the container does not say (webm)."""
+def probe_video(path: Path) -> tuple[int, int, int, float]:
+    """(width, height, frames, frames a second) of the first video stream, from the container without decoding
+    pictures; counts the stream's packets where the container does not say (webm)."""
     try:
         with _pyav().open(str(path)) as container:
             if not container.streams.video:
                 raise BadImage("no video stream")
             stream = container.streams.video[0]
+            rate = float(stream.average_rate or stream.guessed_rate or 0.0)
             frames = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
-            return stream.codec_context.width, stream.codec_context.height, frames
+            return stream.codec_context.width, stream.codec_context.height, frames, rate
     except _decode_errors() as exc:
         raise BadImage(f"not a readable video ({type(exc).__name__})") from None
 

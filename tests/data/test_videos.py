@@ -19,7 +19,7 @@ def test_videos_read_back_as_written(tmp_path):
     frames = script._shape_frames("square", "red", "right", 12, (48, 64))
     for suffix in (".mp4", ".webm"):
         path = script.write_video(tmp_path / f"clip{suffix}", frames)
-        assert probe_video(path) == (64, 48, 12)
+        assert probe_video(path) == (64, 48, 12, 8.0)  # written at 8 frames a second
         read = read_clip(path, 12)
         assert len(read) == 12 and read[0].size == (64, 48)
         for written, got in zip(frames, read):  # lossy codecs: close, and each frame in its place

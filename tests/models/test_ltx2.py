@@ -187,13 +187,20 @@ def test_clips_it_cannot_use_are_skipped_with_the_reason(tiny_video, tmp_path):
 def test_a_clip_at_another_frame_rate_is_read_at_24_frames_a_second(tiny_video):
     """slow_red_disc.mp4 (8 frames at 8 a second): the k-th of its 17 frames at 24 is its own frame k // 3, the one on
     screen at k / 24 seconds; its sound is the same 17 / 24 seconds'; it offers 24 frames at 24 to the buckets."""
+    from dataclasses import replace
+
     from diffpipe.data.buckets import Bucket, place
-    from diffpipe.data.folder import ImageItem
+    from diffpipe.data.folder import ImageItem, Skipped, scan_folders
     from diffpipe.data.images import read_pixels
 
     codec = AudioVideoCodec.from_folder(tiny_video / "ltx2")
     item = ImageItem(tiny_video / "av_clips" / "slow_red_disc.mp4", "", 64, 48, frames=8)
     assert codec.frames_of(item) == 24
+    # the folder scan reads each clip's rate with its frames: buckets are counted without opening the file again
+    (scanned,) = [i for i in scan_folders([(tiny_video / "av_clips", 1)], 8, Skipped(), videos=True)
+                  if i.path.name == item.path.name]
+    assert (scanned.frames, scanned.frame_rate) == (8, 8.0)
+    assert codec.frames_of(replace(scanned, path=tiny_video / "gone.mp4")) == 24
     placement = place(64, 48, [Bucket(64, 48)], frames=17)
     read = codec.read_item(item, placement, read_pixels)
     own = read_pixels(item, place(64, 48, [Bucket(64, 48)], frames=6))

@@ -110,6 +110,11 @@ def frame_rate(path: Path) -> float:
         raise BadImage(f"not a readable video ({type(exc).__name__})") from None
 
 
+def _rate_of(item) -> float:
+    """A clip's frames a second: as the folder scan read it with its frames, else from the file's container."""
+    return item.frame_rate or frame_rate(item.path)
+
+
 def _is_24(rate: float) -> bool:
     return abs(rate - FRAME_RATE) <= 0.01
 
@@ -173,7 +178,7 @@ class AudioVideoCodec(nn.Module):
         the most whose times k / 24 fall within its length; 0 for a still image."""
         if item.frames == 0:
             return 0
-        rate = frame_rate(item.path)
+        rate = _rate_of(item)
         return item.frames if _is_24(rate) else math.ceil(item.frames * FRAME_RATE / rate - 1e-9)
 
     def read_item(self, item, placement, read_pixels) -> torch.Tensor:
@@ -181,7 +186,7 @@ class AudioVideoCodec(nn.Module):
         (`with_audio`); `BadImage` where it cannot be used (a still image, no or too little audio)."""
         if not placement.frames or item.frames == 0:
             raise BadImage("a still image: LTX-2 trains clips with their audio")
-        rate = frame_rate(item.path)
+        rate = _rate_of(item)
         if _is_24(rate):
             pixels = read_pixels(item, placement)
         else:  # the frame on screen at each k / 24 seconds, of as many of the clip's own as that reaches
