@@ -83,13 +83,18 @@ def twin_key(unit: Unit, named: dict[str, torch.Tensor], grad_names: frozenset[s
     plain settings and hooks, its parameters' and buffers' shapes, dtypes and trainability, and its inputs' (from
     `named`) shapes and dtypes, and which of them need gradients (`grad_names`). Units alike in all of these (a DiT's
     repeated blocks) are twins: the planner counts one of them (planner/costs.py), a trace runs one
-    (pipeline/traffic.py). One that keeps its place or any other setting of its own (a block index) is no twin."""
-    def settings(module: torch.nn.Module) -> tuple:
-        plain = tuple(sorted((k, _setting(v)) for k, v in vars(module).items() if not k.startswith("_")))
+    (pipeline/traffic.py). One that keeps its place or any other setting of its own (a block index) is no twin,
+    unless its module names that setting in `TWIN_FREE` (dotted from the unit's module: "rows", "block.layer_id"):
+    settings that choose which rows of an input it reads, or that nothing reads, the same ops whatever they are."""
+    free = frozenset(getattr(unit.module, "TWIN_FREE", ()))
+
+    def settings(path: str, module: torch.nn.Module) -> tuple:
+        plain = tuple(sorted((k, _setting(v)) for k, v in vars(module).items()
+                             if not k.startswith("_") and f"{path}.{k}".lstrip(".") not in free))
         return type(module).__qualname__, plain, hook_counts(module)
 
     return (unit.reads, unit.writes,
-            tuple((name, settings(m)) for name, m in unit.module.named_modules()),
+            tuple((name, settings(name, m)) for name, m in unit.module.named_modules()),
             tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in unit.module.named_parameters()),
             tuple((name, tuple(b.shape), b.dtype) for name, b in unit.module.named_buffers()),
             tuple((k, tuple(named[k].shape), named[k].dtype, k in grad_names) for k in unit.reads))

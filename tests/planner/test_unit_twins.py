@@ -27,7 +27,7 @@ def _costs(example: str, twins: bool):
 
 
 @pytest.mark.parametrize("example", ["flux_tiny.toml", "wan_clips.toml", "ltx2_tiny.toml", "sd3_tiny.toml",
-                                     "qwen_image_tiny.toml", "photos.toml"])
+                                     "qwen_image_tiny.toml", "photos.toml", "chroma_lora.toml"])
 def test_twins_cost_what_counting_each_unit_alone_costs(example):
     alone, twins = _costs(example, twins=False), _costs(example, twins=True)
     assert [asdict(c) for c in twins] == [asdict(c) for c in alone]
@@ -67,7 +67,11 @@ def test_units_alike_but_for_a_setting_or_an_input_shape_are_counted_alone():
     assert flops[5] == 2 * flops[4]  # its hook applies the layer again
 
 
-def test_a_flux_dev_plan_counts_two_blocks_not_57(monkeypatch):
+@pytest.mark.parametrize("example,blocks_counted", [
+    ("flux_dev.toml", ["double.0", "single.0"]),
+    # Chroma's blocks read their own rows of the modulation (TWIN_FREE); its first single block joins the streams
+    ("chroma_lora.toml", ["double.0", "single.0", "single.1"])])
+def test_a_flux_dev_plan_counts_two_blocks_not_57(monkeypatch, example, blocks_counted):
     """Where the saving is: Flux.1-dev's 19 double and 38 single blocks are two kinds of twins."""
     from diffpipe.planner import costs as counting
 
@@ -79,9 +83,47 @@ def test_a_flux_dev_plan_counts_two_blocks_not_57(monkeypatch):
         return real(unit, *args, **kwargs)
 
     monkeypatch.setattr(counting, "_count_unit", count)
-    costs = _costs("flux_dev.toml", twins=True)
+    costs = _costs(example, twins=True)
     assert len(costs) == 59 and [c.name for c in costs][:3] == ["embed", "double.0", "double.1"]
-    assert [n for n in counted if n.startswith(("double", "single"))] == ["double.0", "single.0"]
+    assert [n for n in counted if n.startswith(("double", "single"))] == blocks_counted
+
+
+class _Indexed(nn.Module):
+    """A block that keeps an index its forward never reads (as diffusers' Z-Image blocks keep `layer_id`)."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index, self.linear = index, nn.Linear(8, 8)
+
+    def forward(self, x):
+        return {"x": self.linear(x)}
+
+
+class _Wrapped(nn.Module):
+    """An `_Indexed` block whose index is named twin-free, beside a setting of its own of the same name that is not."""
+
+    TWIN_FREE = ("block.index",)
+
+    def __init__(self, index: int, own: int = 0):
+        super().__init__()
+        self.block, self.index = _Indexed(index), own
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_a_setting_named_twin_free_does_not_part_twins(monkeypatch):
+    from diffpipe.planner import costs as counting
+
+    counted = []
+    real = counting._count_unit
+    monkeypatch.setattr(counting, "_count_unit", lambda unit, *a, **k: counted.append(unit.name) or real(unit, *a, **k))
+    blocks = [_Wrapped(0), _Wrapped(1), _Wrapped(2, own=1), _Indexed(3), _Indexed(4)]
+    units = [Unit(f"unit.{i}", block, ("x",), ("x",)) for i, block in enumerate(blocks)]
+    backbone = Backbone(units, inputs=("x",), conditions=(), output="x", model=nn.ModuleList(blocks).to("meta"))
+    count_unit_costs(backbone, {"x": torch.randn(4, 8)}, {})
+    # the first two are twins; the third's own setting and the bare blocks' index part them
+    assert counted == ["unit.0", "unit.2", "unit.3", "unit.4"]
 
 
 def test_a_trace_hands_on_what_each_unit_writes(monkeypatch):

@@ -72,6 +72,8 @@ class _Embed(nn.Module):
 class _Double(nn.Module):
     """Double block i: its image rows of the modulation, then its text rows, as the model's forward joins them."""
 
+    TWIN_FREE = ("image_rows", "text_rows")  # which rows it reads: every double block is a twin (models/units.py)
+
     def __init__(self, block: nn.Module, image_rows: int, text_rows: int):
         super().__init__()
         self.block, self.image_rows, self.text_rows = block, image_rows, text_rows
@@ -86,6 +88,8 @@ class _Double(nn.Module):
 class _Single(nn.Module):
     """Single block i on the joined tokens; the first joins the text's before the image's. Its attention hands back
     a contiguous gradient, as Flux's single blocks' (flux.py `_Block`: cuDNN's attention fails on the strided one)."""
+
+    TWIN_FREE = ("rows",)  # which rows of the modulation it reads
 
     def __init__(self, block: nn.Module, index: int):
         super().__init__()

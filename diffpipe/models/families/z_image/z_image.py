@@ -130,6 +130,8 @@ class ZImageEmbed(nn.Module):
 class ZImagePictureRefiner(nn.Module):
     """A noise refiner: the picture's tokens alone, modulated by time."""
 
+    TWIN_FREE = ("block.layer_id",)  # diffusers' block keeps its index; its forward does not read it
+
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
@@ -141,6 +143,8 @@ class ZImagePictureRefiner(nn.Module):
 class ZImageContextRefiner(nn.Module):
     """A context refiner: the caption's tokens alone."""
 
+    TWIN_FREE = ("block.layer_id",)  # diffusers' block keeps its index; its forward does not read it
+
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
@@ -151,6 +155,8 @@ class ZImageContextRefiner(nn.Module):
 
 class ZImageLayer(nn.Module):
     """A main block over the joined tokens; the first joins the picture's and the caption's (`joins`)."""
+
+    TWIN_FREE = ("block.layer_id",)  # diffusers' block keeps its index; its forward does not read it
 
     def __init__(self, block: nn.Module, joins: bool):
         super().__init__()
