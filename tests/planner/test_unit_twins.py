@@ -67,22 +67,27 @@ def test_units_alike_but_for_a_setting_or_an_input_shape_are_counted_alone():
     assert flops[5] == 2 * flops[4]  # its hook applies the layer again
 
 
-@pytest.mark.parametrize("example,blocks_counted", [
-    ("flux_dev.toml", ["double.0", "single.0"]),
-    # Chroma's blocks read their own rows of the modulation (TWIN_FREE); its first single block joins the streams
-    ("chroma_lora.toml", ["double.0", "single.0", "single.1"])])
-def test_a_flux_dev_plan_counts_two_blocks_not_57(monkeypatch, example, blocks_counted):
-    """Where the saving is: Flux.1-dev's 19 double and 38 single blocks are two kinds of twins."""
+def _units_counted(monkeypatch) -> list[str]:
+    """The names of the units the planner counts from now on (not a twin's), in order."""
     from diffpipe.planner import costs as counting
 
-    counted = []
-    real = counting._count_unit
+    counted, real = [], counting._count_unit
 
     def count(unit, *args, **kwargs):
         counted.append(unit.name)
         return real(unit, *args, **kwargs)
 
     monkeypatch.setattr(counting, "_count_unit", count)
+    return counted
+
+
+@pytest.mark.parametrize("example,blocks_counted", [
+    ("flux_dev.toml", ["double.0", "single.0"]),
+    # Chroma's blocks read their own rows of the modulation (TWIN_FREE); its first single block joins the streams
+    ("chroma_lora.toml", ["double.0", "single.0", "single.1"])])
+def test_repeated_blocks_are_counted_once_per_kind(monkeypatch, example, blocks_counted):
+    """Where the saving is: Flux.1-dev's 19 double and 38 single blocks are two kinds of twins."""
+    counted = _units_counted(monkeypatch)
     costs = _costs(example, twins=True)
     assert len(costs) == 59 and [c.name for c in costs][:3] == ["embed", "double.0", "double.1"]
     assert [n for n in counted if n.startswith(("double", "single"))] == blocks_counted
@@ -113,11 +118,7 @@ class _Wrapped(nn.Module):
 
 
 def test_a_setting_named_twin_free_does_not_part_twins(monkeypatch):
-    from diffpipe.planner import costs as counting
-
-    counted = []
-    real = counting._count_unit
-    monkeypatch.setattr(counting, "_count_unit", lambda unit, *a, **k: counted.append(unit.name) or real(unit, *a, **k))
+    counted = _units_counted(monkeypatch)
     blocks = [_Wrapped(0), _Wrapped(1), _Wrapped(2, own=1), _Indexed(3), _Indexed(4)]
     units = [Unit(f"unit.{i}", block, ("x",), ("x",)) for i, block in enumerate(blocks)]
     backbone = Backbone(units, inputs=("x",), conditions=(), output="x", model=nn.ModuleList(blocks).to("meta"))
