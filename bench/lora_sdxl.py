@@ -1,6 +1,6 @@
 """SDXL-width LoRA on one GPU: diffpipe (one stage) against a plain peft + diffusers LoRA loop, and against full
 fine-tuning; samples/s and peak memory. SDXL UNet config, random weights, 1024x1024 (128x128 latents), fp32
-weights, bf16 autocast, batch 8 in one micro-batch, fused AdamW.
+weights, bf16 autocast, batch 8 in one micro-batch (SDXL_BATCH=N in the environment: N), fused AdamW.
 
     python bench/lora_sdxl.py [--ranks 16,64] [--steps 8] [--skip-full] [--base-dtypes bf16,fp32] [--loops] [--plain-draws] [--rounds N]
                               [--types lora,dora,loha,lokr] [--compile] [--fp8-compute]
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -53,7 +54,7 @@ from diffpipe.models.families.unet.presets import UNET_PRESETS  # noqa: E402
 from diffpipe.models.families.unet.unet2d import UNet2DFamily  # noqa: E402
 from diffpipe.train.trainer import Trainer  # noqa: E402
 
-BATCH = 8
+BATCH = int(os.environ.get("SDXL_BATCH", 8))  # SDXL_BATCH=3: the full fine-tune uncheckpointed on an 80 GB card
 
 
 def _report(what: str, rank: int | None, steps: list[float]) -> None:

@@ -6,12 +6,16 @@ to float8 (e4m3) with a scale per row as it enters (torchao's "rowwise" recipe, 
 the LoRA path's Fp8Product scales its operands the same way, models/stored_linear.py). torchao (pytorch/ao) is
 PyTorch's own library for this; diffpipe swaps the layers with its `convert_to_float8_training` and nothing else.
 Layers whose sides are not multiples of 16 stay bf16 (the fp8 kernels' rule); so does every other layer
-(convolutions, norms, embeddings).
+(convolutions, norms, embeddings). The weight gradient's product runs over the input's rows (samples x tokens), which
+need not be a multiple of 16 (SDXL's cross-attention reads 77 text tokens: 616 rows at batch 8), so torchao pads the
+inner side of each product with zero rows where it is not (its `pad_inner_dim`: a copy of the fp8 operand then).
 
 torchao's conversion also applies its own workaround for a Triton fp8 miscompile to inductor's min/max code
 (torchao/float8/_inductor_patch.py), for the process: the library's, where it chose to put it.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from torch import nn
 
@@ -42,7 +46,8 @@ def train_in_fp8(module: nn.Module) -> int:
 
     count = sum(1 for m in module.modules() if fp8_trainable(m))
     if count:
-        convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(RECIPE),
+        config = replace(Float8LinearConfig.from_recipe_name(RECIPE), pad_inner_dim=True)
+        convert_to_float8_training(module, config=config,
                                    module_filter_fn=lambda m, name: fp8_trainable(m))
         from torchao.float8.float8_linear import Float8Linear
 

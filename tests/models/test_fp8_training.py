@@ -80,6 +80,30 @@ def test_a_swapped_layer_takes_a_strided_input():
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
 
 
+def test_a_swapped_layer_takes_a_row_count_that_is_not_a_multiple_of_16():
+    """The weight gradient's product runs over the input's rows: SDXL's cross-attention reads 77 text tokens, 616 rows
+    at batch 8, which an H100 run refused ("Expected self.size(1) to be divisible by 16"). The meta device checks the
+    shapes as the GPU kernels do; the CPU kernel (where it takes rowwise scales) gives the padded product's values."""
+    layer = nn.Sequential(nn.Linear(32, 48, dtype=torch.bfloat16, device="meta"))
+    train_in_fp8(layer)
+    x = torch.randn(2, 77, 32, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad.shape == x.shape and layer[0].weight.grad.shape == (48, 32)
+    if fp8_matmul_problem(torch.device("cpu")) is None:
+        g = torch.Generator().manual_seed(0)
+        exact = nn.Linear(32, 48)
+        x = torch.randn(2, 77, 32, generator=g)
+        exact(x).square().sum().backward()
+        swapped = nn.Sequential(nn.Linear(32, 48))
+        swapped.load_state_dict({"0." + k: v for k, v in exact.state_dict().items()})
+        train_in_fp8(swapped)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = swapped(x)
+        out.float().square().sum().backward()
+        error = (swapped[0].weight.grad - exact.weight.grad).norm() / exact.weight.grad.norm()
+        assert error < 0.1, error.item()
+
+
 def test_the_config_takes_fp8_compute_on_a_full_fine_tune_but_not_across_sharded_replicas():
     base = ['adapter.type="none"', 'train.precision="bf16"', "train.fp8_compute=true"]
     config = load_config(FLUX, base)
