@@ -163,7 +163,7 @@ def plain_full_loop(steps: int, compiled: bool) -> None:
     del model, opt, run
 
 
-def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: str = "lora", compiled: bool = False,
+def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: str = "lora", compiled: bool | str = False,
                  fp8_compute: bool = False) -> None:
     """diffpipe, one stage, the same batch as one micro-batch (rank None: full fine-tune); `compiled`: its blocks
     compiled; `fp8_compute`: an fp8 base computing in fp8."""
@@ -172,8 +172,8 @@ def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: s
             "observe.every=1000", "observe.timeline_step=0", "observe.log_every=0", "output.save_weights=false",
             "output.sample_every_end=false", "checkpoint.every=0", "train.learning_rate=1e-4",
             'pipeline.checkpointing="none"', 'train.device="cuda"', f"train.fp8_compute={str(fp8_compute).lower()}"]
-    if compiled:
-        sets.append('pipeline.compile="blocks"')
+    if compiled:  # True: the repeated blocks; "whole": the stage in one graph, as torch.compile(unet)
+        sets.append("pipeline.compile=true" if compiled == "whole" else 'pipeline.compile="blocks"')
     if rank is not None:
         base_dtype = "fp8" if fp8_compute else base_dtype
         sets += [f'adapter.type="{kind}"', f"adapter.rank={rank}", f"adapter.alpha={float(rank)}",
@@ -184,7 +184,7 @@ def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: s
     trainer.fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     what = f"diffpipe {kind}, {base_dtype} base" if rank is not None else "diffpipe full fine-tune"
-    what += (", compiled blocks" if compiled else "") + (", fp8 compute" if fp8_compute else "")
+    what += {True: ", compiled blocks", "whole": ", compiled whole", False: ""}[compiled] + (", fp8 compute" if fp8_compute else "")
     _report(what, rank, [r["step_time_s"] for r in rows])
     del trainer
 
