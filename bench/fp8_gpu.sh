@@ -2,8 +2,10 @@
 # Issue 54's goals still unmeasured, on one GPU (written in the thirty-ninth session, when no machine was lent), each
 # run in its own process under its own time limit, its output appended to $OUT/<part>.txt as it comes:
 #   1: `diffpipe plan examples/sdxl_unet.toml` on this torch (the check a planner change needs);
-#   2: SDXL full fine-tune, batch 8, 1024^2: diffpipe with torchao's fp8 training, compiled blocks, against the plain
-#      `torch.compile(unet)` loop (the goal: >= 1.1x), then diffpipe in bf16 compiled;
+#   2: SDXL full fine-tune, batch 8, 1024^2: diffpipe with torchao's fp8 training, the stage compiled whole (as the
+#      plain loop compiles the UNet), and with compiled blocks (0.71x at batch 3 on an H100, forty-first session);
+#   2plain: the plain `torch.compile(unet)` loop of part 2 (the goal: >= 1.1x), then diffpipe in bf16 compiled whole;
+#      a call of its own on the same warm machine (compiling the whole UNet takes 3-4 minutes on an H100);
 #   3: SDXL LoRA r16: the plain peft loop (eager) against diffpipe over an fp8 base computing in fp8, compiled (>= 1.2x);
 #   4: the Wan 14B-width 4-block slice, 81 frames 480x832, LoRA r16: plain eager and compiled, then diffpipe on cuDNN's
 #      attention, compiled, bf16 and fp8 compute (>= 1.2x);
@@ -11,7 +13,7 @@
 #   6: Flux Kontext on cuDNN's attention, a short probe (whether FluxKontextFamily can drop cudnn_attention = False).
 #   PARTS="2 3" OUT=runs/fp8 bash bench/fp8_gpu.sh
 # Part 2 at batch 8 needs an H200 (planned 108 GiB uncheckpointed); on an 80 GB card run it at SDXL_BATCH=3 (67 GiB).
-# Parts 2-3 take about 9 minutes, 4 about 8, 5 about 8 (one call each under the device's 10-minute limit). On the lent
+# Part 2 takes about 8 minutes, 2plain about 9, 3 about 4, 4 about 8, 5 about 8 (one call each under the device's 10-minute limit). On the lent
 # device machine, install the carried wheels (diffusers, pydantic and its parts, tomli_w, torchao) first and put them
 # on PYTHONPATH.
 set -u
@@ -30,10 +32,13 @@ run() {  # part, seconds, command...
 B="import sys; sys.path.insert(0, 'bench'); import lora_sdxl as b"  # timeout runs programs, not functions
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has 1; then run plan 60 python3 -m diffpipe plan examples/sdxl_unet.toml; fi
-if has 2; then
+if has 2; then  # the compiles of the whole UNet ran past 200, 230 and 260 s on an H100, and within 280 s
+    run sdxl_full 400 python3 -c "$B; b.diffpipe_run(None, 8, compiled='whole', fp8_compute=True)"
     run sdxl_full 150 python3 -c "$B; b.diffpipe_run(None, 8, compiled=True, fp8_compute=True)"
-    run sdxl_full 300 python3 -c "$B; b.plain_full_loop(8, compiled=True)"  # whole-UNet compile: 200 s was short on an H100
-    run sdxl_full 120 python3 -c "$B; b.diffpipe_run(None, 8, compiled=True)"
+fi
+if has 2plain; then
+    run sdxl_full 300 python3 -c "$B; b.plain_full_loop(8, compiled=True)"
+    run sdxl_full 290 python3 -c "$B; b.diffpipe_run(None, 8, compiled='whole')"
 fi
 if has 3; then
     run sdxl_lora 60 python3 -c "$B; b.plain_peft_loop(16, 8)"
