@@ -5,7 +5,7 @@
 #   2: SDXL full fine-tune, batch 8, 1024^2: diffpipe with torchao's fp8 training, the stage compiled whole (as the
 #      plain loop compiles the UNet), and with compiled blocks (0.71x at batch 3 on an H100, forty-first session);
 #   2plain: the plain `torch.compile(unet)` loop of part 2 (the goal: >= 1.1x), then diffpipe in bf16 compiled whole;
-#      a call of its own on the same warm machine (compiling the whole UNet takes 3-4 minutes on an H100);
+#      a call of its own on the same warm machine (compiling the whole UNet took between 200 and 280 s on an H100);
 #   3: SDXL LoRA r16: the plain peft loop (eager) against diffpipe over an fp8 base computing in fp8, compiled (>= 1.2x);
 #   4: the Wan 14B-width 4-block slice, 81 frames 480x832, LoRA r16: plain eager and compiled, then diffpipe on cuDNN's
 #      attention, compiled, bf16 and fp8 compute (>= 1.2x);
