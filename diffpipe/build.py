@@ -108,7 +108,7 @@ def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], 
     modules = [every[i].to_device(device, config.memory.block_swap).train() for i in mine]
     if config.adapter.type == "none" and fp8_compute_on(config, device.type):  # a full fine-tune's, torchao's
         for module in modules:
-            train_in_fp8(module)
+            train_in_fp8(module, device.type)
     if not config.train.dropout:
         for dropout in (m for module in modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
             dropout.eval()

@@ -34,13 +34,15 @@ __all__ = ["Checked", "check_before_launch"]
 @dataclass
 class Checked:
     """The model on the meta device, the resolved stage starts, how many of each stage's last units run checkpointed,
-    the [memory] settings the planner chose ("auto"), by key, and train.fp8_compute resolved."""
+    the [memory] settings the planner chose ("auto"), by key, train.fp8_compute resolved, and the kind of device the
+    processes train on."""
 
     backbone: Backbone
     split: list[int]
     recomputed: Recomputed
     memory: dict = field(default_factory=dict)
     fp8_compute: bool = False
+    device_kind: str = "cpu"
 
 
 def check_before_launch(config: RunConfig) -> Checked:
@@ -80,7 +82,7 @@ def check_before_launch(config: RunConfig) -> Checked:
         print(checkpointing_words(recomputed, [0, *split, len(backbone.units)]), flush=True)
     _check_first_stage_trains(backbone, split)
     _check_block_swap(config.memory.block_swap, backbone, split)
-    return Checked(backbone, split, recomputed, changes, fp8_compute)
+    return Checked(backbone, split, recomputed, changes, fp8_compute, device_kind)
 
 
 def checkpointing_words(recomputed: Recomputed, bounds: list[int]) -> str:

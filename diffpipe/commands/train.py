@@ -27,7 +27,7 @@ def _prepare_run(args) -> tuple:
     config.train.fp8_compute = checked.fp8_compute  # "auto" resolved
     is_main = int(os.environ.get("RANK", "0")) == 0
     if is_main:
-        _say_what_trains(config, checked.backbone)
+        _say_what_trains(config, checked.backbone, checked.device_kind)
     _check_export_format(config, checked.backbone)
     take_stages(config.pipeline, checked.split, checked.recomputed)
     for key, value in checked.memory.items():  # chosen by the planner ("auto")
@@ -76,7 +76,7 @@ def _run_config(args):
     return config
 
 
-def _say_what_trains(config, backbone) -> None:
+def _say_what_trains(config, backbone, device_kind: str) -> None:
     """The optimizer's note, what fp8 compute computes in fp8, and which expert (or both) of a two-expert folder trains on which timesteps."""
     from ..build import timestep_range
     from ..train.optim import optimizer_note
@@ -87,7 +87,7 @@ def _say_what_trains(config, backbone) -> None:
     if config.train.fp8_compute is True and config.adapter.type == "none":
         from ..models.fp8_training import fp8_training_words
 
-        print(fp8_training_words(backbone.model), flush=True)
+        print(fp8_training_words(backbone.model, device_kind), flush=True)
     elif config.train.fp8_compute and config.adapter.type != "none":
         from ..models.storage import fp8_compute_words
 
