@@ -182,6 +182,11 @@ def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: s
     run_dir = Path(tempfile.mkdtemp())
     trainer = Trainer(config, single_process_topology("cuda"), run_dir)
     trainer.fit()
+    if rank is None and fp8_compute:  # a full fine-tune's: the layers wide enough for fp8 to pay (fp8_training.py)
+        from torchao.float8.float8_linear import Float8Linear
+
+        swapped = sum(isinstance(m, Float8Linear) for stage in trainer.modules for m in stage.modules())
+        print(f"{swapped} linear layers trained in fp8", flush=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     what = f"diffpipe {kind}, {base_dtype} base" if rank is not None else "diffpipe full fine-tune"
     what += {True: ", compiled blocks", "whole": ", compiled whole", False: ""}[compiled] + (", fp8 compute" if fp8_compute else "")
