@@ -5,16 +5,16 @@
 #   2: SDXL full fine-tune, batch 8, 1024^2: diffpipe with torchao's fp8 training, the stage compiled whole (as the
 #      plain loop compiles the UNet), and with compiled blocks (0.71x at batch 3 on an H100, forty-first session);
 #   2plain: the plain `torch.compile(unet)` loop of part 2 (the goal: >= 1.1x), then diffpipe in bf16 compiled whole;
-#      a call of its own on the same warm machine (compiling the whole UNet took between 200 and 280 s on an H100);
+#      a call of its own on the same warm machine (compiling the whole UNet: between 200 and 280 s on an H100);
 #   3: SDXL LoRA r16: the plain peft loop (eager) against diffpipe over an fp8 base computing in fp8, compiled (>= 1.2x);
 #   4: the Wan 14B-width 4-block slice, 81 frames 480x832, LoRA r16: plain eager and compiled, then diffpipe on cuDNN's
 #      attention, compiled, bf16 and fp8 compute (>= 1.2x);
 #   5: Flux.1-dev-size LoRA loss curves, 200 steps on the photos, bf16 against fp8 compute (bench/fp8_loss_curves.py);
 #   6: Flux Kontext on cuDNN's attention, a short probe (whether FluxKontextFamily can drop cudnn_attention = False).
-#   PARTS="2 3" OUT=runs/fp8 bash bench/fp8_gpu.sh
+#   PARTS="1 3" OUT=runs/fp8 bash bench/fp8_gpu.sh
 # Part 2 at batch 8 needs an H200 (planned 108 GiB uncheckpointed); on an 80 GB card run it at SDXL_BATCH=3 (67 GiB).
-# Part 2 takes about 8 minutes, 2plain about 9, 3 about 4, 4 about 8, 5 about 8 (one call each under the device's 10-minute limit). On the lent
-# device machine, install the carried wheels (diffusers, pydantic and its parts, tomli_w, torchao) first and put them
+# Each part's time limits add up to under the device's 10-minute call (2: 550 s, 2plain: 590 s, 4: 460 s, 5: 480 s), so
+# each takes a call of its own; 1, 3 (180 s) and 6 (100 s) fit one together. On the lent device machine, install the carried wheels (diffusers, pydantic and its parts, tomli_w, torchao) first and put them
 # on PYTHONPATH.
 set -u
 OUT=${OUT:-runs/fp8}

@@ -163,16 +163,17 @@ def plain_full_loop(steps: int, compiled: bool) -> None:
     del model, opt, run
 
 
-def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: str = "lora", compiled: bool | str = False,
-                 fp8_compute: bool = False) -> None:
-    """diffpipe, one stage, the same batch as one micro-batch (rank None: full fine-tune); `compiled`: its blocks
-    compiled; `fp8_compute`: an fp8 base computing in fp8."""
+def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: str = "lora",
+                 compiled: bool | str = False, fp8_compute: bool = False) -> None:
+    """diffpipe, one stage, the same batch as one micro-batch (rank None: full fine-tune); `compiled`: True, its
+    blocks compiled, "whole", the stage in one graph; `fp8_compute`: an fp8 base computing in fp8 (a full
+    fine-tune: its wide enough linear layers training in fp8)."""
     torch.cuda.reset_peak_memory_stats()
     sets = ["pipeline.stages=1", "pipeline.microbatches=1", f"train.batch_size={BATCH}", f"train.max_steps={steps}",
             "observe.every=1000", "observe.timeline_step=0", "observe.log_every=0", "output.save_weights=false",
             "output.sample_every_end=false", "checkpoint.every=0", "train.learning_rate=1e-4",
             'pipeline.checkpointing="none"', 'train.device="cuda"', f"train.fp8_compute={str(fp8_compute).lower()}"]
-    if compiled:  # True: the repeated blocks; "whole": the stage in one graph, as torch.compile(unet)
+    if compiled:  # "whole" as torch.compile(unet) compiles the model
         sets.append("pipeline.compile=true" if compiled == "whole" else 'pipeline.compile="blocks"')
     if rank is not None:
         base_dtype = "fp8" if fp8_compute else base_dtype
@@ -189,7 +190,8 @@ def diffpipe_run(rank: int | None, steps: int, base_dtype: str = "fp32", kind: s
         print(f"{swapped} linear layers trained in fp8", flush=True)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     what = f"diffpipe {kind}, {base_dtype} base" if rank is not None else "diffpipe full fine-tune"
-    what += {True: ", compiled blocks", "whole": ", compiled whole", False: ""}[compiled] + (", fp8 compute" if fp8_compute else "")
+    what += {True: ", compiled blocks", "whole": ", compiled whole", False: ""}[compiled]
+    what += ", fp8 compute" if fp8_compute else ""
     _report(what, rank, [r["step_time_s"] for r in rows])
     del trainer
 

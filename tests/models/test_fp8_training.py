@@ -121,7 +121,7 @@ def test_a_swapped_layer_takes_a_row_count_that_is_not_a_multiple_of_16():
             out = swapped(x)
         out.float().square().sum().backward()
         error = (swapped[0].weight.grad - exact.weight.grad).norm() / exact.weight.grad.norm()
-        assert error < 0.1, error.item()
+        assert 0.01 < error < 0.08, error.item()  # fp8's rounding of both operands, as above
 
 
 def test_the_config_takes_fp8_compute_on_a_full_fine_tune_but_not_across_sharded_replicas():
