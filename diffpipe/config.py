@@ -359,7 +359,9 @@ class PipelineConfig(_Section):
         False, description=(
             "torch.compile: true compiles each stage whole (one graph per stage and input shape); \"blocks\" "
             "compiles only the model's repeated blocks (diffusers' _repeated_blocks, e.g. each transformer block), "
-            "which compiles about 10x faster; the first steps of each shape are slow while it compiles."))
+            "which compiles about 10x faster; the first steps of each shape are slow while it compiles. A UNet's "
+            "repeated blocks are its transformer blocks only, its resnets stay eager: for a UNet true runs faster "
+            "(an SDXL full fine-tune on an H100: 1.49x \"blocks\", at torch.compile(unet)'s speed)."))
 
 
 class PlanConfig(_Section):

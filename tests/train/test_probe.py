@@ -100,12 +100,12 @@ def test_a_lora_runs_stages_are_probed_on_the_cpu(capsys):
 
 @pytest.mark.parametrize("config, refused, off", [(FLUX, True, True), (FLUX, False, False), (DIGITS, False, False),
                                                    (EXAMPLES / "chroma_tiny.toml", False, False),
-                                                   (EXAMPLES / "flux_kontext_tiny.toml", False, True)])
+                                                   (EXAMPLES / "flux_kontext_tiny.toml", False, False)])
 def test_families_whose_backward_fails_in_cudnn_attention_turn_it_off_on_cuda(config, refused, off, monkeypatch):
     """Flux's backward once met an illegal memory access in cuDNN attention on an H200 (the probe did not turn it
     off while the trainer did); every stage built on CUDA turns it off for a family that sets `cudnn_attention`
-    False. Flux and Chroma no longer do (their units hand the attention a contiguous gradient: flux.py `_Block`);
-    Kontext does until it is seen training on cuDNN's kernels."""
+    False. Flux, Chroma and Kontext no longer do (their units hand the attention a contiguous gradient: flux.py
+    `_Block`; each seen training on cuDNN's kernels on a GPU)."""
     if refused:
         monkeypatch.setattr(FluxFamily, "cudnn_attention", False)
     backbone = build_backbone(load_config(config), "meta")

@@ -60,9 +60,6 @@ class FluxKontextFamily(FluxFamily):
 
     name = "flux_kontext"
     reads_control = True
-    # Flux's units (their contiguous gradient included), but not yet seen training on cuDNN's attention kernels on a
-    # GPU (the one probe, an H200 of 2026-12-06, was cut by its time limit before its first step): flash attention
-    cudnn_attention = False
     pipelines = ("FluxKontextPipeline",)
 
     def diffusers_lora_pipeline(self, cfg):
