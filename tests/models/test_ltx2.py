@@ -209,6 +209,26 @@ def test_a_clip_at_another_frame_rate_is_read_at_24_frames_a_second(tiny_video):
     torch.testing.assert_close(read, with_audio(read[:, :17], read_audio(item.path, 17 / 24, 16000)), rtol=0, atol=0)
 
 
+def test_a_clip_whose_container_states_no_frame_rate_is_skipped_with_the_reason(tiny_video, monkeypatch):
+    """A container stating no rate (PyAV's average and guessed rates both None: no file PyAV writes does that, so
+    the reader is told 0.0, what it returns then) once failed with a TypeError from `float(None)`, or would divide
+    by zero; the clip is now skipped, saying why and what to do."""
+    from diffpipe.data.buckets import Bucket
+    from diffpipe.data.folder import ImageItem, Skipped
+    from diffpipe.data.preparation import _placed
+    from diffpipe.models.families.ltx2 import codec as codec_module
+
+    codec = AudioVideoCodec.from_folder(tiny_video / "ltx2")
+    clip = tiny_video / "av_clips" / "slow_red_disc.mp4"
+    assert codec_module.frame_rate(clip) == 8.0
+    monkeypatch.setattr(codec_module, "frame_rate", lambda path: 0.0)
+    skipped = Skipped()
+    placed = _placed([ImageItem(clip, "", 64, 48, frames=8)], [Bucket(64, 48)], skipped, codec, [1, 17])
+    assert placed.items == []
+    ((path, reason),) = skipped.files
+    assert path == clip and "states no frame rate" in reason and "ffmpeg -i IN -r 24" in reason
+
+
 def test_a_lora_loads_into_ltx2_pipeline_and_comfyui_with_the_trained_output(tiny_video, tmp_path):
     from diffusers import LTX2Pipeline
 

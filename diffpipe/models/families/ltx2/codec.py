@@ -99,20 +99,25 @@ def read_audio(path: Path, seconds: float, rate: int, channels: int = 2) -> torc
 
 
 def frame_rate(path: Path) -> float:
-    """Frames a second of the file's first video stream, as its container states it."""
+    """Frames a second of the file's first video stream, as its container states it; 0.0 where it states none."""
     import av
 
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
-            return float(stream.average_rate or stream.guessed_rate)
+            return float(stream.average_rate or stream.guessed_rate or 0.0)
     except (av.FFmpegError, OSError, ValueError, IndexError) as exc:
         raise BadImage(f"not a readable video ({type(exc).__name__})") from None
 
 
 def _rate_of(item) -> float:
-    """A clip's frames a second: as the folder scan read it with its frames, else from the file's container."""
-    return item.frame_rate or frame_rate(item.path)
+    """A clip's frames a second: as the folder scan read it with its frames, else from the file's container;
+    `BadImage` where neither states one (its frames could not be placed in time beside its sound)."""
+    rate = item.frame_rate or frame_rate(item.path)
+    if rate <= 0:
+        raise BadImage("its container states no frame rate, which LTX-2 needs to place its frames beside its "
+                       "sound; re-encode it with one (ffmpeg -i IN -r 24 OUT.mp4)")
+    return rate
 
 
 def _is_24(rate: float) -> bool:
