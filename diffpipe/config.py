@@ -92,7 +92,7 @@ class DataConfig(_Section):
             "families), synthetic (random latents), or folder (your images with captions, through the VAE of "
             "model.path's pipeline folder)."))
     path: str | list[str] | None = Field(None, description=(
-        "data.dataset = folder: folder(s) of jpg/png/webp images, captions in same-named .txt files or a "
+        "data.dataset = folder: folder(s) of jpg/png/webp/bmp/tiff/avif images, captions in same-named .txt files or a "
         "metadata.jsonl (file_name, text); subfolders included."))
     repeats: int | list[int] = Field(1, description=(
         "Times each folder's images appear per epoch (one number, or one per folder in data.path)."))
@@ -125,13 +125,14 @@ class DataConfig(_Section):
         "The loss weight of each regularisation image's sample (kohya's prior_loss_weight); training images weigh 1."))
     mask_path: str | None = Field(None, description=(
         "data.dataset = folder: a folder of loss masks, one per picture under the same path relative to its "
-        "data.path folder and the same name (any of jpg/png/webp), the picture's size; white trains, black is left "
-        "out, grey weighs in between (kohya's masked loss). Images only, not clips; the eval loss is unmasked."))
+        "data.path folder and the same name (any of jpg/png/webp/bmp/tiff/avif), the picture's size; white "
+        "trains, black is left out, grey weighs in between (kohya's masked loss). Images only, not clips; the eval "
+        "loss is unmasked."))
     control_path: str | None = Field(None, description=(
         "data.dataset = folder, an edit model (model.architecture = flux_kontext or qwen_image_edit): a folder of "
         "control images, one per picture under the same path relative to its data.path (or data.eval_path, "
-        "data.regularisation_path) folder and the same name (any of jpg/png/webp), as diffusion-pipe and "
-        "musubi-tuner lay them out: what the picture is made from (an edit's source). Each is placed in its "
+        "data.regularisation_path) folder and the same name (any of jpg/png/webp/bmp/tiff/avif), as "
+        "diffusion-pipe and musubi-tuner lay them out: what the picture is made from (an edit's source). Each is placed in its "
         "picture's bucket, encoded by the VAE and cached; the model reads it beside the noisy picture. Images only, "
         "not clips."))
     eval_path: str | list[str] | None = Field(None, description=(

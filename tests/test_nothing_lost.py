@@ -184,5 +184,7 @@ def test_an_empty_or_unusable_data_folder_is_named_before_anything_loads_or_is_w
         assert main(["train", str(EXAMPLES / "photos.toml"), "--output-dir", str(run), "--set",
                      f'model.path="{tiny / "sdxl"}"', "--set", f'data.path="{folder}"']) == 2
         err = capsys.readouterr().err
-        assert f"data.path: no usable images (.jpg, .jpeg, .png, .webp) in {folder}" in err and why in err
+        listed = ".jpg, .jpeg, .jfif, .png, .webp, .bmp, .tif, .tiff, .avif"
+        assert f"data.path: no usable images ({listed}) in {folder}" in err
+        assert why in err
         assert not run.exists()

@@ -2,10 +2,11 @@
 
 A caption comes from `metadata.jsonl` (one JSON object per line with `file_name` and `text` or `caption`) when the
 folder has one, else from a same-named `.txt` beside the image (`cat.jpg` and `cat.txt`); an image without either
-gets the empty caption; a caption file that is not UTF-8 is refused, naming it. jpg, png and webp; EXIF orientation
-applied; grey, palette, RGBA (on white), CMYK and 16-bit images converted to 8-bit RGB. Files that cannot be used
-(zero bytes, not an image, truncated, too small) are skipped and reported by `Skipped`, never trained on and never
-a crash mid-run. For video families the folders' videos are listed too (data/videos.py).
+gets the empty caption; a caption file that is not UTF-8 is refused, naming it. jpg, png, webp, bmp, tiff and avif
+(`IMAGE_SUFFIXES`); EXIF orientation applied; grey, palette, RGBA (on white), CMYK and 16-bit images converted to
+8-bit RGB. Files that cannot be used (zero bytes, not an image, truncated, too small, a picture or clip of a kind
+not read: gif, heic, ...) are skipped and reported by `Skipped`, never trained on, never silently left out and
+never a crash mid-run. For video families the folders' videos are listed too (data/videos.py).
 """
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ from ..errors import BadImage, DataError
 __all__ = ["ImageItem", "Skipped", "scan_folders", "read_rgb", "BadImage", "IMAGE_SUFFIXES", "uncaptioned_note",
            "probe_image", "files_beside"]
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".jfif", ".png", ".webp", ".bmp", ".tif", ".tiff", ".avif")
+# pictures and clips a folder may hold that are not read: each is reported as skipped, not silently left out
+_NOT_READ = (".gif", ".apng", ".heic", ".heif", ".jxl", ".jp2", ".psd", ".tga", ".exr", ".hdr", ".dds", ".ico",
+             ".qoi", ".ppm", ".pgm", ".pbm", ".svg", ".raw", ".dng", ".cr2", ".nef", ".arw")
 
 
 @dataclass(frozen=True)
@@ -115,12 +119,17 @@ def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skippe
     from .videos import VIDEO_SUFFIXES, probe_video
 
     probes = dict.fromkeys(IMAGE_SUFFIXES, probe_image) | (dict.fromkeys(VIDEO_SUFFIXES, probe_video) if videos else {})
+    not_read = set(_NOT_READ) | (set() if videos else set(VIDEO_SUFFIXES))
+    listed = probes.keys() | not_read
     items, usable = [], 0
     for folder, repeats in folders:
         if not folder.is_dir():
             raise FileNotFoundError(f"data.path: {folder} is not a folder")
         metadata = _metadata_captions(folder)
-        for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in probes and p.is_file()):
+        for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in listed and p.is_file()):
+            if path.suffix.lower() in not_read:
+                skipped.add(path, _not_read_reason(path.suffix.lower(), videos))
+                continue
             try:
                 if path.stat().st_size == 0:
                     raise BadImage("empty file (0 bytes)")
@@ -138,6 +147,15 @@ def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skippe
     return items
 
 
+def _not_read_reason(suffix: str, videos: bool) -> str:
+    from .videos import VIDEO_SUFFIXES
+
+    if suffix in VIDEO_SUFFIXES:
+        return "a video, and this model trains still images"
+    read = " ".join(IMAGE_SUFFIXES + (VIDEO_SUFFIXES if videos else ()))
+    return f"{suffix} files are not read (read: {read}); convert it to .png or .jpg"
+
+
 def files_beside(items: list[ImageItem], folders: list[Path], root: Path, setting: str, what: str) -> list[Path]:
     """Each item's file in `root` (data.mask_path, data.control_path): under the item's path relative to the one of
     `folders` holding it, with the same name and any image suffix. A missing one stops the run before it starts,
@@ -150,8 +168,8 @@ def files_beside(items: list[ImageItem], folders: list[Path], root: Path, settin
         stem = picture.relative_to(folder).with_suffix("")
         beside = [root / f"{stem}{suffix}" for suffix in IMAGE_SUFFIXES if (root / f"{stem}{suffix}").is_file()]
         if not beside:
-            raise DataError(f"{setting}: {item.path} has no {what} in {root} (looked for {stem}.png, .jpg, .jpeg or "
-                            f".webp there); add one for every picture, or unset {setting}")
+            raise DataError(f"{setting}: {item.path} has no {what} in {root} (looked for {stem} with any of "
+                            f"{' '.join(IMAGE_SUFFIXES)} there); add one for every picture, or unset {setting}")
         found.append(beside[0])
     return found
 

@@ -324,13 +324,13 @@ def source_of(config: RunConfig) -> DataSource:
 def _check_usable_files(data, videos: bool) -> None:
     """data.path holds a file to train on (read up to the first usable one: headers only): an empty or unusable
     folder is named before any model loads or the run folder is written, not after the text encoders ran."""
-    from .folder import Skipped, scan_folders
+    from .folder import IMAGE_SUFFIXES, Skipped, scan_folders
     from .images import data_buckets, data_folders, smallest_side
 
     skipped = Skipped(kind="image or video" if videos else "image")
     if scan_folders(data_folders(data), smallest_side(data_buckets(data)), skipped, videos, first=1):
         return
-    what = "images or videos" if videos else "images (.jpg, .jpeg, .png, .webp)"
+    what = "images or videos" if videos else f"images ({', '.join(IMAGE_SUFFIXES)})"
     folders = ", ".join(str(f) for f, _ in data_folders(data))
     why = f"; {skipped.warning().removeprefix('warning: ')}" if skipped.files else ""
     raise DataError(f"data.path: no usable {what} in {folders}{why}")

@@ -66,6 +66,30 @@ def test_every_kind_of_bad_file_is_skipped_counted_and_named(tmp_path):
     assert read_rgb(tmp_path / "whole.jpg").size == (200, 160)
 
 
+def test_bmp_tiff_and_avif_are_read_and_pictures_of_kinds_not_read_are_reported_not_left_out(tmp_path):
+    """A folder of .bmp or .tif scans, or .avif, trained on nothing and said nothing: only jpg/png/webp were
+    listed. Now those are read as their pixels, and a .gif, .heic or (for an image model) a clip is skipped, naming
+    why, in the warning a run prints, rather than silently left out."""
+    expected = {}
+    for name in ("scan.bmp", "scan.tif", "photo.avif", "old.jfif"):
+        _photo(tmp_path / name, **({"quality": 100} if name.endswith(".avif") else {}))
+        expected[name] = np.asarray(Image.open(tmp_path / name).convert("RGB"))
+    Image.new("P", (64, 64)).save(tmp_path / "anim.gif")
+    (tmp_path / "phone.heic").write_bytes(b"\0" * 64)
+    (tmp_path / "clip.mp4").write_bytes(b"\0" * 64)
+    (tmp_path / "readme.md").write_text("not a picture: not listed")
+    skipped = Skipped()
+    items = scan_folders([(tmp_path, 1)], min_side=32, skipped=skipped)
+    assert sorted(i.path.name for i in items) == sorted(expected)
+    for item in items:
+        assert np.array_equal(np.asarray(read_rgb(item.path)), expected[item.path.name])
+    reasons = {p.name: why for p, why in skipped.files}
+    assert set(reasons) == {"anim.gif", "phone.heic", "clip.mp4"}
+    assert ".gif files are not read" in reasons["anim.gif"] and "convert it to .png" in reasons["anim.gif"]
+    assert reasons["clip.mp4"] == "a video, and this model trains still images"
+    assert "skipped 3 image file(s)" in skipped.warning()
+
+
 def test_exif_orientation_and_every_mode_become_upright_8_bit_rgb(tmp_path):
     base = Image.new("RGB", (60, 30), (255, 0, 0))
     base.paste((0, 0, 255), (0, 0, 10, 30))  # a blue stripe on the left
