@@ -188,6 +188,9 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     if image.mode in ("I;16", "I;16B", "I;16L", "I"):  # 16-bit grey: scale to 8 bits, not clip
         pixels = np.asarray(image, dtype=np.float64)
         image = Image.fromarray((pixels / max(pixels.max(), 1) * 255 if pixels.max() > 255 else pixels).astype(np.uint8))
+    if image.mode == "F":  # float grey (a TIFF): 0..1 as 0..255, a larger range scaled by its largest value
+        pixels = np.clip(np.nan_to_num(np.asarray(image, dtype=np.float64)), 0, None)
+        image = Image.fromarray((pixels / max(pixels.max(), 1.0) * 255).round().astype(np.uint8))
     if image.mode == "P":
         image = image.convert("RGBA")
     if image.mode in ("RGBA", "LA"):

@@ -111,7 +111,10 @@ def test_exif_orientation_and_every_mode_become_upright_8_bit_rgb(tmp_path):
     assert red[0] > 200 and red[1] < 60
     Image.fromarray(np.full((20, 20), 65535, dtype=np.uint16)).save(tmp_path / "deep.png")
     assert read_rgb(tmp_path / "deep.png").getpixel((3, 3)) == (255, 255, 255)  # 16-bit white stays white
-    for name in ("clear.png", "grey.png", "print.jpg", "deep.png"):
+    Image.fromarray(np.linspace(0, 1, 400, dtype=np.float32).reshape(20, 20)).save(tmp_path / "float.tif")
+    ramp = np.asarray(read_rgb(tmp_path / "float.tif"))  # float grey 0..1 (was all black: cast, not scaled)
+    assert ramp[0, 0].tolist() == [0, 0, 0] and ramp[-1, -1].tolist() == [255, 255, 255] and 120 < ramp.mean() < 135
+    for name in ("clear.png", "grey.png", "print.jpg", "deep.png", "float.tif"):
         assert read_rgb(tmp_path / name).mode == "RGB"
 
 
