@@ -10,7 +10,9 @@ never a crash mid-run. For video families the folders' videos are listed too (da
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,10 +107,27 @@ def probe_image(path: Path) -> tuple[int, int, int, float]:
     """(width, height, 0, 0.0) of an image as seen (EXIF orientation applied), from its header (the frames and frame
     rate of a still image, as `probe_video` gives a video's); `BadImage` when unreadable."""
     try:
-        with Image.open(path) as image:
+        with _large_allowed(), Image.open(path) as image:
             return (*_oriented_size(image), 0, 0.0)
+    except Image.DecompressionBombError:
+        raise BadImage(_too_large()) from None
     except (UnidentifiedImageError, OSError) as exc:
         raise BadImage(f"not a readable image ({type(exc).__name__})") from None
+
+
+@contextlib.contextmanager
+def _large_allowed():
+    """Pillow's warning for images between its two size limits (89 and 179 M pixels) silenced: such a photo is
+    read, and resized to its bucket like any other; past the upper limit Pillow refuses it (`_too_large`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        yield
+
+
+def _too_large() -> str:
+    limit = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS else 0
+    return (f"too large for Pillow to open (over its limit of {limit / 1e6:.0f} M pixels); downscale it, e.g. its "
+            "long side to 8192 pixels")
 
 
 def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skipped,
@@ -202,8 +221,10 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 def read_rgb(path: Path) -> Image.Image:
     """The image decoded in full, oriented by its EXIF tag, as 8-bit RGB; `BadImage` when it cannot be."""
     try:
-        with Image.open(path) as image:
+        with _large_allowed(), Image.open(path) as image:
             image.load()  # decodes everything: a truncated file fails here
             return _to_rgb(ImageOps.exif_transpose(image))
+    except Image.DecompressionBombError:
+        raise BadImage(_too_large()) from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise BadImage(f"cannot be decoded ({exc})") from None

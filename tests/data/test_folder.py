@@ -90,6 +90,22 @@ def test_bmp_tiff_and_avif_are_read_and_pictures_of_kinds_not_read_are_reported_
     assert "skipped 3 image file(s)" in skipped.warning()
 
 
+def test_an_image_past_pillows_size_limit_is_skipped_naming_it_and_a_large_one_is_read(tmp_path, recwarn):
+    """A 15000 x 15000 scan stopped the folder's scan with Pillow's DecompressionBombError, a traceback; one of
+    100 M pixels (between Pillow's two limits) printed its warning and trains."""
+    Image.new("L", (15000, 15000), 128).save(tmp_path / "huge.png")
+    Image.new("L", (10000, 10000), 128).save(tmp_path / "large.png")
+    skipped = Skipped()
+    items = scan_folders([(tmp_path, 1)], min_side=32, skipped=skipped)
+    assert [i.path.name for i in items] == ["large.png"]
+    ((path, reason),) = skipped.files
+    assert path.name == "huge.png" and "too large for Pillow to open (over its limit of 179 M pixels)" in reason
+    assert read_rgb(tmp_path / "large.png").size == (10000, 10000)
+    with pytest.raises(BadImage, match="too large"):
+        read_rgb(tmp_path / "huge.png")
+    assert not [w for w in recwarn if issubclass(w.category, Image.DecompressionBombWarning)]
+
+
 def test_exif_orientation_and_every_mode_become_upright_8_bit_rgb(tmp_path):
     base = Image.new("RGB", (60, 30), (255, 0, 0))
     base.paste((0, 0, 255), (0, 0, 10, 30))  # a blue stripe on the left
