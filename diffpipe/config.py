@@ -92,8 +92,8 @@ class DataConfig(_Section):
             "families), synthetic (random latents), or folder (your images with captions, through the VAE of "
             "model.path's pipeline folder)."))
     path: str | list[str] | None = Field(None, description=(
-        "data.dataset = folder: folder(s) of jpg/png/webp/bmp/tiff/avif images, captions in same-named .txt files or a "
-        "metadata.jsonl (file_name, text); subfolders included."))
+        "data.dataset = folder: folder(s) of jpg/png/webp/bmp/tiff/avif images, captions in same-named .txt files "
+        "or a metadata.jsonl (file_name, text); subfolders included."))
     repeats: int | list[int] = Field(1, description=(
         "Times each folder's images appear per epoch (one number, or one per folder in data.path)."))
     resolution: int = Field(1024, ge=64, description=(
@@ -132,9 +132,9 @@ class DataConfig(_Section):
         "data.dataset = folder, an edit model (model.architecture = flux_kontext or qwen_image_edit): a folder of "
         "control images, one per picture under the same path relative to its data.path (or data.eval_path, "
         "data.regularisation_path) folder and the same name (any of jpg/png/webp/bmp/tiff/avif), as "
-        "diffusion-pipe and musubi-tuner lay them out: what the picture is made from (an edit's source). Each is placed in its "
-        "picture's bucket, encoded by the VAE and cached; the model reads it beside the noisy picture. Images only, "
-        "not clips."))
+        "diffusion-pipe and musubi-tuner lay them out: what the picture is made from (an edit's source). Each is "
+        "placed in its picture's bucket, encoded by the VAE and cached; the model reads it beside the noisy "
+        "picture. Images only, not clips."))
     eval_path: str | list[str] | None = Field(None, description=(
         "data.dataset = folder: folder(s) of images with captions for the eval loss instead of data.eval_fraction."))
     frame_buckets: list[int] = Field([1, 33], min_length=1, description=(
