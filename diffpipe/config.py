@@ -92,8 +92,8 @@ class DataConfig(_Section):
             "families), synthetic (random latents), or folder (your images with captions, through the VAE of "
             "model.path's pipeline folder)."))
     path: str | list[str] | None = Field(None, description=(
-        "data.dataset = folder: folder(s) of jpg/png/webp/bmp/tiff/avif images, captions in same-named .txt files "
-        "or a metadata.jsonl (file_name, text); subfolders included."))
+        "data.dataset = folder: folder(s) of jpg/png/webp/bmp/tiff/avif images, captions in same-named .txt (or "
+        "kohya's .caption) files or a metadata.jsonl (file_name, text); subfolders included."))
     repeats: int | list[int] = Field(1, description=(
         "Times each folder's images appear per epoch (one number, or one per folder in data.path)."))
     resolution: int = Field(1024, ge=64, description=(

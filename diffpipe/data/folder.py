@@ -1,8 +1,8 @@
 """Folders of images with captions, as kohya sd-scripts, diffusion-pipe and Hugging Face's imagefolder lay them out.
 
 A caption comes from `metadata.jsonl` (one JSON object per line with `file_name` and `text` or `caption`) when the
-folder has one, else from a same-named `.txt` beside the image (`cat.jpg` and `cat.txt`); an image without either
-gets the empty caption; a caption file that is not UTF-8 is refused, naming it. jpg, png, webp, bmp, tiff and avif
+folder has one, else from a same-named `.txt` beside the image (`cat.jpg` and `cat.txt`), or `.caption` (kohya's
+default); an image without any gets the empty caption; a caption file that is not UTF-8 is refused, naming it. jpg, png, webp, bmp, tiff and avif
 (`IMAGE_SUFFIXES`); EXIF orientation applied; grey, palette, RGBA (on white), CMYK and 16-bit images converted to
 8-bit RGB. Files that cannot be used (zero bytes, not an image, truncated, too small, a picture or clip of a kind
 not read: gif, heic, ...) are skipped and reported by `Skipped`, never trained on, never silently left out and
@@ -82,8 +82,11 @@ def _caption(image: Path, metadata: dict[str, str], folder: Path) -> str:
     relative = image.relative_to(folder).as_posix()
     if relative in metadata:
         return metadata[relative]
-    txt = image.with_suffix(".txt")
-    return _read_caption_file(txt).strip() if txt.is_file() else ""
+    for suffix in (".txt", ".caption"):  # .caption: kohya sd-scripts' default caption_extension
+        beside = image.with_suffix(suffix)
+        if beside.is_file():
+            return _read_caption_file(beside).strip()
+    return ""
 
 
 def _read_caption_file(path: Path) -> str:

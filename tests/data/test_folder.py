@@ -31,6 +31,11 @@ def test_captions_from_txt_files_and_from_metadata_jsonl(tmp_path):
     _photo(kohya / "cat.jpg")
     (kohya / "cat.txt").write_text("a cat on a mat\n")
     _photo(kohya / "dog.png")  # no caption: the empty one
+    _photo(kohya / "owl.jpg")
+    (kohya / "owl.caption").write_text("an owl at night")  # kohya's default caption_extension
+    _photo(kohya / "pig.jpg")
+    (kohya / "pig.caption").write_text("not this one")
+    (kohya / "pig.txt").write_text("a pig in mud")  # .txt first
     _photo(hf / "a.webp")
     _photo(hf / "b.jpg")
     (hf / "metadata.jsonl").write_text(json.dumps({"file_name": "a.webp", "text": "a red house"}) + "\n"
@@ -38,11 +43,12 @@ def test_captions_from_txt_files_and_from_metadata_jsonl(tmp_path):
     skipped = Skipped()
     items = scan_folders([(kohya, 1), (hf, 2)], min_side=16, skipped=skipped)
     captions = [(i.path.name, i.caption) for i in items]
-    assert captions == [("cat.jpg", "a cat on a mat"), ("dog.png", ""), ("a.webp", "a red house"),
-                        ("a.webp", "a red house"), ("b.jpg", "a blue boat"), ("b.jpg", "a blue boat")]  # repeats 2
+    assert captions == [("cat.jpg", "a cat on a mat"), ("dog.png", ""), ("owl.jpg", "an owl at night"),
+                        ("pig.jpg", "a pig in mud"), ("a.webp", "a red house"), ("a.webp", "a red house"),
+                        ("b.jpg", "a blue boat"), ("b.jpg", "a blue boat")]  # repeats 2
     assert len(skipped) == 0
     note = uncaptioned_note(items)  # dog.png: counted once, whatever its repeats
-    assert note.startswith("note: 1 of 4 file(s) have no caption (dog.png): trained with the empty caption")
+    assert note.startswith("note: 1 of 6 file(s) have no caption (dog.png): trained with the empty caption")
 
 
 def test_every_kind_of_bad_file_is_skipped_counted_and_named(tmp_path):
