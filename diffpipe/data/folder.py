@@ -2,11 +2,12 @@
 
 A caption comes from `metadata.jsonl` (one JSON object per line with `file_name` and `text` or `caption`) when the
 folder has one, else from a same-named `.txt` beside the image (`cat.jpg` and `cat.txt`), or `.caption` (kohya's
-default); an image without any gets the empty caption; a caption file that is not UTF-8 is refused, naming it. jpg, png, webp, bmp, tiff and avif
-(`IMAGE_SUFFIXES`); EXIF orientation applied; grey, palette, RGBA (on white), CMYK and 16-bit images converted to
-8-bit RGB. Files that cannot be used (zero bytes, not an image, truncated, too small, a picture or clip of a kind
-not read: gif, heic, ...) are skipped and reported by `Skipped`, never trained on, never silently left out and
-never a crash mid-run. For video families the folders' videos are listed too (data/videos.py).
+default); an image without any gets the empty caption; a caption file that is not UTF-8 is refused, naming it. jpg,
+png, webp, bmp, tiff and avif (`IMAGE_SUFFIXES`); EXIF orientation applied; grey, palette, RGBA (on white), CMYK,
+16-bit and float images converted to 8-bit RGB. Files that cannot be used (zero bytes, not an image, truncated, too
+small, past Pillow's size limit, a picture or clip of a kind not read: gif, heic, ...) are skipped and reported by
+`Skipped`, never trained on, never silently left out and never a crash mid-run. For video families the folders'
+videos are listed too (data/videos.py).
 """
 from __future__ import annotations
 
@@ -109,28 +110,25 @@ def _oriented_size(image: Image.Image) -> tuple[int, int]:
 def probe_image(path: Path) -> tuple[int, int, int, float]:
     """(width, height, 0, 0.0) of an image as seen (EXIF orientation applied), from its header (the frames and frame
     rate of a still image, as `probe_video` gives a video's); `BadImage` when unreadable."""
-    try:
-        with _large_allowed(), Image.open(path) as image:
-            return (*_oriented_size(image), 0, 0.0)
-    except Image.DecompressionBombError:
-        raise BadImage(_too_large()) from None
-    except (UnidentifiedImageError, OSError) as exc:
-        raise BadImage(f"not a readable image ({type(exc).__name__})") from None
+    with _pillow_size_limit():
+        try:
+            with Image.open(path) as image:
+                return (*_oriented_size(image), 0, 0.0)
+        except (UnidentifiedImageError, OSError) as exc:
+            raise BadImage(f"not a readable image ({type(exc).__name__})") from None
 
 
 @contextlib.contextmanager
-def _large_allowed():
+def _pillow_size_limit():
     """Pillow's warning for images between its two size limits (89 and 179 M pixels) silenced: such a photo is
-    read, and resized to its bucket like any other; past the upper limit Pillow refuses it (`_too_large`)."""
+    read, and resized to its bucket like any other; past the upper limit Pillow refuses it, a `BadImage` here."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        yield
-
-
-def _too_large() -> str:
-    limit = 2 * Image.MAX_IMAGE_PIXELS if Image.MAX_IMAGE_PIXELS else 0
-    return (f"too large for Pillow to open (over its limit of {limit / 1e6:.0f} M pixels); downscale it, e.g. its "
-            "long side to 8192 pixels")
+        try:
+            yield
+        except Image.DecompressionBombError:
+            raise BadImage(f"too large for Pillow to open (over its limit of {2 * Image.MAX_IMAGE_PIXELS / 1e6:.0f} "
+                           "M pixels); downscale it, e.g. its long side to 8192 pixels") from None
 
 
 def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skipped,
@@ -149,13 +147,14 @@ def scan_folders(folders: list[tuple[Path, int]], min_side: int, skipped: Skippe
             raise FileNotFoundError(f"data.path: {folder} is not a folder")
         metadata = _metadata_captions(folder)
         for path in sorted(p for p in folder.rglob("*") if p.suffix.lower() in listed and p.is_file()):
-            if path.suffix.lower() in not_read:
-                skipped.add(path, _not_read_reason(path.suffix.lower(), videos))
+            suffix = path.suffix.lower()
+            if suffix in not_read:
+                skipped.add(path, _not_read_reason(suffix, videos))
                 continue
             try:
                 if path.stat().st_size == 0:
                     raise BadImage("empty file (0 bytes)")
-                width, height, frames, rate = probes[path.suffix.lower()](path)
+                width, height, frames, rate = probes[suffix](path)
             except BadImage as exc:
                 skipped.add(path, str(exc))
                 continue
@@ -223,11 +222,10 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 def read_rgb(path: Path) -> Image.Image:
     """The image decoded in full, oriented by its EXIF tag, as 8-bit RGB; `BadImage` when it cannot be."""
-    try:
-        with _large_allowed(), Image.open(path) as image:
-            image.load()  # decodes everything: a truncated file fails here
-            return _to_rgb(ImageOps.exif_transpose(image))
-    except Image.DecompressionBombError:
-        raise BadImage(_too_large()) from None
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise BadImage(f"cannot be decoded ({exc})") from None
+    with _pillow_size_limit():
+        try:
+            with Image.open(path) as image:
+                image.load()  # decodes everything: a truncated file fails here
+                return _to_rgb(ImageOps.exif_transpose(image))
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
+            raise BadImage(f"cannot be decoded ({exc})") from None
