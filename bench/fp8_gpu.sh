@@ -11,12 +11,13 @@
 #   3: SDXL LoRA r16: the plain peft loop (eager) against diffpipe over an fp8 base computing in fp8, compiled (>= 1.2x);
 #   4: the Wan 14B-width 4-block slice, 81 frames 480x832, LoRA r16: plain eager and compiled, then diffpipe on cuDNN's
 #      attention, compiled, bf16 and fp8 compute (>= 1.2x);
-#   5: Flux.1-dev-size LoRA loss curves, 200 steps on the photos, bf16 against fp8 compute (bench/fp8_loss_curves.py);
+#   5: Flux.1-dev-size LoRA loss curves, 200 steps on the photos, bf16 against fp8 compute, the two runs at once
+#      (bench/fp8_loss_curves.py; in the forty-third session both in turn ran past 330 s);
 #   6: Flux Kontext on cuDNN's attention, a short probe (whether FluxKontextFamily can drop cudnn_attention = False).
 #   PARTS="1 3" OUT=runs/fp8 bash bench/fp8_gpu.sh
 # Part 2 at batch 8 needs an H200 (planned 108 GiB uncheckpointed); on an 80 GB card run it at SDXL_BATCH=3 (67 GiB).
 # Each part's time limits add up to under the device's 10-minute call (2: 550 s, 2plain: 300 s, 2bf16: 400 s, 4: 460 s,
-# 5: 480 s); 2plain with 3 (180 s) fits a call, 2bf16 with 6 (100 s), and 1, 3 and 6 together. On the lent device
+# 5: 580 s); 2plain with 3 (180 s) fits a call, 2bf16 with 6 (100 s), and 1, 3 and 6 together. On the lent device
 # machine, install the carried wheels (diffusers, pydantic and its parts, tomli_w, torchao) first and put them on
 # PYTHONPATH.
 set -u
@@ -27,9 +28,9 @@ PARTS=${PARTS:-"1 2 3"}
 run() {  # part, seconds, command...
     local part=$1 limit=$2
     shift 2
-    echo "== $*" >> "$OUT/$part.txt"
+    echo "== $(date +%T) $*" >> "$OUT/$part.txt"
     timeout "$limit" "$@" >> "$OUT/$part.txt" 2>&1
-    echo "rc $?" >> "$OUT/$part.txt"
+    echo "rc $? $(date +%T)" >> "$OUT/$part.txt"
     grep -E '^\{|^rc |Error' "$OUT/$part.txt" | tail -2
 }
 B="import sys; sys.path.insert(0, 'bench'); import lora_sdxl as b"  # timeout runs programs, not functions
@@ -53,8 +54,8 @@ if has 4; then
 fi
 if has 5; then
     run curves 150 python3 bench/write_flux_folder.py --out /tmp/flux_dev --double 19 --single 38 --t5-layers 2 --photos
-    run curves 330 python3 bench/fp8_loss_curves.py --model /tmp/flux_dev --steps 200 --resolution 512 \
-        --out "$OUT/curves.json"
+    run curves 430 python3 bench/fp8_loss_curves.py --model /tmp/flux_dev --steps 200 --resolution 512 \
+        --out "$OUT/curves.json" --runs "$OUT/curves_runs"
 fi
 if has 6; then
     run kontext 100 python3 bench/flux_slice.py --double 2 --single 4 --batch 1 --steps 4 --lora 16 --base-dtype bf16 \
