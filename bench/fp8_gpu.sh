@@ -9,14 +9,15 @@
 #   2bf16: diffpipe in bf16, the stage compiled whole: what part 2's fp8 layers give (not yet measured: in the
 #      forty-second session the plain loop's process printed its figure, then did not exit before its limit);
 #   3: SDXL LoRA r16: the plain peft loop (eager) against diffpipe over an fp8 base computing in fp8, compiled (>= 1.2x);
-#   4: the Wan 14B-width 4-block slice, 81 frames 480x832, LoRA r16: plain eager and compiled, then diffpipe on cuDNN's
-#      attention, compiled, bf16 and fp8 compute (>= 1.2x);
+#   4: the Wan 14B-width 4-block slice, 81 frames 480x832, LoRA r16: the plain loop compiled on cuDNN's attention and on
+#      flash, then diffpipe on cuDNN's attention, compiled, bf16 and fp8 compute (>= 1.2x; an H100 in the forty-third
+#      session: 94.03 plain cuDNN, 101.27 diffpipe fp8, 1.08x);
 #   5: Flux.1-dev-size LoRA loss curves, 200 steps on the photos, bf16 against fp8 compute, the two runs at once
 #      (bench/fp8_loss_curves.py; in the forty-third session both in turn ran past 330 s);
 #   6: Flux Kontext on cuDNN's attention, a short probe (whether FluxKontextFamily can drop cudnn_attention = False).
 #   PARTS="1 3" OUT=runs/fp8 bash bench/fp8_gpu.sh
 # Part 2 at batch 8 needs an H200 (planned 108 GiB uncheckpointed); on an 80 GB card run it at SDXL_BATCH=3 (67 GiB).
-# Each part's time limits add up to under the device's 10-minute call (2: 550 s, 2plain: 300 s, 2bf16: 400 s, 4: 460 s,
+# Each part's time limits add up to under the device's 10-minute call (2: 550 s, 2plain: 300 s, 2bf16: 400 s, 4: 480 s,
 # 5: 580 s); 2plain with 3 (180 s) fits a call, 2bf16 with 6 (100 s), and 1, 3 and 6 together. On the lent device
 # machine, install the carried wheels (diffusers, pydantic and its parts, tomli_w, torchao) first and put them on
 # PYTHONPATH.
@@ -48,7 +49,7 @@ if has 3; then
 fi
 if has 4; then
     W="bench/wan_slice.py --blocks 4 --frames 21 --lora 16 --base-dtype bf16 --steps 8"
-    run wan 110 python3 $W --attention flash --only plain
+    run wan 130 python3 $W --attention cudnn --only plain --compile  # the baseline: torch's own attention choice
     run wan 130 python3 $W --attention flash --only plain --compile
     run wan 220 python3 $W --attention cudnn --only diffpipe --compile --fp8-compute both
 fi
