@@ -177,13 +177,13 @@ class PipelineObserver:
             for r in ranks:
                 for key in ("compute_s", "comm_s", "bubble_s", "peak_gib") + (("all_to_all_s",) if split else ()):
                     self.writer.add_scalar(f"stage{r['pp_rank']}/{key}", r[key], step)
-        return self._judge(step, ranks)
+        return self._judge(step, ranks, record.get("bucket"))  # image folders name the step's bucket
 
-    def _judge(self, step: int, ranks: list[dict]) -> str:
+    def _judge(self, step: int, ranks: list[dict], shape: str | None) -> str:
         alerts = []
         for r in ranks:
             alerts += self.monitor.observe(r["pp_rank"], r["rank"], {"step latency": r["compute_s"],
-                                                                      "communication latency": r["comm_s"]})
+                                                                      "communication latency": r["comm_s"]}, shape)
         for alert in alerts:
             print(f"warning: {alert.message(step)}; action: {self.config.observe.on_anomaly}", flush=True)
         for warning in memory_pressure_warnings(step, ranks):  # a cause to fix, not a slowdown to act on

@@ -1,4 +1,5 @@
-"""The pipeline monitor fires on one stage's slowdown, and not on a steady (noisy) run; memory pressure is named."""
+"""The pipeline monitor fires on one stage's slowdown, and not on a steady (noisy) run, a new bucket's first
+(compiling) step or a larger bucket; memory pressure is named."""
 from __future__ import annotations
 
 import random
@@ -7,12 +8,13 @@ from diffpipe.observe.monitor import PipelineMonitor
 from diffpipe.observe.observer import memory_pressure_warnings
 
 
-def _steady(monitor: PipelineMonitor, steps: int, rng: random.Random) -> list:
+def _steady(monitor: PipelineMonitor, steps: int, rng: random.Random, shape: str | None = None,
+            step_s: float = 0.2) -> list:
     alerts = []
     for _ in range(steps):
         for stage in (0, 1):
-            alerts += monitor.observe(stage, stage, {"step latency": 0.2 * rng.uniform(0.85, 1.15),
-                                                     "communication latency": 0.01 * rng.uniform(0.5, 1.5)})
+            alerts += monitor.observe(stage, stage, {"step latency": step_s * rng.uniform(0.85, 1.15),
+                                                     "communication latency": 0.01 * rng.uniform(0.5, 1.5)}, shape)
     return alerts
 
 
@@ -27,6 +29,22 @@ def test_slowdown_of_one_stage_is_named():
     assert [(a.stage, a.metric) for a in alerts] == [(1, "step latency")]
     assert alerts[0].message(31).startswith("step 31: stage 1 (rank 1) step latency 600.0 ms is 2.9x its rolling mean")
     assert monitor.observe(0, 0, {"step latency": 0.2, "communication latency": 0.01}) == []
+
+
+def test_a_new_buckets_compiling_step_and_a_larger_bucket_raise_nothing_and_a_slowed_bucket_is_named():
+    """As the forty-third session's Flux runs saw it: steps of 0.25 s on one bucket, then a new bucket's first step
+    compiling for 35 s (then judged 6.6x the rolling mean: with on_anomaly = "stop" the run would have ended)."""
+    monitor, rng = PipelineMonitor(factor=2.5), random.Random(2)
+    assert _steady(monitor, 12, rng, "512x512") == []
+    compiling = {"step latency": 35.0, "communication latency": 0.01}
+    for stage in (0, 1):  # the new shape's first step: not judged, and not the baseline of the next
+        assert monitor.observe(stage, stage, compiling, "1024x1024") == []
+    assert _steady(monitor, 12, rng, "1024x1024", step_s=0.8) == []  # 4x the pixels, 4x the time: not a slowdown
+    assert _steady(monitor, 5, rng, "512x512") == []  # back: judged against its own steps, not the larger ones
+    alerts = monitor.observe(1, 1, {"step latency": 0.8 * 3.0, "communication latency": 0.01}, "1024x1024")
+    assert [(a.stage, a.metric) for a in alerts] == [(1, "step latency")]
+    assert alerts[0].message(40).endswith("(bucket 1024x1024)")
+    assert monitor.observe(1, 1, {"step latency": 0.8 * 3.0, "communication latency": 0.01}, "512x512") != []
 
 
 def test_tiny_figures_never_alert():

@@ -79,6 +79,8 @@ def _worker(cases: list[tuple[str, int]], out_dir: str) -> None:
     for step in range(12):
         module.units[0].slowdown = 10.0 if step == 11 and topo.pp_rank == 1 else 1.0
         actions.append(observer.after_step(step, {}, runner.step(x, {}, target)[1]))
+    module.units[0].slowdown = 10.0 if topo.pp_rank == 1 else 1.0  # a new bucket's first step: it compiles
+    actions.append(observer.after_step(12, {"bucket": "64x64"}, runner.step(x, {}, target)[1]))
     results["actions"] = actions
     torch.save(results, os.path.join(out_dir, f"rank{topo.rank}.pt"))
 
@@ -111,3 +113,4 @@ def test_monitor_fires_on_a_slowed_stage_only(tmp_path):
         actions = torch.load(tmp_path / f"rank{rank}.pt")["actions"]
         assert actions[:11] == ["continue"] * 11  # steady: silent (the first step included)
         assert actions[11] == "warn"  # every rank gets the decision
+        assert actions[12] == "continue"  # a new bucket's first step, as slow, is its own shape's first
