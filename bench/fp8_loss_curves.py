@@ -30,7 +30,7 @@ RUNS = {"bf16": ['memory.base_dtype="bf16"', "train.fp8_compute=false"],
 
 
 def start(model: Path, data: Path, sets: list[str], steps: int, resolution: int, run: Path) -> subprocess.Popen:
-    """Start one training run in `run`, its output going to run/log.txt as it comes."""
+    """Start one training run in `run`, its output going to `run`.log beside it as it comes."""
     sets = [f'model.path="{model}"', f'data.path="{data}"', f"data.resolution={resolution}",
             f"train.max_steps={steps}", 'pipeline.compile="blocks"', "memory.block_swap=0",
             'pipeline.checkpointing="none"', "plan.memory_gib=1000", "output.sample_every_end=false",
@@ -39,9 +39,9 @@ def start(model: Path, data: Path, sets: list[str], steps: int, resolution: int,
     command = [sys.executable, "-m", "diffpipe", "train", str(RECIPE), "--output-dir", str(run), "--overwrite",
                *(x for s in sets for x in ("--set", s))]
     run.parent.mkdir(parents=True, exist_ok=True)
-    log = open(run.parent / f"{run.name}.log", "w")  # beside the run: --overwrite empties the run folder
-    print(" ".join(command), file=log, flush=True)
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    with open(run.parent / f"{run.name}.log", "w") as log:  # beside the run: --overwrite empties the run folder
+        print(" ".join(command), file=log, flush=True)
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)  # the run keeps its own handle
 
 
 def losses(running: subprocess.Popen, run: Path) -> list[float]:

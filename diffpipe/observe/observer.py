@@ -177,7 +177,7 @@ class PipelineObserver:
             for r in ranks:
                 for key in ("compute_s", "comm_s", "bubble_s", "peak_gib") + (("all_to_all_s",) if split else ()):
                     self.writer.add_scalar(f"stage{r['pp_rank']}/{key}", r[key], step)
-        return self._judge(step, ranks, record.get("bucket"))  # image folders name the step's bucket
+        return self._judge(step, ranks, record.get("bucket"))  # image and clip folders name the bucket
 
     def _judge(self, step: int, ranks: list[dict], shape: str | None) -> str:
         alerts = []
