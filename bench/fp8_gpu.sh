@@ -14,11 +14,14 @@
 #      session: 94.03 plain cuDNN, 101.27 diffpipe fp8, 1.08x);
 #   5: Flux.1-dev-size LoRA loss curves, 200 steps on the photos, bf16 against fp8 compute, the two runs at once
 #      (bench/fp8_loss_curves.py; in the forty-third session both in turn ran past 330 s);
-#   6: Flux Kontext on cuDNN's attention, a short probe (whether FluxKontextFamily can drop cudnn_attention = False).
+#   6: Flux Kontext on cuDNN's attention, a short probe (whether FluxKontextFamily can drop cudnn_attention = False);
+#   7: Flux.1-dev LoRA r16 bs1 1024^2 (issue 54's first goal, >= 1.2x): diffpipe compiled on cuDNN's attention with fp8
+#      compute, then the plain compiled loop (flash: its backward fails on cuDNN's); an H100 in the thirty-eighth
+#      session: 3.107 against 2.376, 1.31x.
 #   PARTS="1 3" OUT=runs/fp8 bash bench/fp8_gpu.sh
 # Part 2 at batch 8 needs an H200 (planned 108 GiB uncheckpointed); on an 80 GB card run it at SDXL_BATCH=3 (67 GiB).
 # Each part's time limits add up to under the device's 10-minute call (2: 550 s, 2plain: 300 s, 2bf16: 400 s, 4: 480 s,
-# 5: 580 s); 2plain with 3 (180 s) fits a call, 2bf16 with 6 (100 s), and 1, 3 and 6 together. On the lent device
+# 5: 580 s, 7: 500 s); 2plain with 3 (180 s) fits a call, 2bf16 with 6 (100 s), and 1, 3 and 6 together. On the lent device
 # machine, install the carried wheels (diffusers, pydantic and its parts, tomli_w, torchao) first and put them on
 # PYTHONPATH.
 set -u
@@ -61,4 +64,9 @@ fi
 if has 6; then
     run kontext 100 python3 bench/flux_slice.py --double 2 --single 4 --batch 1 --steps 4 --lora 16 --base-dtype bf16 \
         --only diffpipe --attention cudnn --kontext
+fi
+if has 7; then
+    F="--double 19 --single 38 --batch 1 --steps 12 --lora 16 --base-dtype bf16 --compile"
+    run flux 250 python3 bench/flux_slice.py $F --fp8-compute on --only diffpipe --attention cudnn
+    run flux 250 python3 bench/flux_slice.py $F --only plain --attention flash
 fi
