@@ -3,13 +3,14 @@ by attention, which both loops run on cuDNN's bf16 kernels): forward + backward 
 and of cuDNN's fp8 kernels through NVIDIA's cudnn-frontend (`pip install nvidia-cudnn-frontend`; torch 2.11's SDPA
 has no fp8), the fp8 path's casts and scales included, and each path's error against an fp32 reference.
 
-    python bench/fp8_attention.py [--tokens 32760] [--heads 40] [--repeats 10]
+    python bench/fp8_attention.py [--tokens 32760] [--heads 40] [--repeats 10] [--sharpness 1]
 
 Prints one JSON line per path. The fp8 path scales each operand by its own absolute maximum (q, k, v, the output's
 gradient: "current" scaling, computed on the GPU), the softmax probabilities by 448 (they lie in [0, 1]) and the
 output by v's maximum (each output row averages rows of v); the backward's own products (dP, dQ, dK, dV) by the
 maxima cuDNN reported for them on the pass before ("delayed" scaling, as Transformer Engine does), so one
-calibration pass runs first. Random operands (q, k, v ~ N(0, 1)): a flatter softmax than a trained model's.
+calibration pass runs first. Random operands (q, k, v ~ N(0, 1), q times --sharpness): at 1 a flatter softmax than
+a trained model's; a larger sharpness makes a few keys take most of each row, as trained attention does.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def _operands(args) -> tuple[list[torch.Tensor], torch.Tensor]:
     torch.manual_seed(0)
     shape = (args.batch, args.heads, args.tokens, args.head_dim)
     qkv = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    qkv[0] *= args.sharpness
     return qkv, torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 1e-3
 
 
@@ -161,11 +163,12 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--sharpness", type=float, default=1.0, help="q's scale: larger, a peakier softmax")
     args = parser.parse_args()
     qkv, grad = _operands(args)
     reference = _reference(qkv, grad)
     flops = 3.5 * 4 * args.batch * args.heads * args.tokens**2 * args.head_dim  # backward 2.5x the forward
-    row = {"tokens": args.tokens, "heads": args.heads, "head_dim": args.head_dim,
+    row = {"tokens": args.tokens, "heads": args.heads, "head_dim": args.head_dim, "sharpness": args.sharpness,
            "device": torch.cuda.get_device_name()}
     seconds, results = _timed(lambda: _bf16_pass(qkv, grad), args.repeats)
     print(json.dumps(dict(row, path="bf16, torch's cuDNN kernels", ms=round(seconds * 1e3, 2),
