@@ -22,12 +22,14 @@ user would hold them), diffpipe's `model.expert = "both"` (models/two_experts.py
 the plain loop, `pipeline.checkpointing = "all"` in diffpipe (the whole 1.3B model at 81 frames needs it on 141 GB).
 
     python bench/wan_slice.py --lora 16 --base-dtype bf16 [--compile] [--fp8-compute on|both] [--attention cudnn]
+                              [--fp8-attention on|both]
 
 --lora RANK trains LoRAs on the attention's projections (the family's targets; peft's in the plain loop, as a user
 injects them) over a frozen base stored in --base-dtype; --compile compiles the repeated blocks in both loops
 (`compile_repeated_blocks` / `pipeline.compile = "blocks"`); --fp8-compute runs diffpipe's LoRA over an fp8 base whose
 products are fp8 (`train.fp8_compute`; "both": also the --base-dtype run); --attention picks SDPA's kernel in both
-loops (flash: cuDNN's off, as before; cudnn: left on, torch's own order, which takes it first on an H100).
+loops (flash: cuDNN's off, as before; cudnn: left on, torch's own order, which takes it first on an H100);
+--fp8-attention runs diffpipe's self-attention on cuDNN's fp8 kernels (`train.fp8_attention`; "both": also without).
 
 Prints one JSON line per measurement: median step after the first two, video frames/s (latent frames x 4 - 3 per
 clip), TFLOP/s (the FLOPs of one forward counted by torch's FlopCounterMode on the meta device, times 3, over the
@@ -170,20 +172,21 @@ def plain_loop(args, flops: float) -> None:
             step_ms=[round(t * 1e3, 1) for t in times])
 
 
-def _how(args, fp8_compute: bool = False) -> str:
+def _how(args, fp8_compute: bool = False, fp8_attention: bool = False) -> str:
     lora = f", LoRA r{args.lora} over a {'fp8' if fp8_compute else args.base_dtype} base" if args.lora else ""
-    return (f"{lora}{', compiled blocks' if args.compile else ''}{', fp8 compute' if fp8_compute else ''}"
-            f", {args.attention} attention")
+    attention = "fp8 attention (cuDNN's fp8 kernels)" if fp8_attention else f"{args.attention} attention"
+    return f"{lora}{', compiled blocks' if args.compile else ''}{', fp8 compute' if fp8_compute else ''}, {attention}"
 
 
-def diffpipe_run(args, flops: float, fp8_compute: bool = False) -> None:
+def diffpipe_run(args, flops: float, fp8_compute: bool = False, fp8_attention: bool = False) -> None:
     torch.cuda.reset_peak_memory_stats()
     table = {
         "model": {"architecture": _architecture(args), "config": _slice(args), "text_max_length": TOKENS,
                   "expert": "both" if args.both else None},
         "data": {"dataset": "synthetic", "frames": args.frames, "latent_size": list(_latent_size(args))},
         "train": {"max_steps": args.steps, "batch_size": args.batch, "learning_rate": 1e-5, "precision": "bf16",
-                  "objective": "flow_matching", "device": "cuda", "fp8_compute": fp8_compute},
+                  "objective": "flow_matching", "device": "cuda", "fp8_compute": fp8_compute,
+                  "fp8_attention": fp8_attention},
         "pipeline": {"stages": 1, "microbatches": 1, "checkpointing": "all" if args.checkpointing else "none",
                      "compile": "blocks" if args.compile else False},
         "observe": {"every": 1000, "timeline_step": 0, "log_every": 0},
@@ -195,7 +198,7 @@ def diffpipe_run(args, flops: float, fp8_compute: bool = False) -> None:
     Trainer(build_config(table), single_process_topology("cuda"), run_dir).fit()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in rows]
-    _report(f"diffpipe, one stage{_how(args, fp8_compute)}", args, times, flops,
+    _report(f"diffpipe, one stage{_how(args, fp8_compute, fp8_attention)}", args, times, flops,
             step_ms=[round(t * 1e3, 1) for t in times])
 
 
@@ -216,6 +219,8 @@ def main() -> None:
                         help="diffpipe's LoRA over an fp8 base computing in fp8 (both: also the --base-dtype run)")
     parser.add_argument("--attention", choices=["flash", "cudnn"], default="flash",
                         help="SDPA's kernel in both loops: flash (cuDNN's off) or cuDNN's first")
+    parser.add_argument("--fp8-attention", choices=["off", "on", "both"], default="off",
+                        help="diffpipe's self-attention in fp8, train.fp8_attention (both: also without)")
     args = parser.parse_args()
     if args.fp8_compute != "off" and not args.lora:
         parser.error("--fp8-compute needs --lora (fp8 compute runs a LoRA's frozen base)")
@@ -224,11 +229,13 @@ def main() -> None:
     flops = step_flops(args)
     if args.only != "diffpipe":
         plain_loop(args, flops)
-    for fp8_compute in {"off": [False], "on": [True], "both": [False, True]}[args.fp8_compute]:
-        gc.collect()
-        torch.cuda.empty_cache()
-        if args.only != "plain":
-            diffpipe_run(args, flops, fp8_compute)
+    choices = {"off": [False], "on": [True], "both": [False, True]}
+    for fp8_compute in choices[args.fp8_compute]:
+        for fp8_attention in choices[args.fp8_attention]:
+            gc.collect()
+            torch.cuda.empty_cache()
+            if args.only != "plain":
+                diffpipe_run(args, flops, fp8_compute, fp8_attention)
 
 
 if __name__ == "__main__":

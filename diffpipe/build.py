@@ -24,6 +24,7 @@ from .models.units import Backbone, full_parameter_names
 from .pipeline.split import StageSpec, stage_specs
 from .pipeline.stage import StageModule, build_stage_modules
 from .precision import AUTOCAST_DTYPES, fp8_compute_on, frozen_storage
+from .models.fp8_attention import attend_in_fp8, fp8_attention_problem
 from .torch_support import fp8_matmul_problem
 from .pipeline.traffic import Crossing, boundary_crossings, trace_tensors
 
@@ -99,6 +100,7 @@ def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], 
     off unless train.dropout."""
     choose_attention(backbone, device)
     problem = fp8_matmul_problem(device) if fp8_compute_on(config, device.type) else None
+    problem = problem or (fp8_attention_problem(device) if config.train.fp8_attention else None)
     if problem is not None:  # tried on the device itself, before any weight is read
         raise ConfigError(problem)
     give_weights(backbone, config, [u for i in mine for u in range(specs[i].first, specs[i].last)],
@@ -109,6 +111,9 @@ def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], 
     if config.adapter.type == "none" and fp8_compute_on(config, device.type):  # a full fine-tune's, torchao's
         for module in modules:
             train_in_fp8(module, device.type)
+    if config.train.fp8_attention:
+        for module in modules:
+            attend_in_fp8(module, backbone.family.fp8_attention_processors)
     if not config.train.dropout:
         for dropout in (m for module in modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
             dropout.eval()

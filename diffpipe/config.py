@@ -215,6 +215,15 @@ class TrainConfig(_Section):
         "counts it faster at no more memory (a LoRA-type run with compiled blocks or a stage compiled whole, on a "
         "GPU with fp8 tensor cores, replicas not sharded); off elsewhere (full fine-tunes included), never "
         "refused."))
+    fp8_attention: bool = Field(False, description=(
+        "Self-attention's two products and their gradients on fp8 tensor cores, under bf16 precision: Wan's "
+        "(other families are refused for now; cross-attention to the text stays bf16) runs cuDNN's fp8 "
+        "flash-attention kernels through NVIDIA's cudnn-frontend (pip install nvidia-cudnn-frontend; a Hopper or "
+        "Blackwell GPU), q, k, v and the output's gradient each scaled by its own maximum, the backward's products "
+        "by the last backward's (models/fp8_attention.py). Changes the arithmetic more than fp8_compute: "
+        "attention's output and gradients land 5-15 % (relative) from fp32's on random operands, bf16's 0.3-0.5 %. "
+        "On a CPU the same arithmetic written out (for tests). Not yet timed on a GPU; the planner does not count "
+        "it."))
     objective: Literal["epsilon", "v_prediction", "flow_matching"] | None = Field(
         None, description=(
             "What the model predicts; unset: the prediction_type of model.path's pipeline scheduler (epsilon or "
@@ -572,6 +581,13 @@ class RunConfig(_Section):
                              "adapters (adapter.type = \"lora\", \"dora\", \"loha\" or \"lokr\")")
         if t.fp8_compute is True and (problem := fp8_compute_problem(self)):
             raise ValueError(problem)
+        if t.fp8_attention and t.precision != "bf16":
+            raise ValueError(f"train.fp8_attention runs attention on fp8 tensor cores under bf16 precision, and "
+                             f"train.precision = \"{t.precision}\": set train.precision = \"bf16\", or "
+                             "train.fp8_attention = false")
+        if t.fp8_attention and p.sequence_parallel > 1:
+            raise ValueError("train.fp8_attention is not yet tested with the all-to-alls of pipeline.sequence_parallel: "
+                             "set pipeline.sequence_parallel = 1, or train.fp8_attention = false")
         if self.adapter.type == "dora" and self.memory.base_dtype in ("fp8", "int8", "nf4"):
             raise ValueError(f"adapter.type = \"dora\" rescales each row of the whole base weight by its norm in every "
                              f"step (peft reads the weight itself), and memory.base_dtype = \"{self.memory.base_dtype}\" "

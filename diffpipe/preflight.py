@@ -61,6 +61,10 @@ def check_before_launch(config: RunConfig) -> Checked:
         raise DataError(f"the {config.model.architecture} model takes latents whose sides are multiples of {multiple} "
                         f"(its patch size), but the data is {shape[-2]}x{shape[-1]}")
     repeated_blocks(backbone, config.pipeline.compile)  # "blocks" needs some
+    if config.train.fp8_attention and not backbone.family.fp8_attention_processors:
+        raise ConfigError(f"train.fp8_attention runs Wan's self-attention in fp8 (its processor: "
+                          f"models/families/wan/attention.py); {config.model.architecture}'s attention has no fp8 "
+                          "processor yet: set train.fp8_attention = false")
     device_kind = _check_device(config)
     fp8_compute = fp8_compute_on(config, device_kind)
     if config.train.fp8_compute == "auto":  # the stages are planned with it as resolved

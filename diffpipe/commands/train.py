@@ -77,7 +77,8 @@ def _run_config(args):
 
 
 def _say_what_trains(config, backbone, device_kind: str) -> None:
-    """The optimizer's note, what fp8 compute computes in fp8, and which expert (or both) of a two-expert folder trains on which timesteps."""
+    """The optimizer's note, what fp8 compute and fp8 attention compute in fp8, and which expert (or both) of a
+    two-expert folder trains on which timesteps."""
     from ..build import timestep_range
     from ..train.optim import optimizer_note
 
@@ -92,6 +93,10 @@ def _say_what_trains(config, backbone, device_kind: str) -> None:
         from ..models.storage import fp8_compute_words
 
         print(fp8_compute_words(backbone.model), flush=True)
+    if config.train.fp8_attention:
+        from ..models.fp8_attention import fp8_attention_words
+
+        print(fp8_attention_words(backbone.model, backbone.family.fp8_attention_processors), flush=True)
     if config.model.expert == "both":
         print(f"model.expert = \"both\": each sample trains the expert its timestep picks (transformer/ from "
               f"{backbone.model.boundary / 1000:.3f} up, transformer_2/ below), both on every stage; samples "

@@ -90,6 +90,9 @@ class ModelFamily:
     lora_targets: ClassVar[tuple[str, ...]] = ("to_q", "to_k", "to_v", "to_out.0")
     default_objective: ClassVar[str] = "flow_matching"  # when neither train.objective nor a scheduler decides
     cudnn_attention: ClassVar[bool] = True  # False: cuDNN's attention kernels fail on this family's shapes (CUDA)
+    # train.fp8_attention: the family's attention processor classes whose self-attention can run in fp8 -> the
+    # subclass that runs it so (models/fp8_attention.py); empty: the family is refused it
+    fp8_attention_processors: ClassVar[dict[type, type]] = {}
     comfyui_lora_alpha: ClassVar[bool] = True  # False: --format comfyui writes no `.alpha` (the scale is in lora_up)
     reads_text_lengths: ClassVar[bool] = False  # True: `conditions` reads TextBatch.filled (the batch maker gives it)
     reads_control: ClassVar[bool] = False  # True: an edit model; `conditions` reads TextBatch.control (data.control_path)

@@ -16,15 +16,22 @@ The arithmetic, each operand with one scale for the whole tensor (e4m3: 448 at m
   buffer of the attention module, times 2 for headroom). Where this backward's maxima left that range (a gradient
   4x the last one saturates; 32x smaller leaves most of e4m3's values unused; before the first backward there are
   none) it runs again at their scales: diffusion's gradients change size with each sample's timestep.
+
+`attend_in_fp8(module, processors)` (train.fp8_attention) hands the attentions of a stage's modules their family's
+fp8 processors (`ModelFamily.fp8_attention_processors`: Wan's, models/families/wan/attention.py), which run their
+self-attention so; cross-attention to the text stays in bf16.
 """
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["E4M3_MAX", "attend_fp8", "quantised"]
+from ..errors import ConfigError
+
+__all__ = ["E4M3_MAX", "attend_fp8", "quantised", "attend_in_fp8", "fp8_attention_problem", "fp8_attention_words"]
 
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value
 _HEADROOM = 2.0  # delayed scales leave room for a maximum twice the last one
@@ -200,12 +207,18 @@ class _CudnnAttention:
         for name, node in zip(("dQ", "dK", "dV", "amax_dQ", "amax_dK", "amax_dV", "amax_dP"), nodes):
             output(node, like if name in ("dQ", "dK", "dV") else one, fp8 if name in ("dQ", "dK", "dV") else f32)
             self.b[name] = node
-        for built in (forward, backward):
-            built.validate()
-            built.build_operation_graph()
-            built.create_execution_plans([cudnn.heur_mode.A])
-            built.check_support()
-            built.build_plans()
+        try:
+            for built in (forward, backward):
+                built.validate()
+                built.build_operation_graph()
+                built.create_execution_plans([cudnn.heur_mode.A])
+                built.check_support()
+                built.build_plans()
+        except Exception as error:  # cudnn-frontend's own errors name no setting
+            raise ConfigError(f"train.fp8_attention: cuDNN {cudnn.backend_version()} has no fp8 attention kernel for "
+                              f"queries of shape {list(shape)} (batch, heads, tokens, head size) on "
+                              f"{torch.cuda.get_device_name()}: {str(error).splitlines()[0][:300]}. Set "
+                              "train.fp8_attention = false") from None
         self.graphs = forward, backward
         self.workspace = torch.empty(max(forward.get_workspace_size(), backward.get_workspace_size()),
                                      device="cuda", dtype=torch.uint8)
@@ -245,3 +258,41 @@ def _bytes(t: Tensor) -> Tensor:
     """fp8 tensors as bytes (the frontend's convention for e4m3 operands), others as they are, on the GPU."""
     t = t.to("cuda") if t.device.type != "cuda" else t
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def fp8_attention_problem(device: torch.device) -> str | None:
+    """Why train.fp8_attention cannot run on this device, in one line; None where it can (a CPU runs the written-out
+    arithmetic: for tests, slowly, its score matrix whole)."""
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        return (f"train.fp8_attention runs cuDNN's fp8 flash-attention kernels, which need a Hopper or Blackwell GPU "
+                f"(H100, H200, B200, RTX 5090); {name} is not one: set train.fp8_attention = false")
+    try:
+        import cudnn  # noqa: F401 - NVIDIA's cudnn-frontend: torch's attention takes no fp8
+    except ImportError:
+        return ("train.fp8_attention runs cuDNN's fp8 flash-attention kernels through NVIDIA's cudnn-frontend, which "
+                "is not installed: pip install nvidia-cudnn-frontend, or set train.fp8_attention = false")
+    return None
+
+
+def attend_in_fp8(module: nn.Module, processors: dict[type, type]) -> int:
+    """Give each attention in `module` whose processor's class `processors` maps (a family's
+    `fp8_attention_processors`) that class's fp8 subclass, which runs its self-attention through `attend_fp8`, and a
+    `fp8_attention_maxima` buffer of its own (not saved with the weights); how many."""
+    attentions = [m for m in module.modules() if type(getattr(m, "processor", None)) in processors]
+    for attention in attentions:
+        weight = next(attention.parameters())
+        attention.register_buffer("fp8_attention_maxima", torch.zeros(4, device=weight.device), persistent=False)
+        processor = copy.copy(attention.processor)
+        processor.__class__ = processors[type(processor)]  # the same settings, the subclass's call
+        attention.set_processor(processor)
+    return len(attentions)
+
+
+def fp8_attention_words(model: nn.Module, processors: dict[type, type]) -> str:
+    """What train.fp8_attention computes in fp8, for the run's header."""
+    count = sum(type(getattr(m, "processor", None)) in processors for m in model.modules())
+    return (f"train.fp8_attention: the self-attention of {count} attention layers runs on fp8 tensor cores (cuDNN's "
+            "fp8 flash attention; cross-attention to the text in bf16)")

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 from diffusers import WanTransformer3DModel
-from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor, WanRotaryPosEmbed
 from torch import nn
 
 from ...family import ModelFamily, TextBatch
+from .attention import Fp8WanAttnProcessor
 from .release_layout import WAN, original_wan_name
 from ...units import Backbone, Unit
 
@@ -96,6 +97,7 @@ class WanFamily(ModelFamily):
     # Wan LoRA files in this layout carry no `.alpha` outside the blocks (diffusion-pipe's; diffusers' reader of them
     # refuses a `head.head.alpha`): the scale goes into lora_up, which ComfyUI and diffusers then take at 1
     comfyui_lora_alpha = False
+    fp8_attention_processors = {WanAttnProcessor: Fp8WanAttnProcessor}  # train.fp8_attention: its self-attention
     # the video tokens and their rotary table (cos and sin stacked: 2, 1, tokens, 1, width) split over a sample's
     # processes; the text tokens stay whole, which only the cross-attentions read
     sequence_streams = {"h": 1, "rope": 2}
