@@ -268,12 +268,13 @@ def fp8_attention_problem(device: torch.device) -> str | None:
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         return (f"train.fp8_attention runs cuDNN's fp8 flash-attention kernels, which need a Hopper or Blackwell GPU "
-                f"(H100, H200, B200, RTX 5090); {name} is not one: set train.fp8_attention = false")
+                f"(H100, H200, B200); {name} is not one: set train.fp8_attention = false")
     try:
         import cudnn  # noqa: F401 - NVIDIA's cudnn-frontend: torch's attention takes no fp8
     except ImportError:
         return ("train.fp8_attention runs cuDNN's fp8 flash-attention kernels through NVIDIA's cudnn-frontend, which "
-                "is not installed: pip install nvidia-cudnn-frontend, or set train.fp8_attention = false")
+                "is not installed: pip install 'diffpipe[fp8-attention]' (nvidia-cudnn-frontend), or set "
+                "train.fp8_attention = false")
     return None
 
 
