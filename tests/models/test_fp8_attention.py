@@ -139,9 +139,10 @@ def test_only_wans_self_attention_runs_in_fp8():
 def test_fp8_wan_processor_takes_diffusers_steps(monkeypatch):
     """With torch's attention in fp8's place, the processor (diffusers' steps written again) computes exactly what
     diffusers' own does: output and gradients."""
-    from diffpipe.models.families.wan.attention import Fp8WanAttnProcessor, exact_attention
+    from diffpipe.models.families.wan.attention import Fp8WanAttnProcessor
 
-    monkeypatch.setattr(Fp8WanAttnProcessor, "attend", staticmethod(exact_attention))
+    exact = staticmethod(lambda q, k, v, maxima: F.scaled_dot_product_attention(q, k, v))
+    monkeypatch.setattr(Fp8WanAttnProcessor, "attend", exact)
     runs = []
     for converted in (False, True):
         model, inputs, processors = _tiny_wan()

@@ -11,12 +11,18 @@ cross-attention and any other call are diffusers' own.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 from ...fp8_attention import attend_fp8
 
 __all__ = ["Fp8WanAttnProcessor"]
+
+
+def _projections(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Self-attention's queries, keys and values (diffusers' `_get_qkv_projections`, private to it)."""
+    if attn.fused_projections:
+        return attn.to_qkv(x).chunk(3, dim=-1)
+    return attn.to_q(x), attn.to_k(x), attn.to_v(x)
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -38,7 +44,7 @@ class Fp8WanAttnProcessor(WanAttnProcessor):
         if (encoder_hidden_states is not None or attention_mask is not None or attn.add_k_proj is not None
                 or self._parallel_config is not None):
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key, value = _projections(attn, hidden_states)
         query, key = attn.norm_q(query), attn.norm_k(key)
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
         if rotary_emb is not None:
@@ -46,8 +52,3 @@ class Fp8WanAttnProcessor(WanAttnProcessor):
         out = self.attend(*(t.transpose(1, 2) for t in (query, key, value)), attn.fp8_attention_maxima)
         out = out.transpose(1, 2).flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
-
-
-def exact_attention(q, k, v, maxima):
-    """torch's attention in `attend`'s place: what the test of the processor's steps runs."""
-    return F.scaled_dot_product_attention(q, k, v)
