@@ -2,7 +2,7 @@
 32,760 tokens attention is most of a LoRA step, and the plain loop runs the same bf16 cuDNN kernels diffpipe does).
 
 `attend_fp8(q, k, v, maxima)` computes softmax(q k^T * scale) v as cuDNN's fp8 flash-attention kernels do, forward
-and backward: on a GPU through NVIDIA's cudnn-frontend (`pip install nvidia-cudnn-frontend`; torch's
+and backward: on a GPU through NVIDIA's cudnn-frontend (`pip install 'diffpipe[fp8-attention]'`; torch's
 scaled_dot_product_attention takes no fp8), on a CPU in fp32 from the same fp8 operands (`_reference_forward`,
 `_reference_backward`: the kernels' arithmetic written out, for tests; the kernels sum in another order).
 
@@ -14,7 +14,7 @@ The arithmetic, each operand with one scale for the whole tensor (e4m3: 448 at m
   dS in e4m3, dQ = dS k * scale and dK = dS^T q * scale. dS, dQ, dK and dV are scaled by the maxima the kernels
   reported for them on the module's previous backward ("delayed" scaling, Transformer Engine's recipe; `maxima`, a
   buffer of the attention module, times 2 for headroom). Where this backward's maxima left that range (a gradient
-  4x the last one saturates; 32x smaller leaves most of e4m3's values unused; before the first backward there are
+  4x the last one saturates; 16x smaller leaves most of e4m3's values unused; before the first backward there are
   none) it runs again at their scales: diffusion's gradients change size with each sample's timestep.
 
 `attend_in_fp8(module, processors)` (train.fp8_attention) hands the attentions of a stage's modules their family's
@@ -124,9 +124,10 @@ def _delayed(maxima: Tensor) -> Tensor:
 
 def _in_range(found: Tensor, delayed: Tensor) -> bool:
     """Whether each of this backward's maxima fitted the scales it ran at: none past e4m3's largest (saturated),
-    none below a sixteenth of the headroom's mark (most of the 3-bit values' range unused)."""
+    none below a sixteenth of the headroom's mark (most of the 3-bit values' range unused), unless it is zero (a
+    gradient of zeros: no scale represents it better)."""
     mapped = found / delayed
-    return bool(((mapped <= E4M3_MAX) & (mapped >= E4M3_MAX / _HEADROOM / 16)).all())
+    return bool(((mapped <= E4M3_MAX) & ((mapped >= E4M3_MAX / _HEADROOM / 16) | (found == 0))).all())
 
 
 def _run_backward(grad8, q8, k8, v8, o8, stats, descales, delayed, scale):
