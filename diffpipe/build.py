@@ -113,7 +113,7 @@ def build_stages(config: RunConfig, backbone: Backbone, specs: list[StageSpec], 
             train_in_fp8(module, device.type)
     if config.train.fp8_attention:
         for module in modules:
-            attend_in_fp8(module, backbone.family.fp8_attention_processors)
+            attend_in_fp8(module, backbone.family.fp8_attention_processors, device)
     if not config.train.dropout:
         for dropout in (m for module in modules for m in module.modules() if isinstance(m, torch.nn.Dropout)):
             dropout.eval()

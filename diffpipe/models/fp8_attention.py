@@ -279,14 +279,14 @@ def fp8_attention_problem(device: torch.device) -> str | None:
     return None
 
 
-def attend_in_fp8(module: nn.Module, processors: dict[type, type]) -> int:
+def attend_in_fp8(module: nn.Module, processors: dict[type, type], device: torch.device) -> int:
     """Give each attention in `module` whose processor's class `processors` maps (a family's
     `fp8_attention_processors`) that class's fp8 subclass, which runs its self-attention through `attend_fp8`, and a
-    `fp8_attention_maxima` buffer of its own (not saved with the weights); how many."""
+    `fp8_attention_maxima` buffer of its own on `device`, where it computes (not saved with the weights; a swapped
+    unit's weights lie in host memory); how many."""
     attentions = [m for m in module.modules() if type(getattr(m, "processor", None)) in processors]
     for attention in attentions:
-        weight = next(attention.parameters())
-        attention.register_buffer("fp8_attention_maxima", torch.zeros(4, device=weight.device), persistent=False)
+        attention.register_buffer("fp8_attention_maxima", torch.zeros(4, device=device), persistent=False)
         processor = copy.copy(attention.processor)
         processor.__class__ = processors[type(processor)]  # the same settings, the subclass's call
         attention.set_processor(processor)

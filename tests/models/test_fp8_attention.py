@@ -128,8 +128,8 @@ def test_only_wans_self_attention_runs_in_fp8():
     """Its self-attention's maxima move in a backward, its cross-attention's (keys from the text) keep none; the
     buffer is not among the weights; a second call converts nothing."""
     model, inputs, processors = _tiny_wan()
-    assert attend_in_fp8(model, processors) == 2 * len(model.blocks)
-    assert attend_in_fp8(model, processors) == 0
+    assert attend_in_fp8(model, processors, torch.device("cpu")) == 2 * len(model.blocks)
+    assert attend_in_fp8(model, processors, torch.device("cpu")) == 0
     model(*inputs).sample.sum().backward()
     assert all(block.attn1.fp8_attention_maxima.abs().sum() > 0 for block in model.blocks)
     assert all(block.attn2.fp8_attention_maxima.abs().sum() == 0 for block in model.blocks)
@@ -147,7 +147,7 @@ def test_fp8_wan_processor_takes_diffusers_steps(monkeypatch):
     for converted in (False, True):
         model, inputs, processors = _tiny_wan()
         if converted:
-            attend_in_fp8(model, processors)
+            attend_in_fp8(model, processors, torch.device("cpu"))
         out = model(*inputs).sample
         out.square().mean().backward()
         runs.append([out.detach()] + [p.grad for p in model.blocks[0].attn1.parameters()])
@@ -162,7 +162,7 @@ def test_compiled_wan_with_fp8_attention_computes_what_eager_does():
     runs = []
     for compiled in (False, True):
         model, inputs, processors = _tiny_wan()
-        attend_in_fp8(model, processors)
+        attend_in_fp8(model, processors, torch.device("cpu"))
         block = model.blocks[1]
         if compiled:
             model.blocks[1] = torch.compile(block, backend="aot_eager", fullgraph=True)
