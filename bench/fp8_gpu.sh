@@ -20,10 +20,10 @@
 #      session: 3.107 against 2.376, 1.31x.
 #   PARTS="1 3" OUT=runs/fp8 bash bench/fp8_gpu.sh
 # Part 2 at batch 8 needs an H200 (planned 108 GiB uncheckpointed); on an 80 GB card run it at SDXL_BATCH=3 (67 GiB).
-# Each part's time limits add up to under the device's 10-minute call (2: 550 s, 2plain: 300 s, 2bf16: 400 s, 4: 480 s,
-# 5: 580 s, 7: 500 s); 2plain with 3 (180 s) fits a call, 2bf16 with 6 (100 s), and 1, 3 and 6 together. On the lent device
-# machine, install the carried wheels (diffusers, pydantic and its parts, tomli_w, torchao) first and put them on
-# PYTHONPATH.
+# Each part's time limits add up to under the device's 10-minute call (2: 550 s, 2plain: 300 s, 2bf16: 400 s,
+# 4: 480 s, 5: 580 s, 7: 500 s); 2plain with 3 (180 s) fits a call, 2bf16 with 6 (100 s), and 1, 3 and 6 together.
+# On the lent device machine, install the carried wheels (diffusers, pydantic and its parts, tomli_w, torchao) first
+# and put them on PYTHONPATH.
 set -u
 OUT=${OUT:-runs/fp8}
 mkdir -p "$OUT"
