@@ -41,19 +41,17 @@ def _reference(qkv, grad) -> list[torch.Tensor]:
     return [out.detach()] + [t.grad for t in inputs]
 
 
-def _bf16_pass(qkv, grad) -> list[torch.Tensor]:
+def _pass(attend, qkv, grad) -> list[torch.Tensor]:
+    """One forward and backward of `attend(q, k, v)`: the output and the three gradients."""
     inputs = [t.detach().requires_grad_() for t in qkv]
+    out = attend(*inputs)
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in inputs]
+
+
+def _bf16_cudnn(q, k, v) -> torch.Tensor:
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        out = F.scaled_dot_product_attention(*inputs)
-    out.backward(grad)
-    return [out.detach()] + [t.grad for t in inputs]
-
-
-def _fp8_pass(qkv, grad, maxima) -> list[torch.Tensor]:
-    inputs = [t.detach().requires_grad_() for t in qkv]
-    out = attend_fp8(*inputs, maxima)
-    out.backward(grad)
-    return [out.detach()] + [t.grad for t in inputs]
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 def _kernels_against_reference(heads: int = 4, tokens: int = 1024, head_dim: int = 128) -> dict:
@@ -68,7 +66,7 @@ def _kernels_against_reference(heads: int = 4, tokens: int = 1024, head_dim: int
     grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16) * 1e-3
     scale = head_dim ** -0.5
     out, q8, k8, v8, o8, stats, descales = fp8._forward(*qkv, scale)
-    o8_ref, stats_ref, _ = fp8._reference_forward(q8, k8, v8, descales, scale)
+    o8_ref, stats_ref = fp8._reference_forward(q8, k8, v8, descales, scale)
     grad8, descale_grad = fp8.quantised(grad)
     descales = torch.cat([descales, descale_grad.reshape(1)])
     delayed = torch.ones(4, device="cuda")
@@ -76,14 +74,19 @@ def _kernels_against_reference(heads: int = 4, tokens: int = 1024, head_dim: int
         delayed = fp8._delayed(fp8._reference_backward(grad8, q8, k8, v8, o8, stats, descales, delayed, scale)[1])
     kernel, kernel_maxima = fp8._run_backward(grad8, q8, k8, v8, o8, stats, descales, delayed, scale)
     reference, reference_maxima = fp8._reference_backward(grad8, q8, k8, v8, o8, stats, descales, delayed, scale)
-
-    def gap(a, b):
-        return round(((a.float() - b.float()).norm() / b.float().norm()).item(), 5)
-
-    return {"out": gap(o8, o8_ref), "log_sum_exp": gap(stats, stats_ref),
-            **{name: gap(a, b) for name, a, b in zip(("dq", "dk", "dv"), kernel, reference)},
+    return {"out": _gap(o8, o8_ref), "log_sum_exp": _gap(stats, stats_ref),
+            **_gaps(kernel, reference, ("dq", "dk", "dv")),
             "maxima_kernel": [float(f"{m:.4g}") for m in kernel_maxima.tolist()],
             "maxima_reference": [float(f"{m:.4g}") for m in reference_maxima.tolist()]}
+
+
+def _gap(result: torch.Tensor, reference: torch.Tensor) -> float:
+    """|result - reference| / |reference| (Frobenius norms)."""
+    return round(((result.float() - reference.float()).norm() / reference.float().norm()).item(), 5)
+
+
+def _gaps(results, references, names=("out", "dq", "dk", "dv")) -> dict:
+    return {name: _gap(r, ref) for name, r, ref in zip(names, results, references)}
 
 
 def _timed(run, repeats: int) -> tuple[float, list[torch.Tensor]]:
@@ -97,10 +100,6 @@ def _timed(run, repeats: int) -> tuple[float, list[torch.Tensor]]:
     return (time.perf_counter() - start) / repeats, results
 
 
-def _errors(results, reference) -> dict:
-    """Each of output, dq, dk, dv: |result - reference| / |reference| (Frobenius norms)."""
-    return {name: round(((r.float() - ref).norm() / ref.norm()).item(), 5)
-            for name, r, ref in zip(("out", "dq", "dk", "dv"), results, reference)}
 
 
 def main() -> None:
@@ -117,18 +116,21 @@ def main() -> None:
     flops = 3.5 * 4 * args.batch * args.heads * args.tokens**2 * args.head_dim  # backward 2.5x the forward
     row = {"tokens": args.tokens, "heads": args.heads, "head_dim": args.head_dim, "sharpness": args.sharpness,
            "device": torch.cuda.get_device_name()}
-    seconds, results = _timed(lambda: _bf16_pass(qkv, grad), args.repeats)
+    seconds, results = _timed(lambda: _pass(_bf16_cudnn, qkv, grad), args.repeats)
     print(json.dumps(dict(row, path="bf16, torch's cuDNN kernels", ms=round(seconds * 1e3, 2),
-                          tflops=round(flops / seconds / 1e12, 1), error=_errors(results, reference))), flush=True)
+                          tflops=round(flops / seconds / 1e12, 1), error=_gaps(results, reference))), flush=True)
     try:
         import cudnn
 
         maxima = torch.zeros(4, device="cuda")
-        _fp8_pass(qkv, grad, maxima)  # its first backward calibrates the delayed scales
-        seconds, results = _timed(lambda: _fp8_pass(qkv, grad, maxima), args.repeats)
+        def fp8(q, k, v):
+            return attend_fp8(q, k, v, maxima)
+
+        _pass(fp8, qkv, grad)  # its first backward calibrates the delayed scales
+        seconds, results = _timed(lambda: _pass(fp8, qkv, grad), args.repeats)
         print(json.dumps(dict(row, path=f"fp8 (diffpipe's attend_fp8), cuDNN {cudnn.backend_version()} via "
                               f"cudnn-frontend {cudnn.__version__}, casts included", ms=round(seconds * 1e3, 2),
-                              tflops=round(flops / seconds / 1e12, 1), error=_errors(results, reference))),
+                              tflops=round(flops / seconds / 1e12, 1), error=_gaps(results, reference))),
               flush=True)
         print(json.dumps({"kernels against the written-out arithmetic": _kernels_against_reference()}), flush=True)
     except Exception as error:  # noqa: BLE001 - the bench says what failed

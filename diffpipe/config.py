@@ -218,7 +218,7 @@ class TrainConfig(_Section):
     fp8_attention: bool = Field(False, description=(
         "Self-attention's two products and their gradients on fp8 tensor cores, under bf16 precision: Wan's "
         "(other families are refused for now; cross-attention to the text stays bf16) runs cuDNN's fp8 "
-        "flash-attention kernels through NVIDIA's cudnn-frontend (pip install nvidia-cudnn-frontend; a Hopper or "
+        "flash-attention kernels through NVIDIA's cudnn-frontend (pip install 'diffpipe[fp8-attention]'; a Hopper or "
         "Blackwell GPU), q, k, v and the output's gradient each scaled by its own maximum, the backward's products "
         "by the last backward's (models/fp8_attention.py). Changes the arithmetic more than fp8_compute: "
         "attention's output and gradients land 5-15 % (relative) from fp32's on random operands, bf16's 0.3-0.5 %. "

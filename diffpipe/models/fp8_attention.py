@@ -48,16 +48,19 @@ def quantised(t: Tensor, descale: Tensor | None = None) -> tuple[Tensor, Tensor]
     return (t.float() / descale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), descale.reshape(())
 
 
-def _reference_forward(q8, k8, v8, descales: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """O in e4m3, the rows' log-sum-exp and P's maximum, in fp32 from the fp8 operands (B, H, S, D)."""
+def _in_fp8_at_448(probabilities: Tensor) -> Tensor:
+    """P as the kernels' products read it: in e4m3 at 448 (P lies in [0, 1]), back in fp32."""
+    p8, descale = quantised(probabilities, probabilities.new_tensor(1 / E4M3_MAX))
+    return p8.float() * descale
+
+
+def _reference_forward(q8, k8, v8, descales: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """O in e4m3 and the rows' log-sum-exp, in fp32 from the fp8 operands (B, H, S, D)."""
     dq, dk, dv = descales[0], descales[1], descales[2]
     logits = (q8.float() @ k8.float().transpose(-1, -2)) * (dq * dk * scale)
     stats = torch.logsumexp(logits, dim=-1, keepdim=True)
-    probabilities = torch.exp(logits - stats)
-    p8, descale_p = quantised(probabilities, probabilities.new_tensor(1 / E4M3_MAX))
-    out = (p8.float() @ v8.float()) * (descale_p * dv)
-    o8, _ = quantised(out, dv)
-    return o8, stats, probabilities.amax()
+    out = _in_fp8_at_448(torch.exp(logits - stats)) @ (v8.float() * dv)
+    return quantised(out, dv)[0], stats
 
 
 def _reference_backward(grad8, q8, k8, v8, o8, stats, descales: Tensor, delayed: Tensor, scale: float):
@@ -66,8 +69,7 @@ def _reference_backward(grad8, q8, k8, v8, o8, stats, descales: Tensor, delayed:
     q, k, v = (t.float() * d for t, d in zip((q8, k8, v8), descales[:3]))
     out, grad = o8.float() * descales[2], grad8.float() * descales[3]  # O at v's scale
     probabilities = torch.exp(q @ k.transpose(-1, -2) * scale - stats)
-    p8, descale_p = quantised(probabilities, probabilities.new_tensor(1 / E4M3_MAX))
-    d_v = p8.float().transpose(-1, -2) @ grad * descale_p
+    d_v = _in_fp8_at_448(probabilities).transpose(-1, -2) @ grad
     d_s = probabilities * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True))
     ds8, descale_ds = quantised(d_s, delayed[3])
     d_q, d_k = (ds8.float() @ k) * (descale_ds * scale), (ds8.float().transpose(-1, -2) @ q) * (descale_ds * scale)
@@ -85,7 +87,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Ten
     if q.device.type == "cuda":
         o8, stats = _kernels(tuple(q.shape), scale, q.device.index).forward(q8, k8, v8, descales)
     else:
-        o8, stats, _ = _reference_forward(q8, k8, v8, descales, scale)
+        o8, stats = _reference_forward(q8, k8, v8, descales, scale)
     return (o8.float() * dv).to(q.dtype), q8, k8, v8, o8, stats, descales
 
 
@@ -256,8 +258,7 @@ class _CudnnAttention:
 
 
 def _bytes(t: Tensor) -> Tensor:
-    """fp8 tensors as bytes (the frontend's convention for e4m3 operands), others as they are, on the GPU."""
-    t = t.to("cuda") if t.device.type != "cuda" else t
+    """fp8 tensors as bytes (the frontend's convention for e4m3 operands), others as they are."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
@@ -279,12 +280,17 @@ def fp8_attention_problem(device: torch.device) -> str | None:
     return None
 
 
+def _convertible(module: nn.Module, processors: dict[type, type]) -> list[nn.Module]:
+    """The attentions in `module` whose processor's class `processors` maps to an fp8 subclass."""
+    return [m for m in module.modules() if type(getattr(m, "processor", None)) in processors]
+
+
 def attend_in_fp8(module: nn.Module, processors: dict[type, type], device: torch.device) -> int:
     """Give each attention in `module` whose processor's class `processors` maps (a family's
     `fp8_attention_processors`) that class's fp8 subclass, which runs its self-attention through `attend_fp8`, and a
     `fp8_attention_maxima` buffer of its own on `device`, where it computes (not saved with the weights; a swapped
     unit's weights lie in host memory); how many."""
-    attentions = [m for m in module.modules() if type(getattr(m, "processor", None)) in processors]
+    attentions = _convertible(module, processors)
     for attention in attentions:
         attention.register_buffer("fp8_attention_maxima", torch.zeros(4, device=device), persistent=False)
         processor = copy.copy(attention.processor)
@@ -295,6 +301,5 @@ def attend_in_fp8(module: nn.Module, processors: dict[type, type], device: torch
 
 def fp8_attention_words(model: nn.Module, processors: dict[type, type]) -> str:
     """What train.fp8_attention computes in fp8, for the run's header."""
-    count = sum(type(getattr(m, "processor", None)) in processors for m in model.modules())
-    return (f"train.fp8_attention: the self-attention of {count} attention layers runs on fp8 tensor cores (cuDNN's "
-            "fp8 flash attention; cross-attention to the text in bf16)")
+    return (f"train.fp8_attention: the self-attention of {len(_convertible(model, processors))} attention layers "
+            "runs on fp8 tensor cores (cuDNN's fp8 flash attention; cross-attention to the text in bf16)")
